@@ -1,0 +1,230 @@
+"""The ``cyclebox`` command line (typer). Exit codes: see ``cyclebox --help``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from types import FrameType
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from runner import __version__
+from runner.errors import CycleboxError, exit_code_for
+from runner.paths import default_policies, state_dir
+
+app = typer.Typer(
+    name="cyclebox", no_args_is_help=True, add_completion=False,
+    help="Run LLM-agent improvement cycles in hardened containers.\n\n"
+         "Exit codes: 0 ok; 3 bad input (the message names field, file and fix); "
+         "5 missing prerequisite; 6 engine failure; 7 output refused; 8 integrity drift.",
+)
+images_app = typer.Typer(no_args_is_help=True, help="Build and list the role images.")
+sandbox_app = typer.Typer(no_args_is_help=True, help="Run commands in role containers.")
+app.add_typer(images_app, name="images")
+app.add_typer(sandbox_app, name="sandbox")
+
+out = Console()
+err = Console(stderr=True)
+
+PoliciesOpt = Annotated[Path, typer.Option("--policies", help="Role policy file.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+
+
+def _fail(exc: CycleboxError) -> NoReturn:
+    err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    raise typer.Exit(exit_code_for(exc))
+
+
+def _sigterm_to_interrupt(_sig: int, _frame: FrameType | None) -> None:
+    # SIGTERM unwinds like Ctrl-C so that every `finally` removes its container.
+    raise KeyboardInterrupt
+
+
+def _run_id(prefix: str) -> str:
+    return f"{prefix}-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+
+
+@app.command()
+def version() -> None:
+    """Print the cyclebox version."""
+    out.print(__version__)
+
+
+@app.command()
+def doctor(policies: PoliciesOpt = default_policies(), json_out: JsonOpt = False,
+           probe: Annotated[bool, typer.Option(help="Run a probe container to check that "
+                                                    "limits are enforced.")] = True) -> None:
+    """Check the engine, its limits, the role images and free disk; exit non-zero with the fix."""
+    from runner.doctor import run_checks
+
+    checks = run_checks(policies, probe=probe)
+    if json_out:
+        out.print_json(json.dumps([c.as_dict() for c in checks]))
+    else:
+        table = Table(title="cyclebox doctor", show_lines=False)
+        for col in ("check", "status", "detail"):
+            table.add_column(col, overflow="fold")
+        for c in checks:
+            status = "[green]ok[/]" if c.ok else "[red]FAIL[/]"
+            detail = c.detail + (f"\n[yellow]fix:[/] {c.fix}" if (not c.ok and c.fix) else "")
+            table.add_row(c.name, status, detail)
+        out.print(table)
+    if not all(c.ok for c in checks):
+        raise typer.Exit(5)
+
+
+@images_app.command("build")
+def images_build(role: Annotated[list[str] | None, typer.Option(
+        "--role", help="Role to build (repeatable); all roles when omitted.")] = None,
+        json_out: JsonOpt = False) -> None:
+    """Build role images offline (--network none), reusing any whose inputs are unchanged."""
+    from runner.images import build_roles
+    from runner.policy import ROLES
+
+    roles = list(role) if role else list(ROLES)
+    verbose = os.environ.get("CYCLEBOX_VERBOSE") == "1"
+    try:
+        with err.status("building images") as status:
+            def log(line: str) -> None:
+                if line.startswith(("building", "downloading", "bootstrapping")):
+                    err.print(line, highlight=False)
+                elif verbose:
+                    err.print(line, highlight=False, markup=False)
+                status.update(line[:100])
+            built = build_roles(roles, log)
+    except CycleboxError as exc:
+        _fail(exc)
+    _print_images(built, json_out)
+
+
+@images_app.command("list")
+def images_list(json_out: JsonOpt = False) -> None:
+    """List the role images recorded in the image lock, with ids and sizes."""
+    from runner.images import read_lock
+
+    _print_images(list(read_lock().values()), json_out)
+
+
+def _print_images(rows: list[Any], json_out: bool) -> None:
+    from dataclasses import asdict
+
+    if json_out:
+        out.print_json(json.dumps([asdict(r) for r in rows]))
+        return
+    table = Table(title="role images")
+    for col in ("role", "tag", "id", "size", "built now", "seconds"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r.role, r.tag, r.id[:19], f"{r.size_bytes / 1e6:.0f} MB",
+                      "yes" if r.built else "no (unchanged)", f"{r.seconds:.1f}")
+    out.print(table)
+
+
+@sandbox_app.command(
+    "exec", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def sandbox_exec(
+    ctx: typer.Context,
+    role: Annotated[str, typer.Option("--role", help="Role whose policy and image to use.")],
+    mount: Annotated[list[str] | None, typer.Option(
+        "--mount", help="SRC:DST[:ro|rw]; ro by default; rw only onto an empty directory.")] = None,
+    out_dir: Annotated[Path | None, typer.Option(
+        "--out", help="Fresh host directory mounted at /out "
+                      "(default: build/runs/<id>/out).")] = None,
+    policies: PoliciesOpt = default_policies(),
+    json_out: JsonOpt = False,
+) -> None:
+    """Run CMD in a ROLE container under that role's policy; exit with its exit code.
+
+    Usage: cyclebox sandbox exec --role analyst -- python -c 'print(1)'.
+    Exit codes beyond the command's own: 124 timeout, 125 output limit,
+    137 OOM, 126 cleanup unconfirmed.
+    """
+    from runner.docker_backend import DockerSandbox
+    from runner.images import resolve_image
+    from runner.policy import load_policies
+    from runner.roles import fresh_output_dir, parse_mount_flag, role_spec
+    from runner.sandbox import StopReason
+
+    command = list(ctx.args)
+    if not command:
+        err.print("error: no command given. Usage: cyclebox sandbox exec --role ROLE -- CMD...")
+        raise typer.Exit(3)
+    signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+    try:
+        pols = load_policies(policies)
+        if role not in pols.roles:
+            from runner.errors import ConfigError
+
+            raise ConfigError(f"no role {role!r} in the policy file", path=str(policies),
+                              field="--role", fix=f"one of {sorted(pols.roles)}")
+        policy = pols.roles[role]
+        mounts = [parse_mount_flag(m) for m in (mount or [])]
+        run_id = _run_id("exec")
+        odir = out_dir or state_dir() / "runs" / run_id / "out"
+        uid = int(policy.user.split(":")[0])
+        fresh_output_dir(odir.resolve(), uid=uid)
+        spec = role_spec(policy, role=role, run_id=run_id, image=resolve_image(role),
+                         command=command, mounts=mounts, output_dir=odir.resolve())
+
+        def stream(name: str, chunk: bytes) -> None:
+            if json_out:
+                return
+            target = sys.stdout.buffer if name == "stdout" else sys.stderr.buffer
+            target.write(chunk)
+            target.flush()
+
+        record = DockerSandbox().run(spec, on_output=stream)
+    except CycleboxError as exc:
+        _fail(exc)
+    if json_out:
+        out.print_json(record.model_dump_json())
+    elif record.stop_reason is not StopReason.OK:
+        err.print(f"[yellow]cyclebox:[/] {record.stop_reason.value}: {record.detail} "
+                  f"(output dir {odir})", highlight=False)
+    codes = {StopReason.TIMEOUT: 124, StopReason.OUTPUT_LIMIT: 125, StopReason.OOM: 137,
+             StopReason.CLEANUP_UNCONFIRMED: 126}
+    code = codes.get(record.stop_reason, record.exit_code if record.exit_code is not None else 1)
+    raise typer.Exit(code)
+
+
+@app.command()
+def gc(all_: Annotated[bool, typer.Option("--all", help="Remove every cyclebox container, "
+                                          "even those whose owner still runs.")] = False,
+       json_out: JsonOpt = False) -> None:
+    """Remove cyclebox-labelled containers whose owner process is gone; print what it removed."""
+    from dataclasses import asdict
+
+    from runner.docker_backend import DockerSandbox
+    from runner.gc import sweep_containers
+
+    try:
+        results = sweep_containers(DockerSandbox(), only_orphans=not all_)
+    except CycleboxError as exc:
+        _fail(exc)
+    if json_out:
+        out.print_json(json.dumps([asdict(r) for r in results]))
+        return
+    removed = [r for r in results if r.removed]
+    for r in results:
+        verb = "removed" if r.removed else "kept"
+        out.print(f"{verb} {r.name} (run {r.run_id}, role {r.role}): {r.reason}",
+                  highlight=False)
+    out.print(f"{len(removed)} container(s) removed, {len(results) - len(removed)} kept")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        err.print("interrupted; containers started by this process were removed")
+        sys.exit(130)
+
+

@@ -1,0 +1,173 @@
+"""Read a role's output directory without trusting it.
+
+Invariants: no symlink is followed (every open uses ``O_NOFOLLOW`` relative to a
+directory fd that was itself opened with ``O_NOFOLLOW``); only regular files with
+a single link are read (a hard link could alias a host file); FIFOs, sockets and
+devices are refused without being opened for reading in a blocking way; per-file,
+total-size and file-count caps hold while reading, not after. JSON parsing rejects
+NaN, Infinity and duplicate keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runner.errors import OutputRejected
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps for one output directory."""
+
+    max_file_bytes: int = 16 * 1024 * 1024
+    max_total_bytes: int = 64 * 1024 * 1024
+    max_files: int = 10_000
+    max_depth: int = 16
+
+
+@dataclass
+class Collected:
+    """Files read from an output directory, keyed by relative POSIX path."""
+
+    files: dict[str, bytes] = field(default_factory=dict)
+    total_bytes: int = 0
+
+    def sha256(self) -> dict[str, str]:
+        return {p: hashlib.sha256(b).hexdigest() for p, b in sorted(self.files.items())}
+
+    def json(self, rel: str) -> Any:
+        if rel not in self.files:
+            raise OutputRejected(f"expected output file {rel} is missing")
+        return loads_strict(self.files[rel], source=rel)
+
+
+def collect(root: Path, limits: Limits | None = None) -> Collected:
+    """Read every file under ``root`` under the rules above; raise on the first breach."""
+    lim = limits or Limits()
+    out = Collected()
+    try:
+        fd = os.open(root, _DIR_FLAGS)
+    except OSError as exc:
+        raise OutputRejected(f"output directory {root} cannot be opened safely: "
+                             f"{exc.strerror} (a symlink here is refused)") from None
+    try:
+        _walk(fd, "", 0, lim, out, root)
+    finally:
+        os.close(fd)
+    return out
+
+
+def _walk(dfd: int, prefix: str, depth: int, lim: Limits, out: Collected, root: Path) -> None:
+    if depth > lim.max_depth:
+        raise OutputRejected(f"{root}/{prefix}: nested deeper than {lim.max_depth} levels")
+    for name in sorted(os.listdir(dfd)):
+        rel = f"{prefix}{name}"
+        st = os.lstat(name, dir_fd=dfd)
+        mode = st.st_mode
+        if stat.S_ISLNK(mode):
+            raise OutputRejected(f"{root}/{rel}: symlink refused (never followed)")
+        if stat.S_ISDIR(mode):
+            sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+            try:
+                _walk(sub, rel + "/", depth + 1, lim, out, root)
+            finally:
+                os.close(sub)
+            continue
+        if not stat.S_ISREG(mode):
+            raise OutputRejected(f"{root}/{rel}: not a regular file "
+                                 f"({_kind(mode)}) refused")
+        if st.st_nlink != 1:
+            raise OutputRejected(f"{root}/{rel}: hard link ({st.st_nlink} links) refused; "
+                                 "it may alias a file outside the output directory")
+        if len(out.files) + 1 > lim.max_files:
+            raise OutputRejected(f"{root}: more than {lim.max_files} files")
+        out.files[rel] = _read_capped(dfd, name, rel, lim, out, root)
+
+
+def _read_capped(dfd: int, name: str, rel: str, lim: Limits, out: Collected, root: Path) -> bytes:
+    fd = os.open(name, _FILE_FLAGS, dir_fd=dfd)
+    try:
+        st = os.fstat(fd)
+        # Re-check on the open descriptor: the entry could have been swapped.
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise OutputRejected(f"{root}/{rel}: changed type while reading; refused")
+        budget = min(lim.max_file_bytes, lim.max_total_bytes - out.total_bytes)
+        chunks: list[bytes] = []
+        got = 0
+        while True:
+            chunk = os.read(fd, min(1 << 20, budget - got + 1))
+            if not chunk:
+                break
+            got += len(chunk)
+            if got > budget:
+                which = ("file" if budget == lim.max_file_bytes else "total")
+                cap = lim.max_file_bytes if which == "file" else lim.max_total_bytes
+                raise OutputRejected(f"{root}/{rel}: {which} size cap of {cap} bytes exceeded")
+            chunks.append(chunk)
+        out.total_bytes += got
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "unknown type"
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in obj:
+            raise ValueError(f"duplicate key {k!r}")
+        obj[k] = v
+    return obj
+
+
+def loads_strict(data: bytes | str, *, source: str = "<json>") -> Any:
+    """Parse JSON refusing NaN/Infinity and duplicate keys; raise OutputRejected naming source."""
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise OutputRejected(f"{source}: invalid JSON: {exc}") from None
+
+
+def dir_usage(root: Path, max_entries: int = 100_000) -> tuple[int, int]:
+    """(bytes, entries) under root by lstat, never following links; stops counting at max."""
+    total = 0
+    entries = 0
+    stack = [str(root)]
+    while stack and entries < max_entries:
+        d = stack.pop()
+        try:
+            with os.scandir(d) as it:
+                for e in it:
+                    entries += 1
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if stat.S_ISDIR(st.st_mode):
+                        stack.append(e.path)
+                    else:
+                        total += st.st_blocks * 512 if st.st_blocks else st.st_size
+        except OSError:
+            continue
+    return total, entries

@@ -1,0 +1,70 @@
+"""Find and remove what crashed or killed controllers left behind.
+
+Only containers carrying the cyclebox label are considered, and only those whose
+owner process (pid + start time + boot id, on this host) is gone are removed;
+never a global prune. The decision is a pure function over labels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from runner.hardening import LABEL_PREFIX
+from runner.owner import Owner, current_owner, owner_alive
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """One labelled container that gc looked at."""
+
+    name: str
+    run_id: str
+    role: str
+    removed: bool
+    reason: str
+
+
+def owner_from_labels(labels: dict[str, str]) -> Owner | None:
+    try:
+        return Owner(pid=int(labels[f"{LABEL_PREFIX}.owner_pid"]),
+                     start=int(labels[f"{LABEL_PREFIX}.owner_start"]),
+                     boot_id=labels[f"{LABEL_PREFIX}.owner_boot"],
+                     host=labels[f"{LABEL_PREFIX}.owner_host"])
+    except (KeyError, ValueError):
+        return None
+
+
+def judge(labels: dict[str, str], here: Owner, *, only_orphans: bool,
+          alive: bool | None = None) -> tuple[bool, str]:
+    """(remove?, why) for one labelled container. ``alive`` is injectable for tests."""
+    if not only_orphans:
+        return True, "forced (--all)"
+    owner = owner_from_labels(labels)
+    if owner is None:
+        return True, "owner labels missing or malformed"
+    state = owner_alive(owner, here=here) if alive is None else alive
+    if state is None:
+        return False, f"owned by host {owner.host}; not judged from here"
+    if state:
+        return False, f"owner pid {owner.pid} still running"
+    return True, f"owner pid {owner.pid} is gone"
+
+
+class _Engine(Protocol):
+    def managed_containers(self) -> list[tuple[str, str, dict[str, str]]]: ...
+    def remove(self, cid: str) -> bool: ...
+
+
+def sweep_containers(engine: _Engine, *, only_orphans: bool = True) -> list[SweepResult]:
+    here = current_owner()
+    results = []
+    for cid, name, labels in engine.managed_containers():
+        remove, why = judge(labels, here, only_orphans=only_orphans)
+        removed = engine.remove(cid) if remove else False
+        if remove and not removed:
+            why += "; removal could not be confirmed"
+        results.append(SweepResult(name=name, run_id=labels.get(f"{LABEL_PREFIX}.run_id", "?"),
+                                   role=labels.get(f"{LABEL_PREFIX}.role", "?"),
+                                   removed=removed, reason=why))
+    return results

@@ -1,0 +1,141 @@
+"""Translate a :class:`RunSpec` into Docker create arguments; pure and tested directly.
+
+Every role container meets the CIS Docker Benchmark v1.6 §5 (container runtime)
+recommendations that apply to a short-lived batch container:
+
+=====  =========================================  =======================================
+CIS    recommendation                             how
+=====  =========================================  =======================================
+5.1/2  AppArmor / SELinux profile                 engine default profile (not disabled)
+5.3    restrict capabilities                      ``cap_drop=[ALL]``, nothing added
+5.4    no privileged containers                   ``privileged=False``
+5.5    no sensitive host dirs mounted             :func:`runner.policy.mount_violation`
+5.6    no sshd                                    images run one command, no daemons
+5.7/8  no (privileged) ports mapped               no ports at all
+5.9    no host network namespace                  ``network_mode=none``
+5.10   memory limited                             ``mem_limit`` = ``memswap_limit``
+5.11   CPU priority                               ``nano_cpus`` quota
+5.12   read-only root filesystem                  ``read_only=True`` + capped tmpfs
+5.14   restart policy                             ``no`` (a batch run is never restarted)
+5.15   no host PID namespace                      ``pid_mode`` unset
+5.16   no host IPC namespace                      ``ipc_mode=private``, capped /dev/shm
+5.17   no host devices                            no devices, no device cgroup rules
+5.18   override default ulimits                   ``nofile``, ``fsize`` set explicitly
+5.19   no shared mount propagation                binds are ``rprivate``
+5.20   no host UTS namespace                      ``uts_mode`` unset
+5.21   default seccomp not disabled               no ``seccomp=unconfined``
+5.25   no new privileges                          ``no-new-privileges:true``
+5.28   PIDs cgroup limit                          ``pids_limit``
+5.29   not on the default bridge                  ``network_mode=none``
+5.30   no host user namespace                     ``userns_mode`` unset
+5.31   no Docker socket mounted                   refused by policy and here
+=====  =========================================  =======================================
+
+Not applicable: 5.13 (no ports), 5.22/5.23 (cyclebox never uses ``docker exec``),
+5.24 (default cgroup parent), 5.26 (health checks are for services), 5.27
+(images are pinned by id and never pulled on purpose).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runner.errors import PolicyViolation
+from runner.owner import Owner
+from runner.policy import mount_violation
+from runner.sandbox import RunSpec
+
+LABEL_PREFIX = "io.cyclebox"
+MANAGED_LABEL = f"{LABEL_PREFIX}.managed"
+SHM_BYTES = 16 * 1024 * 1024
+
+
+def container_name(spec: RunSpec, nonce: str) -> str:
+    """Engine-visible name: carries the run id and role so ``docker ps`` is readable."""
+    return f"cyclebox-{spec.run_id}-{spec.role}-{nonce}"
+
+
+def labels_for(spec: RunSpec, owner: Owner) -> dict[str, str]:
+    """Labels that let ``cyclebox gc`` find the container and judge its owner."""
+    labels = {k: v for k, v in spec.labels}
+    labels.update({
+        MANAGED_LABEL: "1",
+        f"{LABEL_PREFIX}.run_id": spec.run_id,
+        f"{LABEL_PREFIX}.role": spec.role,
+        f"{LABEL_PREFIX}.owner_pid": str(owner.pid),
+        f"{LABEL_PREFIX}.owner_start": str(owner.start),
+        f"{LABEL_PREFIX}.owner_boot": owner.boot_id,
+        f"{LABEL_PREFIX}.owner_host": owner.host,
+    })
+    return labels
+
+
+def _tmpfs_opts(size: int) -> str:
+    return f"rw,nosuid,nodev,noexec,size={size},mode=1777"
+
+
+def create_kwargs(spec: RunSpec, owner: Owner, nonce: str) -> dict[str, Any]:
+    """Keyword arguments for ``docker.containers.create``; raises on a forbidden mount."""
+    mounts: list[dict[str, Any]] = []
+    for m in spec.mounts:
+        why = mount_violation(str(m.source), read_only=m.read_only)
+        if why:
+            raise PolicyViolation(why, field=f"mount {m.source}:{m.target}",
+                                  fix="mount data directories read-only")
+        mounts.append(_bind(str(m.source), m.target, read_only=m.read_only))
+    if spec.output_dir is not None:
+        why = mount_violation(str(spec.output_dir), read_only=False, allow_writable=True)
+        if why:
+            raise PolicyViolation(why, field="output_dir", fix="use a fresh run directory")
+        mounts.append(_bind(str(spec.output_dir), spec.output_target, read_only=False))
+    r = spec.resources
+    kwargs: dict[str, Any] = {
+        "image": spec.image,
+        "command": list(spec.command),
+        "name": container_name(spec, nonce),
+        "user": spec.user,
+        "working_dir": spec.workdir,
+        # The environment is exactly what the spec says: nothing from the host.
+        "environment": {k: v for k, v in spec.env},
+        "labels": labels_for(spec, owner),
+        "network_mode": "none",
+        "read_only": True,
+        "tmpfs": {path: _tmpfs_opts(size) for path, size in spec.tmpfs},
+        "mounts": mounts,
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges:true"],
+        "privileged": False,
+        "ipc_mode": "private",
+        "shm_size": SHM_BYTES,
+        "pids_limit": r.pids,
+        "mem_limit": r.memory_bytes,
+        "memswap_limit": r.memory_bytes,
+        "nano_cpus": int(r.cpus * 1e9),
+        "ulimits": [
+            {"Name": "nofile", "Soft": r.nofile, "Hard": r.nofile},
+            {"Name": "fsize", "Soft": r.file_size_bytes, "Hard": r.file_size_bytes},
+            {"Name": "core", "Soft": 0, "Hard": 0},
+        ],
+        "restart_policy": {"Name": "no"},
+        # No engine-side log copy: output is streamed, counted and capped by the
+        # controller, and nothing a role prints lands in the engine's log files.
+        "log_config": {"Type": "none", "Config": {}},
+        "stdin_open": False,
+        "tty": False,
+        "detach": True,
+        "hostname": "cyclebox",
+    }
+    if spec.runtime:
+        kwargs["runtime"] = spec.runtime
+    return kwargs
+
+
+def _bind(source: str, target: str, *, read_only: bool) -> dict[str, Any]:
+    # Mount API rather than -v binds: a missing source is an error, never created.
+    return {
+        "Type": "bind",
+        "Source": source,
+        "Target": target,
+        "ReadOnly": read_only,
+        "BindOptions": {"Propagation": "rprivate"},
+    }

@@ -1,0 +1,236 @@
+"""Role hardening as data: ``policies/roles.yaml`` loaded into frozen models.
+
+Loading refuses, naming the field and the reason, anything the isolation contract
+(SPEC §2) forbids: privileged, any network but none, added capabilities, host
+namespaces, devices, the Docker socket or host system directories as mounts, and
+writable input mounts. The checks are pure functions over values.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, field_validator
+
+from runner.errors import ConfigError, PolicyViolation
+from runner.sandbox import Frozen
+
+SCHEMA_VERSION = 1
+ROLES = ("analyst", "worker", "evaluator", "apply", "trainer")
+
+# CIS Docker Benchmark 5.5 lists these; the engine's own state and sockets join them.
+SENSITIVE_HOST_PATHS = (
+    "/", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/sys", "/usr", "/bin", "/sbin",
+    "/run", "/var/run", "/var/lib/docker", "/var/lib/containerd", "/root",
+)
+SOCKET_NAMES = ("docker.sock", "containerd.sock", "dockershim.sock", "podman.sock")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string like ``512m``, ``1.5g``, ``64MiB``."""
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"size must be positive, got {value}")
+        return value
+    m = _SIZE.match(value)
+    if not m:
+        raise ValueError(f"not a size: {value!r} (use bytes or a suffix k, m, g, e.g. '512m')")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class PolicyMount(Frozen):
+    """A fixed input mount a role always gets (e.g. a shared data directory)."""
+
+    source: str
+    """Absolute host path."""
+    target: str
+    """Absolute path inside the container."""
+    mode: str = "ro"
+    """Must be ``ro``: inputs are read-only; outputs go to the stage's own directory."""
+
+
+class RolePolicy(Frozen):
+    """Hardening and resource defaults for one role."""
+
+    image: str
+    """Role image name under ``images/`` (e.g. ``analyst``)."""
+    user: str = "10001:10001"
+    """Non-root ``uid:gid`` the role runs as."""
+    memory: int
+    """Memory limit in bytes (strings like ``512m`` accepted)."""
+    cpus: float = Field(gt=0, le=64)
+    """CPU quota in cores."""
+    pids: int = Field(gt=0, le=32768)
+    """Process/thread limit."""
+    nofile: int = Field(default=1024, gt=0)
+    """Open-file limit."""
+    file_size: int = 256 * 1024 * 1024
+    """Largest single file a process may write."""
+    tmpfs: dict[str, int] = Field(default_factory=lambda: {"/tmp": 64 * 1024 * 1024})  # noqa: S108
+    """Scratch mounts: container path -> size cap."""
+    timeout_s: float = Field(gt=0)
+    """Wall-clock limit per container."""
+    stdout_cap: int = 1024 * 1024
+    """stdout+stderr cap in bytes."""
+    output_cap: int = 64 * 1024 * 1024
+    """Output directory cap in bytes."""
+    runtime: str | None = None
+    """OCI runtime, e.g. ``runsc``; engine default when unset."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Non-secret environment for the role."""
+    mounts: tuple[PolicyMount, ...] = ()
+    """Fixed read-only input mounts."""
+    # Fields below exist so that a policy asking for them is refused by name
+    # rather than silently ignored.
+    network: str = "none"
+    """Must be ``none``; model traffic goes through the gateway socket."""
+    privileged: bool = False
+    """Must be false."""
+    cap_add: tuple[str, ...] = ()
+    """Must be empty; every capability is dropped."""
+    pid_mode: str | None = None
+    """Must be unset (never ``host``)."""
+    ipc_mode: str | None = None
+    """Must be unset or ``private``/``none``."""
+    uts_mode: str | None = None
+    """Must be unset."""
+    userns_mode: str | None = None
+    """Must be unset."""
+    devices: tuple[str, ...] = ()
+    """Must be empty."""
+
+    @field_validator("memory", "file_size", "stdout_cap", "output_cap", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> int:
+        return parse_size(v)
+
+    @field_validator("tmpfs", mode="before")
+    @classmethod
+    def _tmpfs(cls, v: Any) -> dict[str, int]:
+        if not isinstance(v, dict):
+            raise TypeError("tmpfs must map a container path to a size")
+        return {str(k): parse_size(s) for k, s in v.items()}
+
+
+class RolePolicies(Frozen):
+    """The whole ``roles.yaml``."""
+
+    schema_: int = Field(alias="schema")
+    """File format version; this code reads version 1."""
+    roles: dict[str, RolePolicy]
+    """Role name -> policy."""
+
+
+def _is_within(path: PurePosixPath, parent: PurePosixPath) -> bool:
+    return path == parent or parent in path.parents
+
+
+def mount_violation(source: str, *, read_only: bool, allow_writable: bool = False) -> str | None:
+    """Why this host path may not be mounted, or None when it may.
+
+    Both the path as written and its resolved form are checked, so a symlink to
+    the Docker socket or to ``/etc`` is caught too.
+    """
+    if not source.startswith("/"):
+        return f"mount source must be an absolute host path, got {source!r}"
+    candidates = {PurePosixPath(os.path.normpath(source)),
+                  PurePosixPath(os.path.realpath(source))}
+    for cand in candidates:
+        if cand.name in SOCKET_NAMES or (cand.name.endswith(".sock") and "docker" in cand.name):
+            return f"{source} is a container-engine socket; never mounted into a role"
+        for sens in SENSITIVE_HOST_PATHS:
+            s = PurePosixPath(sens)
+            if _is_within(cand, s) and not (sens == "/" and cand != s):
+                return f"{source} is or lies under the host system directory {sens}"
+            if sens != "/" and _is_within(s, cand):
+                return f"{source} contains the host system directory {sens}"
+    if not read_only and not allow_writable:
+        return f"{source} is mounted writable; inputs must be read-only"
+    return None
+
+
+def policy_violations(role: str, p: RolePolicy) -> list[tuple[str, str, str]]:
+    """(field, reason, fix) for every forbidden setting in one role policy."""
+    out: list[tuple[str, str, str]] = []
+    f = f"roles.{role}"
+    if p.privileged:
+        out.append((f"{f}.privileged", "privileged containers are forbidden", "remove the key"))
+    if p.network != "none":
+        out.append((f"{f}.network", f"network must be 'none', got {p.network!r}",
+                    "set network: none; model calls go through the gateway socket"))
+    if p.cap_add:
+        out.append((f"{f}.cap_add", f"capabilities may not be added: {list(p.cap_add)}",
+                    "remove cap_add; every capability is dropped"))
+    for ns in ("pid_mode", "uts_mode", "userns_mode"):
+        if getattr(p, ns) is not None:
+            out.append((f"{f}.{ns}", f"host or shared namespaces are forbidden "
+                        f"({ns}={getattr(p, ns)!r})", f"remove {ns}"))
+    if p.ipc_mode not in (None, "private", "none"):
+        out.append((f"{f}.ipc_mode", f"ipc_mode {p.ipc_mode!r} shares an IPC namespace",
+                    "remove ipc_mode or use private"))
+    if p.devices:
+        out.append((f"{f}.devices", f"host devices may not be exposed: {list(p.devices)}",
+                    "remove devices"))
+    uid = p.user.split(":", 1)[0]
+    if not re.fullmatch(r"[1-9][0-9]*:[1-9][0-9]*", p.user):
+        out.append((f"{f}.user", f"user must be a non-root numeric uid:gid, got {p.user!r}",
+                    "use e.g. 10001:10001"))
+    elif uid == "0":
+        out.append((f"{f}.user", "root is forbidden", "use a non-zero uid"))
+    for i, m in enumerate(p.mounts):
+        if m.mode not in ("ro", "rw"):
+            out.append((f"{f}.mounts[{i}].mode", f"mode must be ro, got {m.mode!r}", "use ro"))
+            continue
+        why = mount_violation(m.source, read_only=m.mode == "ro")
+        if why:
+            out.append((f"{f}.mounts[{i}]", why, "mount only data directories, read-only"))
+        if not m.target.startswith("/"):
+            out.append((f"{f}.mounts[{i}].target", "target must be absolute", "e.g. /data"))
+    for path in p.tmpfs:
+        if not path.startswith("/"):
+            out.append((f"{f}.tmpfs", f"tmpfs path {path!r} must be absolute", "e.g. /tmp"))
+    return out
+
+
+def parse_policies(data: Any, *, path: str) -> RolePolicies:
+    """Validate parsed YAML into policies, refusing forbidden settings by field."""
+    if not isinstance(data, dict):
+        raise ConfigError("expected a mapping with 'schema' and 'roles'", path=path)
+    if data.get("schema") != SCHEMA_VERSION:
+        raise ConfigError(f"schema must be {SCHEMA_VERSION}, got {data.get('schema')!r}",
+                          path=path, field="schema", fix=f"set schema: {SCHEMA_VERSION}")
+    try:
+        pols = RolePolicies.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise ConfigError(err["msg"], path=path, field=loc,
+                          fix="see policies/roles.yaml for the accepted keys") from None
+    for role, pol in pols.roles.items():
+        problems = policy_violations(role, pol)
+        if problems:
+            field, reason, fix = problems[0]
+            more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise PolicyViolation(reason + more, path=path, field=field, fix=fix)
+    return pols
+
+
+def load_policies(path: Path) -> RolePolicies:
+    """Read and validate a roles file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", path=str(path),
+                          fix="pass an existing roles.yaml (default policies/roles.yaml)") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"not valid YAML: {exc}", path=str(path)) from None
+    return parse_policies(data, path=str(path))

@@ -1,0 +1,83 @@
+"""Turn a role policy plus a task into a :class:`RunSpec`; pure apart from reading ids."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from runner.errors import ConfigError
+from runner.policy import RolePolicy, mount_violation
+from runner.sandbox import Mount, Resources, RunSpec
+
+
+def resolve_user(policy_user: str, *, host_uid: int, host_gid: int) -> str:
+    """The uid:gid a role runs as.
+
+    As root on the host, the policy's unprivileged uid (the controller chowns the
+    output directory to it). As an ordinary user, that user's own uid, so that the
+    files a role writes belong to the operator who must later read and delete them.
+    """
+    if host_uid == 0:
+        return policy_user
+    return f"{host_uid}:{host_gid}"
+
+
+def parse_mount_flag(flag: str) -> Mount:
+    """``SRC:DST[:ro|rw]`` from the CLI into a checked :class:`Mount` (default ro)."""
+    parts = flag.split(":")
+    if len(parts) not in (2, 3) or not parts[0] or not parts[1]:
+        raise ConfigError(f"expected SRC:DST[:ro|rw], got {flag!r}", field="--mount",
+                          fix="e.g. --mount ./data:/data:ro")
+    mode = parts[2] if len(parts) == 3 else "ro"
+    if mode not in ("ro", "rw"):
+        raise ConfigError(f"mode must be ro or rw, got {mode!r}", field="--mount")
+    src = Path(parts[0]).expanduser().resolve()
+    if not src.exists():
+        raise ConfigError(f"{src} does not exist", field="--mount",
+                          fix="bind mounts never create host paths; create it first")
+    if not parts[1].startswith("/"):
+        raise ConfigError(f"container path must be absolute, got {parts[1]!r}", field="--mount")
+    read_only = mode == "ro"
+    # A writable mount is allowed only onto an empty directory: each stage writes to
+    # a fresh place, so nothing already recorded can be altered.
+    if not read_only and (not src.is_dir() or any(src.iterdir())):
+        raise ConfigError(f"{src} is not an empty directory; writable mounts must be fresh",
+                          field="--mount", fix="mount inputs :ro, or give an empty directory")
+    why = mount_violation(str(src), read_only=read_only, allow_writable=not read_only)
+    if why:
+        raise ConfigError(why, field="--mount", fix="mount only data directories")
+    return Mount(source=src, target=parts[1], read_only=read_only)
+
+
+def role_spec(policy: RolePolicy, *, role: str, run_id: str, image: str,
+              command: Sequence[str], mounts: Sequence[Mount] = (),
+              output_dir: Path | None = None, env: dict[str, str] | None = None,
+              labels: dict[str, str] | None = None) -> RunSpec:
+    """A run spec under the role's policy, running as the resolved non-root user."""
+    all_mounts = [Mount(source=Path(m.source), target=m.target, read_only=True)
+                  for m in policy.mounts] + list(mounts)
+    merged_env = dict(policy.env)
+    merged_env.update(env or {})
+    return RunSpec(
+        run_id=run_id, role=role, image=image, command=tuple(command),
+        user=resolve_user(policy.user, host_uid=os.getuid(), host_gid=os.getgid()),
+        mounts=tuple(all_mounts), output_dir=output_dir,
+        tmpfs=tuple(sorted(policy.tmpfs.items())),
+        resources=Resources(memory_bytes=policy.memory, cpus=policy.cpus, pids=policy.pids,
+                            nofile=policy.nofile, file_size_bytes=policy.file_size),
+        timeout_s=policy.timeout_s, stdout_cap_bytes=policy.stdout_cap,
+        output_cap_bytes=policy.output_cap, env=tuple(sorted(merged_env.items())),
+        runtime=policy.runtime, labels=tuple(sorted((labels or {}).items())),
+    )
+
+
+def fresh_output_dir(path: Path, *, uid: int) -> Path:
+    """Create an empty output directory the role user can write; refuse an existing one."""
+    if path.exists():
+        raise ConfigError(f"{path} already exists; evidence is never overwritten",
+                          field="output directory", fix="choose a new directory")
+    path.mkdir(parents=True, mode=0o700)
+    if os.getuid() == 0 and uid != 0:
+        os.chown(path, uid, uid)
+    return path

@@ -1,0 +1,179 @@
+"""The sandbox interface the orchestrator sees, and the typed values it trades in.
+
+Docker is one implementation (:mod:`runner.docker_backend`); nothing outside that
+module knows it is Docker. Specs and records are frozen pydantic models so that
+they can be hashed into plans and receipts as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import StrEnum
+from pathlib import Path
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Frozen(BaseModel):
+    """Base for every cyclebox value: immutable, unknown keys refused."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class StopReason(StrEnum):
+    """Why a role container stopped (SPEC §2)."""
+
+    OK = "ok"
+    TIMEOUT = "timeout"
+    OOM = "oom"
+    OUTPUT_LIMIT = "output_limit"
+    PROCESS_FAILED = "process_failed"
+    INVALID_OUTPUT = "invalid_output"
+    CLEANUP_UNCONFIRMED = "cleanup_unconfirmed"
+
+
+class Mount(Frozen):
+    """A host directory or file bound into the container."""
+
+    source: Path
+    """Absolute host path; it must exist (bind mounts never create host paths)."""
+    target: str
+    """Absolute path inside the container."""
+    read_only: bool = True
+    """Inputs are always read-only; only a stage's fresh output directory is writable."""
+
+
+class Resources(Frozen):
+    """Kernel-enforced limits for one container."""
+
+    memory_bytes: int = Field(gt=0)
+    """Memory limit; swap is disabled by setting memory+swap to the same value."""
+    cpus: float = Field(gt=0)
+    """CPU quota in cores (CFS quota)."""
+    pids: int = Field(gt=0)
+    """Maximum number of processes and threads (a fork loop hits this)."""
+    nofile: int = Field(default=1024, gt=0)
+    """Open-file limit (soft = hard)."""
+    file_size_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
+    """Largest single file a process may write (RLIMIT_FSIZE)."""
+
+
+class RunSpec(Frozen):
+    """Everything needed to run one role container; hashed into plans as is."""
+
+    run_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    """The cycle run this container belongs to; goes into labels and the name."""
+    role: str = Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")
+    """Role name (analyst, worker, evaluator, apply, trainer)."""
+    image: str
+    """Immutable local image id (``sha256:...``) or a local tag; never pulled."""
+    command: tuple[str, ...]
+    """argv inside the container; no shell is implied."""
+    user: str = Field(pattern=r"^[1-9][0-9]*:[1-9][0-9]*$")
+    """Non-root ``uid:gid``; root (0) is refused by the pattern."""
+    mounts: tuple[Mount, ...] = ()
+    """Read-only inputs, plus at most the writable output directory."""
+    output_dir: Path | None = None
+    """Fresh host directory mounted writable at ``output_target``; watched for size."""
+    output_target: str = "/out"
+    """Where the output directory appears inside the container."""
+    tmpfs: tuple[tuple[str, int], ...] = (("/tmp", 64 * 1024 * 1024),)  # noqa: S108
+    """Size-capped scratch mounts (path, bytes); everything else is read-only."""
+    resources: Resources
+    """Memory, CPU, pids and file limits."""
+    timeout_s: float = Field(gt=0)
+    """Wall-clock limit; the container is killed and removed when it passes."""
+    stdout_cap_bytes: int = Field(default=1024 * 1024, gt=0)
+    """stdout+stderr bytes allowed before the container is killed (``output_limit``)."""
+    output_cap_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    """Total bytes allowed in the output directory before the container is killed."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Non-secret environment; nothing from the host environment is passed through."""
+    workdir: str = "/"
+    """Working directory inside the container."""
+    runtime: str | None = None
+    """OCI runtime (``runsc`` for gVisor); the engine default when unset."""
+    labels: tuple[tuple[str, str], ...] = ()
+    """Extra labels (case, trial, stage); run id, role and owner are always added."""
+
+
+class RunRecord(Frozen):
+    """What one container run produced; goes into receipts as is."""
+
+    run_id: str
+    role: str
+    image_id: str
+    """The image id the engine actually ran."""
+    container_name: str
+    exit_code: int | None
+    """Process exit code; None when the engine never reported one."""
+    stop_reason: StopReason
+    detail: str = ""
+    """One line saying why, when the stop reason is not ``ok``."""
+    wall_s: float
+    stdout_bytes: int
+    """Total bytes the container wrote to stdout (including what was dropped)."""
+    stderr_bytes: int
+    stdout_tail: str
+    """Last bytes of stdout (capped), decoded with replacement."""
+    stderr_tail: str
+    cleanup_confirmed: bool
+    """The engine no longer knows the container after removal."""
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class RunFlags(Frozen):
+    """Observations the backend gathered, input to :func:`classify_stop`."""
+
+    exit_code: int | None
+    oom_killed: bool = False
+    timed_out: bool = False
+    stream_exceeded: bool = False
+    output_dir_exceeded: bool = False
+    cleanup_confirmed: bool = True
+
+
+def classify_stop(flags: RunFlags) -> tuple[StopReason, str]:
+    """Decide the stop reason from what was observed; pure, tested on captured cases.
+
+    Leftover containers outrank everything (the run cannot be trusted while one may
+    still be running); then what *we* did to the container (timeout, output kill),
+    since our kill shows up as exit 137 just like an OOM kill; then the kernel's OOM
+    flag; then the process's own exit code.
+    """
+    if not flags.cleanup_confirmed:
+        return StopReason.CLEANUP_UNCONFIRMED, "container still known to the engine after removal"
+    if flags.timed_out:
+        return StopReason.TIMEOUT, "wall-clock limit reached; container killed"
+    if flags.stream_exceeded:
+        return StopReason.OUTPUT_LIMIT, "stdout/stderr exceeded the cap; container killed"
+    if flags.output_dir_exceeded:
+        return StopReason.OUTPUT_LIMIT, "output directory exceeded the cap; container killed"
+    if flags.oom_killed:
+        return StopReason.OOM, "killed by the kernel OOM killer at the memory limit"
+    if flags.exit_code is None:
+        return StopReason.PROCESS_FAILED, "engine reported no exit code"
+    if flags.exit_code == 137:
+        # SIGKILL from inside the container's limits (e.g. OOM on a kernel that
+        # does not set the flag) is still a failure, but say what we saw.
+        return StopReason.PROCESS_FAILED, "exit 137 (SIGKILL) without an OOM flag"
+    if flags.exit_code != 0:
+        return StopReason.PROCESS_FAILED, f"exit code {flags.exit_code}"
+    return StopReason.OK, ""
+
+
+OutputCallback = Callable[[str, bytes], None]
+"""Receives ("stdout" | "stderr", chunk) as the container writes."""
+
+
+class Sandbox(Protocol):
+    """A place to run one role command under a :class:`RunSpec`."""
+
+    def run(self, spec: RunSpec, *, on_output: OutputCallback | None = None) -> RunRecord:
+        """Run to completion (or limit), remove the container, return the record."""
+        ...
+
+    def sweep(self, *, only_orphans: bool = True) -> list[str]:
+        """Remove cyclebox containers whose owner is gone; return their names."""
+        ...
