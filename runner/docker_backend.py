@@ -126,22 +126,30 @@ class DockerSandbox:
                                 demux=True)
 
             def kill(flag: threading.Event) -> None:
+                # Never kill from the pump thread itself: the engine's kill waits for
+                # the container to stop, which waits for its output to be drained.
                 flag.set()
-                with contextlib.suppress(docker.errors.APIError):
-                    api.kill(cid)
+
+                def _kill() -> None:
+                    with contextlib.suppress(docker.errors.APIError,
+                                             requests.exceptions.RequestException):
+                        api.kill(cid)
+
+                threading.Thread(target=_kill, daemon=True).start()
 
             def pump() -> None:
                 cap = spec.stdout_cap_bytes
                 try:
                     for o, e in stream:
+                        live = on_output is not None and not stream_exceeded.is_set()
                         if o:
                             out.add(o)
-                            if on_output:
-                                on_output("stdout", o)
+                            if live:
+                                on_output("stdout", o)  # type: ignore[misc]
                         if e:
                             err.add(e)
-                            if on_output:
-                                on_output("stderr", e)
+                            if live:
+                                on_output("stderr", e)  # type: ignore[misc]
                         if out.total + err.total > cap and not stream_exceeded.is_set():
                             kill(stream_exceeded)
                 except (requests.exceptions.RequestException, OSError, ValueError):
@@ -241,12 +249,13 @@ class DockerSandbox:
         return list(self.client.api.images(filters={"label": label}))
 
     def build(self, context: Path, tag: str, *, buildargs: dict[str, str],
-              labels: dict[str, str]) -> Iterator[str]:
+              labels: dict[str, str], nocache: bool = False) -> Iterator[str]:
         """Build ``context/Dockerfile`` with no network; yield log lines; raise on error."""
         try:
             for chunk in self.client.api.build(
                 path=str(context), tag=tag, buildargs=buildargs, labels=labels,
                 network_mode="none", rm=True, forcerm=True, pull=False, decode=True,
+                nocache=nocache,
             ):
                 if "error" in chunk:
                     raise SandboxError(f"image build for {tag} failed: {chunk['error'].strip()}")

@@ -170,8 +170,13 @@ def _write_lock(rows: dict[str, BuiltImage]) -> None:
     tmp.replace(p)
 
 
-def build_roles(roles: list[str], log: Log) -> list[BuiltImage]:
-    """Build (or find) each role image; record them in the lock file."""
+def build_roles(roles: list[str], log: Log, *, force: bool = False,
+                nocache: bool = False) -> list[BuiltImage]:
+    """Build (or find) each role image; record them in the lock file.
+
+    ``force`` rebuilds even when the tag exists; ``nocache`` ignores the engine's layer
+    cache (both for measuring cold builds).
+    """
     from runner.docker_backend import DockerSandbox
 
     for r in roles:
@@ -190,11 +195,12 @@ def build_roles(roles: list[str], log: Log) -> list[BuiltImage]:
         ih = input_hash(role, base_id, wheels)
         tag = f"cyclebox/{role}:{ih[:16]}"
         existing = backend.image_id(tag)
-        built = existing is None
+        built = existing is None or force
         if built:
             ctx = _assemble_context(role, wheels)
             log(f"building {tag} (network none)")
-            for line in backend.build(ctx, tag, buildargs={"BASE_IMAGE": base_ref},
+            for line in backend.build(ctx, tag, nocache=nocache,
+                                      buildargs={"BASE_IMAGE": base_ref},
                                       labels={"io.cyclebox.role": role,
                                               "io.cyclebox.input_hash": ih,
                                               "io.cyclebox.base": base_id}):

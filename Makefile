@@ -1,0 +1,79 @@
+# cyclebox — `make help` lists the targets. `make demo` and `make test` do all
+# set-up on a fresh Debian machine (as root: Docker engine, debootstrap, venv).
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CYCLEBOX := $(BIN)/cyclebox
+STAMP := $(VENV)/.installed
+export BASE_IMAGE
+
+help: ## List the targets
+	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  \033[36m%-10s\033[0m %s\n",$$1,$$2}' $(MAKEFILE_LIST)
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	@touch $@
+
+setup: $(STAMP) ## Create .venv with cyclebox and dev tools; install debootstrap when root
+	@if [ -z "$$BASE_IMAGE" ] && ! command -v debootstrap >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing debootstrap (Debian package) for the base image"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null; \
+	  else echo "debootstrap missing: install it (apt-get install debootstrap) or set BASE_IMAGE=python:3.11-slim"; exit 1; fi; \
+	fi
+
+docker: ## Make sure a Docker engine answers; as root on Debian, install docker.io and start dockerd
+	@if docker info >/dev/null 2>&1; then echo "docker engine: $$(docker version -f '{{.Server.Version}}')"; exit 0; fi; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+	  echo "No Docker engine answers. Install one (Debian: apt-get install docker.io) and start it,"; \
+	  echo "or set DOCKER_HOST. Then run make again."; exit 1; fi; \
+	if ! command -v dockerd >/dev/null; then \
+	  echo "installing Debian's docker.io"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io >/dev/null; fi; \
+	mkdir -p build; echo "starting dockerd (log: build/dockerd.log)"; \
+	setsid dockerd >build/dockerd.log 2>&1 </dev/null & \
+	for i in $$(seq 1 60); do docker info >/dev/null 2>&1 && break; sleep 1; done; \
+	docker info >/dev/null 2>&1 || { tail -n 20 build/dockerd.log; echo "dockerd did not come up"; exit 1; }; \
+	echo "docker engine: $$(docker version -f '{{.Server.Version}}')"
+
+images: setup docker ## Build the base and role images offline (unchanged inputs: no-op)
+	$(CYCLEBOX) images build
+
+check: setup ## Lint (ruff) and type-check (mypy strict on runner and sandbox)
+	$(BIN)/ruff check runner sandbox tests bench
+	$(BIN)/mypy
+
+test: setup docker images check ## Everything: set-up, images, lint, unit + integration + e2e tests
+	$(BIN)/pytest tests/unit tests/integration tests/e2e
+
+unit: setup ## Unit tests only (no Docker)
+	$(BIN)/pytest tests/unit
+
+demo: setup docker images ## Doctor, then one sandboxed smoke run of each role image
+	$(CYCLEBOX) doctor
+	@for role in analyst worker evaluator apply; do \
+	  echo "== $$role: sandbox probe"; \
+	  $(CYCLEBOX) sandbox exec --role $$role -- python -m sandbox.probe --role $$role || exit 1; \
+	done
+	@echo "== apply: git inside the sandbox"; $(CYCLEBOX) sandbox exec --role apply -- git --version
+	@echo "== trainer: torch/transformers/peft inside the sandbox"
+	$(CYCLEBOX) sandbox exec --role trainer -- python -c \
+	  "import torch, transformers, peft, json; print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, 'peft': peft.__version__, 'cuda': torch.cuda.is_available(), 'threads': torch.get_num_threads()}))"
+
+bench: setup docker images ## Run the benchmarks (JSON into build/bench/)
+	@mkdir -p build/bench
+	$(BIN)/python bench/overhead.py --out build/bench/overhead.json
+	$(BIN)/python bench/images.py --out build/bench/images.json
+
+gc: setup ## Remove cyclebox containers whose controller is gone
+	$(CYCLEBOX) gc
+
+clean: ## Remove orphaned cyclebox containers and build/ (images are kept)
+	-@[ -x $(CYCLEBOX) ] && $(CYCLEBOX) gc || true
+	rm -rf build .pytest_cache .mypy_cache .ruff_cache
+
+.PHONY: help setup docker images check test unit demo bench gc clean

@@ -1,0 +1,90 @@
+"""Container overhead: the same trivial command bare, via raw `docker run --rm` with the
+same hardening flags, and through cyclebox's Docker backend; interleaved, medians, ratios.
+
+Target (issue 2): backend median / raw docker median <= 1.15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from runner.docker_backend import DockerSandbox
+from runner.images import resolve_image
+from runner.paths import default_policies
+from runner.policy import load_policies
+from runner.roles import role_spec
+
+COMMAND = ["true"]
+
+
+def docker_cli_args(kw: dict[str, object]) -> list[str]:
+    """The hardening of create_kwargs as `docker run` flags (same controls, CLI spelling)."""
+    args = ["docker", "run", "--rm", "--network", "none", "--read-only",
+            "--cap-drop", "ALL", "--security-opt", "no-new-privileges:true",
+            "--user", str(kw["user"]), "--ipc", "private", "--shm-size", str(kw["shm_size"]),
+            "--pids-limit", str(kw["pids_limit"]), "--memory", str(kw["mem_limit"]),
+            "--memory-swap", str(kw["memswap_limit"]),
+            "--cpus", str(int(kw["nano_cpus"]) / 1e9),  # type: ignore[call-overload]
+            "--log-driver", "none", "--hostname", "cyclebox"]
+    for path, opts in dict(kw["tmpfs"]).items():  # type: ignore[call-overload]
+        args += ["--tmpfs", f"{path}:{opts}"]
+    for u in kw["ulimits"]:  # type: ignore[attr-defined]
+        args += ["--ulimit", f"{u['Name']}={u['Soft']}:{u['Hard']}"]
+    for k, v in dict(kw["labels"]).items():  # type: ignore[call-overload]
+        args += ["--label", f"{k}={v}"]
+    return [*args, str(kw["image"]), *COMMAND]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+
+    from runner.hardening import create_kwargs
+
+    policy = load_policies(default_policies()).roles["analyst"]
+    backend = DockerSandbox()
+    spec = role_spec(policy, role="analyst", run_id="bench", image=resolve_image("analyst"),
+                     command=COMMAND)
+    raw_args = docker_cli_args(create_kwargs(spec, backend.owner, "raw"))
+    times: dict[str, list[float]] = {"bare": [], "raw_docker": [], "backend": []}
+    # one warm-up of each, not counted
+    subprocess.run(COMMAND, check=True)
+    subprocess.run(raw_args, check=True, capture_output=True)
+    backend.run(spec)
+    for _ in range(a.rounds):
+        t = time.perf_counter()
+        subprocess.run(COMMAND, check=True)
+        times["bare"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        subprocess.run(raw_args, check=True, capture_output=True)
+        times["raw_docker"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        rec = backend.run(spec)
+        times["backend"].append(time.perf_counter() - t)
+        assert rec.stop_reason.value == "ok" and rec.cleanup_confirmed
+    med = {k: statistics.median(v) for k, v in times.items()}
+    result = {
+        "bench": "overhead", "rounds": a.rounds, "command": COMMAND,
+        "median_s": {k: round(v, 4) for k, v in med.items()},
+        "p90_s": {k: round(sorted(v)[int(0.9 * (len(v) - 1))], 4) for k, v in times.items()},
+        "ratio_backend_over_raw_docker": round(med["backend"] / med["raw_docker"], 3),
+        "ratio_raw_docker_over_bare": round(med["raw_docker"] / med["bare"], 1),
+        "target_backend_over_raw_docker": 1.15,
+        "backend_includes": "create, attach, start, wait, inspect, remove, confirm removal",
+    }
+    result["meets_target"] = result["ratio_backend_over_raw_docker"] <= 1.15
+    text = json.dumps(result, indent=2)
+    print(text)
+    if a.out:
+        a.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""RunSpec -> docker create arguments: every SPEC §2 control present, nothing else passed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runner.errors import PolicyViolation
+from runner.hardening import MANAGED_LABEL, create_kwargs
+from runner.owner import Owner
+from runner.paths import default_policies
+from runner.policy import load_policies
+from runner.roles import parse_mount_flag, resolve_user, role_spec
+from runner.sandbox import Mount, Resources, RunSpec
+
+OWNER = Owner(pid=42, start=1234, boot_id="boot", host="h")
+
+
+def _spec(**kw: object) -> RunSpec:
+    base: dict[str, object] = {
+        "run_id": "r1", "role": "analyst", "image": "sha256:abc", "command": ("true",),
+        "user": "10001:10001", "resources": Resources(memory_bytes=1 << 28, cpus=1.5, pids=99),
+        "timeout_s": 5,
+    }
+    base.update(kw)
+    return RunSpec.model_validate(base)
+
+
+def test_every_control_is_set(tmp_path: Path) -> None:
+    kw = create_kwargs(_spec(output_dir=tmp_path,
+                             mounts=(Mount(source=tmp_path, target="/in"),)), OWNER, "n1")
+    assert kw["network_mode"] == "none"
+    assert kw["read_only"] is True
+    assert kw["cap_drop"] == ["ALL"]
+    assert "cap_add" not in kw
+    assert kw["security_opt"] == ["no-new-privileges:true"]
+    assert kw["privileged"] is False
+    assert kw["user"] == "10001:10001"
+    assert kw["pids_limit"] == 99
+    assert kw["mem_limit"] == kw["memswap_limit"] == 1 << 28
+    assert kw["nano_cpus"] == 1_500_000_000
+    assert kw["ipc_mode"] == "private"
+    assert kw["restart_policy"] == {"Name": "no"}
+    assert kw["log_config"]["Type"] == "none"
+    assert kw["tmpfs"]["/tmp"].startswith("rw,nosuid,nodev,noexec,size=")
+    assert kw["environment"] == {}
+    assert {u["Name"] for u in kw["ulimits"]} == {"nofile", "fsize", "core"}
+    for forbidden in ("pid_mode", "uts_mode", "userns_mode", "devices", "ports",
+                      "volumes", "network", "dns"):
+        assert forbidden not in kw
+    ro, rw = kw["mounts"]
+    assert ro["ReadOnly"] is True and ro["Target"] == "/in"
+    assert rw["ReadOnly"] is False and rw["Target"] == "/out"
+    assert ro["BindOptions"]["Propagation"] == "rprivate"
+
+
+def test_labels_carry_run_role_owner() -> None:
+    kw = create_kwargs(_spec(labels=(("io.cyclebox.case", "c1"),)), OWNER, "n1")
+    labels = kw["labels"]
+    assert labels[MANAGED_LABEL] == "1"
+    assert labels["io.cyclebox.run_id"] == "r1"
+    assert labels["io.cyclebox.role"] == "analyst"
+    assert labels["io.cyclebox.owner_pid"] == "42"
+    assert labels["io.cyclebox.owner_start"] == "1234"
+    assert labels["io.cyclebox.case"] == "c1"
+    assert kw["name"] == "cyclebox-r1-analyst-n1"
+
+
+def test_root_user_is_unrepresentable() -> None:
+    with pytest.raises(ValueError, match="user"):
+        _spec(user="0:0")
+
+
+def test_socket_mount_refused_at_translation(tmp_path: Path) -> None:
+    sock = tmp_path / "docker.sock"
+    sock.write_text("")
+    with pytest.raises(PolicyViolation, match="socket"):
+        create_kwargs(_spec(mounts=(Mount(source=sock, target="/x"),)), OWNER, "n")
+    with pytest.raises(PolicyViolation, match="writable"):
+        create_kwargs(_spec(mounts=(Mount(source=tmp_path, target="/x", read_only=False),)),
+                      OWNER, "n")
+
+
+def test_resolve_user() -> None:
+    assert resolve_user("10001:10001", host_uid=0, host_gid=0) == "10001:10001"
+    assert resolve_user("10001:10001", host_uid=1000, host_gid=1000) == "1000:1000"
+
+
+def test_mount_flag(tmp_path: Path) -> None:
+    m = parse_mount_flag(f"{tmp_path}:/data")
+    assert m.read_only and m.target == "/data"
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(Exception, match="empty directory"):
+        parse_mount_flag(f"{tmp_path}:/data:rw")
+    with pytest.raises(Exception, match="does not exist"):
+        parse_mount_flag(f"{tmp_path}/nope:/data")
+    with pytest.raises(Exception, match="/etc"):
+        parse_mount_flag("/etc:/data")
+
+
+def test_role_spec_from_policy(tmp_path: Path) -> None:
+    pol = load_policies(default_policies()).roles["trainer"]
+    spec = role_spec(pol, role="trainer", run_id="r", image="sha256:x", command=["true"],
+                     output_dir=tmp_path)
+    assert spec.resources.memory_bytes == pol.memory
+    assert ("HF_HUB_OFFLINE", "1") in spec.env
+    assert spec.timeout_s == pol.timeout_s
