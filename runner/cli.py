@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -142,15 +143,21 @@ def sandbox_exec(
 ) -> None:
     """Run CMD in a ROLE container under that role's policy; exit with its exit code.
 
+    When the role's policy names a model upstream, the gateway is attached: its socket
+    and token are mounted read-only at /run/cyclebox/gateway and every call is recorded
+    under build/runs/<id>/gateway/.
+
     Usage: cyclebox sandbox exec --role analyst -- python -c 'print(1)'.
     Exit codes beyond the command's own: 124 timeout, 125 output limit,
     137 OOM, 126 cleanup unconfirmed.
     """
     from runner.docker_backend import DockerSandbox
+    from runner.gateway.calllog import CallLog
+    from runner.gateway.server import CONTAINER_DIR, Gateway
     from runner.images import resolve_image
     from runner.policy import load_policies
     from runner.roles import fresh_output_dir, parse_mount_flag, role_spec
-    from runner.sandbox import StopReason
+    from runner.sandbox import Mount, StopReason
 
     command = list(ctx.args)
     if not command:
@@ -167,11 +174,11 @@ def sandbox_exec(
         policy = pols.roles[role]
         mounts = [parse_mount_flag(m) for m in (mount or [])]
         run_id = _run_id("exec")
-        odir = out_dir or state_dir() / "runs" / run_id / "out"
+        run_dir = state_dir() / "runs" / run_id
+        odir = out_dir or run_dir / "out"
         uid = int(policy.user.split(":")[0])
+        image = resolve_image(role)
         fresh_output_dir(odir.resolve(), uid=uid)
-        spec = role_spec(policy, role=role, run_id=run_id, image=resolve_image(role),
-                         command=command, mounts=mounts, output_dir=odir.resolve())
 
         def stream(name: str, chunk: bytes) -> None:
             if json_out:
@@ -180,7 +187,19 @@ def sandbox_exec(
             target.write(chunk)
             target.flush()
 
-        record = DockerSandbox().run(spec, on_output=stream)
+        with contextlib.ExitStack() as stack:
+            if policy.upstream:
+                gateway = stack.enter_context(Gateway(
+                    run_dir, run_id, pols.upstreams, {role: policy.upstream}))
+                binding = stack.enter_context(gateway.bound(role, stage="exec", uid=uid))
+                mounts.append(Mount(source=binding.directory, target=CONTAINER_DIR))
+            spec = role_spec(policy, role=role, run_id=run_id, image=image, command=command,
+                             mounts=mounts, output_dir=odir.resolve())
+            record = DockerSandbox().run(spec, on_output=stream)
+        if policy.upstream and not json_out:
+            n = len(CallLog(run_dir / "gateway").records())
+            err.print(f"[dim]gateway ({policy.upstream}): {n} call(s) recorded in "
+                      f"{run_dir / 'gateway'}[/]", highlight=False)
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
@@ -202,10 +221,11 @@ def gc(all_: Annotated[bool, typer.Option("--all", help="Remove every cyclebox c
     from dataclasses import asdict
 
     from runner.docker_backend import DockerSandbox
-    from runner.gc import sweep_containers
+    from runner.gc import sweep_containers, sweep_socket_dirs
 
     try:
         results = sweep_containers(DockerSandbox(), only_orphans=not all_)
+        results += [r for r in sweep_socket_dirs() if r.removed]
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
@@ -217,6 +237,49 @@ def gc(all_: Annotated[bool, typer.Option("--all", help="Remove every cyclebox c
         out.print(f"{verb} {r.name} (run {r.run_id}, role {r.role}): {r.reason}",
                   highlight=False)
     out.print(f"{len(removed)} container(s) removed, {len(results) - len(removed)} kept")
+
+
+gateway_app = typer.Typer(no_args_is_help=True, help="Inspect the model gateway's call log.")
+app.add_typer(gateway_app, name="gateway")
+
+
+@gateway_app.command("calls")
+def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+                  json_out: JsonOpt = False) -> None:
+    """List every recorded model call of a run, with per-role totals and completeness."""
+    from runner.gateway.calllog import CallLog
+    from runner.gateway.report import summarize
+
+    log_dir = run_dir / "gateway"
+    if not (log_dir / "calls.jsonl").is_file():
+        err.print(f"error: {log_dir}/calls.jsonl not found; pass a run directory "
+                  "(e.g. build/runs/<id>)")
+        raise typer.Exit(3)
+    try:
+        records = CallLog(log_dir).records()
+    except CycleboxError as exc:
+        _fail(exc)
+    totals = summarize(records)
+    if json_out:
+        out.print_json(json.dumps({"calls": [r.model_dump() for r in records],
+                                   "totals": totals}))
+        return
+    table = Table(title=f"model calls: {log_dir}")
+    for col in ("seq", "role", "stage", "case", "trial", "turn", "model", "status", "tokens",
+                "cost", "ms"):
+        table.add_column(col)
+    for r in records:
+        tokens = str(r.usage.total_tokens) if r.usage else "?"
+        cost = "unknown" if r.cost_usd is None else f"{r.cost_usd:.6f}"
+        status = r.status + (f" ({r.error})" if r.error else "") + (" [fixture]" if r.fixture
+                                                                       else "")
+        table.add_row(str(r.seq), r.role, r.stage, r.case or "-",
+                      "-" if r.trial is None else str(r.trial), str(r.turn), r.model or "-",
+                      status, tokens, cost, f"{r.latency_s * 1000:.1f}")
+    out.print(table)
+    for role, row in totals["per_role"].items():
+        out.print(f"{role}: {row['calls']} calls, {row['tokens']} tokens, "
+                  f"{row['cost_usd']} USD, complete={row['complete']}", highlight=False)
 
 
 def main() -> None:

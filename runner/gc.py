@@ -8,6 +8,7 @@ never a global prune. The decision is a pure function over labels.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from runner.hardening import LABEL_PREFIX
@@ -67,4 +68,30 @@ def sweep_containers(engine: _Engine, *, only_orphans: bool = True) -> list[Swee
         results.append(SweepResult(name=name, run_id=labels.get(f"{LABEL_PREFIX}.run_id", "?"),
                                    role=labels.get(f"{LABEL_PREFIX}.role", "?"),
                                    removed=removed, reason=why))
+    return results
+
+
+def sweep_socket_dirs(tmp: Path | None = None) -> list[SweepResult]:
+    """Remove gateway socket directories whose owning controller is gone."""
+    import json
+    import shutil
+    import tempfile
+
+    from runner.gateway.server import OWNER_NAME, SOCKET_DIR_PREFIX
+
+    here = current_owner()
+    results = []
+    for d in sorted((tmp or Path(tempfile.gettempdir())).glob(SOCKET_DIR_PREFIX + "*")):
+        if d.is_symlink() or not d.is_dir():
+            continue
+        try:
+            owner = Owner(**json.loads((d / OWNER_NAME).read_text()))
+            alive = owner_alive(owner, here=here)
+        except (OSError, ValueError, TypeError):
+            alive = False
+        if alive is False:
+            shutil.rmtree(d, ignore_errors=True)
+        results.append(SweepResult(name=str(d), run_id="?", role="gateway-socket",
+                                   removed=alive is False,
+                                   reason="owner gone" if alive is False else "owner running"))
     return results

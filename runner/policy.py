@@ -17,10 +17,14 @@ import yaml
 from pydantic import Field, ValidationError, field_validator
 
 from runner.errors import ConfigError, PolicyViolation
+from runner.gateway.config import UpstreamPolicy, check_script, resolve_path
 from runner.sandbox import Frozen
 
 SCHEMA_VERSION = 1
 ROLES = ("analyst", "worker", "evaluator", "apply", "trainer")
+ROLE_UPSTREAM = {"analyst": "target", "worker": "optimizer", "evaluator": "judge"}
+"""The only upstream each model-using role may name: the worker spends optimizer
+credentials only, the analyst target credentials only, the judge its own."""
 
 # CIS Docker Benchmark 5.5 lists these; the engine's own state and sockets join them.
 SENSITIVE_HOST_PATHS = (
@@ -87,6 +91,8 @@ class RolePolicy(Frozen):
     """Non-secret environment for the role."""
     mounts: tuple[PolicyMount, ...] = ()
     """Fixed read-only input mounts."""
+    upstream: str | None = None
+    """Model upstream reached through the gateway (see ROLE_UPSTREAM); none: no model access."""
     # Fields below exist so that a policy asking for them is refused by name
     # rather than silently ignored.
     network: str = "none"
@@ -126,6 +132,8 @@ class RolePolicies(Frozen):
     """File format version; this code reads version 1."""
     roles: dict[str, RolePolicy]
     """Role name -> policy."""
+    upstreams: dict[str, UpstreamPolicy] = Field(default_factory=dict)
+    """Upstream name (target, optimizer, judge) -> provider settings; credential names only."""
 
 
 def _is_within(path: PurePosixPath, parent: PurePosixPath) -> bool:
@@ -214,6 +222,18 @@ def parse_policies(data: Any, *, path: str) -> RolePolicies:
         raise ConfigError(err["msg"], path=path, field=loc,
                           fix="see policies/roles.yaml for the accepted keys") from None
     for role, pol in pols.roles.items():
+        if pol.upstream is not None:
+            allowed = ROLE_UPSTREAM.get(role)
+            if pol.upstream != allowed:
+                raise PolicyViolation(
+                    f"role {role} may not use upstream {pol.upstream!r}"
+                    + (f"; only {allowed!r}" if allowed else "; it has no model access"),
+                    path=path, field=f"roles.{role}.upstream",
+                    fix=f"set upstream: {allowed}" if allowed else "remove upstream")
+            if pol.upstream not in pols.upstreams:
+                raise ConfigError(f"upstream {pol.upstream!r} is not defined", path=path,
+                                  field=f"roles.{role}.upstream",
+                                  fix=f"add upstreams.{pol.upstream} to the file")
         problems = policy_violations(role, pol)
         if problems:
             field, reason, fix = problems[0]
@@ -223,7 +243,7 @@ def parse_policies(data: Any, *, path: str) -> RolePolicies:
 
 
 def load_policies(path: Path) -> RolePolicies:
-    """Read and validate a roles file."""
+    """Read and validate a roles file; relative script/replay paths resolve against it."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -233,4 +253,15 @@ def load_policies(path: Path) -> RolePolicies:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"not valid YAML: {exc}", path=str(path)) from None
-    return parse_policies(data, path=str(path))
+    pols = parse_policies(data, path=str(path))
+    base = path.resolve().parent
+    fixed = {}
+    for name, up in pols.upstreams.items():
+        upd: dict[str, str] = {}
+        if up.script:
+            upd["script"] = str(resolve_path(up.script, base=base))
+            check_script(Path(upd["script"]), field=f"{path}: upstreams.{name}.script")
+        if up.replay_from:
+            upd["replay_from"] = str(resolve_path(up.replay_from, base=base))
+        fixed[name] = up.model_copy(update=upd)
+    return pols.model_copy(update={"upstreams": fixed})

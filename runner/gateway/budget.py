@@ -1,0 +1,134 @@
+"""Run budget shared by all roles of a cycle (SPEC §4).
+
+Admission happens before every call under a lock: a reservation is held until the
+call settles with its reported cost. An unknown charge (no usage, no price) or a
+charge above its reservation stops all further admission, and totals are then
+marked incomplete or halted. Nothing here does IO.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+
+from pydantic import Field
+
+from runner.sandbox import Frozen
+
+
+class BudgetPolicy(Frozen):
+    """Limits as written in a cycle file or policy."""
+
+    limit_usd: float | None = Field(default=None, ge=0)
+    """Total spend allowed for the run; None: no money limit (cost is still tracked)."""
+    max_calls: int | None = Field(default=None, ge=0)
+    """Total model calls allowed for the run."""
+    reservation_usd: float = Field(default=0.05, ge=0)
+    """Held per call until it settles; a call costing more than this halts admission."""
+    per_role_usd: dict[str, float] = Field(default_factory=dict)
+    """Optional per-role spend caps."""
+    per_role_calls: dict[str, int] = Field(default_factory=dict)
+    """Optional per-role call caps."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    id: int
+    role: str
+    amount: float
+
+
+class BudgetRefused(Exception):
+    """Admission refused; ``reason`` names why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class _Account:
+    spent: float = 0.0
+    reserved: float = 0.0
+    calls: int = 0
+    unknown_cost_calls: int = 0
+
+
+@dataclass
+class RunBudget:
+    """Thread-safe admission and settlement."""
+
+    policy: BudgetPolicy
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _total: _Account = field(default_factory=_Account)
+    _roles: dict[str, _Account] = field(default_factory=dict)
+    _open: dict[int, Reservation] = field(default_factory=dict)
+    _ids: itertools.count[int] = field(default_factory=itertools.count)
+    halted: str | None = None
+    """Why admission stopped for good, if it did."""
+
+    def admit(self, role: str) -> Reservation:
+        """Reserve for one call of ``role`` or raise BudgetRefused."""
+        p = self.policy
+        with self._lock:
+            acct = self._roles.setdefault(role, _Account())
+            if self.halted:
+                raise BudgetRefused(f"admission halted: {self.halted}")
+            if p.max_calls is not None and self._total.calls + 1 > p.max_calls:
+                raise BudgetRefused(f"max_calls {p.max_calls} reached")
+            role_calls = p.per_role_calls.get(role)
+            if role_calls is not None and acct.calls + 1 > role_calls:
+                raise BudgetRefused(f"per-role max_calls {role_calls} reached for {role}")
+            amount = p.reservation_usd
+            if p.limit_usd is not None and (
+                    self._total.spent + self._total.reserved + amount > p.limit_usd + 1e-12):
+                raise BudgetRefused(f"limit_usd {p.limit_usd} would be exceeded "
+                                    f"(spent {self._total.spent:.6f}, reserved "
+                                    f"{self._total.reserved:.6f})")
+            role_cap = p.per_role_usd.get(role)
+            if role_cap is not None and acct.spent + acct.reserved + amount > role_cap + 1e-12:
+                raise BudgetRefused(f"per-role limit_usd {role_cap} would be exceeded for {role}")
+            res = Reservation(id=next(self._ids), role=role, amount=amount)
+            for a in (self._total, acct):
+                a.calls += 1
+                a.reserved += amount
+            self._open[res.id] = res
+            return res
+
+    def settle(self, res: Reservation, cost_usd: float | None) -> None:
+        """Release the reservation and charge the cost; None means the cost is unknown."""
+        with self._lock:
+            if self._open.pop(res.id, None) is None:
+                raise ValueError(f"reservation {res.id} settled twice")
+            acct = self._roles[res.role]
+            for a in (self._total, acct):
+                a.reserved -= res.amount
+                if cost_usd is None:
+                    a.unknown_cost_calls += 1
+                else:
+                    a.spent += cost_usd
+            if cost_usd is None:
+                self.halted = self.halted or f"unknown cost for a {res.role} call"
+            elif cost_usd > res.amount + 1e-12:
+                self.halted = self.halted or (f"a {res.role} call cost {cost_usd:.6f} USD, above "
+                                              f"its reservation {res.amount:.6f}")
+
+    def release(self, res: Reservation) -> None:
+        """Undo an admission for a call that never reached an upstream (no charge)."""
+        with self._lock:
+            if self._open.pop(res.id, None) is None:
+                return
+            for a in (self._total, self._roles[res.role]):
+                a.reserved -= res.amount
+                a.calls -= 1
+
+    def totals(self) -> dict[str, object]:
+        """Spend and calls overall and per role, each with ``complete``."""
+        with self._lock:
+            def row(a: _Account) -> dict[str, object]:
+                return {"spent_usd": round(a.spent, 9), "calls": a.calls,
+                        "unknown_cost_calls": a.unknown_cost_calls,
+                        "complete": a.unknown_cost_calls == 0 and a.reserved < 1e-12}
+            return {"total": row(self._total), "halted": self.halted,
+                    "per_role": {r: row(a) for r, a in sorted(self._roles.items())}}

@@ -1,0 +1,135 @@
+"""The run's call log: exact request and response bytes, content-addressed, plus an
+append-only JSONL index (``gateway/calls.jsonl`` and ``gateway/blobs/<sha256>``).
+
+Invariants: a blob's name is the sha256 of its bytes; an index line is written only
+after its blobs are on disk; lines are never rewritten. Exports and replays read the
+bytes from here and never re-assemble a prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from runner.errors import IntegrityError
+from runner.sandbox import Frozen
+
+CallStatus = Literal["ok", "refused", "infra_error"]
+
+
+class Usage(Frozen):
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+
+
+class CallRecord(Frozen):
+    """One model call as the gateway saw it."""
+
+    seq: int
+    """Order of the call within the run's log."""
+    ts: str
+    """UTC time the call arrived (ISO 8601)."""
+    run_id: str
+    role: str
+    upstream: str | None
+    """Upstream name (target, optimizer, judge); None when refused before routing."""
+    stage: str
+    case: str | None = None
+    trial: int | None = None
+    turn: int
+    """Zero-based call index on this container's socket."""
+    provider: str | None
+    model: str | None
+    fixture: bool
+    """True when the reply came from the scripted provider (never a real model)."""
+    stream: bool = False
+    status: CallStatus
+    error: str | None = None
+    """Named reason for refused and infra_error (e.g. bad_token, model_not_allowed,
+    budget, upstream_status_500, upstream_timeout, malformed_response, truncated_stream)."""
+    http_status: int | None = None
+    """Upstream HTTP status (None when no upstream was reached)."""
+    latency_s: float
+    usage: Usage | None = None
+    cost_usd: float | None = None
+    """None means unknown (no usage or no price); never silently zero."""
+    request_sha256: str
+    """sha256 of the request bytes: as sent upstream, or as received when refused."""
+    response_sha256: str | None = None
+    """sha256 of the response bytes as received from upstream."""
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class CallLog:
+    """Append-only writer/reader for one run's gateway directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.blobs = root / "blobs"
+        self.index = root / "calls.jsonl"
+        self.blobs.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._seq = sum(1 for _ in self.index.open()) if self.index.exists() else 0
+
+    def put_blob(self, data: bytes) -> str:
+        digest = sha256(data)
+        path = self.blobs / digest
+        if not path.exists():
+            tmp = path.with_suffix(f".tmp{threading.get_ident()}")
+            with tmp.open("wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(path)
+        return digest
+
+    def next_seq(self) -> int:
+        with self._lock:
+            s = self._seq
+            self._seq += 1
+            return s
+
+    def append(self, rec: CallRecord) -> None:
+        line = rec.model_dump_json() + "\n"
+        with self._lock, self.index.open("a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+    @staticmethod
+    def now() -> str:
+        return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+    # -- reading ---------------------------------------------------------------
+    def records(self) -> list[CallRecord]:
+        if not self.index.exists():
+            return []
+        out = []
+        for n, line in enumerate(self.index.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                out.append(CallRecord.model_validate(json.loads(line)))
+            except ValueError as exc:
+                raise IntegrityError(f"{self.index}:{n}: unreadable call record ({exc})") from None
+        return out
+
+    def blob(self, digest: str) -> bytes:
+        """Bytes of a blob, verified against its name; IntegrityError when missing or altered."""
+        path = self.blobs / digest
+        try:
+            data = path.read_bytes()
+        except OSError:
+            raise IntegrityError(f"recorded blob {path} is missing") from None
+        if sha256(data) != digest:
+            raise IntegrityError(f"recorded blob {path} does not match its sha256 (corrupted)")
+        return data

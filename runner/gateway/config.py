@@ -1,0 +1,106 @@
+"""Upstream definitions: which provider, where, with which credential *name*.
+
+Only names and paths of credentials live here (and so in plans and receipts);
+the value is read on the host by :func:`read_credential` when the gateway starts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from runner.errors import ConfigError, PrerequisiteError
+from runner.sandbox import Frozen
+
+
+class CredentialSource(Frozen):
+    """Where the host reads a provider key: exactly one of an env var name or a file path."""
+
+    env: str | None = None
+    """Name of a host environment variable holding the key."""
+    file: str | None = None
+    """Path of a host file holding the key (first line)."""
+
+    @model_validator(mode="after")
+    def _one(self) -> CredentialSource:
+        if (self.env is None) == (self.file is None):
+            raise ValueError("give exactly one of env or file")
+        return self
+
+    def describe(self) -> str:
+        return f"env:{self.env}" if self.env else f"file:{self.file}"
+
+
+class Price(Frozen):
+    """USD per million tokens."""
+
+    input_per_mtok: float = Field(ge=0)
+    output_per_mtok: float = Field(ge=0)
+
+
+class UpstreamPolicy(Frozen):
+    """One model upstream (target, optimizer or judge)."""
+
+    provider: Literal["openai", "scripted", "replay"]
+    """openai: any OpenAI-compatible server; scripted: offline fixture replies from a
+    script file; replay: byte-exact answers from a recorded call log."""
+    base_url: str | None = None
+    """openai: the server's base URL, e.g. https://api.example.com/v1."""
+    credential: CredentialSource | None = None
+    """openai: where the host reads the key."""
+    script: str | None = None
+    """scripted: path of the script file (relative paths resolve against the policy file)."""
+    replay_from: str | None = None
+    """replay: a run directory whose gateway/calls.jsonl is replayed."""
+    models: tuple[str, ...] = Field(min_length=1)
+    """Model allowlist; any other model is refused and recorded."""
+    max_tokens: int = Field(default=4096, gt=0)
+    """Cap on max_tokens; set when absent, a larger request is refused."""
+    prices: dict[str, Price] = Field(default_factory=dict)
+    """Per-model prices; a model without a price has unknown cost."""
+    timeout_s: float = Field(default=120, gt=0)
+    """Upstream timeout for one call; reaching it is an infra error, never retried."""
+    max_request_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    max_response_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+
+    @model_validator(mode="after")
+    def _provider_fields(self) -> UpstreamPolicy:
+        need = {"openai": ("base_url", "credential"), "scripted": ("script",),
+                "replay": ("replay_from",)}[self.provider]
+        missing = [f for f in need if getattr(self, f) is None]
+        if missing:
+            raise ValueError(f"provider {self.provider} needs {', '.join(missing)}")
+        return self
+
+
+def read_credential(name: str, src: CredentialSource) -> str:
+    """The key's value, read on the host only; PrerequisiteError naming the source if absent."""
+    if src.env is not None:
+        value = os.environ.get(src.env, "")
+        if not value:
+            raise PrerequisiteError(f"upstream {name}: credential env var {src.env} is not set. "
+                                    f"Fix: export {src.env}=... on the host (never in a role).")
+        return value
+    assert src.file is not None  # noqa: S101 - guaranteed by the validator
+    try:
+        value = Path(src.file).expanduser().read_text().splitlines()[0].strip()
+    except (OSError, IndexError):
+        raise PrerequisiteError(f"upstream {name}: credential file {src.file} is missing or "
+                                "empty. Fix: write the key on its first line.") from None
+    if not value:
+        raise PrerequisiteError(f"upstream {name}: credential file {src.file} is empty")
+    return value
+
+
+def resolve_path(value: str, *, base: Path) -> Path:
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else (base / p).resolve()
+
+
+def check_script(path: Path, *, field: str) -> None:
+    if not path.is_file():
+        raise ConfigError(f"script {path} does not exist", field=field,
+                          fix="point to a scripted-provider YAML file")

@@ -1,0 +1,309 @@
+"""Upstream providers: ``openai`` (any OpenAI-compatible server), ``scripted`` (offline
+fixtures) and ``replay`` (byte-exact answers from a recorded call log).
+
+All three return the same :class:`ProviderResult`; none retries. The real key lives
+only inside :class:`OpenAIProvider` on the host.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+import yaml
+
+from runner.collect import loads_strict
+from runner.errors import ConfigError, OutputRejected
+from runner.gateway.calllog import CallLog, Usage, sha256
+
+
+@dataclass(frozen=True)
+class ProviderResult:
+    """What came back from upstream (or why nothing usable did)."""
+
+    http_status: int | None
+    response: bytes | None
+    """Exact response bytes as received (None when nothing was received)."""
+    error: str | None = None
+    """Named infra error; None when the response is a well-formed completion."""
+    usage: Usage | None = None
+    fixture: bool = False
+
+
+class Provider(Protocol):
+    name: str
+
+    async def call(self, request: bytes, body: dict[str, Any], *, role: str,
+                   stream: bool) -> ProviderResult: ...
+
+    async def aclose(self) -> None: ...
+
+
+# -- response inspection (pure) --------------------------------------------------
+def _usage(obj: Any) -> Usage | None:
+    if not isinstance(obj, dict):
+        return None
+    try:
+        return Usage(prompt_tokens=int(obj["prompt_tokens"]),
+                     completion_tokens=int(obj["completion_tokens"]),
+                     total_tokens=int(obj.get("total_tokens",
+                                              obj["prompt_tokens"] + obj["completion_tokens"])))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def inspect_completion(data: bytes) -> tuple[Usage | None, str | None]:
+    """(usage, error) for a non-streamed chat completion body."""
+    try:
+        obj = loads_strict(data, source="upstream response")
+    except OutputRejected:
+        return None, "malformed_response"
+    if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list) or not obj["choices"]:
+        return None, "malformed_response"
+    return _usage(obj.get("usage")), None
+
+
+def sse_events(data: bytes) -> list[str]:
+    """The ``data:`` payloads of an SSE body, in order."""
+    events = []
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        if line.startswith("data:"):
+            events.append(line[5:].strip())
+    return events
+
+
+def inspect_stream(data: bytes) -> tuple[Usage | None, str | None]:
+    """(usage, error) for a streamed (SSE) completion: it must end with [DONE]."""
+    events = sse_events(data)
+    if not events or events[-1] != "[DONE]":
+        return None, "truncated_stream"
+    usage = None
+    for ev in events[:-1]:
+        try:
+            obj = loads_strict(ev, source="upstream stream chunk")
+        except OutputRejected:
+            return None, "malformed_response"
+        if not isinstance(obj, dict):
+            return None, "malformed_response"
+        usage = _usage(obj.get("usage")) or usage
+    return usage, None
+
+
+def inspect(data: bytes, *, stream: bool) -> tuple[Usage | None, str | None]:
+    return inspect_stream(data) if stream else inspect_completion(data)
+
+
+# -- openai ----------------------------------------------------------------------
+class OpenAIProvider:
+    """Forwards the exact request bytes to an OpenAI-compatible server with the real key.
+
+    httpx (the transport the openai SDK uses) sends the bytes unchanged, so the
+    recorded request is byte-for-byte what the upstream received; retries are off.
+    """
+
+    name = "openai"
+
+    def __init__(self, base_url: str, key: str, *, timeout_s: float, max_response: int) -> None:
+        self._client = httpx.AsyncClient(
+            base_url=base_url.rstrip("/") + "/", timeout=httpx.Timeout(timeout_s),
+            transport=httpx.AsyncHTTPTransport(retries=0), follow_redirects=False)
+        self._key = key
+        self._max = max_response
+
+    async def call(self, request: bytes, body: dict[str, Any], *, role: str,
+                   stream: bool) -> ProviderResult:
+        headers = {"Authorization": f"Bearer {self._key}", "Content-Type": "application/json",
+                   "Accept": "text/event-stream" if stream else "application/json"}
+        try:
+            async with self._client.stream("POST", "chat/completions", content=request,
+                                           headers=headers) as resp:
+                chunks: list[bytes] = []
+                got = 0
+                async for chunk in resp.aiter_raw():
+                    got += len(chunk)
+                    if got > self._max:
+                        return ProviderResult(resp.status_code, b"".join(chunks),
+                                              "response_too_large")
+                    chunks.append(chunk)
+                data = b"".join(chunks)
+                status = resp.status_code
+        except httpx.TimeoutException:
+            return ProviderResult(None, None, "upstream_timeout")
+        except (httpx.RemoteProtocolError, httpx.ReadError):
+            return ProviderResult(None, None, "truncated_stream" if stream else
+                                  "upstream_disconnected")
+        except httpx.HTTPError as exc:
+            return ProviderResult(None, None, f"upstream_unreachable: {type(exc).__name__}")
+        if status != 200:
+            return ProviderResult(status, data, f"upstream_status_{status}")
+        usage, error = inspect(data, stream=stream)
+        return ProviderResult(status, data, error, usage)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+# -- scripted ----------------------------------------------------------------------
+def _text_of(body: dict[str, Any]) -> tuple[str, str]:
+    """(all message text, last user message text)."""
+    parts, last_user = [], ""
+    for m in body.get("messages") or []:
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        text = str(content or "")
+        parts.append(text)
+        if m.get("role") == "user":
+            last_user = text
+    return "\n".join(parts), last_user
+
+
+@dataclass(frozen=True)
+class ScriptRule:
+    reply: str
+    role: str | None = None
+    model: str | None = None
+    contains: tuple[str, ...] = ()
+    not_contains: tuple[str, ...] = ()
+    last_user_contains: tuple[str, ...] = ()
+    last_user_regex: str | None = None
+
+    def matches(self, role: str, model: str, text: str, last_user: str) -> bool:
+        return ((self.role is None or self.role == role)
+                and (self.model is None or self.model == model)
+                and all(c in text for c in self.contains)
+                and not any(c in text for c in self.not_contains)
+                and all(c in last_user for c in self.last_user_contains)
+                and (self.last_user_regex is None
+                     or re.search(self.last_user_regex, last_user) is not None))
+
+
+def _reply_text(entry: dict[str, Any], where: str) -> str:
+    if "reply" in entry:
+        return str(entry["reply"])
+    if "reply_json" in entry:
+        return json.dumps(entry["reply_json"], separators=(",", ":"), sort_keys=True)
+    raise ConfigError("each rule needs reply or reply_json", field=where)
+
+
+def load_script(path: Path) -> tuple[list[ScriptRule], str | None]:
+    """Rules and the default reply of a scripted-provider file."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read script: {exc}", path=str(path)) from None
+    if not isinstance(data, dict) or data.get("schema") != 1:
+        raise ConfigError("expected a mapping with schema: 1", path=str(path), field="schema")
+    rules = []
+    for i, entry in enumerate(data.get("rules") or []):
+        when = entry.get("when") or {}
+        known = {"role", "model", "contains", "not_contains", "last_user_contains",
+                 "last_user_regex"}
+        if set(when) - known:
+            raise ConfigError(f"unknown conditions {sorted(set(when) - known)}", path=str(path),
+                              field=f"rules[{i}].when", fix=f"use {sorted(known)}")
+        rules.append(ScriptRule(
+            reply=_reply_text(entry, f"{path}: rules[{i}]"), role=when.get("role"),
+            model=when.get("model"), contains=tuple(when.get("contains") or ()),
+            not_contains=tuple(when.get("not_contains") or ()),
+            last_user_contains=tuple(when.get("last_user_contains") or ()),
+            last_user_regex=when.get("last_user_regex")))
+    default = data.get("default")
+    return rules, (_reply_text(default, f"{path}: default") if default else None)
+
+
+def _tokens(text: str) -> int:
+    return max(1, math.ceil(len(text.encode()) / 4))
+
+
+def scripted_body(request: bytes, body: dict[str, Any], reply: str, *, stream: bool) -> bytes:
+    """A deterministic chat completion (or SSE stream) carrying ``reply``, marked fixture."""
+    text, _ = _text_of(body)
+    usage = {"prompt_tokens": _tokens(text), "completion_tokens": _tokens(reply)}
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    rid = "chatcmpl-fixture-" + sha256(request)[:24]
+    base = {"id": rid, "created": 0, "model": body.get("model"),
+            "system_fingerprint": "cyclebox-scripted-fixture"}
+    if not stream:
+        obj = {**base, "object": "chat.completion", "usage": usage,
+               "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
+                            "message": {"role": "assistant", "content": reply}}]}
+        return json.dumps(obj, separators=(",", ":")).encode()
+    pieces = [reply[i:i + 64] for i in range(0, len(reply), 64)] or [""]
+    events = []
+    for n, piece in enumerate(pieces):
+        delta: dict[str, Any] = {"content": piece}
+        if n == 0:
+            delta["role"] = "assistant"
+        events.append({**base, "object": "chat.completion.chunk",
+                       "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+    events.append({**base, "object": "chat.completion.chunk",
+                   "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    events.append({**base, "object": "chat.completion.chunk", "choices": [], "usage": usage})
+    out = "".join(f"data: {json.dumps(e, separators=(',', ':'))}\n\n" for e in events)
+    return (out + "data: [DONE]\n\n").encode()
+
+
+class ScriptedProvider:
+    """Offline, deterministic replies from a script file; every record says fixture."""
+
+    name = "scripted"
+
+    def __init__(self, script: Path) -> None:
+        self.rules, self.default = load_script(script)
+
+    async def call(self, request: bytes, body: dict[str, Any], *, role: str,
+                   stream: bool) -> ProviderResult:
+        text, last_user = _text_of(body)
+        model = str(body.get("model"))
+        reply = next((r.reply for r in self.rules if r.matches(role, model, text, last_user)),
+                     self.default)
+        if reply is None:
+            return ProviderResult(None, None, "script_no_match", fixture=True)
+        data = scripted_body(request, body, reply, stream=stream)
+        usage, error = inspect(data, stream=stream)
+        return ProviderResult(200, data, error, usage, fixture=True)
+
+    async def aclose(self) -> None:
+        return None
+
+
+# -- replay ------------------------------------------------------------------------
+class ReplayProvider:
+    """Answers byte-exactly from a recorded run by request hash; a miss fails closed."""
+
+    name = "replay"
+
+    def __init__(self, run_dir: Path) -> None:
+        self.log = CallLog(run_dir / "gateway") if (run_dir / "gateway").is_dir() else None
+        if self.log is None or not self.log.index.exists():
+            raise ConfigError(f"no recorded call log under {run_dir}/gateway",
+                              field="replay_from", fix="point to a finished run directory")
+        self.index: dict[str, tuple[int | None, str, bool]] = {}
+        for rec in self.log.records():
+            if rec.response_sha256 and rec.request_sha256 not in self.index:
+                self.index[rec.request_sha256] = (rec.http_status, rec.response_sha256,
+                                                  rec.fixture)
+
+    async def call(self, request: bytes, body: dict[str, Any], *, role: str,
+                   stream: bool) -> ProviderResult:
+        hit = self.index.get(sha256(request))
+        if hit is None:
+            return ProviderResult(None, None, "replay_miss")
+        status, digest, fixture = hit
+        assert self.log is not None  # noqa: S101 - checked in __init__
+        data = self.log.blob(digest)
+        if status != 200:
+            return ProviderResult(status, data, f"upstream_status_{status}", fixture=fixture)
+        usage, error = inspect(data, stream=stream)
+        return ProviderResult(status, data, error, usage, fixture=fixture)
+
+    async def aclose(self) -> None:
+        return None
