@@ -68,6 +68,7 @@ bench: setup docker images ## Run the benchmarks (JSON into build/bench/)
 	@mkdir -p build/bench
 	$(BIN)/python bench/overhead.py --out build/bench/overhead.json
 	$(BIN)/python bench/images.py --out build/bench/images.json
+	$(BIN)/python bench/gateway.py --out build/bench/gateway.json
 
 gc: setup ## Remove cyclebox containers whose controller is gone
 	$(CYCLEBOX) gc

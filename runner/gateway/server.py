@@ -119,6 +119,7 @@ class Gateway:
     def close(self) -> None:
         for b in list(self._bindings):
             self.unbind(b)
+        self.log.sync()
         if self._loop is not None:
             for p in self._providers.values():
                 asyncio.run_coroutine_threadsafe(p.aclose(), self._loop).result(timeout=10)
@@ -184,6 +185,7 @@ class Gateway:
 
             asyncio.run_coroutine_threadsafe(wait(), self._loop).result(timeout=30)
         shutil.rmtree(b.directory, ignore_errors=True)
+        self.log.sync()
 
     @contextmanager
     def bound(self, role: str, *, stage: str, uid: int, case: str | None = None,

@@ -1,0 +1,133 @@
+"""Latency the gateway adds and the request rate it sustains, against the same local upstream.
+
+Three processes: a uvicorn upstream on 127.0.0.1, the cyclebox gateway (its own process,
+forwarding to that upstream with the openai provider and recording every call), and this
+client. Gateway and direct requests carry the same body; concurrency 1 and 8; one run.
+Targets (issue 3): added p50 <= 3 ms; >= 300 requests/s through the gateway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx2
+
+BODY = b'{"model":"bench","messages":[{"role":"user","content":"ping"}]}'
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def load(client: httpx2.AsyncClient, url: str, headers: dict[str, str], n: int,
+               conc: int) -> tuple[list[float], float]:
+    lat: list[float] = []
+    sem = asyncio.Semaphore(conc)
+
+    async def one() -> None:
+        async with sem:
+            t = time.perf_counter()
+            r = await client.post(url, content=BODY, headers=headers)
+            lat.append(time.perf_counter() - t)
+            assert r.status_code == 200, r.text
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(n)))
+    return lat, time.perf_counter() - t0
+
+
+def pct(v: list[float], q: float) -> float:
+    s = sorted(v)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def measure(info: dict[str, str], port: int, n: int) -> dict[str, object]:
+    gw_headers = {"Authorization": f"Bearer {info['token']}", "Content-Type": "application/json"}
+    direct_headers = {"Authorization": "Bearer sk-bench", "Content-Type": "application/json"}
+    limits = httpx2.Limits(max_connections=16, max_keepalive_connections=16)
+    gw = httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(
+        uds=str(Path(info["dir"]) / "gateway.sock"), limits=limits), timeout=30)
+    direct = httpx2.AsyncClient(limits=limits, timeout=30)
+    gw_url = "http://gw/v1/chat/completions"
+    direct_url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    out: dict[str, object] = {}
+    for conc in (1, 8):
+        await load(gw, gw_url, gw_headers, 50, conc)  # warm-up
+        await load(direct, direct_url, direct_headers, 50, conc)
+        rows: dict[str, list[float]] = {"gateway": [], "direct": []}
+        walls: dict[str, float] = {"gateway": 0.0, "direct": 0.0}
+        for _ in range(4):  # interleave rounds so drift hits both sides
+            for name, c, url, h in (("gateway", gw, gw_url, gw_headers),
+                                    ("direct", direct, direct_url, direct_headers)):
+                lat, wall = await load(c, url, h, n // 4, conc)
+                rows[name] += lat
+                walls[name] += wall
+        res = {}
+        for name, lat in rows.items():
+            res[name] = {"p50_ms": round(1000 * statistics.median(lat), 3),
+                         "p99_ms": round(1000 * pct(lat, 0.99), 3),
+                         "requests_per_s": round(len(lat) / walls[name], 1)}
+        res["added_p50_ms"] = round(res["gateway"]["p50_ms"] - res["direct"]["p50_ms"], 3)
+        res["added_p99_ms"] = round(res["gateway"]["p99_ms"] - res["direct"]["p99_ms"], 3)
+        out[f"concurrency_{conc}"] = res
+    await gw.aclose()
+    await direct.aclose()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--requests", type=int, default=800)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    port = free_port()
+    upstream = subprocess.Popen([sys.executable, str(HERE / "_upstream.py"), str(port)])
+    gateway = None
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        gateway = subprocess.Popen([sys.executable, str(HERE / "_gateway_proc.py"), str(port)],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert gateway.stdout is not None
+        info = json.loads(gateway.stdout.readline())
+        result = asyncio.run(measure(info, port, a.requests))
+        calls = sum(1 for _ in (Path(info["run_dir"]) / "gateway" / "calls.jsonl").open())
+    finally:
+        if gateway is not None and gateway.stdin is not None:
+            gateway.stdin.close()
+            gateway.wait(timeout=30)
+        upstream.terminate()
+        upstream.wait(timeout=10)
+    c1, c8 = result["concurrency_1"], result["concurrency_8"]
+    summary = {
+        "bench": "gateway", "requests_per_setting": a.requests, **result,
+        "calls_recorded": calls,
+        "targets": {"added_p50_ms": 3.0, "gateway_requests_per_s": 300},
+        "meets_targets": (c1["added_p50_ms"] <= 3.0  # type: ignore[index]
+                          and max(c1["gateway"]["requests_per_s"],  # type: ignore[index]
+                                  c8["gateway"]["requests_per_s"]) >= 300),  # type: ignore[index]
+        "note": "every gateway request is recorded (request/response blobs + fsynced index line)",
+    }
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if a.out:
+        a.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""RunBudget: admission under a lock, reservations, unknown and over-reservation charges."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from runner.gateway.budget import BudgetPolicy, BudgetRefused, RunBudget
+
+
+def _hammer(budget: RunBudget, role: str, n: int, cost: float | None, out: list[str]) -> None:
+    for _ in range(n):
+        try:
+            res = budget.admit(role)
+        except BudgetRefused as exc:
+            out.append(exc.reason)
+            continue
+        budget.settle(res, cost if cost is not None else None)
+
+
+def test_concurrent_calls_never_exceed_limit_or_max_calls() -> None:
+    b = RunBudget(BudgetPolicy(limit_usd=1.0, max_calls=500, reservation_usd=0.01))
+    refusals: list[str] = []
+    rng = random.Random(7)
+    threads = [threading.Thread(target=_hammer,
+                                args=(b, r, 200, rng.uniform(0.001, 0.01), refusals))
+               for r in ("analyst", "worker", "evaluator") for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    tot = b.totals()["total"]
+    assert tot["spent_usd"] <= 1.0  # type: ignore[operator]
+    assert tot["calls"] <= 500  # type: ignore[operator]
+    assert refusals, "the limits should have been reached"
+    assert tot["complete"] is True
+    assert b.halted is None
+
+
+def test_max_calls_exact() -> None:
+    b = RunBudget(BudgetPolicy(max_calls=3, reservation_usd=0.0))
+    for _ in range(3):
+        b.settle(b.admit("analyst"), 0.0)
+    with pytest.raises(BudgetRefused, match="max_calls 3"):
+        b.admit("worker")
+
+
+def test_unknown_cost_halts_and_marks_incomplete() -> None:
+    b = RunBudget(BudgetPolicy(limit_usd=10, reservation_usd=0.1))
+    b.settle(b.admit("analyst"), 0.05)
+    b.settle(b.admit("analyst"), None)
+    with pytest.raises(BudgetRefused, match="unknown cost"):
+        b.admit("worker")
+    t = b.totals()
+    assert t["total"]["complete"] is False  # type: ignore[index]
+    assert t["per_role"]["analyst"]["unknown_cost_calls"] == 1  # type: ignore[index]
+
+
+def test_charge_above_reservation_halts() -> None:
+    b = RunBudget(BudgetPolicy(limit_usd=10, reservation_usd=0.1))
+    b.settle(b.admit("worker"), 0.5)
+    assert b.halted and "above its reservation" in b.halted
+    with pytest.raises(BudgetRefused):
+        b.admit("analyst")
+
+
+def test_per_role_caps_do_not_touch_other_roles() -> None:
+    b = RunBudget(BudgetPolicy(limit_usd=10, reservation_usd=0.1,
+                               per_role_usd={"worker": 0.2}, per_role_calls={"analyst": 1}))
+    b.settle(b.admit("worker"), 0.1)
+    b.settle(b.admit("worker"), 0.1)
+    with pytest.raises(BudgetRefused, match=r"per-role limit_usd 0\.2"):
+        b.admit("worker")
+    b.settle(b.admit("analyst"), 0.0)
+    with pytest.raises(BudgetRefused, match="per-role max_calls 1"):
+        b.admit("analyst")
+    b.settle(b.admit("evaluator"), 0.1)
+    per = b.totals()["per_role"]
+    assert per["worker"]["calls"] == 2 and per["evaluator"]["calls"] == 1  # type: ignore[index]
+
+
+def test_reservation_counts_while_open() -> None:
+    b = RunBudget(BudgetPolicy(limit_usd=0.25, reservation_usd=0.1))
+    r1, r2 = b.admit("a"), b.admit("a")
+    with pytest.raises(BudgetRefused, match="limit_usd"):
+        b.admit("a")
+    b.settle(r1, 0.01)
+    b.admit("a")
+    b.release(r2)
+    with pytest.raises(ValueError, match="settled twice"):
+        b.settle(r1, 0.0)
