@@ -284,6 +284,8 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
 
 def main() -> None:
     """Console-script entry point."""
+    import runner.cli_cycle  # noqa: F401 - registers the cycle commands on `app`
+
     try:
         app()
     except KeyboardInterrupt:

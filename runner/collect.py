@@ -131,6 +131,13 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text} overflows to infinity")
+    return value
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     obj: dict[str, Any] = {}
     for k, v in pairs:
@@ -144,7 +151,8 @@ def loads_strict(data: bytes | str, *, source: str = "<json>") -> Any:
     """Parse JSON refusing NaN/Infinity and duplicate keys; raise OutputRejected naming source."""
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
-        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
+                          object_pairs_hook=_no_duplicates)
     except (ValueError, UnicodeDecodeError) as exc:
         raise OutputRejected(f"{source}: invalid JSON: {exc}") from None
 

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -91,7 +91,7 @@ class Gateway:
     """Host-side model gateway for one run."""
 
     def __init__(self, run_dir: Path, run_id: str, upstreams: dict[str, UpstreamPolicy],
-                 role_upstream: dict[str, str | None], budget: RunBudget | None = None) -> None:
+                 role_upstream: Mapping[str, str | None], budget: RunBudget | None = None) -> None:
         self.run_id = run_id
         self.upstreams = upstreams
         self.role_upstream = role_upstream

@@ -73,7 +73,7 @@ def test_caps(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("text", ['{"a": NaN}', '{"a": Infinity}', '[-Infinity]',
-                                  '{"a": 1, "a": 2}', "not json", b"\xff\xfe"])
+                                  '{"a": 1, "a": 2}', "not json", b"\xff\xfe", '{"a": 1e400}'])
 def test_strict_json(text: str | bytes) -> None:
     with pytest.raises(OutputRejected, match="invalid JSON"):
         loads_strict(text, source="f.json")

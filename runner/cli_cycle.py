@@ -1,0 +1,314 @@
+"""CLI commands of the cycle: freeze, cycle run, apply, compare, receipt, review."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from runner.cli import JsonOpt, _fail, app, err, out
+from runner.errors import CycleboxError
+
+cycle_app = typer.Typer(no_args_is_help=True, help="Run improvement cycles.")
+receipt_app = typer.Typer(no_args_is_help=True, help="Verify and compare receipts.")
+review_app = typer.Typer(no_args_is_help=True, help="Human review packets and calibration.")
+app.add_typer(cycle_app, name="cycle")
+app.add_typer(receipt_app, name="receipt")
+app.add_typer(review_app, name="review")
+
+OutOpt = Annotated[Path, typer.Option("--out", help="Fresh output directory (must not exist).")]
+
+
+def _images() -> dict[str, str]:
+    from runner.cycle.plan import CYCLE_ROLES
+    from runner.images import resolve_image
+
+    return {r: resolve_image(r) for r in CYCLE_ROLES}
+
+
+def _replay_override(cycle_path: Path, replay: Path | None) -> dict[str, Any] | None:
+    if replay is None:
+        return None
+    from runner.cycle.config import load_cycle, resolve
+    from runner.gateway.config import UpstreamPolicy
+    from runner.policy import load_policies
+
+    cycle, base = load_cycle(cycle_path)
+    ups = {**load_policies(resolve(base, cycle.roles)).upstreams, **cycle.upstreams}
+    return {n: UpstreamPolicy.model_validate({**u.model_dump(mode="json"), "provider": "replay",
+                                              "replay_from": str(replay.resolve()),
+                                              "script": None, "base_url": None,
+                                              "credential": None})
+            for n, u in ups.items()}
+
+
+@app.command()
+def freeze(cycle: Annotated[Path, typer.Argument(help="cycle.yaml")], out_dir: OutOpt,
+           replay: Annotated[Path | None, typer.Option(
+               help="Answer every model call from this recorded run (byte-exact).")] = None,
+           json_out: JsonOpt = False) -> None:
+    """Freeze a cycle into OUT/plan.json (refuses an existing OUT)."""
+    from runner.cycle.plan import freeze as do_freeze
+
+    try:
+        plan, h = do_freeze(cycle, out_dir, images=_images(),
+                            upstream_override=_replay_override(cycle, replay))
+    except CycleboxError as exc:
+        _fail(exc)
+    if json_out:
+        out.print_json(json.dumps({"plan": str(out_dir / "plan.json"), "plan_hash": h}))
+    else:
+        out.print(f"frozen {plan.name}: {out_dir / 'plan.json'} plan_hash {h}", highlight=False)
+
+
+@cycle_app.command("run")
+def cycle_run(
+    cycle: Annotated[Path | None, typer.Argument(help="cycle.yaml (omit with --plan)")] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Fresh output directory.")] = None,
+    plan: Annotated[Path | None, typer.Option(help="Execute a prepared plan.json.")] = None,
+    prepare_only: Annotated[bool, typer.Option(help="Stop after freezing.")] = False,
+    replay: Annotated[Path | None, typer.Option(
+        help="Answer every model call from this recorded run (byte-exact).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Freeze then run a cycle (or run a prepared plan); exit 0 accept_for_review, 1 reject,
+    2 invalid_comparison, 3+ usage errors."""
+    from runner.cycle.compare import EXIT_CODES
+    from runner.cycle.plan import freeze as do_freeze
+    from runner.cycle.receipt import build
+    from runner.cycle.run import CycleRunner
+
+    try:
+        if plan is None:
+            if cycle is None or out_dir is None:
+                err.print("error: give CYCLE and --out, or --plan DIR/plan.json")
+                raise typer.Exit(3)
+            do_freeze(cycle, out_dir, images=_images(),
+                      upstream_override=_replay_override(cycle, replay))
+            plan = out_dir / "plan.json"
+            if prepare_only:
+                out.print(f"prepared {plan}")
+                return
+        with Progress(TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=err, disable=json_out) as bar:
+            tasks: dict[str, Any] = {}
+
+            def progress(stage: str, done: int, total: int) -> None:
+                if stage not in tasks:
+                    tasks[stage] = bar.add_task(stage, total=total or 1)
+                bar.update(tasks[stage], completed=done if total else 0, total=total or 1)
+                if (total and done == total) or not total:
+                    if not total:
+                        bar.update(tasks[stage], completed=1)
+
+            runner = CycleRunner(plan, progress=progress)
+            outcome = runner.run()
+        receipt = build(outcome)
+    except CycleboxError as exc:
+        _fail(exc)
+    result = outcome.result
+    if json_out:
+        out.print_json(json.dumps({"run_dir": str(outcome.run_dir), "verdict": result.verdict,
+                                   "reasons": list(result.reasons),
+                                   "receipt": str(outcome.run_dir / "receipt.json"),
+                                   "outcome": receipt["outcome"], "timing": outcome.timings}))
+    else:
+        _summary(outcome, receipt)
+    raise typer.Exit(EXIT_CODES[result.verdict])
+
+
+def _summary(outcome: Any, receipt: dict[str, Any]) -> None:
+    r = outcome.result
+    colour = {"accept_for_review": "green", "reject": "red"}.get(r.verdict, "yellow")
+    t = Table(title=f"cycle {outcome.run_dir.name}", show_header=False)
+    t.add_column("k")
+    t.add_column("v", overflow="fold")
+    t.add_row("verdict", f"[bold {colour}]{r.verdict}[/]")
+    for reason in r.reasons:
+        t.add_row("reason", reason)
+    for c in r.improvements:
+        t.add_row("improved", f"{c.case_id} t{c.trial} {c.criterion}")
+    for c in r.regressions:
+        t.add_row("regressed", f"{c.case_id} t{c.trial} {c.criterion}")
+    total = receipt["usage"]["total"]
+    t.add_row("model calls", f"{total['calls']} ({total['ok']} ok), cost "
+              f"{total['cost_usd']} USD, complete={total['complete']}"
+              + (" [fixture]" if receipt["fixture"] else ""))
+    t.add_row("time per stage", ", ".join(f"{k} {v:.1f}s" for k, v in outcome.timings.items()))
+    t.add_row("receipt", str(outcome.run_dir / "receipt.json"))
+    out.print(t)
+
+
+@app.command("apply")
+def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")],
+              repo: Annotated[Path, typer.Option(help="Git repository (read only).")],
+              ref: Annotated[str, typer.Option(help="Base ref.")], out_dir: OutOpt,
+              subdir: Annotated[str | None, typer.Option(help="Source subdirectory.")] = None,
+              json_out: JsonOpt = False) -> None:
+    """Apply a proposal in the apply container on a throwaway repo; exit 2 with the reason
+    on any refusal. The proposal carries its path set, allowlist and base hashes."""
+    from runner.cycle.run import apply_proposal
+    from runner.docker_backend import DockerSandbox
+    from runner.gitops import resolve_tree
+    from runner.images import resolve_image
+    from runner.paths import default_policies
+    from runner.policy import load_policies
+    from runner.roles import role_spec
+    from runner.sandbox import Mount
+
+    try:
+        from runner.collect import loads_strict
+
+        prop = loads_strict(proposal.read_bytes(), source=str(proposal))
+        if not isinstance(prop, dict):
+            raise CycleboxError(f"{proposal}: expected a JSON object")
+        tree = resolve_tree(repo.resolve(), ref, subdir)
+        if out_dir.exists():
+            raise CycleboxError(f"{out_dir} exists; evidence is never overwritten")
+        (out_dir / "in").mkdir(parents=True)
+        inv = {"paths": prop.get("paths", [f.get("path") for f in prop.get("files", [])]),
+               "allowlist": prop.get("allowlist", ["*"]), "base": prop.get("base", {}),
+               "max_file_bytes": 256 * 1024}
+        (out_dir / "in" / "proposal.json").write_bytes(proposal.read_bytes())
+        (out_dir / "in" / "invocation.json").write_text(json.dumps(inv))
+        policy = load_policies(default_policies()).roles["apply"]
+        backend = DockerSandbox()
+
+        def run(work: Path) -> Any:
+            spec = role_spec(policy, role="apply", run_id="apply", image=resolve_image("apply"),
+                             command=["python", "-m", "sandbox.apply_main"], output_dir=work,
+                             mounts=[Mount(source=(out_dir / "in").resolve(), target="/in")])
+            return backend.run(spec.model_copy(update={"output_target": "/work"}))
+
+        uid = int(policy.user.split(":")[0])
+        result = apply_proposal(out_dir.resolve(), repo.resolve(), tree, run=run, uid=uid)
+    except CycleboxError as exc:
+        _fail(exc)
+    if json_out:
+        out.print_json(json.dumps(result))
+    elif result.get("status") == "applied":
+        out.print(f"applied: commit {result['commit']} tree {result['tree']}; patch "
+                  f"{out_dir / 'candidate.patch'}", highlight=False)
+    else:
+        err.print(f"refused: {result.get('reason')}: {result.get('message')}", highlight=False)
+    raise typer.Exit(0 if result.get("status") == "applied" else 2)
+
+
+@app.command("compare")
+def compare_cmd(baseline: Annotated[Path, typer.Option(help="Baseline records (JSONL).")],
+                candidate: Annotated[Path, typer.Option(help="Candidate records (JSONL).")],
+                policy: Annotated[Path, typer.Option(help="Comparison policy (YAML/JSON).")],
+                out_dir: OutOpt, json_out: JsonOpt = False) -> None:
+    """Compare two record sets under a policy: exit 0 accept_for_review, 1 reject,
+    2 invalid_comparison, 3+ usage errors."""
+    from runner.cycle.compare import EXIT_CODES, compare, load_policy, load_records
+
+    try:
+        if out_dir.exists():
+            raise CycleboxError(f"{out_dir} exists; evidence is never overwritten")
+        result = compare(load_records(baseline), load_records(candidate), load_policy(policy))
+    except CycleboxError as exc:
+        _fail(exc)
+    out_dir.mkdir(parents=True)
+    (out_dir / "verdict.json").write_text(result.model_dump_json(indent=1))
+    if json_out:
+        out.print_json(result.model_dump_json())
+    else:
+        out.print(f"{result.verdict}", highlight=False)
+        for reason in result.reasons:
+            out.print(f"  - {reason}", highlight=False)
+    raise typer.Exit(EXIT_CODES[result.verdict])
+
+
+@receipt_app.command("verify")
+def receipt_verify(run_dir: Annotated[Path, typer.Argument(help="A cycle run directory.")],
+                   json_out: JsonOpt = False) -> None:
+    """Re-hash every file the receipt names; exit 8 naming each mismatch."""
+    from runner.cycle.receipt import verify
+
+    try:
+        problems = verify(run_dir)
+    except CycleboxError as exc:
+        _fail(exc)
+    if json_out:
+        out.print_json(json.dumps({"ok": not problems, "problems": problems}))
+    else:
+        for p in problems:
+            err.print(f"[red]mismatch:[/] {p}", highlight=False)
+        n = len(json.loads((run_dir / "receipt.json").read_text())["files"])
+        out.print("receipt verified: every named file matches" if not problems
+                  else f"receipt verification FAILED ({len(problems)} of {n} files)")
+    raise typer.Exit(0 if not problems else 8)
+
+
+@receipt_app.command("compare")
+def receipt_compare(recorded: Annotated[Path, typer.Argument(help="Recorded run dir.")],
+                    replayed: Annotated[Path, typer.Argument(help="Replayed run dir.")]) -> None:
+    """Show that two runs' receipts have equal input and outcome hashes (timings aside)."""
+    a = json.loads((recorded / "receipt.json").read_text())
+    b = json.loads((replayed / "receipt.json").read_text())
+    keys = ["identities", "base_tree", "images"]
+    rows = [(k, a[k] == b[k]) for k in keys]
+    rows += [(f"outcome.{k}", a["outcome"][k] == b["outcome"][k]) for k in a["outcome"]
+             if k != "inputs"]
+    t = Table(title="recorded vs replayed")
+    for c in ("hash", "recorded", "replayed", "equal"):
+        t.add_column(c, overflow="fold")
+    for k, same in rows:
+        va = a["outcome"][k[8:]] if k.startswith("outcome.") else a[k]
+        vb = b["outcome"][k[8:]] if k.startswith("outcome.") else b[k]
+        short = (lambda v: (v[:16] if isinstance(v, str) else json.dumps(v)[:40]))
+        t.add_row(k, short(va), short(vb), "[green]yes[/]" if same else "[red]NO[/]")
+    out.print(t)
+    raise typer.Exit(0 if all(s for _, s in rows) else 8)
+
+
+@review_app.command("packet")
+def review_packet(records: Annotated[Path, typer.Option(help="Records (JSONL).")],
+                  out_dir: OutOpt, reviewer: str = "") -> None:
+    """Write a review packet (review.md, packet.json, empty human-labels.json,
+    judge-ratings.json kept apart)."""
+    from runner.cycle.compare import load_records
+    from runner.cycle.review import make_packet
+
+    try:
+        path = make_packet(load_records(records), out_dir, reviewer=reviewer)
+    except CycleboxError as exc:
+        _fail(exc)
+    out.print(f"packet written to {path}; fill human-labels.json, then run "
+              "`cyclebox review calibrate`", highlight=False)
+
+
+@review_app.command("calibrate")
+def review_calibrate(packet: Annotated[Path, typer.Option(help="Packet directory.")],
+                     labels: Annotated[Path, typer.Option(help="Filled human-labels.json.")],
+                     judges: Annotated[Path, typer.Option(help="judge-ratings.json.")],
+                     out_file: Annotated[Path, typer.Option("--out", help="Result file.")],
+                     json_out: JsonOpt = False) -> None:
+    """Agreement between human labels and model ratings (coverage, exact agreement, mean
+    absolute difference, Cohen's kappa). Non-zero exit when identity or coverage fails."""
+    from runner.cycle.review import calibrate, write_calibration
+
+    try:
+        result = calibrate(packet, labels, judges)
+        write_calibration(result, out_file)
+    except CycleboxError as exc:
+        _fail(exc)
+    if json_out:
+        out.print_json(result.model_dump_json())
+    else:
+        for k in ("coverage", "exact_agreement", "mean_abs_diff", "cohen_kappa"):
+            out.print(f"{k}: {getattr(result, k)}", highlight=False)
+    raise typer.Exit(0 if result.complete else 4)
+
+
+@cycle_app.command("schema")
+def cycle_schema() -> None:
+    """Print the JSON schema of cycle.yaml."""
+    from runner.cycle.config import CycleFile
+
+    out.print_json(json.dumps(CycleFile.model_json_schema(by_alias=True)))

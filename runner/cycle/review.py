@@ -1,0 +1,350 @@
+"""Human review packets and judge calibration (SPEC §7).
+
+Invariants:
+- A packet is written once, into a directory that did not exist; nothing is overwritten,
+  and everything is computed before the directory is created (no half-written packets).
+- ``review.md`` carries answers, cited evidence and blank anchored 0/1/2 criteria, never a
+  model grade or score; model ratings live only in ``judge-ratings.json``.
+- ``packet_id`` is the sha256 of canonical ``{"items", "criteria"}``; ``packet.json`` also
+  pins the sha256 of ``review.md``, and the labels and ratings files name their packet_id.
+  :func:`calibrate` re-checks all of it and raises IntegrityError naming the file at fault.
+- A missing label stays missing: it lowers coverage and is left out of every agreement
+  statistic. Nothing is imputed.
+- Calibration reports numbers only. It sets no pass threshold; a consumer (corpus export)
+  takes its threshold from its own policy.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import AwareDatetime, Field, ValidationError
+
+from runner.collect import loads_strict
+from runner.cycle.models import CRITERIA, Criterion, Grades, Record
+from runner.errors import ConfigError, IntegrityError, OutputRejected
+from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_json
+from runner.sandbox import Frozen
+
+REVIEW_MD = "review.md"
+PACKET_JSON = "packet.json"
+LABELS_JSON = "human-labels.json"
+RATINGS_JSON = "judge-ratings.json"
+JUDGE_KEY = "judge"
+"""Ratings key for the judge score on the 0/1/2 scale; humans rate no counterpart, so
+calibration does not compare it."""
+OVERALL = "overall"
+"""Key for the value pooled over all criteria in the per-criterion maps."""
+SCALE = (0, 1, 2)
+
+# (question, 0 = fails, 1 = partly, 2 = fully meets)
+ANCHORS: dict[Criterion, tuple[str, str, str, str]] = {
+    "correctness": ("Is the answer right?",
+                    "wrong, missing, or answers a different question",
+                    "partly right: incomplete, or right approach with a wrong figure",
+                    "fully right"),
+    "evidence": ("Does the cited evidence support the answer?",
+                 "nothing cited, or the citation does not support the answer",
+                 "some support, but incomplete or loosely tied to the answer",
+                 "the citation fully supports the answer"),
+    "refusal": ("Did the agent decline exactly when it should?",
+                "declined an answerable question, or answered one it should have declined",
+                "hedged: partly declined, or answered with unwarranted caveats",
+                "declined if and only if the data cannot answer the question"),
+}
+
+Rating = int | None
+Grid = dict[str, dict[str, Rating]]
+M = TypeVar("M", bound=Frozen)
+
+
+class PacketItem(Frozen):
+    """One (case, trial) put in front of the reviewer."""
+
+    item_id: str
+    """``f"{case_id}#{trial}"``; the key in the labels and ratings files."""
+    case_id: str
+    trial: int = Field(ge=0)
+    split: str
+    answer_sha256: str
+    """sha256 of the canonical JSON of the record's answer."""
+
+
+class Packet(Frozen):
+    """``packet.json``: what the reviewer was shown, pinned by hash."""
+
+    schema_: Literal[1] = Field(default=1, alias="schema")
+    packet_id: str
+    """sha256 of canonical ``{"items": ..., "criteria": ...}``."""
+    items: tuple[PacketItem, ...] = Field(min_length=1)
+    criteria: tuple[Criterion, ...]
+    review_md_sha256: str
+    """sha256 of ``review.md`` as written."""
+
+
+class _LabelsFile(Frozen):
+    schema_: Literal[1] = Field(alias="schema")
+    packet_id: str
+    reviewer: str
+    labeled_at: AwareDatetime | None
+    labels: dict[str, dict[str, Any]]
+
+
+class _RatingsFile(Frozen):
+    schema_: Literal[1] = Field(alias="schema")
+    packet_id: str
+    ratings: dict[str, dict[str, Any]]
+
+
+class CalibrationResult(Frozen):
+    """Agreement between one reviewer's labels and the model ratings on one packet.
+
+    Maps keyed by criterion also carry :data:`OVERALL` (pooled over criteria), except
+    ``disagreements``. Statistics use only items where both sides rated; None where undefined.
+    """
+
+    schema_: Literal[1] = Field(default=1, alias="schema")
+    packet_id: str
+    labels_sha256: str
+    """sha256 of the human-labels file assessed."""
+    ratings_sha256: str
+    """sha256 of the judge-ratings file assessed."""
+    reviewer: str
+    items: int
+    criteria: tuple[Criterion, ...]
+    coverage: dict[str, float]
+    """Labelled items / items; overall: labelled cells / (items x criteria)."""
+    pairs: dict[str, int]
+    """Items where both a human label and a model rating exist."""
+    disagreements: dict[str, tuple[str, ...]]
+    """Item ids where both rated and the ratings differ, per criterion."""
+    exact_agreement: dict[str, float | None]
+    mean_abs_diff: dict[str, float | None]
+    cohen_kappa: dict[str, float | None]
+    """Unweighted kappa on the 0/1/2 categories; None under 2 pairs or when undefined."""
+    complete: bool
+    """Every item is labelled on every criterion (overall coverage is 1.0)."""
+
+
+def make_packet(records: Sequence[Record], out_dir: Path, *, reviewer: str = "") -> Path:
+    """Write a review packet for the ok records into the new directory ``out_dir``."""
+    ok = sorted((r for r in records if r.status == "ok"), key=lambda r: (r.case_id, r.trial))
+    if not ok:
+        raise ConfigError("no record with status ok to review", path=str(out_dir),
+                          fix="pass graded records with status ok")
+    items = tuple(PacketItem(item_id=_item_id(r), case_id=r.case_id, trial=r.trial,
+                             split=r.split, answer_sha256=sha256_json(r.answer)) for r in ok)
+    dups = sorted(i for i, n in Counter(i.item_id for i in items).items() if n > 1)
+    if dups:
+        raise ConfigError(f"duplicate (case, trial) items {dups}", field="records",
+                          fix="pass each (case, trial) once")
+    pid = _packet_id(items, CRITERIA)
+    review = _render_review(ok, pid, reviewer).encode("utf-8")
+    packet = Packet(packet_id=pid, items=items, criteria=CRITERIA,
+                    review_md_sha256=sha256_bytes(review))
+    labels = {"schema": 1, "packet_id": pid, "reviewer": reviewer, "labeled_at": None,
+              "labels": {i.item_id: dict.fromkeys(CRITERIA) for i in items}}
+    ratings = {"schema": 1, "packet_id": pid,
+               "ratings": {_item_id(r): _model_ratings(r) for r in ok}}
+    try:
+        out_dir.mkdir(parents=True)
+    except FileExistsError:
+        raise ConfigError("already exists; review evidence is never overwritten",
+                          path=str(out_dir), fix="choose a new packet directory") from None
+    _write_new(out_dir / REVIEW_MD, review)
+    _write_new(out_dir / PACKET_JSON, canonical_bytes(packet))
+    # A human edits this file, so it is indented; its hash is taken when it is assessed.
+    _write_new(out_dir / LABELS_JSON, (json.dumps(labels, indent=2, sort_keys=True,
+                                                  ensure_ascii=False) + "\n").encode("utf-8"))
+    _write_new(out_dir / RATINGS_JSON, canonical_bytes(ratings))
+    return out_dir
+
+
+def calibrate(packet_dir: Path, labels_path: Path, judges_path: Path) -> CalibrationResult:
+    """Check the packet's identity, then compare human labels with model ratings."""
+    packet = _load_packet(packet_dir)
+    # Hash the bytes that were parsed, so the recorded sha is of what was assessed.
+    lab, lab_sha = _read_model(labels_path, _LabelsFile, "human-labels file")
+    rat, rat_sha = _read_model(judges_path, _RatingsFile, "judge-ratings file")
+    human = _grid(labels_path, packet, lab.packet_id, lab.labels, extra=())
+    model = _grid(judges_path, packet, rat.packet_id, rat.ratings, extra=(JUDGE_KEY,))
+    ids = [i.item_id for i in packet.items]
+    by: dict[str, list[tuple[str, int, int]]] = {
+        c: [(i, h, j) for i in ids
+            if (h := human[i].get(c)) is not None and (j := model[i].get(c)) is not None]
+        for c in packet.criteria}
+    by[OVERALL] = [p for c in packet.criteria for p in by[c]]
+    labelled = {c: sum(human[i].get(c) is not None for i in ids) for c in packet.criteria}
+    cells = len(ids) * len(packet.criteria)
+    return CalibrationResult(
+        packet_id=packet.packet_id, labels_sha256=lab_sha, ratings_sha256=rat_sha,
+        reviewer=lab.reviewer, items=len(ids), criteria=packet.criteria,
+        coverage={c: n / len(ids) for c, n in labelled.items()}
+        | {OVERALL: sum(labelled.values()) / cells},
+        pairs={k: len(v) for k, v in by.items()},
+        disagreements={c: tuple(i for i, h, j in by[c] if h != j) for c in packet.criteria},
+        exact_agreement={k: _mean([float(h == j) for _, h, j in v]) for k, v in by.items()},
+        mean_abs_diff={k: _mean([abs(h - j) for _, h, j in v]) for k, v in by.items()},
+        cohen_kappa={k: cohen_kappa([(h, j) for _, h, j in v]) for k, v in by.items()},
+        complete=sum(labelled.values()) == cells)
+
+
+def write_calibration(result: CalibrationResult, out_file: Path) -> Path:
+    """Write the result as canonical JSON to a file that must not exist yet."""
+    try:
+        _write_new(out_file, canonical_bytes(result))
+    except FileExistsError:
+        raise ConfigError("already exists; a calibration result is never overwritten",
+                          path=str(out_file), fix="write to a new file") from None
+    return out_file
+
+
+def load_calibration(path: Path) -> CalibrationResult:
+    """Read a calibration result written by :func:`write_calibration`."""
+    return _read_model(path, CalibrationResult, "calibration result")[0]
+
+
+def cohen_kappa(pairs: Sequence[tuple[int, int]]) -> float | None:
+    """Unweighted Cohen's kappa over (rater A, rater B) pairs on :data:`SCALE`.
+
+    None under 2 pairs. When expected agreement is 1 (both raters always used one and the
+    same category) kappa is 0/0; it is defined as 1.0 when observed agreement is 1.0.
+    """
+    n = len(pairs)
+    if n < 2:
+        return None
+    # Fractions keep the pe == 1 test exact and the result independent of pair order.
+    po = Fraction(sum(a == b for a, b in pairs), n)
+    pe = sum((Fraction(sum(a == k for a, _ in pairs) * sum(b == k for _, b in pairs), n * n)
+              for k in SCALE), Fraction(0))
+    if pe == 1:
+        return 1.0 if po == 1 else None
+    return float((po - pe) / (1 - pe))
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _item_id(r: Record) -> str:
+    return f"{r.case_id}#{r.trial}"
+
+
+def _packet_id(items: Sequence[PacketItem], criteria: Sequence[str]) -> str:
+    return sha256_json({"items": [i.model_dump(mode="json") for i in items],
+                        "criteria": list(criteria)})
+
+
+def _model_ratings(r: Record) -> dict[str, Rating]:
+    g = r.grades or Grades()
+    flags: dict[str, bool | None] = {"correctness": g.correctness, "evidence": g.evidence,
+                                     "refusal": g.refusal}
+    out: dict[str, Rating] = {c: None if v is None else 2 * v for c, v in flags.items()}
+    s = g.judge_score
+    if s is not None and not 0.0 <= s <= 1.0:
+        raise ConfigError(f"judge_score {s!r} is outside 0..1", field=f"{_item_id(r)}.grades",
+                          fix="grade with a judge that reports scores in 0..1")
+    # round() is half-to-even: 0.25 -> 0, 0.75 -> 2; the score is recorded, not re-judged.
+    out[JUDGE_KEY] = None if s is None else round(s * 2)
+    return out
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    with path.open("xb") as f:
+        f.write(data)
+
+
+def _read_model(path: Path, model: type[M], what: str) -> tuple[M, str]:
+    try:
+        data = path.read_bytes()
+        return model.model_validate(loads_strict(data, source=str(path))), sha256_bytes(data)
+    except (OSError, OutputRejected, ValidationError) as exc:
+        raise ConfigError(f"not a valid {what}: {exc}", path=str(path),
+                          fix=f"pass the {what} cyclebox wrote") from None
+
+
+def _load_packet(packet_dir: Path) -> Packet:
+    pj, md = packet_dir / PACKET_JSON, packet_dir / REVIEW_MD
+    try:
+        packet = Packet.model_validate(loads_strict(pj.read_bytes(), source=str(pj)))
+        md_sha = sha256_file(md)
+    except (OSError, OutputRejected, ValidationError) as exc:
+        raise IntegrityError(f"{packet_dir}: packet unreadable: {exc}") from None
+    want = _packet_id(packet.items, packet.criteria)
+    if packet.packet_id != want:
+        raise IntegrityError(f"{pj}: packet_id {packet.packet_id} does not match its items "
+                             f"and criteria ({want}); the packet was edited")
+    if md_sha != packet.review_md_sha256:
+        raise IntegrityError(f"{md}: sha256 {md_sha}, packet.json recorded "
+                             f"{packet.review_md_sha256}; review.md changed after packing")
+    return packet
+
+
+def _grid(path: Path, packet: Packet, packet_id: str, table: Mapping[str, Mapping[str, Any]],
+          *, extra: tuple[str, ...]) -> Grid:
+    if packet_id != packet.packet_id:
+        raise IntegrityError(f"{path}: packet_id {packet_id}, expected {packet.packet_id}; "
+                             "this file belongs to another packet")
+    ids = [i.item_id for i in packet.items]
+    unknown = sorted(set(table) - set(ids))
+    if unknown:
+        raise IntegrityError(f"{path}: items not in packet {packet.packet_id}: {unknown}")
+    grid: Grid = {}
+    for item_id in ids:
+        row = table.get(item_id, {})
+        for key, v in row.items():
+            where = f"item {item_id!r}, criterion {key!r}"
+            if key not in packet.criteria and key not in extra:
+                raise ConfigError("unknown criterion", path=str(path), field=where,
+                                  fix=f"use only {list(packet.criteria)}")
+            # type() is int, not isinstance: JSON true/false must not pass as 1/0.
+            if v is not None and not (type(v) is int and v in SCALE):
+                raise ConfigError(f"rating must be 0, 1, 2 or null, got {v!r}", path=str(path),
+                                  field=where, fix="rate 0, 1 or 2, or leave null")
+        grid[item_id] = dict(row)
+    return grid
+
+
+def _fenced(text: str) -> str:
+    longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}text\n{text}\n{fence}"
+
+
+def _as_text(v: object) -> str:
+    return v if isinstance(v, str) else json.dumps(v, indent=2, sort_keys=True,
+                                                   ensure_ascii=False)
+
+
+def _render_review(records: Sequence[Record], packet_id: str, reviewer: str) -> str:
+    out = ["# Review packet", "", f"Packet: `{packet_id}`",
+           f"Reviewer: {reviewer or '(unassigned)'}", "",
+           f"Rate every item on every criterion 0, 1 or 2 using the anchors, from the answer "
+           f"and its cited evidence alone. Record ratings in `{LABELS_JSON}` under the item "
+           "id; leave a rating null if you cannot decide.", ""]
+    for r in records:
+        ans = r.answer or {}
+        out += [f"## {_item_id(r)}", "", f"Case `{r.case_id}`, trial {r.trial}, "
+                f"split {r.split}.", "", "### Answer", ""]
+        out += [_fenced(_as_text(ans["answer"])) if ans.get("answer") is not None
+                else "(no answer given)", "", "### Cited evidence", ""]
+        ev = ans.get("evidence")
+        evs = ev if isinstance(ev, list) else [] if ev in (None, "") else [ev]
+        out += [f"Evidence {k}:\n\n{_fenced(_as_text(e))}\n" for k, e in
+                enumerate(evs, 1)] or ["(none cited)", ""]
+        if "refused" in ans:
+            v = ans["refused"]
+            said = "yes" if v is True else "no" if v is False else _as_text(v)
+            out += [f"Agent declined to answer: {said}", ""]
+        out += ["### Ratings", "", "| Criterion | Question | 0 = fails | 1 = partly "
+                "| 2 = fully meets | Rating |", "|---|---|---|---|---|---|"]
+        out += [f"| {c} | {q} | {a0} | {a1} | {a2} |   |"
+                for c, (q, a0, a1, a2) in ANCHORS.items()]
+        out.append("")
+    return "\n".join(out)

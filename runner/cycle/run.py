@@ -1,0 +1,422 @@
+"""Executing a frozen plan: baseline, evaluate, brief, propose, apply, candidate, evaluate,
+compare, receipt — each container stage in its own fresh directory under ``DIR/stages/``.
+
+Invariants: the plan hash, the frozen inputs and the data stores are re-checked before
+and after every stage, and drift ends the cycle as ``invalid_comparison`` with the named
+reason; every container's run record is appended to ``DIR/containers.jsonl``; nothing
+is retried and every attempt stays on disk; a receipt is written even when a stage
+fails. The operator's repository is only read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runner import gitops
+from runner.collect import Limits, collect
+from runner.cycle.brief import build_brief
+from runner.cycle.compare import compare
+from runner.cycle.models import ComparisonResult, Grades, Identities, Manifest, Record, Scenario
+from runner.cycle.plan import check_drift, load_plan
+from runner.docker_backend import DockerSandbox
+from runner.errors import ConfigError, IntegrityError, OutputRejected
+from runner.gateway.budget import RunBudget
+from runner.gateway.calllog import CallLog
+from runner.gateway.report import summarize
+from runner.gateway.server import CONTAINER_DIR, Gateway
+from runner.hashing import sha256_bytes
+from runner.roles import fresh_output_dir, role_spec
+from runner.sandbox import Mount, RunRecord, StopReason
+from sandbox.proposal import Change, Refused, check_changes
+
+Progress = Callable[[str, int, int], None]
+"""(stage, done, total) as work completes."""
+
+
+class StageFailed(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Outcome:
+    """What a cycle run produced; the receipt is built from this."""
+
+    run_dir: Path
+    plan_hash: str
+    result: ComparisonResult
+    timings: dict[str, float] = field(default_factory=dict)
+    proposal_sha256: str | None = None
+    patch_sha256: str | None = None
+    candidate_tree: str | None = None
+    leftovers: list[str] = field(default_factory=list)
+
+
+class CycleRunner:
+    """Runs one prepared plan; one instance per run directory."""
+
+    def __init__(self, plan_path: Path, *, progress: Progress | None = None) -> None:
+        self.plan_path = plan_path.resolve()
+        self.dir = self.plan_path.parent
+        self.plan, self.plan_hash = load_plan(self.plan_path)
+        self.manifest = Manifest.model_validate(json.loads(
+            (self.dir / "inputs" / "manifest.json").read_text()))
+        self.scenarios = {s.id: s for s in self.manifest.scenarios}
+        self.run_id = f"{self.plan.name}-{self.plan_hash[:10]}"
+        self.progress = progress or (lambda _s, _d, _t: None)
+        self.budget = RunBudget(self.plan.budget)
+        self.timings: dict[str, float] = {}
+        self.uid = int(self.plan.roles["analyst"].user.split(":")[0])
+
+    # -- entry -------------------------------------------------------------------
+    def run(self) -> Outcome:
+        stages = self.dir / "stages"
+        if stages.exists():
+            raise ConfigError(f"{self.dir} was already executed (stages/ exists); every "
+                              "attempt is kept", field="--plan",
+                              fix="freeze again into a new directory")
+        backend = DockerSandbox()
+        for role, image in self.plan.images.items():
+            if backend.image_id(image) is None:
+                raise IntegrityError(f"frozen image for {role} ({image}) is not present; "
+                                     "rebuild the same inputs or freeze again")
+        stages.mkdir()
+        self.backend = backend
+        self.containers = (self.dir / "containers.jsonl").open("a", encoding="utf-8")
+        outcome = Outcome(self.dir, self.plan_hash, _invalid("cycle did not complete"))
+        role_upstream = {r: p.upstream for r, p in self.plan.roles.items() if p.upstream}
+        try:
+            with Gateway(self.dir, self.run_id, dict(self.plan.upstreams), role_upstream,
+                         self.budget) as gw:
+                self.gw = gw
+                outcome = self._stages(outcome)
+        except StageFailed as exc:
+            outcome.result = _invalid(exc.reason)
+        finally:
+            self.containers.close()
+            outcome.timings = self.timings
+            outcome.leftovers = self._leftovers()
+        (stages / "compare").mkdir(exist_ok=True)
+        _write_json(stages / "compare" / "verdict.json", outcome.result.model_dump(mode="json"))
+        return outcome
+
+    def _stages(self, o: Outcome) -> Outcome:
+        pol = self.plan.policy
+        dev = [s.id for s in self.manifest.scenarios if s.split == "development"]
+        base_cases = list(dict.fromkeys([*pol.cases, *dev]))
+        src = self._stage("export", lambda: self._export_base())
+        baseline = self._stage("baseline", lambda: self._analyst("baseline", src, base_cases))
+        baseline = self._stage("evaluate-baseline", lambda: self._evaluate("baseline", baseline))
+        brief = self._stage("brief", lambda: self._brief(baseline))
+        proposal = self._stage("propose", lambda: self._propose(brief))
+        o.proposal_sha256 = sha256_bytes((self.dir / "stages/propose/out/proposal.json")
+                                         .read_bytes())
+        cand_src, o.candidate_tree = self._stage("apply", lambda: self._apply(proposal))
+        o.patch_sha256 = sha256_bytes((self.dir / "stages/apply/candidate.patch").read_bytes())
+        candidate = self._stage("candidate", lambda: self._analyst("candidate", cand_src,
+                                                                   list(pol.cases)))
+        candidate = self._stage("evaluate-candidate",
+                                lambda: self._evaluate("candidate", candidate))
+        t = time.monotonic()
+        in_policy = set(pol.cases)
+        o.result = compare([r for r in baseline if r.case_id in in_policy],
+                           [r for r in candidate if r.case_id in in_policy], pol)
+        self.timings["compare"] = round(time.monotonic() - t, 3)
+        return o
+
+    def _stage(self, name: str, fn: Callable[[], Any]) -> Any:
+        drift = check_drift(self.plan_path, self.plan_hash, self.plan)
+        if drift:
+            raise StageFailed(f"before {name}: {drift}")
+        t = time.monotonic()
+        self.progress(name, 0, 0)
+        result = fn()
+        self.timings[name] = round(time.monotonic() - t, 3)
+        drift = check_drift(self.plan_path, self.plan_hash, self.plan)
+        if drift:
+            raise StageFailed(f"after {name}: {drift}")
+        return result
+
+    # -- containers --------------------------------------------------------------
+    def _run(self, role: str, command: list[str], *, mounts: list[Mount], out: Path,
+             stage: str, case: str | None = None, trial: int | None = None,
+             output_target: str = "/out", env: dict[str, str] | None = None) -> RunRecord:
+        policy = self.plan.roles[role]
+        labels = {"io.cyclebox.stage": stage}
+        if case is not None:
+            labels["io.cyclebox.case"] = case
+            labels["io.cyclebox.trial"] = str(trial)
+        if policy.upstream:
+            with self.gw.bound(role, stage=stage, uid=self.uid, case=case, trial=trial) as b:
+                spec = role_spec(policy, role=role, run_id=self.run_id, image=self.plan.images[role],
+                                 command=command, output_dir=out, env=env, labels=labels,
+                                 mounts=[*mounts, Mount(source=b.directory, target=CONTAINER_DIR)])
+                spec = spec.model_copy(update={"output_target": output_target})
+                rec = self.backend.run(spec)
+        else:
+            spec = role_spec(policy, role=role, run_id=self.run_id, image=self.plan.images[role],
+                             command=command, output_dir=out, env=env, labels=labels,
+                             mounts=mounts).model_copy(update={"output_target": output_target})
+            rec = self.backend.run(spec)
+        row = {"stage": stage, "case": case, "trial": trial, **rec.model_dump(mode="json")}
+        row.pop("stdout_tail")
+        row.pop("stderr_tail")
+        self.containers.write(json.dumps(row, sort_keys=True) + "\n")
+        self.containers.flush()
+        logs = out.parent / "logs"
+        logs.mkdir(exist_ok=True)
+        name = f"{role}" + (f"-{case}-t{trial}" if case is not None else "")
+        (logs / f"{name}.stdout").write_text(rec.stdout_tail)
+        (logs / f"{name}.stderr").write_text(rec.stderr_tail)
+        return rec
+
+    def _fresh(self, path: Path) -> Path:
+        return fresh_output_dir(path, uid=self.uid)
+
+    def _limits(self, role: str) -> Limits:
+        cap = self.plan.roles[role].output_cap
+        return Limits(max_file_bytes=cap, max_total_bytes=cap)
+
+    # -- stages --------------------------------------------------------------------
+    def _export_base(self) -> Path:
+        dest = self.dir / "stages" / "baseline" / "src"
+        dest.parent.mkdir(parents=True)
+        gitops.export_tree(Path(self.plan.project.repo), self.plan.project.base_tree, dest)
+        return dest
+
+    def _analyst(self, stage: str, src: Path, cases: list[str]) -> list[Record]:
+        jobs = [(self.scenarios[c], t) for c in cases for t in range(self.plan.trials)]
+        done = 0
+        self.progress(stage, 0, len(jobs))
+        results: list[Record] = []
+        with ThreadPoolExecutor(max_workers=self.plan.concurrency) as pool:
+            for rec in pool.map(lambda j: self._case(stage, src, j[0], j[1]), jobs):
+                results.append(rec)
+                done += 1
+                self.progress(stage, done, len(jobs))
+        return results
+
+    def _identities(self) -> Identities:
+        return Identities(data_hash=self.plan.data_hash, reference_hash=self.plan.reference_hash,
+                          scorer=self.plan.scorer, judge=self.plan.judge_id)
+
+    def _case(self, stage: str, src: Path, sc: Scenario, trial: int) -> Record:
+        base = dict(case_id=sc.id, trial=trial, split=sc.split, identities=self._identities())
+        if self.budget.halted:
+            return Record(**base, status="not_attempted", reason=f"budget: {self.budget.halted}")
+        case_dir = self.dir / "stages" / stage / "cases" / f"{sc.id}__t{trial}"
+        (case_dir / "input").mkdir(parents=True)
+        _write_json(case_dir / "input" / "input.json", sc.input)
+        out = self._fresh(case_dir / "out")
+        env = {"CYCLEBOX_SEED": str(self.plan.seeds[trial]), "CYCLEBOX_TRIAL": str(trial)}
+        rec = self._run("analyst", list(self.plan.project.spec.entry), stage=stage, case=sc.id,
+                        trial=trial, out=out, env=env,
+                        mounts=[Mount(source=src, target="/src"),
+                                Mount(source=case_dir / "input", target="/case"),
+                                Mount(source=Path(self.plan.data_dir), target="/data")])
+        calls = [c for c in CallLog(self.dir / "gateway").records()
+                 if c.stage == stage and c.case == sc.id and c.trial == trial]
+        usage = summarize(calls)["per_role"]
+        common = dict(base, latency_s=rec.wall_s, usage=usage)
+        if any(c.error == "budget" for c in calls):
+            return Record(**common, status="not_attempted", reason="budget: call refused")
+        infra = [c.error for c in calls if c.status == "infra_error"]
+        if infra:
+            return Record(**common, status="infra_invalid", reason=f"gateway: {infra[0]}")
+        if rec.stop_reason is not StopReason.OK:
+            return Record(**common, status="infra_invalid",
+                          reason=f"{rec.stop_reason.value}: {rec.detail}")
+        try:
+            answer = collect(out, self._limits("analyst")).json("answer.json")
+        except OutputRejected as exc:
+            return Record(**common, status="infra_invalid", reason=f"invalid_output: {exc}")
+        if not isinstance(answer, dict):
+            return Record(**common, status="infra_invalid", reason="answer.json not an object")
+        return Record(**common, status="ok", answer=answer)
+
+    def _evaluate(self, side: str, records: list[Record]) -> list[Record]:
+        stage = f"evaluate-{side}"
+        d = self.dir / "stages" / stage
+        for sub in ("in", "ref", "cfg"):
+            (d / sub).mkdir(parents=True)
+        ok = [r for r in records if r.status == "ok"]
+        (d / "in" / "answers.jsonl").write_text("".join(json.dumps(
+            {"case_id": r.case_id, "trial": r.trial, "answer": r.answer}, sort_keys=True) + "\n"
+            for r in ok))
+        cases = {r.case_id for r in records}
+        _write_json(d / "ref" / "references.json",
+                    {c: self.scenarios[c].reference.model_dump(mode="json") for c in cases})
+        judge = self.plan.judge
+        _write_json(d / "cfg" / "evaluator.json", {
+            "judge": judge.model_dump(mode="json") if judge else None,
+            "questions": {c: str(self.scenarios[c].input.get("question", "")) for c in cases}})
+        out = self._fresh(d / "out")
+        rec = self._run("evaluator", ["python", "-m", "sandbox.evaluator"], stage=stage, out=out,
+                        mounts=[Mount(source=d / "in", target="/in"),
+                                Mount(source=d / "ref", target="/ref"),
+                                Mount(source=d / "cfg", target="/cfg")])
+        if rec.stop_reason is not StopReason.OK:
+            raise StageFailed(f"{stage}: evaluator {rec.stop_reason.value}: {rec.detail} "
+                              f"{rec.stderr_tail[-300:]}")
+        try:
+            raw = collect(out, self._limits("evaluator")).files.get("grades.jsonl", b"")
+            rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+            grades = {(g["case_id"], g["trial"]): Grades.model_validate(g["grades"]) for g in rows}
+        except (OutputRejected, ValueError, KeyError) as exc:
+            raise StageFailed(f"{stage}: unreadable grades ({exc})") from None
+        graded = [r.model_copy(update={"grades": grades.get((r.case_id, r.trial))})
+                  if r.status == "ok" else r for r in records]
+        path = self.dir / "stages" / side / "records.jsonl"
+        path.write_text("".join(r.model_dump_json() + "\n" for r in graded))
+        return graded
+
+    def _brief(self, baseline: list[Record]) -> str:
+        d = self.dir / "stages" / "brief"
+        d.mkdir(parents=True)
+        if self.plan.brief.mode == "file":
+            text = (self.dir / "inputs" / "brief.md").read_text()
+        else:
+            text = build_brief(baseline, self.manifest)
+        (d / "brief.md").write_text(text)
+        return text
+
+    def _base_files(self) -> list[dict[str, Any]]:
+        repo, tree = Path(self.plan.project.repo), self.plan.project.base_tree
+        files = []
+        for p in self.plan.edit.paths:
+            data = gitops.read_blob(repo, tree, p)
+            files.append({"path": p, "content": "" if data is None else data.decode("utf-8"),
+                          "sha256": None if data is None else sha256_bytes(data)})
+        return files
+
+    def _propose(self, brief: str) -> dict[str, Any]:
+        d = self.dir / "stages" / "propose"
+        (d / "in").mkdir(parents=True)
+        request = {"brief": brief, "files": self._base_files(),
+                   "paths": list(self.plan.edit.paths), "allowlist": list(self.plan.edit.allowlist),
+                   "model": self.plan.worker.model, "max_tokens": self.plan.worker.max_tokens}
+        _write_json(d / "in" / "request.json", request)
+        out = self._fresh(d / "out")
+        rec = self._run("worker", ["python", "-m", "sandbox.worker"], stage="propose", out=out,
+                        mounts=[Mount(source=d / "in", target="/in")])
+        got = collect(out, self._limits("worker"))
+        if "proposal-error.json" in got.files:
+            err = got.json("proposal-error.json")
+            raise StageFailed(f"no candidate: proposal refused ({err.get('reason')}: "
+                              f"{err.get('message')})")
+        if rec.stop_reason is not StopReason.OK or "proposal.json" not in got.files:
+            raise StageFailed(f"no candidate: worker {rec.stop_reason.value} {rec.detail} "
+                              f"{rec.stderr_tail[-300:]}")
+        proposal: dict[str, Any] = got.json("proposal.json")
+        return proposal
+
+    def _apply(self, proposal: dict[str, Any]) -> tuple[Path, str]:
+        d = self.dir / "stages" / "apply"
+        (d / "in").mkdir(parents=True)
+        base_hashes = {f["path"]: f["sha256"] for f in self._base_files()}
+        invocation = {"paths": list(self.plan.edit.paths),
+                      "allowlist": list(self.plan.edit.allowlist), "base": base_hashes,
+                      "max_file_bytes": self.plan.edit.max_file_bytes}
+        _write_json(d / "in" / "invocation.json", invocation)
+        _write_json(d / "in" / "proposal.json", proposal)
+        result = apply_proposal(d, Path(self.plan.project.repo), self.plan.project.base_tree,
+                                run=lambda work: self._run(
+                                    "apply", ["python", "-m", "sandbox.apply_main"],
+                                    stage="apply", out=work, output_target="/work",
+                                    mounts=[Mount(source=d / "in", target="/in")]),
+                                uid=self.uid)
+        if result.get("status") != "applied":
+            raise StageFailed(f"no candidate: apply refused ({result.get('reason')}: "
+                              f"{result.get('message')})")
+        src = self.dir / "stages" / "candidate" / "src"
+        src.parent.mkdir(parents=True)
+        gitops.export_tree(d / "candidate.git", str(result["tree"]), src)
+        return src, str(result["tree"])
+
+    def _leftovers(self) -> list[str]:
+        found = [name for cid, name, labels in self.backend.managed_containers()
+                 if labels.get("io.cyclebox.run_id") == self.run_id
+                 and self.backend.remove(cid)]
+        return found
+
+
+def apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
+                   run: Callable[[Path], RunRecord], uid: int) -> dict[str, Any]:
+    """Run the apply container on a throwaway repo, then re-verify on a host-made bare clone.
+
+    ``stage_dir/in`` holds proposal.json and invocation.json. The host never runs git
+    inside the directory the container wrote (its .git/config could carry commands):
+    it clones it with --no-local into ``candidate.git`` and checks that clone.
+    """
+    work = stage_dir / "work"
+    work.mkdir(mode=0o700)
+    base_commit = gitops.throwaway_repo(repo, tree, work / "repo")
+    (work / "out").mkdir()
+    if os.getuid() == 0 and uid != 0:
+        for p in [work, *work.rglob("*")]:
+            os.lchown(p, uid, uid)
+    rec = run(work)
+    try:
+        result = json.loads((work / "out" / "result.json").read_text())
+    except (OSError, ValueError):
+        result = {"status": "refused", "reason": "apply_failed",
+                  "message": f"{rec.stop_reason.value}: {rec.stderr_tail[-300:]}"}
+    _write_json(stage_dir / "result.json", result)
+    if result.get("status") != "applied":
+        return dict(result)
+    if rec.stop_reason is not StopReason.OK:
+        return {"status": "refused", "reason": "apply_failed", "message": rec.detail}
+    proposal = json.loads((stage_dir / "in" / "proposal.json").read_text())
+    inv = json.loads((stage_dir / "in" / "invocation.json").read_text())
+    bare = stage_dir / "candidate.git"
+    commit = str(result["commit"])
+    gitops.clone_bare_untrusted(work / "repo", bare, branch="cyclebox/candidate")
+    problems = _verify_candidate(bare, base_commit, commit, proposal, inv)
+    if problems:
+        return {"status": "refused", "reason": "host_verification_failed", "message": problems}
+    patch = gitops.diff(bare, base_commit, commit)
+    if patch != collect(work / "out").files.get("candidate.patch"):
+        return {"status": "refused", "reason": "host_verification_failed",
+                "message": "candidate.patch differs from the host's diff"}
+    (stage_dir / "candidate.patch").write_bytes(patch)
+    result["tree"] = gitops.head_tree(bare, commit)
+    _write_json(stage_dir / "result.json", result)
+    return dict(result)
+
+
+def _verify_candidate(bare: Path, base: str, commit: str, proposal: dict[str, Any],
+                      inv: dict[str, Any]) -> str:
+    if gitops.rev(bare, f"{commit}^") != base:
+        return "candidate commit is not a child of the frozen base"
+    changes = [Change(f["path"], f["content"]) for f in proposal["files"]]
+    try:
+        check_changes(changes, paths=set(inv["paths"]), allowlist=list(inv["allowlist"]),
+                      max_bytes=int(inv["max_file_bytes"]))
+    except Refused as exc:
+        return str(exc)
+    changed = gitops.changed_paths(bare, base, commit)
+    if changed != sorted(c.path for c in changes if gitops.read_blob(bare, base, c.path)
+                         != c.content.encode()):
+        return f"changed paths {changed} differ from the proposal"
+    for c in changes:
+        if gitops.read_blob(bare, commit, c.path) != c.content.encode():
+            return f"{c.path}: committed content differs from the proposal"
+    return ""
+
+
+def _invalid(reason: str) -> ComparisonResult:
+    return ComparisonResult(verdict="invalid_comparison", reasons=(reason,))
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+

@@ -1,0 +1,147 @@
+"""Every git invocation of the controller; the only module that runs git on the host.
+
+The operator's repository is only ever *read* (rev-parse, archive, cat-file); all
+writing happens in throwaway repositories cyclebox creates itself. Commits made
+here use a fixed identity and fixed dates so that a replayed cycle reproduces the
+same commit and patch ids.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+from runner.errors import ConfigError, IntegrityError
+
+FIXED_ENV = {
+    "GIT_AUTHOR_NAME": "cyclebox", "GIT_AUTHOR_EMAIL": "cyclebox@localhost",
+    "GIT_COMMITTER_NAME": "cyclebox", "GIT_COMMITTER_EMAIL": "cyclebox@localhost",
+    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+0000",
+    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+0000",
+    "GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0",
+}
+
+
+def _git(args: list[str], *, cwd: Path | None = None, git_dir: Path | None = None,
+         input_bytes: bytes | None = None, check: bool = True) -> bytes:
+    cmd = ["git"]
+    if git_dir is not None:
+        cmd += ["--git-dir", str(git_dir)]
+    cmd += args
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(FIXED_ENV)
+    env["HOME"] = env.get("HOME", "/nonexistent")
+    proc = subprocess.run(cmd, cwd=cwd, input=input_bytes, capture_output=True, env=env,
+                          check=False)
+    if check and proc.returncode != 0:
+        raise ConfigError(f"git {' '.join(args[:3])} failed: "
+                          f"{proc.stderr.decode(errors='replace').strip()}",
+                          path=str(cwd or git_dir or "."))
+    return proc.stdout
+
+
+def git_dir_of(repo: Path) -> Path:
+    """The .git directory of a repository (work tree or bare), checked to exist."""
+    if not repo.exists():
+        raise ConfigError(f"repository {repo} does not exist", field="project.repo",
+                          fix="point project.repo at a git repository")
+    out = _git(["rev-parse", "--absolute-git-dir"], cwd=repo)
+    return Path(out.decode().strip())
+
+
+def resolve_tree(repo: Path, ref: str, subdir: str | None = None) -> str:
+    """The git tree id of ``ref`` (or of ``ref:subdir``)."""
+    spec = f"{ref}^{{tree}}" if not subdir else f"{ref}:{subdir.strip('/')}"
+    try:
+        out = _git(["rev-parse", "--verify", "--quiet", spec], cwd=repo)
+    except ConfigError:
+        raise ConfigError(f"ref {spec!r} does not resolve to a tree in {repo}",
+                          field="project.base_ref", fix="use a branch, tag or commit id") from None
+    tree = out.decode().strip()
+    kind = _git(["cat-file", "-t", tree], cwd=repo).decode().strip()
+    if kind != "tree":
+        raise ConfigError(f"{spec} is a {kind}, not a directory", field="project.subdir")
+    return tree
+
+
+def export_tree(repo: Path, tree: str, dest: Path) -> None:
+    """Write the files of ``tree`` into a new directory ``dest`` (read-only use of repo)."""
+    data = _git(["archive", "--format=tar", tree], cwd=repo)
+    dest.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(dest, filter="tar")
+
+
+def read_blob(repo: Path, tree: str, path: str) -> bytes | None:
+    """Bytes of ``path`` in ``tree``, or None when absent (or not a file)."""
+    try:
+        return _git(["cat-file", "blob", f"{tree}:{path}"], cwd=repo)
+    except ConfigError:
+        return None
+
+
+def tree_modes(repo: Path, tree: str) -> dict[str, str]:
+    """path -> git mode for every entry (recursive), e.g. 120000 for symlinks."""
+    out = _git(["ls-tree", "-r", "-t", "-z", tree], cwd=repo)
+    modes = {}
+    for entry in out.split(b"\0"):
+        if not entry:
+            continue
+        meta, path = entry.split(b"\t", 1)
+        modes[path.decode()] = meta.split()[0].decode()
+    return modes
+
+
+def throwaway_repo(source_repo: Path, tree: str, dest: Path) -> str:
+    """A new repository at ``dest`` whose first commit has exactly ``tree``; returns it.
+
+    The operator's repository is only read (``git archive``). IntegrityError when the
+    re-created tree differs from the frozen one (e.g. export-ignore attributes).
+    """
+    export_tree(source_repo, tree, dest)
+    _git(["init", "-q", "-b", "cyclebox/base"], cwd=dest)
+    _git(["add", "-A", "-f"], cwd=dest)
+    _git(["commit", "-q", "--no-verify", "--allow-empty", "-m", f"base tree {tree}"], cwd=dest)
+    got = head_tree(dest)
+    if got != tree:
+        raise IntegrityError(f"throwaway repository tree {got} differs from the frozen base "
+                             f"tree {tree}; check .gitattributes export-ignore/subst rules")
+    return _git(["rev-parse", "HEAD"], cwd=dest).decode().strip()
+
+
+def head_tree(repo: Path, ref: str = "HEAD") -> str:
+    return _git(["rev-parse", f"{ref}^{{tree}}"], cwd=repo).decode().strip()
+
+
+def rev(repo: Path, ref: str) -> str:
+    return _git(["rev-parse", ref], cwd=repo).decode().strip()
+
+
+def changed_paths(repo: Path, a: str, b: str) -> list[str]:
+    out = _git(["diff", "--name-only", "-z", a, b], cwd=repo)
+    return sorted(p.decode() for p in out.split(b"\0") if p)
+
+
+def diff(repo: Path, a: str, b: str) -> bytes:
+    return _git(["diff", "--binary", "--no-color", "--no-ext-diff", a, b], cwd=repo)
+
+
+def init_fixed(repo: Path, message: str) -> str:
+    """git init + commit everything in ``repo`` with the fixed identity; returns the commit."""
+    _git(["init", "-q", "-b", "main"], cwd=repo)
+    _git(["add", "-A"], cwd=repo)
+    _git(["commit", "-q", "--no-verify", "-m", message], cwd=repo)
+    return rev(repo, "HEAD")
+
+
+def clone_bare_untrusted(src: Path, dest: Path, *, branch: str) -> None:
+    """Bare-clone a repository written by a container, without trusting its config.
+
+    ``--no-local`` goes through the pack protocol, so the source's config, hooks and
+    attributes are data, not instructions, to this process.
+    """
+    _git(["-c", "protocol.file.allow=always", "clone", "-q", "--bare", "--no-local",
+          "--no-hardlinks", "--single-branch", "--branch", branch, f"file://{src}", str(dest)])

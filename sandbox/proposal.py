@@ -1,0 +1,152 @@
+"""Proposal validation (SPEC §5): pure rules shared by the worker, the apply container and
+the host's re-check. Standard library only.
+
+A proposal is ``{"files": [{"path", "content"}], "rationale"}``. Every refusal has a
+named reason so that an operator can see exactly which rule an edit broke.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+import posixpath
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_FILE_BYTES = 256 * 1024
+_FENCE = re.compile(r"^\s*```[A-Za-z0-9_-]*\s*\n(.*)\n\s*```\s*$", re.DOTALL)
+
+
+class Refused(Exception):
+    """A proposal broke a rule; ``reason`` is one of the names below."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Change:
+    path: str
+    content: str
+
+
+def _no_dup_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _no_constants(name: str) -> object:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text} overflows to infinity")
+    return value
+
+
+def strict_json(text: str) -> object:
+    """json.loads refusing NaN/Infinity (also by overflow) and duplicate keys."""
+    return json.loads(text, object_pairs_hook=_no_dup_keys, parse_constant=_no_constants,
+                      parse_float=_finite)
+
+
+def strip_fence(text: str) -> str:
+    """Strip one Markdown code fence wrapping the *whole* message; leave anything else."""
+    m = _FENCE.match(text)
+    return m.group(1) if m else text
+
+
+def parse_reply(text: str) -> tuple[list[Change], str]:
+    """(changes, rationale) from a model reply; Refused('malformed_proposal') otherwise."""
+    try:
+        obj = strict_json(strip_fence(text))
+    except ValueError as exc:
+        raise Refused("malformed_proposal", f"reply is not one JSON object ({exc})") from None
+    if not isinstance(obj, dict) or set(obj) - {"files", "rationale"} or "files" not in obj:
+        raise Refused("malformed_proposal", "expected exactly {files, rationale}")
+    files, rationale = obj["files"], obj.get("rationale", "")
+    if not isinstance(files, list) or not isinstance(rationale, str):
+        raise Refused("malformed_proposal", "files must be a list, rationale a string")
+    changes = []
+    for i, f in enumerate(files):
+        if (not isinstance(f, dict) or set(f) != {"path", "content"}
+                or not isinstance(f["path"], str) or not isinstance(f["content"], str)):
+            raise Refused("malformed_proposal", f"files[{i}] must be {{path, content}} strings")
+        changes.append(Change(f["path"], f["content"]))
+    return changes, rationale
+
+
+def check_path(path: str, *, paths: set[str], allowlist: list[str]) -> None:
+    """Path rules that need no filesystem: shape, invocation set, allowlist."""
+    if "\0" in path:
+        raise Refused("nul_in_path", repr(path))
+    if path.startswith("/") or re.match(r"^[A-Za-z]:[\\/]", path):
+        raise Refused("absolute_path", path)
+    parts = path.replace("\\", "/").split("/")
+    if ".." in parts:
+        raise Refused("path_traversal", path)
+    if ".git" in parts or any(p.lower() == ".git" for p in parts):
+        raise Refused("git_path", path)
+    if not path or posixpath.normpath(path) != path or path.startswith("./") or "\\" in path:
+        raise Refused("not_normalized", repr(path))
+    if path not in paths:
+        raise Refused("outside_invocation_set", f"{path} (allowed: {sorted(paths)})")
+    if not any(fnmatch.fnmatchcase(path, g) for g in allowlist):
+        raise Refused("outside_allowlist", f"{path} (allowlist: {allowlist})")
+
+
+def check_changes(changes: list[Change], *, paths: set[str], allowlist: list[str],
+                  max_bytes: int = MAX_FILE_BYTES) -> None:
+    """Every rule that does not need the tree; raises on the first breach."""
+    bad_set = [p for p in paths if not any(fnmatch.fnmatchcase(p, g) for g in allowlist)]
+    if bad_set:
+        raise Refused("outside_allowlist", f"invocation paths {bad_set} are outside the policy "
+                      "allowlist")
+    seen: set[str] = set()
+    for c in changes:
+        check_path(c.path, paths=paths, allowlist=allowlist)
+        if c.path in seen:
+            raise Refused("duplicate_path", c.path)
+        seen.add(c.path)
+        try:
+            data = c.content.encode("utf-8")
+        except UnicodeEncodeError:
+            raise Refused("not_utf8", c.path) from None
+        if len(data) > max_bytes:
+            raise Refused("oversize_file", f"{c.path}: {len(data)} bytes > {max_bytes}")
+
+
+def check_tree(changes: list[Change], root: Path, base: dict[str, str | None]) -> None:
+    """Rules against the checked-out tree: no symlink on the way, source unchanged."""
+    for c in changes:
+        cur = root
+        for part in c.path.split("/"):
+            cur = cur / part
+            try:
+                st = os.lstat(cur)
+            except FileNotFoundError:
+                break
+            if stat.S_ISLNK(st.st_mode):
+                raise Refused("symlink_in_path", f"{c.path} (at {cur.relative_to(root)})")
+        expected = base.get(c.path, "missing")
+        target = root / c.path
+        actual = (hashlib.sha256(target.read_bytes()).hexdigest()
+                  if target.is_file() else None)
+        if expected == "missing":
+            raise Refused("base_hash_mismatch", f"{c.path}: no base hash in the request")
+        if actual != expected:
+            raise Refused("base_hash_mismatch",
+                          f"{c.path}: source is {actual} but the proposal was made against "
+                          f"{expected}")
