@@ -53,16 +53,32 @@ test: setup docker images check ## Everything: set-up, images, lint, unit + inte
 unit: setup ## Unit tests only (no Docker)
 	$(BIN)/pytest tests/unit
 
-demo: setup docker images ## Doctor, then one sandboxed smoke run of each role image
+STAMP_NOW = $(shell date -u +%Y%m%dT%H%M%SZ)
+
+demo: setup docker images ## The main job: doctor, then the bundled cycle offline to a verified receipt
 	$(CYCLEBOX) doctor
+	$(CYCLEBOX) cycle run examples/shop-analyst/cycle.yaml --out build/demo/$(STAMP_NOW)
+	$(CYCLEBOX) receipt verify build/demo/$(STAMP_NOW)
+
+demo-negative: setup docker images ## Negative control: the candidate drops a mandatory rule; must end reject (exit 1)
+	$(CYCLEBOX) cycle run examples/shop-analyst/cycle-negative.yaml --out build/demo/negative-$(STAMP_NOW); \
+	  code=$$?; [ $$code -eq 1 ] || { echo "expected reject (exit 1), got $$code"; exit 1; }
+
+receipt: setup docker images ## Record the demo cycle, replay it byte-exactly, show equal input/outcome hashes
+	$(CYCLEBOX) cycle run examples/shop-analyst/cycle.yaml --out build/receipt/$(STAMP_NOW)/recorded
+	$(CYCLEBOX) cycle run examples/shop-analyst/cycle.yaml --replay build/receipt/$(STAMP_NOW)/recorded \
+	  --out build/receipt/$(STAMP_NOW)/replayed
+	$(CYCLEBOX) receipt verify build/receipt/$(STAMP_NOW)/replayed
+	$(CYCLEBOX) receipt compare build/receipt/$(STAMP_NOW)/recorded build/receipt/$(STAMP_NOW)/replayed
+
+smoke: setup docker images ## One sandboxed smoke run of each role image
 	@for role in analyst worker evaluator apply; do \
 	  echo "== $$role: sandbox probe"; \
 	  $(CYCLEBOX) sandbox exec --role $$role -- python -m sandbox.probe --role $$role || exit 1; \
 	done
-	@echo "== apply: git inside the sandbox"; $(CYCLEBOX) sandbox exec --role apply -- git --version
 	@echo "== trainer: torch/transformers/peft inside the sandbox"
 	$(CYCLEBOX) sandbox exec --role trainer -- python -c \
-	  "import torch, transformers, peft, json; print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, 'peft': peft.__version__, 'cuda': torch.cuda.is_available(), 'threads': torch.get_num_threads()}))"
+	  "import torch, transformers, peft, json; print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, 'peft': peft.__version__, 'cuda': torch.cuda.is_available()}))"
 
 bench: setup docker images ## Run the benchmarks (JSON into build/bench/)
 	@mkdir -p build/bench
@@ -77,4 +93,4 @@ clean: ## Remove orphaned cyclebox containers and build/ (images are kept)
 	-@[ -x $(CYCLEBOX) ] && $(CYCLEBOX) gc || true
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache
 
-.PHONY: help setup docker images check test unit demo bench gc clean
+.PHONY: help setup docker images check test unit demo demo-negative receipt smoke bench gc clean

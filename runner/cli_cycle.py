@@ -253,16 +253,26 @@ def receipt_compare(recorded: Annotated[Path, typer.Argument(help="Recorded run 
     b = json.loads((replayed / "receipt.json").read_text())
     keys = ["identities", "base_tree", "images"]
     rows = [(k, a[k] == b[k]) for k in keys]
+    # Every frozen input section, except how model calls are answered (a replay
+    # answers from the recording instead of the original provider).
+    skip = {"upstreams", "upstream_ids", "inputs"}
+    rows += [(f"inputs.{k}", a["inputs"][k] == b["inputs"].get(k)) for k in sorted(a["inputs"])
+             if k not in skip]
     rows += [(f"outcome.{k}", a["outcome"][k] == b["outcome"][k]) for k in a["outcome"]
              if k != "inputs"]
     t = Table(title="recorded vs replayed")
     for c in ("hash", "recorded", "replayed", "equal"):
         t.add_column(c, overflow="fold")
+    def value(doc: dict[str, Any], key: str) -> Any:
+        head, _, rest = key.partition(".")
+        return doc[head].get(rest) if rest else doc[head]
+
+    def short(v: Any) -> str:
+        return v[:16] if isinstance(v, str) else json.dumps(v, sort_keys=True)[:24]
+
     for k, same in rows:
-        va = a["outcome"][k[8:]] if k.startswith("outcome.") else a[k]
-        vb = b["outcome"][k[8:]] if k.startswith("outcome.") else b[k]
-        short = (lambda v: (v[:16] if isinstance(v, str) else json.dumps(v)[:40]))
-        t.add_row(k, short(va), short(vb), "[green]yes[/]" if same else "[red]NO[/]")
+        t.add_row(k, short(value(a, k)), short(value(b, k)),
+                  "[green]yes[/]" if same else "[red]NO[/]")
     out.print(t)
     raise typer.Exit(0 if all(s for _, s in rows) else 8)
 

@@ -26,7 +26,8 @@ FIXED_ENV = {
 
 
 def _git(args: list[str], *, cwd: Path | None = None, git_dir: Path | None = None,
-         input_bytes: bytes | None = None, check: bool = True) -> bytes:
+         input_bytes: bytes | None = None, check: bool = True,
+         extra_env: dict[str, str] | None = None) -> bytes:
     cmd = ["git"]
     if git_dir is not None:
         cmd += ["--git-dir", str(git_dir)]
@@ -34,6 +35,7 @@ def _git(args: list[str], *, cwd: Path | None = None, git_dir: Path | None = Non
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     env.update(FIXED_ENV)
     env["HOME"] = env.get("HOME", "/nonexistent")
+    env.update(extra_env or {})
     proc = subprocess.run(cmd, cwd=cwd, input=input_bytes, capture_output=True, env=env,
                           check=False)
     if check and proc.returncode != 0:
@@ -143,5 +145,14 @@ def clone_bare_untrusted(src: Path, dest: Path, *, branch: str) -> None:
     ``--no-local`` goes through the pack protocol, so the source's config, hooks and
     attributes are data, not instructions, to this process.
     """
-    _git(["-c", "protocol.file.allow=always", "clone", "-q", "--bare", "--no-local",
-          "--no-hardlinks", "--single-branch", "--branch", branch, f"file://{src}", str(dest)])
+    # The source belongs to the role's uid, so git's ownership check needs a
+    # safe.directory entry; -c does not reach the spawned upload-pack (git clears
+    # it for another repository), a private global config file does.
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".gitconfig") as cfg:
+        cfg.write(f"[safe]\n\tdirectory = {src}/.git\n\tdirectory = {src}\n")
+        cfg.flush()
+        _git(["-c", "protocol.file.allow=always", "clone", "-q", "--bare", "--no-local",
+              "--no-hardlinks", "--single-branch", "--branch", branch, f"file://{src}",
+              str(dest)], extra_env={"GIT_CONFIG_GLOBAL": cfg.name})
