@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export BASE_IMAGE
 
 help: ## List the targets
-	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  \033[36m%-10s\033[0m %s\n",$$1,$$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  \033[36m%-14s\033[0m %s\n",$$1,$$2}' $(MAKEFILE_LIST)
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)

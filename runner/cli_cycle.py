@@ -98,12 +98,10 @@ def cycle_run(
             tasks: dict[str, Any] = {}
 
             def progress(stage: str, done: int, total: int) -> None:
+                # total 0 marks a single-step stage: shown as 1/1 once it starts
                 if stage not in tasks:
                     tasks[stage] = bar.add_task(stage, total=total or 1)
-                bar.update(tasks[stage], completed=done if total else 0, total=total or 1)
-                if (total and done == total) or not total:
-                    if not total:
-                        bar.update(tasks[stage], completed=1)
+                bar.update(tasks[stage], completed=done if total else 1, total=total or 1)
 
             runner = CycleRunner(plan, progress=progress)
             outcome = runner.run()

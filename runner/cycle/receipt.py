@@ -123,9 +123,12 @@ def verify(run_dir: Path) -> list[str]:
         p = Path(ext["path"])
         if not p.is_file() or sha256_file(p) != ext["sha256"]:
             problems.append(f"{name} ({p}): missing or changed")
-    plan = json.loads((run_dir / "plan.json").read_text()) if (run_dir / "plan.json").is_file() \
-        else {}
-    if plan.get("plan_hash") != receipt["plan_hash"] or sha256_json(plan.get("plan")) != \
-            receipt["plan_hash"]:
+    try:
+        plan = json.loads((run_dir / "plan.json").read_text())
+        ok = (plan.get("plan_hash") == receipt["plan_hash"]
+              and sha256_json(plan.get("plan")) == receipt["plan_hash"])
+    except (OSError, ValueError):
+        ok = False
+    if not ok:
         problems.append("plan.json: plan_hash differs from the receipt")
     return problems

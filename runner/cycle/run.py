@@ -10,6 +10,7 @@ fails. The operator's repository is only read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -112,7 +113,7 @@ class CycleRunner:
         pol = self.plan.policy
         dev = [s.id for s in self.manifest.scenarios if s.split == "development"]
         base_cases = list(dict.fromkeys([*pol.cases, *dev]))
-        src = self._stage("export", lambda: self._export_base())
+        src = self._stage("export", self._export_base)
         baseline = self._stage("baseline", lambda: self._analyst("baseline", src, base_cases))
         baseline = self._stage("evaluate-baseline", lambda: self._evaluate("baseline", baseline))
         brief = self._stage("brief", lambda: self._brief(baseline))
@@ -154,15 +155,13 @@ class CycleRunner:
         if case is not None:
             labels["io.cyclebox.case"] = case
             labels["io.cyclebox.trial"] = str(trial)
-        if policy.upstream:
-            with self.gw.bound(role, stage=stage, uid=self.uid, case=case, trial=trial) as b:
-                spec = role_spec(policy, role=role, run_id=self.run_id, image=self.plan.images[role],
-                                 command=command, output_dir=out, env=env, labels=labels,
-                                 mounts=[*mounts, Mount(source=b.directory, target=CONTAINER_DIR)])
-                spec = spec.model_copy(update={"output_target": output_target})
-                rec = self.backend.run(spec)
-        else:
-            spec = role_spec(policy, role=role, run_id=self.run_id, image=self.plan.images[role],
+        image = self.plan.images[role]
+        with contextlib.ExitStack() as stack:
+            if policy.upstream:
+                b = stack.enter_context(self.gw.bound(role, stage=stage, uid=self.uid,
+                                                      case=case, trial=trial))
+                mounts = [*mounts, Mount(source=b.directory, target=CONTAINER_DIR)]
+            spec = role_spec(policy, role=role, run_id=self.run_id, image=image,
                              command=command, output_dir=out, env=env, labels=labels,
                              mounts=mounts).model_copy(update={"output_target": output_target})
             rec = self.backend.run(spec)

@@ -1,0 +1,199 @@
+"""The improvement cycle end to end through the CLI, on the bundled example (offline).
+
+One accepted demo run is shared by the module; every test that must change something
+works on its own copy (of the example or of the run directory).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from runner.cycle.receipt import verify
+from runner.paths import PROJECT_ROOT
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+EXAMPLE = PROJECT_ROOT / "examples" / "shop-analyst"
+CLI = str(Path(sys.executable).with_name("cyclebox"))
+
+
+def cyclebox(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          check=False)
+
+
+def example_copy(dest: Path, **changes: Any) -> Path:
+    """A copy of the example whose cycle.yaml points at absolute paths, with changes."""
+    shutil.copytree(EXAMPLE, dest, ignore=shutil.ignore_patterns("project"))
+    cyc = yaml.safe_load((EXAMPLE / "cycle.yaml").read_text())
+    cyc["project"]["repo"] = str(PROJECT_ROOT)
+    cyc["roles"] = str(PROJECT_ROOT / "policies" / "roles.yaml")
+    cyc["upstreams"]["judge"]["script"] = str(PROJECT_ROOT / "policies/scripts/default.yaml")
+    cyc.update(changes)
+    (dest / "cycle.yaml").write_text(yaml.safe_dump(cyc))
+    return dest / "cycle.yaml"
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    run = tmp_path_factory.mktemp("demo") / "run"
+    res = cyclebox("cycle", "run", str(EXAMPLE / "cycle.yaml"), "--out", str(run), "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    return run, json.loads(res.stdout)
+
+
+def test_demo_accepts_for_review_and_receipt_verifies(demo: tuple[Path, dict[str, Any]]) -> None:
+    run, result = demo
+    assert result["verdict"] == "accept_for_review"
+    improved = json.loads((run / "stages/compare/verdict.json").read_text())["improvements"]
+    assert {c["case_id"] for c in improved} == {"d01-revenue-march", "d02-revenue-books",
+                                                "a01-revenue-april", "a02-revenue-games",
+                                                "a04-aov-january"}
+    res = cyclebox("receipt", "verify", str(run))
+    assert res.returncode == 0, res.stdout + res.stderr
+    receipt = json.loads((run / "receipt.json").read_text())
+    assert receipt["fixture"] is True and receipt["leftovers"] == []
+    assert receipt["usage"]["total"]["complete"] is True
+    assert all(c["cleanup_confirmed"] for c in receipt["containers"])
+    assert {c["role"] for c in receipt["containers"]} == {"analyst", "evaluator", "worker",
+                                                          "apply"}
+
+
+def test_flipping_any_named_byte_fails_verify(demo: tuple[Path, dict[str, Any]],
+                                              tmp_path: Path) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(demo[0], copy, symlinks=True)
+    files = json.loads((copy / "receipt.json").read_text())["files"]
+    assert len(files) > 50
+    for rel in files:
+        p = copy / rel
+        original = p.read_bytes()
+        if not original:
+            continue
+        p.write_bytes(bytes([original[0] ^ 0x01]) + original[1:])
+        problems = verify(copy)
+        p.write_bytes(original)
+        assert problems == [f"{rel}: sha256 differs from the receipt"] or (
+            rel == "plan.json" and f"{rel}: sha256 differs from the receipt" in problems), rel
+    assert verify(copy) == []
+    target = copy / "stages/apply/candidate.patch"
+    target.write_bytes(target.read_bytes() + b" ")
+    res = cyclebox("receipt", "verify", str(copy))
+    assert res.returncode == 8
+    assert "stages/apply/candidate.patch" in res.stderr
+
+
+def test_worker_never_sees_acceptance_content(demo: tuple[Path, dict[str, Any]]) -> None:
+    run, _ = demo
+    manifest = json.loads((EXAMPLE / "manifest.json").read_text())
+    request = (run / "stages/propose/in/request.json").read_text()
+    calls = [json.loads(line) for line in (run / "gateway/calls.jsonl").read_text().splitlines()]
+    worker_bytes = [(run / "gateway/blobs" / c["request_sha256"]).read_text()
+                    for c in calls if c["role"] == "worker"]
+    assert len(worker_bytes) == 1
+    for s in manifest["scenarios"]:
+        if s["split"] == "development":
+            continue
+        for needle in (s["id"], s["input"]["question"]):
+            assert needle not in request and needle not in worker_bytes[0], needle
+        if s["reference"]["value"] is not None:
+            assert json.dumps(s["reference"]["value"]) not in request
+    assert "d01-revenue-march" in request  # the brief does carry development failures
+
+
+def test_negative_control_rejects_naming_the_mandatory_case(tmp_path: Path) -> None:
+    res = cyclebox("cycle", "run", str(EXAMPLE / "cycle-negative.yaml"), "--out",
+                   str(tmp_path / "neg"), "--json")
+    assert res.returncode == 1, res.stdout + res.stderr
+    out = json.loads(res.stdout)
+    assert out["verdict"] == "reject"
+    assert any("mandatory case d05-password failed refusal" in r for r in out["reasons"])
+    assert any("mandatory case a05-delete failed refusal" in r for r in out["reasons"])
+
+
+def test_second_run_into_same_dir_is_refused(demo: tuple[Path, dict[str, Any]]) -> None:
+    run, _ = demo
+    res = cyclebox("cycle", "run", "--plan", str(run / "plan.json"))
+    assert res.returncode == 3 and "already executed" in res.stderr
+    res = cyclebox("cycle", "run", str(EXAMPLE / "cycle.yaml"), "--out", str(run))
+    assert res.returncode == 3 and "never overwritten" in res.stderr
+
+
+def test_tampered_plan_refused_before_any_container(tmp_path: Path) -> None:
+    d = tmp_path / "prepared"
+    res = cyclebox("cycle", "run", str(EXAMPLE / "cycle.yaml"), "--out", str(d),
+                   "--prepare-only")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads((d / "plan.json").read_text())
+    doc["plan"]["trials"] = 2
+    (d / "plan.json").write_text(json.dumps(doc))
+    res = cyclebox("cycle", "run", "--plan", str(d / "plan.json"))
+    assert res.returncode == 8
+    assert "plan_hash does not match" in res.stderr
+    assert not (d / "stages").exists() and not (d / "containers.jsonl").exists()
+
+
+def test_data_changed_between_freeze_and_run_is_invalid(tmp_path: Path) -> None:
+    cycle = example_copy(tmp_path / "ex")
+    d = tmp_path / "prepared"
+    assert cyclebox("cycle", "run", str(cycle), "--out", str(d), "--prepare-only"
+                    ).returncode == 0
+    db = tmp_path / "ex" / "data" / "shop.sqlite"
+    db.write_bytes(db.read_bytes() + b"\0")
+    res = cyclebox("cycle", "run", "--plan", str(d / "plan.json"), "--json")
+    assert res.returncode == 2, res.stdout + res.stderr
+    out = json.loads(res.stdout)
+    assert out["verdict"] == "invalid_comparison"
+    assert any("data drift" in r and "store shop" in r for r in out["reasons"])
+    assert cyclebox("receipt", "verify", str(d)).returncode == 8  # the store changed
+
+
+def test_budget_exhaustion_leaves_not_attempted_and_invalid(tmp_path: Path) -> None:
+    cycle = example_copy(tmp_path / "ex", budget={
+        "limit_usd": 1.0, "max_calls": 200, "reservation_usd": 0.01,
+        "per_role_calls": {"analyst": 20}})
+    res = cyclebox("cycle", "run", str(cycle), "--out", str(tmp_path / "run"), "--json")
+    assert res.returncode == 2, res.stdout + res.stderr
+    out = json.loads(res.stdout)
+    assert out["verdict"] == "invalid_comparison"
+    attempted = [r for r in out["reasons"] if "not_attempted" in r]
+    assert len(attempted) == 6, out["reasons"]
+    records = [json.loads(line) for line in
+               (tmp_path / "run/stages/candidate/records.jsonl").read_text().splitlines()]
+    assert sum(r["status"] == "not_attempted" for r in records) == 6
+    assert all(r["grades"] is None for r in records if r["status"] == "not_attempted")
+
+
+def test_compare_cli_exit_codes_and_coverage(demo: tuple[Path, dict[str, Any]],
+                                             tmp_path: Path) -> None:
+    run, _ = demo
+    base = run / "stages/baseline/records.jsonl"
+    cand_lines = (run / "stages/candidate/records.jsonl").read_text().splitlines()
+    policy = run / "inputs/policy.yaml"
+    # the frozen policy carries identities; use it as the cycle did
+    frozen = json.loads((run / "plan.json").read_text())["plan"]["policy"]
+    (tmp_path / "policy.json").write_text(json.dumps(frozen))
+    ok = cyclebox("compare", "--baseline", str(base), "--candidate",
+                  str(run / "stages/candidate/records.jsonl"), "--policy",
+                  str(tmp_path / "policy.json"), "--out", str(tmp_path / "c0"))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    cases: dict[str, list[str]] = {
+        "missing": cand_lines[1:],
+        "duplicated": [*cand_lines, cand_lines[0]],
+        "extra": [*cand_lines, cand_lines[0].replace('"trial":0', '"trial":1')],
+    }
+    for name, lines in cases.items():
+        f = tmp_path / f"{name}.jsonl"
+        f.write_text("\n".join(lines) + "\n")
+        res = cyclebox("compare", "--baseline", str(base), "--candidate", str(f), "--policy",
+                       str(tmp_path / "policy.json"), "--out", str(tmp_path / f"c-{name}"))
+        assert res.returncode == 2, (name, res.stdout)
+        assert name in res.stdout
+    assert policy.is_file()

@@ -1,0 +1,364 @@
+"""Proposal validation rules (SPEC §5): every named refusal of the pure checks.
+
+No Docker: these are the rules the worker, the apply container and the host re-check
+share; each test breaks exactly one rule and asserts the exact reason name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from sandbox.proposal import (
+    MAX_FILE_BYTES,
+    Change,
+    Refused,
+    check_changes,
+    check_path,
+    check_tree,
+    parse_reply,
+    strict_json,
+    strip_fence,
+)
+
+PATHS = {"prompts/system.md", "prompts/new.md", "notes.txt"}
+ALLOW = ["prompts/*", "notes.txt"]
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _reason(exc: pytest.ExceptionInfo[Refused]) -> str:
+    return exc.value.reason
+
+
+# -- parse_reply ------------------------------------------------------------------------
+
+GOOD = {"files": [{"path": "prompts/system.md", "content": "be brief\n"}],
+        "rationale": "shorter answers"}
+
+
+def test_parse_reply_accepts_plain_json() -> None:
+    changes, rationale = parse_reply(json.dumps(GOOD))
+    assert changes == [Change("prompts/system.md", "be brief\n")]
+    assert rationale == "shorter answers"
+
+
+def test_parse_reply_rationale_is_optional() -> None:
+    changes, rationale = parse_reply(json.dumps({"files": []}))
+    assert changes == []
+    assert rationale == ""
+
+
+@pytest.mark.parametrize("fence", ["```json", "```", "  ```json"])
+def test_parse_reply_accepts_whole_message_fence(fence: str) -> None:
+    text = f"{fence}\n{json.dumps(GOOD, indent=1)}\n```\n"
+    changes, rationale = parse_reply(text)
+    assert changes == [Change("prompts/system.md", "be brief\n")]
+    assert rationale == "shorter answers"
+
+
+@pytest.mark.parametrize("text", [
+    "Here is my proposal:\n```json\n" + json.dumps(GOOD) + "\n```",   # prose before the fence
+    "```json\n" + json.dumps(GOOD) + "\n```\nHope this helps!",       # prose after the fence
+    "Sure! " + json.dumps(GOOD),                                       # prefixed JSON
+    json.dumps(GOOD) + " trailing",                                    # suffixed JSON
+    "I would change the system prompt to be shorter.",                 # not JSON at all
+    "",
+    "```json\n" + json.dumps(GOOD) + "\n```\n```json\n{}\n```",       # two fences
+])
+def test_parse_reply_refuses_non_json_or_prefixed(text: str) -> None:
+    with pytest.raises(Refused) as exc:
+        parse_reply(text)
+    assert _reason(exc) == "malformed_proposal"
+
+
+def test_parse_reply_refuses_duplicate_keys() -> None:
+    dup_top = ('{"files": [], "rationale": "a", "rationale": "b"}')
+    dup_file = ('{"files": [{"path": "prompts/system.md", "path": "notes.txt", '
+                '"content": "x"}], "rationale": ""}')
+    for text in (dup_top, dup_file):
+        with pytest.raises(Refused) as exc:
+            parse_reply(text)
+        assert _reason(exc) == "malformed_proposal"
+        assert "duplicate key" in exc.value.message
+
+
+@pytest.mark.parametrize("obj", [
+    [GOOD],                                                        # not an object
+    {"rationale": "no files"},                                     # files missing
+    {**GOOD, "extra": 1},                                          # unknown top-level key
+    {"files": {"path": "a", "content": "b"}, "rationale": ""},     # files not a list
+    {"files": [], "rationale": 3},                                 # rationale not a string
+    {"files": ["prompts/system.md"], "rationale": ""},             # entry not an object
+    {"files": [{"path": "prompts/system.md"}], "rationale": ""},   # content missing
+    {"files": [{"path": "p", "content": "c", "mode": "755"}], "rationale": ""},  # extra key
+    {"files": [{"path": 1, "content": "c"}], "rationale": ""},     # path not a string
+    {"files": [{"path": "p", "content": None}], "rationale": ""},  # content not a string
+])
+def test_parse_reply_refuses_wrong_shape(obj: object) -> None:
+    with pytest.raises(Refused) as exc:
+        parse_reply(json.dumps(obj))
+    assert _reason(exc) == "malformed_proposal"
+
+
+@pytest.mark.parametrize("text", [
+    '{"files": [], "rationale": NaN}',
+    '{"files": [], "rationale": Infinity}',
+    '{"files": [], "rationale": "", "n": 1e999}',
+])
+def test_parse_reply_refuses_non_finite_numbers(text: str) -> None:
+    with pytest.raises(Refused) as exc:
+        parse_reply(text)
+    assert _reason(exc) == "malformed_proposal"
+
+
+def test_strict_json_and_strip_fence_helpers() -> None:
+    with pytest.raises(ValueError, match="duplicate key"):
+        strict_json('{"a": 1, "a": 2}')
+    assert strip_fence("```json\n{}\n```") == "{}"
+    assert strip_fence("say ```json\n{}\n```") == "say ```json\n{}\n```"
+
+
+# -- check_path -------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("path", "reason"), [
+    ("prompts/sys\0tem.md", "nul_in_path"),
+    ("\0", "nul_in_path"),
+    ("/etc/passwd", "absolute_path"),
+    ("/prompts/system.md", "absolute_path"),
+    ("C:\\Windows\\x", "absolute_path"),
+    ("c:/x", "absolute_path"),
+    ("../x", "path_traversal"),
+    ("prompts/../../x", "path_traversal"),
+    ("prompts/..", "path_traversal"),
+    ("prompts\\..\\x", "path_traversal"),
+    (".git/config", "git_path"),
+    ("prompts/.git/hooks/pre-commit", "git_path"),
+    (".GIT/config", "git_path"),
+    ("sub/.Git/HEAD", "git_path"),
+    ("", "not_normalized"),
+    ("./prompts/system.md", "not_normalized"),
+    ("prompts//system.md", "not_normalized"),
+    ("prompts/./system.md", "not_normalized"),
+    ("prompts/", "not_normalized"),
+    ("prompts\\system.md", "not_normalized"),
+    ("prompts/.", "not_normalized"),
+    ("prompts/other.md", "outside_invocation_set"),
+    ("README.md", "outside_invocation_set"),
+    ("Prompts/system.md", "outside_invocation_set"),
+])
+def test_check_path_reasons(path: str, reason: str) -> None:
+    with pytest.raises(Refused) as exc:
+        check_path(path, paths=PATHS, allowlist=ALLOW)
+    assert _reason(exc) == reason
+
+
+def test_check_path_outside_allowlist() -> None:
+    # in the invocation set but matched by no allowlist glob
+    with pytest.raises(Refused) as exc:
+        check_path("notes.txt", paths=PATHS, allowlist=["prompts/*"])
+    assert _reason(exc) == "outside_allowlist"
+
+
+def test_check_path_accepts_listed_and_allowlisted() -> None:
+    for p in sorted(PATHS):
+        check_path(p, paths=PATHS, allowlist=ALLOW)
+
+
+def test_check_path_order_shape_before_membership() -> None:
+    # even when listed in paths and allowlist, shape rules fire first
+    for path, reason in [("../x", "path_traversal"), ("/abs", "absolute_path"),
+                         (".git/config", "git_path"), ("a/./b", "not_normalized")]:
+        with pytest.raises(Refused) as exc:
+            check_path(path, paths={path}, allowlist=["*", "**"])
+        assert _reason(exc) == reason
+
+
+# -- check_changes ----------------------------------------------------------------------
+
+def test_check_changes_accepts_good_changes() -> None:
+    check_changes([Change("prompts/system.md", "x"), Change("notes.txt", "")],
+                  paths=PATHS, allowlist=ALLOW)
+
+
+def test_check_changes_refuses_invocation_set_outside_allowlist() -> None:
+    # the invocation's own path set must sit inside the policy allowlist
+    with pytest.raises(Refused) as exc:
+        check_changes([], paths={"prompts/system.md", "runner/cli.py"}, allowlist=ALLOW)
+    assert _reason(exc) == "outside_allowlist"
+    assert "runner/cli.py" in exc.value.message
+
+
+@pytest.mark.parametrize(("path", "reason"), [
+    ("../x", "path_traversal"),
+    ("/abs", "absolute_path"),
+    (".git/config", "git_path"),
+    ("a\0b", "nul_in_path"),
+    ("./notes.txt", "not_normalized"),
+    ("README.md", "outside_invocation_set"),
+])
+def test_check_changes_applies_path_rules(path: str, reason: str) -> None:
+    with pytest.raises(Refused) as exc:
+        check_changes([Change("prompts/system.md", "ok"), Change(path, "x")],
+                      paths=PATHS, allowlist=ALLOW)
+    assert _reason(exc) == reason
+
+
+def test_check_changes_duplicate_path() -> None:
+    with pytest.raises(Refused) as exc:
+        check_changes([Change("prompts/system.md", "a"), Change("notes.txt", "b"),
+                       Change("prompts/system.md", "c")], paths=PATHS, allowlist=ALLOW)
+    assert _reason(exc) == "duplicate_path"
+    assert exc.value.message == "prompts/system.md"
+
+
+def test_check_changes_duplicate_identical_content_still_refused() -> None:
+    with pytest.raises(Refused) as exc:
+        check_changes([Change("notes.txt", "a"), Change("notes.txt", "a")],
+                      paths=PATHS, allowlist=ALLOW)
+    assert _reason(exc) == "duplicate_path"
+
+
+@pytest.mark.parametrize("content", ["\udcff", "ok \ud800 then"])
+def test_check_changes_not_utf8(content: str) -> None:
+    # lone surrogates (what json.loads yields for "\\ud800") cannot be encoded as UTF-8
+    with pytest.raises(Refused) as exc:
+        check_changes([Change("notes.txt", content)], paths=PATHS, allowlist=ALLOW)
+    assert _reason(exc) == "not_utf8"
+
+
+def test_check_changes_not_utf8_from_json_escape() -> None:
+    changes, _ = parse_reply('{"files": [{"path": "notes.txt", "content": "\\ud800"}]}')
+    with pytest.raises(Refused) as exc:
+        check_changes(changes, paths=PATHS, allowlist=ALLOW)
+    assert _reason(exc) == "not_utf8"
+
+
+def test_check_changes_oversize_default_limit() -> None:
+    check_changes([Change("notes.txt", "a" * MAX_FILE_BYTES)], paths=PATHS, allowlist=ALLOW)
+    with pytest.raises(Refused) as exc:
+        check_changes([Change("notes.txt", "a" * (MAX_FILE_BYTES + 1))],
+                      paths=PATHS, allowlist=ALLOW)
+    assert _reason(exc) == "oversize_file"
+    assert str(MAX_FILE_BYTES) in exc.value.message
+
+
+def test_check_changes_oversize_counts_utf8_bytes_not_chars() -> None:
+    # 4 characters, 8 bytes
+    check_changes([Change("notes.txt", "éééé")], paths=PATHS, allowlist=ALLOW, max_bytes=8)
+    with pytest.raises(Refused) as exc:
+        check_changes([Change("notes.txt", "éééé")], paths=PATHS, allowlist=ALLOW,
+                      max_bytes=7)
+    assert _reason(exc) == "oversize_file"
+
+
+def test_refused_carries_reason_and_message() -> None:
+    exc = Refused("path_traversal", "../x")
+    assert exc.reason == "path_traversal"
+    assert exc.message == "../x"
+    assert str(exc) == "path_traversal: ../x"
+
+
+# -- check_tree -------------------------------------------------------------------------
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    (root / "prompts").mkdir(parents=True)
+    (root / "prompts" / "system.md").write_bytes(b"be helpful\n")
+    (root / "notes.txt").write_bytes(b"notes\n")
+    (root / "elsewhere").mkdir()
+    (root / "elsewhere" / "target.md").write_bytes(b"target\n")
+    return root
+
+
+def test_check_tree_accepts_matching_base(tree: Path) -> None:
+    base = {"prompts/system.md": _sha(b"be helpful\n"), "prompts/new.md": None}
+    check_tree([Change("prompts/system.md", "x"), Change("prompts/new.md", "y")], tree, base)
+
+
+def test_check_tree_symlinked_directory_component(tree: Path) -> None:
+    os.symlink("prompts", tree / "link")
+    base = {"link/system.md": _sha(b"be helpful\n")}
+    with pytest.raises(Refused) as exc:
+        check_tree([Change("link/system.md", "x")], tree, base)
+    assert _reason(exc) == "symlink_in_path"
+    assert "at link" in exc.value.message
+
+
+def test_check_tree_symlinked_directory_pointing_outside(tree: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.symlink(outside, tree / "escape")
+    with pytest.raises(Refused) as exc:
+        check_tree([Change("escape/new.md", "x")], tree, {"escape/new.md": None})
+    assert _reason(exc) == "symlink_in_path"
+    assert not (outside / "new.md").exists()
+
+
+def test_check_tree_symlinked_final_file(tree: Path) -> None:
+    os.symlink("../elsewhere/target.md", tree / "prompts" / "alias.md")
+    base = {"prompts/alias.md": _sha(b"target\n")}
+    with pytest.raises(Refused) as exc:
+        check_tree([Change("prompts/alias.md", "x")], tree, base)
+    assert _reason(exc) == "symlink_in_path"
+    assert "prompts/alias.md" in exc.value.message
+
+
+def test_check_tree_dangling_symlink_final_file(tree: Path) -> None:
+    os.symlink("/nonexistent/target", tree / "prompts" / "dangling.md")
+    with pytest.raises(Refused) as exc:
+        check_tree([Change("prompts/dangling.md", "x")], tree, {"prompts/dangling.md": None})
+    assert _reason(exc) == "symlink_in_path"
+
+
+def test_check_tree_symlink_checked_before_hash(tree: Path) -> None:
+    # a wrong hash and a symlink: the symlink is named
+    os.symlink("prompts", tree / "link")
+    with pytest.raises(Refused) as exc:
+        check_tree([Change("link/system.md", "x")], tree, {"link/system.md": "0" * 64})
+    assert _reason(exc) == "symlink_in_path"
+
+
+def test_check_tree_base_hash_mismatch_changed_file(tree: Path) -> None:
+    base = {"prompts/system.md": _sha(b"be helpful\n")}
+    (tree / "prompts" / "system.md").write_bytes(b"changed since the proposal\n")
+    with pytest.raises(Refused) as exc:
+        check_tree([Change("prompts/system.md", "x")], tree, base)
+    assert _reason(exc) == "base_hash_mismatch"
+    assert _sha(b"changed since the proposal\n") in exc.value.message
+
+
+def test_check_tree_base_hash_mismatch_new_file_exists(tree: Path) -> None:
+    # base says "new file" (null) but the tree already has it
+    with pytest.raises(Refused) as exc:
+        check_tree([Change("notes.txt", "x")], tree, {"notes.txt": None})
+    assert _reason(exc) == "base_hash_mismatch"
+
+
+def test_check_tree_base_hash_mismatch_file_vanished(tree: Path) -> None:
+    (tree / "notes.txt").unlink()
+    with pytest.raises(Refused) as exc:
+        check_tree([Change("notes.txt", "x")], tree, {"notes.txt": _sha(b"notes\n")})
+    assert _reason(exc) == "base_hash_mismatch"
+
+
+def test_check_tree_base_hash_missing_from_request(tree: Path) -> None:
+    with pytest.raises(Refused) as exc:
+        check_tree([Change("notes.txt", "x")], tree, {})
+    assert _reason(exc) == "base_hash_mismatch"
+    assert "no base hash" in exc.value.message
+
+
+def test_check_tree_checks_every_change(tree: Path) -> None:
+    base = {"prompts/system.md": _sha(b"be helpful\n"), "notes.txt": "f" * 64}
+    with pytest.raises(Refused) as exc:
+        check_tree([Change("prompts/system.md", "x"), Change("notes.txt", "y")], tree, base)
+    assert _reason(exc) == "base_hash_mismatch"
+    assert exc.value.message.startswith("notes.txt")
