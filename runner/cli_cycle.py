@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -127,7 +128,7 @@ def _summary(outcome: Any, receipt: dict[str, Any]) -> None:
     t.add_column("v", overflow="fold")
     t.add_row("verdict", f"[bold {colour}]{r.verdict}[/]")
     for reason in r.reasons:
-        t.add_row("reason", reason)
+        t.add_row("reason", escape(reason))
     for c in r.improvements:
         t.add_row("improved", f"{c.case_id} t{c.trial} {c.criterion}")
     for c in r.regressions:
@@ -168,7 +169,9 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")],
         if out_dir.exists():
             raise CycleboxError(f"{out_dir} exists; evidence is never overwritten")
         (out_dir / "in").mkdir(parents=True)
-        inv = {"paths": prop.get("paths", [f.get("path") for f in prop.get("files", [])]),
+        raw_files = prop.get("files")
+        files: list[Any] = raw_files if isinstance(raw_files, list) else []
+        inv = {"paths": prop.get("paths", [f.get("path") for f in files if isinstance(f, dict)]),
                "allowlist": prop.get("allowlist", ["*"]), "base": prop.get("base", {}),
                "max_file_bytes": 256 * 1024}
         (out_dir / "in" / "proposal.json").write_bytes(proposal.read_bytes())
@@ -192,7 +195,8 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")],
         out.print(f"applied: commit {result['commit']} tree {result['tree']}; patch "
                   f"{out_dir / 'candidate.patch'}", highlight=False)
     else:
-        err.print(f"refused: {result.get('reason')}: {result.get('message')}", highlight=False)
+        err.print(f"refused: {result.get('reason')}: {result.get('message')}", highlight=False,
+                  markup=False)
     raise typer.Exit(0 if result.get("status") == "applied" else 2)
 
 
@@ -218,7 +222,7 @@ def compare_cmd(baseline: Annotated[Path, typer.Option(help="Baseline records (J
     else:
         out.print(f"{result.verdict}", highlight=False)
         for reason in result.reasons:
-            out.print(f"  - {reason}", highlight=False)
+            out.print(f"  - {reason}", highlight=False, markup=False)
     raise typer.Exit(EXIT_CODES[result.verdict])
 
 
@@ -236,7 +240,7 @@ def receipt_verify(run_dir: Annotated[Path, typer.Argument(help="A cycle run dir
         out.print_json(json.dumps({"ok": not problems, "problems": problems}))
     else:
         for p in problems:
-            err.print(f"[red]mismatch:[/] {p}", highlight=False)
+            err.print(f"[red]mismatch:[/] {escape(p)}", highlight=False)
         n = len(json.loads((run_dir / "receipt.json").read_text())["files"])
         out.print("receipt verified: every named file matches" if not problems
                   else f"receipt verification FAILED ({len(problems)} of {n} files)")

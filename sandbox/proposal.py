@@ -99,7 +99,8 @@ def check_path(path: str, *, paths: set[str], allowlist: list[str]) -> None:
         raise Refused("path_traversal", path)
     if ".git" in parts or any(p.lower() == ".git" for p in parts):
         raise Refused("git_path", path)
-    if not path or posixpath.normpath(path) != path or path.startswith("./") or "\\" in path:
+    if (not path or path == "." or posixpath.normpath(path) != path or path.startswith("./")
+            or "\\" in path):
         raise Refused("not_normalized", repr(path))
     if path not in paths:
         raise Refused("outside_invocation_set", f"{path} (allowed: {sorted(paths)})")
@@ -132,14 +133,22 @@ def check_tree(changes: list[Change], root: Path, base: dict[str, str | None]) -
     """Rules against the checked-out tree: no symlink on the way, source unchanged."""
     for c in changes:
         cur = root
-        for part in c.path.split("/"):
+        parts = c.path.split("/")
+        for i, part in enumerate(parts):
             cur = cur / part
             try:
                 st = os.lstat(cur)
             except FileNotFoundError:
                 break
+            except NotADirectoryError:
+                raise Refused("path_through_file", f"{c.path}: a parent is a file") from None
             if stat.S_ISLNK(st.st_mode):
                 raise Refused("symlink_in_path", f"{c.path} (at {cur.relative_to(root)})")
+            last = i == len(parts) - 1
+            if not last and not stat.S_ISDIR(st.st_mode):
+                raise Refused("path_through_file", f"{c.path}: {cur.relative_to(root)} is a file")
+            if last and not stat.S_ISREG(st.st_mode):
+                raise Refused("not_a_regular_file", f"{c.path} exists and is not a regular file")
         expected = base.get(c.path, "missing")
         target = root / c.path
         actual = (hashlib.sha256(target.read_bytes()).hexdigest()

@@ -190,7 +190,7 @@ def test_apply_success_writes_patch_and_leaves_operator_repo_alone(
 
 # -- refusals -------------------------------------------------------------------------
 
-SYS_BASE = {"prompts/system.md": _sha(SYSTEM)}
+SYS_BASE: dict[str, str | None] = {"prompts/system.md": _sha(SYSTEM)}
 
 REFUSALS: dict[str, tuple[dict[str, Any], str]] = {
     "traversal": (_proposal([("../x", "escape\n")], base={"../x": None}),

@@ -285,7 +285,7 @@ def test_check_tree_accepts_matching_base(tree: Path) -> None:
 
 def test_check_tree_symlinked_directory_component(tree: Path) -> None:
     os.symlink("prompts", tree / "link")
-    base = {"link/system.md": _sha(b"be helpful\n")}
+    base: dict[str, str | None] = {"link/system.md": _sha(b"be helpful\n")}
     with pytest.raises(Refused) as exc:
         check_tree([Change("link/system.md", "x")], tree, base)
     assert _reason(exc) == "symlink_in_path"
@@ -304,7 +304,7 @@ def test_check_tree_symlinked_directory_pointing_outside(tree: Path, tmp_path: P
 
 def test_check_tree_symlinked_final_file(tree: Path) -> None:
     os.symlink("../elsewhere/target.md", tree / "prompts" / "alias.md")
-    base = {"prompts/alias.md": _sha(b"target\n")}
+    base: dict[str, str | None] = {"prompts/alias.md": _sha(b"target\n")}
     with pytest.raises(Refused) as exc:
         check_tree([Change("prompts/alias.md", "x")], tree, base)
     assert _reason(exc) == "symlink_in_path"
@@ -327,7 +327,7 @@ def test_check_tree_symlink_checked_before_hash(tree: Path) -> None:
 
 
 def test_check_tree_base_hash_mismatch_changed_file(tree: Path) -> None:
-    base = {"prompts/system.md": _sha(b"be helpful\n")}
+    base: dict[str, str | None] = {"prompts/system.md": _sha(b"be helpful\n")}
     (tree / "prompts" / "system.md").write_bytes(b"changed since the proposal\n")
     with pytest.raises(Refused) as exc:
         check_tree([Change("prompts/system.md", "x")], tree, base)
@@ -357,8 +357,24 @@ def test_check_tree_base_hash_missing_from_request(tree: Path) -> None:
 
 
 def test_check_tree_checks_every_change(tree: Path) -> None:
-    base = {"prompts/system.md": _sha(b"be helpful\n"), "notes.txt": "f" * 64}
+    base: dict[str, str | None] = {"prompts/system.md": _sha(b"be helpful\n"),
+                                   "notes.txt": "f" * 64}
     with pytest.raises(Refused) as exc:
         check_tree([Change("prompts/system.md", "x"), Change("notes.txt", "y")], tree, base)
     assert _reason(exc) == "base_hash_mismatch"
     assert exc.value.message.startswith("notes.txt")
+
+
+def test_directory_target_and_path_through_file_are_named_refusals(tmp_path: Path) -> None:
+    """Regression: a directory as target, or a file as a parent, used to crash apply."""
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "README.md").write_text("x")
+    with pytest.raises(Refused) as exc:
+        check_tree([Change("prompts", "x\n")], tmp_path, {"prompts": None})
+    assert exc.value.reason == "not_a_regular_file"
+    with pytest.raises(Refused) as exc:
+        check_tree([Change("README.md/x", "x")], tmp_path, {"README.md/x": None})
+    assert exc.value.reason == "path_through_file"
+    with pytest.raises(Refused) as exc:
+        check_path(".", paths={"."}, allowlist=["*"])
+    assert exc.value.reason == "not_normalized"

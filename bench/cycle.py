@@ -1,0 +1,103 @@
+"""Cycle overhead: the demo plan scaled to 2 trials (26 case x trial runs per side, 52
+analyst containers, plus evaluator x2, worker and apply) on the scripted provider at
+concurrency 2, against the same number of raw `docker run --rm` invocations of the
+analyst image (same hardening flags, same concurrency) running the agent's imports,
+`python -c 'import json, sqlite3, openai'` (the model call itself is what the cycle
+adds on top, through the gateway). Both in one run.
+
+Target (issue 4): cycle wall time / raw container time <= 1.3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import yaml
+
+from bench.overhead import docker_cli_args
+from runner.docker_backend import DockerSandbox
+from runner.hardening import create_kwargs
+from runner.images import resolve_image
+from runner.paths import PROJECT_ROOT, default_policies
+from runner.policy import load_policies
+from runner.roles import role_spec
+
+EXAMPLE = PROJECT_ROOT / "examples" / "shop-analyst"
+RAW_COMMAND = ["python", "-c", "import json, sqlite3, openai"]
+
+
+def scaled_example(dest: Path, trials: int) -> Path:
+    shutil.copytree(EXAMPLE, dest, ignore=shutil.ignore_patterns("project"))
+    cyc = yaml.safe_load((EXAMPLE / "cycle.yaml").read_text())
+    cyc["project"]["repo"] = str(PROJECT_ROOT)
+    cyc["roles"] = str(default_policies())
+    cyc["upstreams"]["judge"]["script"] = str(PROJECT_ROOT / "policies/scripts/default.yaml")
+    cyc["trials"] = trials
+    cyc["name"] = "bench-cycle"
+    (dest / "cycle.yaml").write_text(yaml.safe_dump(cyc))
+    pol = yaml.safe_load((EXAMPLE / "policy.yaml").read_text())
+    pol["trials"] = trials
+    (dest / "policy.yaml").write_text(yaml.safe_dump(pol))
+    return dest / "cycle.yaml"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--trials", type=int, default=2)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="cbx-bench-cycle-"))
+    cycle = scaled_example(work / "example", a.trials)
+    cli = str(PROJECT_ROOT / ".venv" / "bin" / "cyclebox")
+    t0 = time.perf_counter()
+    res = subprocess.run([cli, "cycle", "run", str(cycle), "--out", str(work / "run"), "--json"],
+                         capture_output=True, text=True, check=False)
+    cycle_wall = time.perf_counter() - t0
+    if res.returncode != 0:
+        raise SystemExit(f"cycle failed ({res.returncode}): {res.stdout} {res.stderr}")
+    out = json.loads(res.stdout)
+    containers = [json.loads(x) for x in (work / "run/containers.jsonl").read_text().splitlines()]
+    analyst_runs = sum(c["role"] == "analyst" for c in containers)
+
+    policy = load_policies(default_policies()).roles["analyst"]
+    backend = DockerSandbox()
+    spec = role_spec(policy, role="analyst", run_id="bench-raw", image=resolve_image("analyst"),
+                     command=RAW_COMMAND)
+    raw_args = docker_cli_args(create_kwargs(spec, backend.owner, "raw"))[:-1]
+    raw_args = [*raw_args[: raw_args.index(str(spec.image)) + 1], *RAW_COMMAND]
+
+    def raw_one(_: int) -> None:
+        subprocess.run(raw_args, check=True, capture_output=True)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(raw_one, range(len(containers))))
+    raw_wall = time.perf_counter() - t0
+    result = {
+        "bench": "cycle", "trials": a.trials, "verdict": out["verdict"],
+        "containers": len(containers), "analyst_case_trial_runs": analyst_runs,
+        "concurrency": 2,
+        "cycle_wall_s": round(cycle_wall, 2),
+        "raw_docker_wall_s": round(raw_wall, 2),
+        "ratio_cycle_over_raw": round(cycle_wall / raw_wall, 3),
+        "per_stage_s": out["timing"],
+        "target_ratio": 1.3,
+        "raw_command": RAW_COMMAND,
+    }
+    result["meets_target"] = result["ratio_cycle_over_raw"] <= 1.3
+    text = json.dumps(result, indent=2)
+    print(text)
+    if a.out:
+        a.out.write_text(text + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
