@@ -82,9 +82,10 @@ smoke: setup docker images ## One sandboxed smoke run of each role image
 
 bench: setup docker images ## Run the benchmarks (JSON into build/bench/)
 	@mkdir -p build/bench
-	$(BIN)/python bench/overhead.py --out build/bench/overhead.json
-	$(BIN)/python bench/images.py --out build/bench/images.json
-	$(BIN)/python bench/gateway.py --out build/bench/gateway.json
+	$(BIN)/python -m bench.overhead --out build/bench/overhead.json
+	$(BIN)/python -m bench.images --out build/bench/images.json
+	$(BIN)/python -m bench.gateway --out build/bench/gateway.json
+	$(BIN)/python -m bench.cycle --out build/bench/cycle.json
 
 gc: setup ## Remove cyclebox containers whose controller is gone
 	$(CYCLEBOX) gc

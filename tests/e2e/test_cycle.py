@@ -197,3 +197,36 @@ def test_compare_cli_exit_codes_and_coverage(demo: tuple[Path, dict[str, Any]],
         assert res.returncode == 2, (name, res.stdout)
         assert name in res.stdout
     assert policy.is_file()
+
+
+def test_review_packet_and_calibration(demo: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    run, _ = demo
+    packet = tmp_path / "packet"
+    res = cyclebox("review", "packet", "--records", str(run / "stages/baseline/records.jsonl"),
+                   "--out", str(packet), "--reviewer", "qa")
+    assert res.returncode == 0, res.stderr
+    assert {p.name for p in packet.iterdir()} == {"review.md", "packet.json",
+                                                  "human-labels.json", "judge-ratings.json"}
+    # unlabelled: coverage fails -> non-zero
+    res = cyclebox("review", "calibrate", "--packet", str(packet), "--labels",
+                   str(packet / "human-labels.json"), "--judges",
+                   str(packet / "judge-ratings.json"), "--out", str(tmp_path / "c0.json"))
+    assert res.returncode != 0
+    labels = json.loads((packet / "human-labels.json").read_text())
+    ratings = json.loads((packet / "judge-ratings.json").read_text())["ratings"]
+    for item, crit in labels["labels"].items():
+        for c in crit:
+            crit[c] = ratings[item][c] if ratings[item][c] is not None else 0
+    labels["labeled_at"] = "2026-11-29T12:00:00+00:00"
+    (tmp_path / "labels.json").write_text(json.dumps(labels))
+    res = cyclebox("review", "calibrate", "--packet", str(packet), "--labels",
+                   str(tmp_path / "labels.json"), "--judges", str(packet / "judge-ratings.json"),
+                   "--out", str(tmp_path / "cal.json"), "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    cal = json.loads(res.stdout)
+    assert cal["complete"] is True and cal["coverage"]["overall"] == 1.0
+    (packet / "review.md").write_text("tampered")
+    res = cyclebox("review", "calibrate", "--packet", str(packet), "--labels",
+                   str(tmp_path / "labels.json"), "--judges", str(packet / "judge-ratings.json"),
+                   "--out", str(tmp_path / "cal2.json"))
+    assert res.returncode == 8 and "review.md" in res.stderr
