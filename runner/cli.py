@@ -285,7 +285,8 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
 
 def main() -> None:
     """Console-script entry point."""
-    import runner.cli_cycle  # noqa: F401 - registers the cycle commands on `app`
+    import runner.cli_cycle
+    import runner.cli_train  # noqa: F401 - registers model/train/export on `app`
 
     try:
         app()

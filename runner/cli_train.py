@@ -1,0 +1,141 @@
+"""CLI commands for models, training and corpus export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from runner.cli import JsonOpt, _fail, app, err, out
+from runner.errors import CycleboxError
+from runner.paths import PROJECT_ROOT, state_dir
+
+model_app = typer.Typer(no_args_is_help=True, help="Local base models.")
+train_app = typer.Typer(no_args_is_help=True, help="CPU LoRA training in the trainer image.")
+app.add_typer(model_app, name="model")
+app.add_typer(train_app, name="train")
+OutOpt = Annotated[Path, typer.Option("--out", help="Fresh output directory (must not exist).")]
+BaseOpt = Annotated[Path, typer.Option("--base-model", help="Local model directory.")]
+
+
+class _Bar:
+    """Shows trainer progress events as a bar."""
+
+    def __init__(self, progress: Progress, label: str) -> None:
+        self.p = progress
+        self.task = progress.add_task(label, total=None)
+
+    def __call__(self, ev: dict[str, Any]) -> None:
+        if ev.get("event") == "start":
+            self.p.console.print(f"rows {ev.get('rows')}, epochs {ev.get('epochs')}, grad-accum "
+                                 f"{ev.get('grad_accum')}, threads {ev.get('threads')}",
+                                 highlight=False)
+        elif ev.get("event") == "progress":
+            self.p.update(self.task, completed=ev["step"], total=ev["total"],
+                          description=f"loss {ev.get('loss')}")
+
+
+def _progress(json_out: bool) -> Progress:
+    return Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=err, disable=json_out)
+
+
+@model_app.command("tiny")
+def model_tiny(out_dir: OutOpt, seed: int = 0, json_out: JsonOpt = False) -> None:
+    """Create a tiny Llama-style model and BPE tokenizer offline (in the trainer image)."""
+    from runner.train import make_tiny
+
+    try:
+        info = make_tiny(out_dir, lambda _e: None, seed=seed)
+    except CycleboxError as exc:
+        _fail(exc)
+    if json_out:
+        out.print_json(json.dumps(info))
+    else:
+        out.print(f"tiny model in {out_dir}: {info['parameters']} parameters, vocab "
+                  f"{info['vocab']}", highlight=False)
+
+
+@train_app.command("proof")
+def train_proof(persona: Annotated[Path, typer.Option(help="Persona/skill script (YAML).")],
+                base_model: BaseOpt, out_dir: OutOpt,
+                ledger: Annotated[Path | None, typer.Option(
+                    help="Feedback ledger (default build/train/ledger.jsonl).")] = None,
+                lr: float = 5e-3, seed: int = 0, json_out: JsonOpt = False) -> None:
+    """The proof loop: train a LoRA adapter and prove it imprinted. Exit 4 when nothing
+    imprinted; 5 when the adapter did not reproduce its answers in a fresh process."""
+    from runner.train import proof
+
+    ledger = ledger or state_dir() / "train" / "ledger.jsonl"
+    try:
+        with _progress(json_out) as p:
+            summary = proof(persona, base_model, out_dir, ledger=ledger, lr=lr, seed=seed,
+                            on_event=_Bar(p, "training"))
+    except CycleboxError as exc:
+        _fail(exc)
+    r = summary["report"]
+    if json_out:
+        out.print_json(json.dumps({k: v for k, v in summary.items() if k != "trainer_run"}))
+    else:
+        out.print(f"recall {r['recall_before']:.2f} -> {r['recall_after']:.2f}; imprint "
+                  f"{r['scores']}; classroom {'passed' if r['classroom_passed'] else 'FAILED'}; "
+                  f"board {r['board']['decision']} {r['board']['members']}; reproduced in a "
+                  f"fresh process: {summary['reproduced_in_fresh_process']}", highlight=False)
+        out.print(f"adapter: {out_dir / 'adapter'}; receipt: {out_dir / 'train-receipt.json'}",
+                  highlight=False)
+    if summary["exit_code"] == 4:
+        raise typer.Exit(4)
+    if not summary["reproduced_in_fresh_process"]:
+        raise typer.Exit(5)
+
+
+@train_app.command("sft")
+def train_sft(corpus: Annotated[Path, typer.Option(help="Exported corpus directory.")],
+              base_model: BaseOpt, out_dir: OutOpt, lr: float = 5e-3, seed: int = 0,
+              epochs: Annotated[int | None, typer.Option(
+                  help="Override the epochs derived from the row count.")] = None,
+              json_out: JsonOpt = False) -> None:
+    """Supervised LoRA fine-tuning on an exported corpus (same container rules, same receipt)."""
+    from runner.train import sft
+
+    try:
+        with _progress(json_out) as p:
+            receipt = sft(corpus, base_model, out_dir, lr=lr, seed=seed, epochs=epochs,
+                          on_event=_Bar(p, "training"))
+    except CycleboxError as exc:
+        _fail(exc)
+    if json_out:
+        out.print_json(json.dumps(receipt))
+    else:
+        f = receipt["figures"]
+        out.print(f"trained {f['steps']} steps, {f['tokens_per_s']} tokens/s, final loss "
+                  f"{f['final_loss']}; receipt {out_dir / 'train-receipt.json'}", highlight=False)
+
+
+@app.command("export")
+def export_cmd(run: Annotated[Path, typer.Option("--run", help="A cycle run directory.")],
+               out_dir: OutOpt,
+               fmt: Annotated[str, typer.Option("--format", help="Corpus format.")] = "verl",
+               calibration: Annotated[Path | None, typer.Option(
+                   help="Calibration result from `cyclebox review calibrate`.")] = None,
+               policy: Annotated[Path, typer.Option(help="Export policy.")] =
+               PROJECT_ROOT / "policies" / "export.yaml",
+               json_out: JsonOpt = False) -> None:
+    """Turn a run's call log and grades into training trajectories (refused without a
+    calibration that meets the export policy's kappa)."""
+    from runner.export import export, load_export_policy
+
+    try:
+        summary = export(run, out_dir, calibration=calibration,
+                         policy=load_export_policy(policy), fmt=fmt)
+    except CycleboxError as exc:
+        _fail(exc)
+    if json_out:
+        out.print_json(json.dumps(summary))
+    else:
+        out.print(f"exported {summary['trajectories']} trajectories, {summary['turns']} turns; "
+                  f"r_format {summary['r_format']}, r_outcome {summary['r_outcome']}, format "
+                  f"pass rate {summary['format_pass_rate']} -> {out_dir}", highlight=False)

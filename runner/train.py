@@ -1,0 +1,183 @@
+"""Host side of training: run the trainer image with no network and read-only inputs,
+show its JSON progress events, check its receipt against the files, keep the ledger.
+
+The trainer never sees a credential or the network; the base model, the persona or
+corpus and the ledger are mounted read-only; it writes only its fresh output dir.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runner.collect import Limits, collect
+from runner.docker_backend import DockerSandbox
+from runner.errors import ConfigError, IntegrityError, SandboxError
+from runner.images import resolve_image
+from runner.paths import default_policies
+from runner.policy import load_policies
+from runner.roles import fresh_output_dir, role_spec
+from runner.sandbox import Mount, RunRecord
+from sandbox.train.receipt import tree_sha
+
+Events = Callable[[dict[str, Any]], None]
+
+
+class _Lines:
+    """Splits streamed stdout into JSON events."""
+
+    def __init__(self, on_event: Events) -> None:
+        self.buf = b""
+        self.on_event = on_event
+
+    def __call__(self, stream: str, chunk: bytes) -> None:
+        if stream != "stdout":
+            return
+        self.buf += chunk
+        while b"\n" in self.buf:
+            line, self.buf = self.buf.split(b"\n", 1)
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(ev, dict) and "event" in ev:
+                self.on_event(ev)
+
+
+def run_trainer(module: str, *, out: Path, mounts: list[Mount], run_id: str,
+                on_event: Events, args: tuple[str, ...] = ()) -> RunRecord:
+    """Run ``python -m module`` in the trainer image under the trainer policy."""
+    policy = load_policies(default_policies()).roles["trainer"]
+    spec = role_spec(policy, role="trainer", run_id=run_id, image=resolve_image("trainer"),
+                     command=["python", "-m", module, *args], mounts=mounts, output_dir=out)
+    return DockerSandbox().run(spec, on_output=_Lines(on_event))
+
+
+def _trainer_uid() -> int:
+    return int(load_policies(default_policies()).roles["trainer"].user.split(":")[0])
+
+
+def make_tiny(out: Path, on_event: Events, *, seed: int = 0) -> dict[str, Any]:
+    """Create the tiny model and tokenizer in the trainer container, into ``out``."""
+    fresh_output_dir(out.resolve(), uid=_trainer_uid())
+    rec = run_trainer("sandbox.train.tiny", out=out.resolve(), mounts=[], run_id="model-tiny",
+                      on_event=on_event, args=("--out", "/out", "--seed", str(seed)))
+    if rec.stop_reason.value != "ok":
+        raise SandboxError(f"tiny model creation failed: {rec.stop_reason.value} "
+                           f"{rec.stderr_tail[-500:]}")
+    return json.loads((out / "cyclebox-tiny.json").read_text())  # type: ignore[no-any-return]
+
+
+def load_persona(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read persona: {exc}", path=str(path)) from None
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        raise ConfigError("persona needs a name", path=str(path), field="name")
+    ex = data.get("exchanges")
+    if not isinstance(ex, list) or not ex or not all(
+            isinstance(e, dict) and isinstance(e.get("user"), str)
+            and isinstance(e.get("assistant"), str) for e in ex):
+        raise ConfigError("exchanges must be a non-empty list of {user, assistant} strings",
+                          path=str(path), field="exchanges")
+    return data
+
+
+def _check_model_dir(base: Path) -> None:
+    if not (base / "config.json").is_file():
+        raise ConfigError(f"{base} is not a model directory (no config.json)",
+                          field="--base-model", fix="cyclebox model tiny --out DIR, or a local "
+                          "transformers model directory")
+
+
+def verify_receipt(out: Path) -> dict[str, Any]:
+    """The training receipt's adapter hashes must match the files written."""
+    receipt: dict[str, Any] = json.loads((out / "train-receipt.json").read_text())
+    actual = tree_sha(out / "adapter")
+    if actual != receipt["adapter_files"]:
+        raise IntegrityError(f"{out}/train-receipt.json: adapter hashes differ from the files")
+    return receipt
+
+
+def proof(persona_path: Path, base: Path, out: Path, *, ledger: Path, lr: float, seed: int,
+          on_event: Events) -> dict[str, Any]:
+    """Run the proof loop; verify the adapter in a fresh container; append the ledger row."""
+    persona = load_persona(persona_path)
+    _check_model_dir(base)
+    out = out.resolve()
+    fresh_output_dir(out, uid=_trainer_uid())
+    inputs = out.parent / f".{out.name}.in"
+    inputs.mkdir(mode=0o755)
+    try:
+        (inputs / "persona.json").write_text(json.dumps(persona, sort_keys=True))
+        (inputs / "config.json").write_text(json.dumps({"lr": lr, "seed": seed}))
+        if ledger.is_file():
+            shutil.copyfile(ledger, inputs / "ledger.jsonl")
+        for p in inputs.iterdir():
+            p.chmod(0o644)
+        rec = run_trainer("sandbox.train.proof", out=out, run_id="train-proof",
+                          on_event=on_event,
+                          mounts=[Mount(source=inputs, target="/in"),
+                                  Mount(source=base.resolve(), target="/model")])
+        if rec.stop_reason.value not in ("ok", "process_failed") or rec.exit_code not in (0, 4):
+            raise SandboxError(f"proof loop failed: {rec.stop_reason.value} {rec.detail} "
+                               f"{rec.stderr_tail[-800:]}")
+        files = collect(out, Limits(max_file_bytes=1 << 30, max_total_bytes=2 << 30))
+        report = files.json("report.json")
+        receipt = verify_receipt(out)
+        check = out.parent / f".{out.name}.verify"
+        fresh_output_dir(check, uid=_trainer_uid())
+        shutil.copyfile(out / "report.json", inputs / "report.json")
+        (inputs / "report.json").chmod(0o644)
+        verified: dict[str, Any] = {}
+        vrec = run_trainer("sandbox.train.verify_adapter", out=check, run_id="train-verify",
+                           on_event=verified.update,
+                           mounts=[Mount(source=inputs, target="/in"),
+                                   Mount(source=base.resolve(), target="/model"),
+                                   Mount(source=out / "adapter", target="/adapter")])
+        row = files.json("ledger-row.json")
+        ledger.parent.mkdir(parents=True, exist_ok=True)
+        with ledger.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+        summary = {"exit_code": rec.exit_code, "report": report, "receipt": receipt,
+                   "reproduced_in_fresh_process": bool(verified.get("reproduced"))
+                   and vrec.exit_code == 0, "ledger": str(ledger), "ledger_row": row,
+                   "trainer_run": rec.model_dump(mode="json", exclude={"stdout_tail"})}
+        (out.parent / f"{out.name}.summary.json").write_text(json.dumps(summary, indent=1,
+                                                                         sort_keys=True))
+        return summary
+    finally:
+        shutil.rmtree(inputs, ignore_errors=True)
+        shutil.rmtree(out.parent / f".{out.name}.verify", ignore_errors=True)
+
+
+def sft(corpus: Path, base: Path, out: Path, *, lr: float, seed: int, epochs: int | None,
+        on_event: Events) -> dict[str, Any]:
+    if not (corpus / "trajectories.jsonl").is_file():
+        raise ConfigError(f"{corpus}/trajectories.jsonl not found", field="--corpus",
+                          fix="cyclebox export --run RUN --format verl --out CORPUS")
+    _check_model_dir(base)
+    out = out.resolve()
+    fresh_output_dir(out, uid=_trainer_uid())
+    inputs = out.parent / f".{out.name}.in"
+    inputs.mkdir(mode=0o755)
+    try:
+        (inputs / "config.json").write_text(json.dumps({"lr": lr, "seed": seed,
+                                                        "epochs": epochs}))
+        (inputs / "config.json").chmod(0o644)
+        rec = run_trainer("sandbox.train.sft", out=out, run_id="train-sft", on_event=on_event,
+                          mounts=[Mount(source=inputs, target="/in"),
+                                  Mount(source=corpus.resolve(), target="/corpus"),
+                                  Mount(source=base.resolve(), target="/model")])
+        if rec.stop_reason.value != "ok":
+            raise SandboxError(f"sft failed: {rec.stop_reason.value} {rec.detail} "
+                               f"{rec.stderr_tail[-800:]}")
+        return verify_receipt(out)
+    finally:
+        shutil.rmtree(inputs, ignore_errors=True)
