@@ -86,6 +86,7 @@ bench: setup docker images ## Run the benchmarks (JSON into build/bench/)
 	$(BIN)/python -m bench.images --out build/bench/images.json
 	$(BIN)/python -m bench.gateway --out build/bench/gateway.json
 	$(BIN)/python -m bench.cycle --out build/bench/cycle.json
+	$(BIN)/python -m bench.train --out build/bench/train.json
 
 gc: setup ## Remove cyclebox containers whose controller is gone
 	$(CYCLEBOX) gc

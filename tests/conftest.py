@@ -54,3 +54,17 @@ def run_role(backend: Any, policies: RolePolicies, tmp_path: Path,
         return rec
 
     return run
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model made by `cyclebox model tiny` in the trainer image (once per session)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("models") / "tiny"
+    cli = str(Path(sys.executable).with_name("cyclebox"))
+    res = subprocess.run([cli, "model", "tiny", "--out", str(out)], capture_output=True,
+                         text=True, check=False, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return out

@@ -230,3 +230,39 @@ def test_review_packet_and_calibration(demo: tuple[Path, dict[str, Any]], tmp_pa
                    str(tmp_path / "labels.json"), "--judges", str(packet / "judge-ratings.json"),
                    "--out", str(tmp_path / "cal2.json"))
     assert res.returncode == 8 and "review.md" in res.stderr
+
+
+def test_the_loop_closes_export_then_train(demo: tuple[Path, dict[str, Any]], tmp_path: Path,
+                                           tiny_model: Path) -> None:
+    run, _ = demo
+    corpus = tmp_path / "corpus"
+    res = cyclebox("export", "--run", str(run), "--format", "verl", "--out", str(corpus))
+    assert res.returncode == 3 and "cyclebox review calibrate" in res.stderr
+    packet = tmp_path / "packet"
+    assert cyclebox("review", "packet", "--records", str(run / "stages/baseline/records.jsonl"),
+                    "--out", str(packet)).returncode == 0
+    labels = json.loads((packet / "human-labels.json").read_text())
+    ratings = json.loads((packet / "judge-ratings.json").read_text())["ratings"]
+    for item, crit in labels["labels"].items():
+        for c in crit:
+            crit[c] = ratings[item][c] if ratings[item][c] is not None else 0
+    labels["labeled_at"] = "2026-11-29T12:00:00+00:00"
+    (tmp_path / "labels.json").write_text(json.dumps(labels))
+    assert cyclebox("review", "calibrate", "--packet", str(packet), "--labels",
+                    str(tmp_path / "labels.json"), "--judges",
+                    str(packet / "judge-ratings.json"), "--out",
+                    str(tmp_path / "cal.json")).returncode == 0
+    res = cyclebox("export", "--run", str(run), "--format", "verl", "--out", str(corpus),
+                   "--calibration", str(tmp_path / "cal.json"), "--json")
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(res.stdout)
+    assert summary["trajectories"] == 26 and summary["turns"] == 26
+    first = json.loads((corpus / "trajectories.jsonl").read_text().splitlines()[0])
+    blob = (run / "gateway/blobs" / first["turns"][0]["prompt_sha256"]).read_bytes()
+    assert first["turns"][0]["prompt"].encode("utf-8") == blob
+    res = cyclebox("train", "sft", "--corpus", str(corpus), "--base-model", str(tiny_model),
+                   "--out", str(tmp_path / "sft"), "--epochs", "1", "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    receipt = json.loads(res.stdout)
+    assert receipt["kind"] == "sft" and receipt["figures"]["steps"] == 26
+    assert receipt["corpus_sha256"]

@@ -1,0 +1,402 @@
+"""Training corpus export (SPEC §11) on a hand-built run directory: trajectories per
+(stage, case, trial) with turns in order and nothing lost, prompts that are the exact
+recorded bytes, r_format per trajectory, r_outcome null (never 0) where ungraded, labels
+joined by hash, and refusal without a calibration that meets the policy."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runner.cycle.models import Grades, Identities, Record
+from runner.cycle.review import calibrate, make_packet, write_calibration
+from runner.errors import ConfigError, IntegrityError
+from runner.export import ExportPolicy, export, join_key, reply_of
+from runner.gateway.calllog import CallLog, CallRecord, CallStatus
+
+IDS = Identities(data_hash="d" * 64, reference_hash="r" * 64, scorer="scorer-1")
+POLICY = ExportPolicy.model_validate({"schema": 1, "min_kappa": 0.6})
+
+Key = tuple[str, str | None, int | None]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call as the fixture appends it (in this list's order, which is the seq order)."""
+
+    stage: str
+    case: str | None
+    trial: int | None
+    turn: int
+    reply: str  # "json" -> content is a JSON object, "text" -> plain text, "none" -> no reply
+    role: str = "analyst"
+    status: CallStatus = "ok"
+    fixture: bool = False
+
+
+# Turns out of order within each group and groups interleaved; refused and worker calls mixed in.
+CALLS: list[Call] = [
+    Call("candidate", "c1", 0, 1, "json"),
+    Call("baseline", "c1", 0, 2, "json"),
+    Call("propose", None, None, 0, "json", role="worker", fixture=True),
+    Call("baseline", "c1", 1, 1, "text"),
+    Call("baseline", "c1", 0, 0, "json"),
+    Call("candidate", "c3", 0, 1, "json"),
+    Call("baseline", "c2", 0, 0, "json"),
+    Call("candidate", "c2", 0, 0, "text"),
+    Call("baseline", "c1", 0, 3, "none", status="refused"),
+    Call("candidate", "c1", 0, 0, "json"),
+    Call("baseline", "c1", 1, 0, "json"),
+    Call("candidate", "c3", 0, 0, "json"),
+    Call("candidate", "c4", 0, 0, "none", status="refused"),
+    Call("baseline", "c1", 0, 1, "json"),
+]
+
+# Graded records, deliberately not in trajectory order; baseline and candidate c1#0 differ,
+# so a join by (case, trial) or by position would be caught.
+BASELINE = [
+    ("c2", 0, None),   # refusal case: graded on refusal only, correctness not applicable
+    ("c1", 1, True),
+    ("c1", 0, True),
+]
+CANDIDATE = [
+    ("c2", 0, False),
+    ("c9", 0, True),   # a record with no trajectory
+    ("c1", 0, False),
+]                      # candidate c3#0 has a trajectory and no record
+
+# Hand count per trajectory, sorted by (stage, case, trial): (turns, r_format, r_outcome).
+EXPECTED: dict[Key, tuple[int, int, float | None]] = {
+    ("baseline", "c1", 0): (3, 1, 1.0),
+    ("baseline", "c1", 1): (2, 0, 1.0),
+    ("baseline", "c2", 0): (1, 1, None),
+    ("candidate", "c1", 0): (2, 1, 0.0),
+    ("candidate", "c2", 0): (1, 0, 0.0),
+    ("candidate", "c3", 0): (2, 1, None),
+}
+
+
+def request_bytes(seq: int, c: Call) -> bytes:
+    # Odd spacing, key order and non-ASCII: any re-serialization would change these bytes.
+    return (f'{{"model": "analyst-m",  "messages":[{{"role":"system","content":"naïve ☃ '
+            f'{c.stage}"}}, {{"role": "user", "content": "case {c.case} trial {c.trial} '
+            f'turn {c.turn} seq {seq}"}}],"temperature" :0}}').encode()
+
+
+def response_bytes(seq: int, c: Call) -> bytes | None:
+    if c.reply == "none":
+        return None
+    content = (json.dumps({"answer": seq, "evidence": [f"t{c.turn}"]}) if c.reply == "json"
+               else f"I think the answer is {seq}.")
+    return json.dumps({"id": f"chatcmpl-{seq}", "object": "chat.completion",
+                       "choices": [{"index": 0, "finish_reason": "stop",
+                                    "message": {"role": "assistant", "content": content}}],
+                       "usage": {"prompt_tokens": 5, "completion_tokens": 3,
+                                 "total_tokens": 8}}).encode()
+
+
+def record(case: str, trial: int, correctness: bool | None) -> Record:
+    refusal = True if correctness is None else None
+    return Record(case_id=case, trial=trial, split="acceptance", status="ok",
+                  answer={"answer": f"{case}/{trial}", "evidence": ["t"], "refused": False},
+                  grades=Grades(correctness=correctness, refusal=refusal), identities=IDS)
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "plan.json").write_text(json.dumps({"plan": {"dataset": "fx"}}))
+    log = CallLog(d / "gateway")
+    for c in CALLS:
+        seq = log.next_seq()
+        req = request_bytes(seq, c)
+        resp = response_bytes(seq, c)
+        log.append(CallRecord(
+            seq=seq, ts=CallLog.now(), run_id="run-fx", role=c.role,
+            upstream=None if c.status == "refused" else "target", stage=c.stage, case=c.case,
+            trial=c.trial, turn=c.turn, provider=None if c.status == "refused" else "scripted",
+            model="analyst-m", fixture=c.fixture, status=c.status,
+            error="budget" if c.status == "refused" else None, latency_s=0.01,
+            request_sha256=log.put_blob(req),
+            response_sha256=None if resp is None else log.put_blob(resp)))
+    log.sync()
+    for side, rows in (("baseline", BASELINE), ("candidate", CANDIDATE)):
+        f = d / "stages" / side / "records.jsonl"
+        f.parent.mkdir(parents=True)
+        f.write_text("".join(record(*r).model_dump_json() + "\n" for r in rows))
+    return d
+
+
+def _calibration(tmp_path: Path, name: str, relabel: Any) -> Path:
+    """A calibration result for the baseline records; relabel maps a model rating to the
+    human label (None leaves the cell unlabelled)."""
+    recs = [record(*r) for r in BASELINE] + [record("c5", 0, False)]
+    packet = make_packet(recs, tmp_path / f"packet-{name}", reviewer="rev")
+    ratings = json.loads((packet / "judge-ratings.json").read_text())["ratings"]
+    doc = json.loads((packet / "human-labels.json").read_text())
+    for item, row in ratings.items():
+        doc["labels"][item] = {c: None if row[c] is None else relabel(row[c])
+                               for c in ("correctness", "evidence", "refusal")}
+    doc["labeled_at"] = "2025-01-02T03:04:05+00:00"
+    labels = tmp_path / f"labels-{name}.json"
+    labels.write_text(json.dumps(doc))
+    result = calibrate(packet, labels, packet / "judge-ratings.json")
+    return write_calibration(result, tmp_path / f"calibration-{name}.json")
+
+
+@pytest.fixture
+def calibration(tmp_path: Path) -> Path:
+    path = _calibration(tmp_path, "agree", lambda v: v)
+    assert json.loads(path.read_text())["cohen_kappa"]["overall"] == 1.0
+    return path
+
+
+def read_out(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (out / "trajectories.jsonl").read_text().splitlines()]
+
+
+def by_key(trajs: list[dict[str, Any]]) -> dict[Key, dict[str, Any]]:
+    return {(t["stage"], t["case_id"], t["trial"]): t for t in trajs}
+
+
+def expected_calls() -> dict[Key, list[tuple[int, Call]]]:
+    groups: dict[Key, list[tuple[int, Call]]] = {}
+    for seq, c in enumerate(CALLS):
+        if c.role == "analyst" and c.status != "refused":
+            groups.setdefault((c.stage, c.case, c.trial), []).append((seq, c))
+    return groups
+
+
+# -- grouping, order, nothing lost ------------------------------------------------------
+
+
+def test_groups_turn_order_and_nothing_lost(run: Path, calibration: Path,
+                                            tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    export(run, out, calibration=calibration, policy=POLICY)
+    trajs = read_out(out)
+    assert [(t["stage"], t["case_id"], t["trial"]) for t in trajs] == sorted(EXPECTED)
+    assert {k: len(t["turns"]) for k, t in by_key(trajs).items()} == {
+        k: v[0] for k, v in EXPECTED.items()}
+    for t in trajs:
+        turns = [r["turn"] for r in t["turns"]]
+        assert turns == sorted(turns) == list(range(len(turns)))
+        assert t["data_source"] == "fx"
+        assert t["trajectory_id"] == join_key(t["stage"], t["case_id"], t["trial"])
+        assert t["fixture"] is False
+
+    exported = [r["prompt_sha256"] for t in trajs for r in t["turns"]]
+    log = CallLog(run / "gateway")
+    want = [r.request_sha256 for r in log.records()
+            if r.role == "analyst" and r.status != "refused"]
+    assert len(want) == 11 and sorted(exported) == sorted(want)  # each exactly once
+    assert len(set(exported)) == len(exported)
+    refused = {r.request_sha256 for r in log.records() if r.status == "refused"}
+    worker = {r.request_sha256 for r in log.records() if r.role == "worker"}
+    assert refused and worker and not (refused | worker) & set(exported)
+    assert ("candidate", "c4", 0) not in by_key(trajs)  # only a refused call
+
+    # each exported turn is the call the fixture appended for that (group, turn)
+    for key, calls in expected_calls().items():
+        t = by_key(trajs)[key]
+        want_turns = sorted(calls, key=lambda sc: sc[1].turn)
+        assert [r["prompt"] for r in t["turns"]] == [
+            request_bytes(s, c).decode() for s, c in want_turns]
+        assert [r["status"] for r in t["turns"]] == ["ok"] * len(want_turns)
+
+
+# -- r_format per trajectory ------------------------------------------------------------
+
+
+def test_r_format_per_trajectory(run: Path, calibration: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    export(run, out, calibration=calibration, policy=POLICY)
+    trajs = by_key(read_out(out))
+    assert {k: t["r_format"] for k, t in trajs.items()} == {
+        k: v[1] for k, v in EXPECTED.items()}
+    b1 = trajs[("baseline", "c1", 1)]
+    assert [r["parsed"] for r in b1["turns"]] == [True, False]  # one unparsed turn -> 0
+    assert b1["turns"][1]["reply"] == "I think the answer is 3."
+    for t in trajs.values():
+        assert t["r_format"] in (0, 1) and "r_format" not in t["turns"][0]
+        assert t["r_format"] == int(all(r["parsed"] for r in t["turns"]))
+    first = trajs[("baseline", "c1", 0)]["turns"][0]
+    assert json.loads(first["reply"]) == {"answer": 4, "evidence": ["t0"]}
+
+
+@pytest.mark.parametrize(("response", "reply", "parsed"), [
+    pytest.param(b'{"choices":[{"message":{"content":"{\\"a\\": 1}"}}]}', '{"a": 1}', True,
+                 id="json-object-content"),
+    pytest.param(b'{"choices":[{"message":{"content":"plain words"}}]}', "plain words", False,
+                 id="plain-text-content"),
+    pytest.param(b'{"choices":[{"message":{"content":"[1, 2]"}}]}', "[1, 2]", False,
+                 id="json-array-is-not-an-object"),
+    pytest.param(b'{"choices":[{"message":{"content":null}}]}', None, False,
+                 id="null-content"),
+    pytest.param(b'{"choices":[]}', None, False, id="no-choices"),
+    pytest.param(b"not json", None, False, id="garbage"),
+    pytest.param(b'data: {"choices":[{"delta":{"content":"{\\"a\\""}}]}\n\n'
+                 b'data: {"choices":[{"delta":{"content":": 1}"}}]}\n\ndata: [DONE]\n\n',
+                 '{"a": 1}', True, id="sse-stream-json-object"),
+])
+def test_reply_of(response: bytes, reply: str | None, parsed: bool) -> None:
+    assert reply_of(response) == (reply, parsed)
+
+
+# -- prompts are the exact recorded bytes -----------------------------------------------
+
+
+def test_prompt_is_exact_recorded_request_bytes(run: Path, calibration: Path,
+                                               tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    export(run, out, calibration=calibration, policy=POLICY)
+    log = CallLog(run / "gateway")
+    recorded = {r.request_sha256: r for r in log.records()}
+    n = 0
+    for t in read_out(out):
+        for turn in t["turns"]:
+            data = turn["prompt"].encode("utf-8")
+            blob = (run / "gateway" / "blobs" / turn["prompt_sha256"]).read_bytes()
+            assert data == blob
+            assert hashlib.sha256(data).hexdigest() == turn["prompt_sha256"]
+            rec = recorded[turn["prompt_sha256"]]
+            assert data == request_bytes(rec.seq, CALLS[rec.seq])
+            assert turn["response_sha256"] == rec.response_sha256
+            n += 1
+    assert n == 11
+
+
+@pytest.mark.parametrize("which", ["request", "response"])
+@pytest.mark.parametrize("damage", ["flip", "missing"])
+def test_damaged_blob_fails_export_naming_the_call(run: Path, calibration: Path,
+                                                   tmp_path: Path, which: str,
+                                                   damage: str) -> None:
+    seq = 5  # candidate/c3/t0 turn 1
+    rec = CallLog(run / "gateway").records()[seq]
+    assert (rec.stage, rec.case, rec.trial, rec.turn) == ("candidate", "c3", 0, 1)
+    digest = rec.request_sha256 if which == "request" else rec.response_sha256
+    assert digest is not None
+    blob = run / "gateway" / "blobs" / digest
+    if damage == "flip":
+        data = bytearray(blob.read_bytes())
+        data[10] ^= 0x01
+        blob.write_bytes(bytes(data))
+    else:
+        blob.unlink()
+    out = tmp_path / "out"
+    word = "corrupted" if damage == "flip" else "missing"
+    with pytest.raises(IntegrityError, match=rf"call seq {seq}\b.*{word}"):
+        export(run, out, calibration=calibration, policy=POLICY)
+    assert not out.exists()
+
+
+# -- r_outcome: correctness where graded, null (never 0) where not ------------------------
+
+
+def test_r_outcome_from_correctness_and_null_when_ungraded(run: Path, calibration: Path,
+                                                          tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    export(run, out, calibration=calibration, policy=POLICY)
+    lines = (out / "trajectories.jsonl").read_text().splitlines()
+    trajs = by_key([json.loads(x) for x in lines])
+    for k, (_, _, outcome) in EXPECTED.items():
+        t = trajs[k]
+        assert "r_outcome" in t
+        if outcome is None:
+            assert t["r_outcome"] is None and t["r_outcome"] != 0
+        else:
+            assert t["r_outcome"] == outcome and isinstance(t["r_outcome"], float)
+    # ungraded refusal case and the trajectory with no record: key present, JSON null
+    for line in lines:
+        t = json.loads(line)
+        if (t["stage"], t["case_id"]) in {("baseline", "c2"), ("candidate", "c3")}:
+            assert '"r_outcome": null' in line
+
+
+# -- refusals ---------------------------------------------------------------------------
+
+
+def test_refused_without_calibration(run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    for cal in (None, tmp_path / "no-such-calibration.json"):
+        with pytest.raises(ConfigError, match="cyclebox review calibrate") as exc:
+            export(run, out, calibration=cal, policy=POLICY)
+        assert "calibration" in str(exc.value)
+        assert not out.exists()
+
+
+def test_refused_when_kappa_below_policy(run: Path, tmp_path: Path) -> None:
+    cal = _calibration(tmp_path, "disagree", lambda v: 2 - v)  # 2 <-> 0 everywhere
+    kappa = json.loads(cal.read_text())["cohen_kappa"]["overall"]
+    assert kappa is not None and kappa < POLICY.min_kappa
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=r"kappa .* below .*min_kappa 0\.6") as exc:
+        export(run, out, calibration=cal, policy=POLICY)
+    assert "cyclebox review calibrate" in str(exc.value)
+    assert not out.exists()
+
+
+def test_refused_when_kappa_undefined(run: Path, tmp_path: Path) -> None:
+    cal = _calibration(tmp_path, "unlabelled", lambda v: None)
+    assert json.loads(cal.read_text())["cohen_kappa"]["overall"] is None
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match="kappa None"):
+        export(run, out, calibration=cal, policy=POLICY)
+    assert not out.exists()
+
+
+def test_kappa_equal_to_threshold_meets_it(run: Path, calibration: Path,
+                                           tmp_path: Path) -> None:
+    strict = ExportPolicy.model_validate({"schema": 1, "min_kappa": 1.0})
+    assert export(run, tmp_path / "out", calibration=calibration, policy=strict)[
+        "trajectories"] == 6
+
+
+@pytest.mark.parametrize("content", [None, "earlier.txt"])
+def test_refused_when_out_exists(run: Path, calibration: Path, tmp_path: Path,
+                                 content: str | None) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    if content:
+        (out / content).write_text("earlier evidence")
+    with pytest.raises(ConfigError, match="exists"):
+        export(run, out, calibration=calibration, policy=POLICY)
+    assert sorted(p.name for p in out.iterdir()) == ([content] if content else [])
+    if content:
+        assert (out / content).read_text() == "earlier evidence"
+
+
+def test_unknown_format_refused(run: Path, calibration: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown format"):
+        export(run, tmp_path / "out", calibration=calibration, policy=POLICY, fmt="jsonl")
+
+
+# -- summary ----------------------------------------------------------------------------
+
+
+def test_summary_matches_hand_count(run: Path, calibration: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    summary = export(run, out, calibration=calibration, policy=POLICY)
+    # 6 trajectories; turns 3+2+1+2+1+2; r_format 1: b/c1/0, b/c2/0, c/c1/0, c/c3/0;
+    # r_outcome 1.0: b/c1/0, b/c1/1; 0.0: c/c1/0, c/c2/0; null: b/c2/0, c/c3/0.
+    assert summary == {
+        "trajectories": 6,
+        "turns": 11,
+        "r_format": {"1": 4, "0": 2},
+        "r_outcome": {"1": 2, "0": 2, "null": 2},
+        "format_pass_rate": 0.6667,
+        "fixture": False,  # the only fixture call is the worker's, which is not exported
+    }
+    assert json.loads((out / "summary.json").read_text()) == summary
+    receipt = json.loads((out / "export-receipt.json").read_text())
+    assert receipt["summary"] == summary
+    assert receipt["kappa"] == 1.0 and receipt["min_kappa"] == 0.6
+    assert receipt["trajectories_sha256"] == hashlib.sha256(
+        (out / "trajectories.jsonl").read_bytes()).hexdigest()
+    assert receipt["calibration_sha256"] == hashlib.sha256(calibration.read_bytes()).hexdigest()

@@ -1,0 +1,299 @@
+"""The proof loop's pure decisions (SPEC §9): persona rows, the epoch schedule and its
+ledger nudge, recall, imprint, classroom and board. One parametrized row per SPEC rule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sandbox.train.plan import (
+    TINY_DELTA,
+    VOICE_PROMPT,
+    Schedule,
+    base_schedule,
+    board,
+    classroom,
+    imprint,
+    last_row,
+    nudge,
+    recall,
+    rows_from_persona,
+)
+
+# -- schedule from the row count ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("n_rows", "epochs", "grad_accum"), [
+    pytest.param(1, 24, 1, id="1-row-<=8"),
+    pytest.param(8, 24, 1, id="8-rows-<=8-upper-edge"),
+    pytest.param(9, 16, 1, id="9-rows-<=32-lower-edge"),
+    pytest.param(32, 16, 1, id="32-rows-<=32-upper-edge"),
+    pytest.param(33, 8, 1, id="33-rows-<=128-lower-edge"),
+    pytest.param(128, 8, 1, id="128-rows-<=128-upper-edge"),
+    pytest.param(129, 4, 2, id="129-rows-<=512-lower-edge"),
+    pytest.param(512, 4, 2, id="512-rows-<=512-upper-edge"),
+    pytest.param(513, 2, 4, id="513-rows-more"),
+    pytest.param(10_000, 2, 4, id="10000-rows-more"),
+])
+def test_base_schedule_boundaries(n_rows: int, epochs: int, grad_accum: int) -> None:
+    s = base_schedule(n_rows)
+    assert (s.epochs, s.grad_accum) == (epochs, grad_accum)
+    assert s.reason
+
+
+# -- nudge by the feedback ledger -------------------------------------------------------
+
+FAILED = {"persona": "p", "passed": False, "imprint_delta": 0.3}
+
+
+@pytest.mark.parametrize(("start", "last", "epochs", "grad_accum", "reason_part"), [
+    # failed -> min(40, epochs * 1.5 + 2), grad-accum 1
+    pytest.param(Schedule(24, 1, "r"), FAILED, 38, 1, "failed", id="failed-24->38"),
+    pytest.param(Schedule(16, 1, "r"), FAILED, 26, 1, "failed", id="failed-16->26"),
+    pytest.param(Schedule(8, 1, "r"), FAILED, 14, 1, "failed", id="failed-8->14"),
+    pytest.param(Schedule(4, 2, "r"), FAILED, 8, 1, "failed", id="failed-4->8-accum-reset"),
+    pytest.param(Schedule(2, 4, "r"), FAILED, 5, 1, "failed", id="failed-2->5-accum-reset"),
+    pytest.param(Schedule(26, 1, "r"), FAILED, 40, 1, "failed",
+                 id="failed-cap-26->41-capped-40"),
+    pytest.param(Schedule(28, 2, "r"), FAILED, 40, 1, "failed",
+                 id="failed-cap-28->44-capped-40"),
+    pytest.param(Schedule(24, 1, "r"), {"persona": "p"}, 38, 1, "failed",
+                 id="no-passed-flag-counts-as-failed"),
+    # passed with a tiny delta (< 0.05) -> +4 epochs, grad-accum kept
+    pytest.param(Schedule(24, 1, "r"), {"passed": True, "imprint_delta": 0.0}, 28, 1, "tiny",
+                 id="passed-tiny-0.0-+4"),
+    pytest.param(Schedule(4, 2, "r"), {"passed": True, "imprint_delta": 0.049}, 8, 2, "tiny",
+                 id="passed-tiny-0.049-+4-keeps-accum"),
+    pytest.param(Schedule(2, 4, "r"), {"passed": True, "imprint_delta": -0.2}, 6, 4, "tiny",
+                 id="passed-negative-delta-+4-keeps-accum"),
+    # passed with a larger delta -> unchanged
+    pytest.param(Schedule(24, 1, "r"), {"passed": True, "imprint_delta": TINY_DELTA}, 24, 1,
+                 None, id="passed-delta-0.05-not-tiny-unchanged"),
+    pytest.param(Schedule(4, 2, "r"), {"passed": True, "imprint_delta": 0.4}, 4, 2, None,
+                 id="passed-delta-0.4-unchanged"),
+    pytest.param(Schedule(16, 1, "r"), {"passed": True}, 16, 1, None,
+                 id="passed-no-delta-unchanged"),
+    # no last row -> unchanged
+    pytest.param(Schedule(24, 1, "r"), None, 24, 1, None, id="no-last-row-unchanged"),
+    pytest.param(Schedule(4, 2, "r"), None, 4, 2, None, id="no-last-row-keeps-accum"),
+])
+def test_nudge(start: Schedule, last: dict[str, Any] | None, epochs: int, grad_accum: int,
+               reason_part: str | None) -> None:
+    s = nudge(start, last)
+    assert (s.epochs, s.grad_accum) == (epochs, grad_accum)
+    if reason_part is None:
+        assert s == start
+    else:
+        assert s.reason.startswith(start.reason) and reason_part in s.reason
+
+
+def test_nudge_on_base_schedule_matches_spec_formula() -> None:
+    for n in (1, 9, 33, 129, 513):
+        s = base_schedule(n)
+        assert nudge(s, FAILED).epochs == min(40, int(s.epochs * 1.5 + 2))
+
+
+# -- the persona's last ledger row ------------------------------------------------------
+
+LEDGER = [
+    {"persona": "ada", "passed": False, "n": 1},
+    {"persona": "bob", "passed": True, "n": 2},
+    {"persona": "ada", "passed": True, "n": 3},
+    {"persona": "bob", "passed": False, "n": 4},
+    {"persona": "cy", "passed": True, "n": 5},
+]
+
+
+@pytest.mark.parametrize(("persona", "n"), [
+    pytest.param("ada", 3, id="most-recent-of-two-ignoring-later-bob"),
+    pytest.param("bob", 4, id="most-recent-interleaved"),
+    pytest.param("cy", 5, id="single-row"),
+    pytest.param("dee", None, id="persona-absent"),
+])
+def test_last_row(persona: str, n: int | None) -> None:
+    row = last_row(LEDGER, persona)
+    if n is None:
+        assert row is None
+    else:
+        assert row is not None and row["persona"] == persona and row["n"] == n
+
+
+def test_last_row_empty_ledger_and_nudge_of_it() -> None:
+    assert last_row([], "ada") is None
+    s = base_schedule(3)
+    assert nudge(s, last_row([], "ada")) == s
+    # a failure of another persona does not nudge this one
+    assert nudge(s, last_row([{"persona": "bob", "passed": False}], "ada")) == s
+
+
+# -- rows from a persona/skill script ---------------------------------------------------
+
+PERSONA = {
+    "name": "ada",
+    "system": "You are Ada.",
+    "exchanges": [{"user": "Who are you?", "assistant": "I am Ada."},
+                  {"user": "Favourite number?", "assistant": 7}],
+    "voice_examples": ["Numbers sing.", "Engines weave patterns."],
+}
+
+
+@pytest.mark.parametrize(("persona", "n_rows"), [
+    pytest.param({"system": "s", "exchanges": [{"user": "u", "assistant": "a"}]}, 1,
+                 id="one-row-per-exchange"),
+    pytest.param({"system": "s", "exchanges": [{"user": f"u{i}", "assistant": f"a{i}"}
+                                               for i in range(5)]}, 5, id="five-exchanges"),
+    pytest.param({"system": "s", "voice_examples": ["v1", "v2"]}, 2,
+                 id="voice-examples-add-rows"),
+    pytest.param(PERSONA, 4, id="exchanges-plus-voice"),
+    pytest.param({"name": "empty"}, 0, id="empty-script"),
+])
+def test_rows_count(persona: dict[str, Any], n_rows: int) -> None:
+    assert len(rows_from_persona(persona)) == n_rows
+
+
+def test_rows_content_and_system_prompt_on_every_row() -> None:
+    rows = rows_from_persona(PERSONA)
+    assert rows == [
+        {"messages": [{"role": "system", "content": "You are Ada."},
+                      {"role": "user", "content": "Who are you?"},
+                      {"role": "assistant", "content": "I am Ada."}]},
+        {"messages": [{"role": "system", "content": "You are Ada."},
+                      {"role": "user", "content": "Favourite number?"},
+                      {"role": "assistant", "content": "7"}]},
+        {"messages": [{"role": "system", "content": "You are Ada."},
+                      {"role": "user", "content": VOICE_PROMPT},
+                      {"role": "assistant", "content": "Numbers sing."}]},
+        {"messages": [{"role": "system", "content": "You are Ada."},
+                      {"role": "user", "content": VOICE_PROMPT},
+                      {"role": "assistant", "content": "Engines weave patterns."}]},
+    ]
+    assert all(r["messages"][0] == {"role": "system", "content": "You are Ada."} for r in rows)
+
+
+def test_rows_without_system_still_carry_a_system_message() -> None:
+    rows = rows_from_persona({"exchanges": [{"user": "u", "assistant": "a"}],
+                              "voice_examples": ["v"]})
+    assert [r["messages"][0] for r in rows] == [{"role": "system", "content": ""}] * 2
+
+
+def test_row_count_drives_schedule() -> None:
+    persona = {"system": "s", "exchanges": [{"user": str(i), "assistant": str(i)}
+                                            for i in range(7)], "voice_examples": ["a", "b"]}
+    rows = rows_from_persona(persona)
+    assert len(rows) == 9
+    assert base_schedule(len(rows)).epochs == 16
+
+
+# -- recall -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("answers", "refs", "expected"), [
+    pytest.param(["I am Ada."], ["I am Ada."], 1.0, id="exact"),
+    pytest.param(["  i   AM ada!!  "], ["I am Ada."], 1.0,
+                 id="normalized-case-space-trailing-punct"),
+    pytest.param(["I am Ada. And more words follow."], ["I am Ada."], 1.0,
+                 id="answer-starts-with-reference"),
+    pytest.param(["Well, I am Ada."], ["I am Ada."], 0.0, id="reference-not-at-start"),
+    pytest.param(["I am Ad"], ["I am Ada."], 0.0, id="truncated-answer-misses"),
+    pytest.param(["I am Ada.", "nope", "Seven", "x"], ["I am Ada.", "7", "seven", "y"], 0.5,
+                 id="fraction-of-probes"),
+    pytest.param([], [], 0.0, id="no-probes-zero"),
+])
+def test_recall(answers: list[str], refs: list[str], expected: float) -> None:
+    assert recall(answers, refs) == expected
+
+
+def test_recall_length_mismatch_is_an_error() -> None:
+    with pytest.raises(ValueError, match="zip"):
+        recall(["a"], ["a", "b"])
+
+
+# -- imprint ----------------------------------------------------------------------------
+
+
+def test_imprint_rose_and_changed() -> None:
+    refs = ["Numbers sing to me.", "Engines weave patterns."]
+    before = ["I do not know.", "Hello there."]
+    s = imprint(before, refs, refs)
+    assert s["similarity_after"] == 1.0
+    assert s["similarity_before"] < 0.5
+    assert s["imprint_delta"] == round(s["similarity_after"] - s["similarity_before"], 4)
+    assert s["imprint_delta"] > 0 and s["changed"] > 0
+    assert set(s) == {"similarity_before", "similarity_after", "imprint_delta", "changed"}
+
+
+def test_imprint_unchanged_answers() -> None:
+    refs = ["Numbers sing."]
+    s = imprint(["Hello."], ["Hello."], refs)
+    assert s["imprint_delta"] == 0.0 and s["changed"] == 0.0
+    assert s["similarity_before"] == s["similarity_after"]
+
+
+def test_imprint_fell() -> None:
+    refs = ["Numbers sing."]
+    s = imprint(["numbers sing!"], ["Completely unrelated output"], refs)
+    assert s["similarity_before"] == 1.0  # normalization: case and trailing punctuation
+    assert s["imprint_delta"] < 0 and s["changed"] > 0
+
+
+def test_imprint_values_are_rounded_to_4_places() -> None:
+    s = imprint(["abc"], ["abd"], ["abcdefg"])
+    assert all(round(v, 4) == v for v in s.values())
+
+
+def test_imprint_empty() -> None:
+    assert imprint([], [], []) == {"similarity_before": 0.0, "similarity_after": 0.0,
+                                   "imprint_delta": 0.0, "changed": 0.0}
+
+
+# -- classroom: passes when the imprint rose and the answers changed ---------------------
+
+
+@pytest.mark.parametrize(("delta", "changed", "passed"), [
+    pytest.param(0.2, 0.3, True, id="rose-and-changed-passes"),
+    pytest.param(0.0001, 0.0001, True, id="barely-rose-barely-changed-passes"),
+    pytest.param(0.0, 0.3, False, id="imprint-flat-fails"),
+    pytest.param(-0.1, 0.3, False, id="imprint-fell-fails"),
+    pytest.param(0.2, 0.0, False, id="answers-unchanged-fails"),
+    pytest.param(-0.1, 0.0, False, id="fell-and-unchanged-fails"),
+])
+def test_classroom(delta: float, changed: float, passed: bool) -> None:
+    assert classroom({"imprint_delta": delta, "changed": changed}) is passed
+
+
+# -- board: unanimity approves, a majority of rejects rejects, else dispute --------------
+
+GOOD = ["I am Ada.", "Numbers sing."]
+REPETITIVE = "la la la la la la la la"  # 8 words, 1 distinct
+
+
+@pytest.mark.parametrize(("delta", "recall_after", "answers", "decision", "rejecters"), [
+    pytest.param(0.2, 1.0, GOOD, "approve", set(), id="all-approve"),
+    pytest.param(0.2, 0.75, GOOD, "approve", set(), id="recall-0.75-edge-approves"),
+    pytest.param(0.2, 0.74, GOOD, "dispute", {"recall"}, id="recall-low-only-dispute"),
+    pytest.param(0.0, 1.0, GOOD, "dispute", {"imprint"}, id="imprint-flat-only-dispute"),
+    pytest.param(0.2, 1.0, [*GOOD, "   "], "dispute", {"stability"},
+                 id="blank-answer-dispute"),
+    pytest.param(0.2, 1.0, [*GOOD, REPETITIVE], "dispute", {"stability"},
+                 id="repetitive-answer-dispute"),
+    pytest.param(0.2, 1.0, [*GOOD, "la la la la la la la"], "approve", set(),
+                 id="7-repeated-words-not-degenerate"),
+    pytest.param(0.2, 1.0, [*GOOD, "a b a b a b a b"], "dispute", {"stability"},
+                 id="8-words-2-distinct-degenerate"),
+    pytest.param(0.2, 1.0, [*GOOD, "a b c a b c a b"], "approve", set(),
+                 id="8-words-3-distinct-not-degenerate"),
+    pytest.param(-0.1, 0.5, GOOD, "reject", {"recall", "imprint"},
+                 id="recall-and-imprint-reject"),
+    pytest.param(0.2, 0.0, [""], "reject", {"recall", "stability"},
+                 id="recall-and-stability-reject"),
+    pytest.param(0.0, 0.0, [REPETITIVE], "reject", {"recall", "imprint", "stability"},
+                 id="all-reject"),
+])
+def test_board(delta: float, recall_after: float, answers: list[str], decision: str,
+               rejecters: set[str]) -> None:
+    b = board({"imprint_delta": delta, "changed": 0.5}, recall_after, answers)
+    assert b["decision"] == decision
+    assert set(b["members"]) == {"recall", "imprint", "stability"}
+    assert {k for k, v in b["members"].items() if v == "reject"} == rejecters
+    assert all(v in {"approve", "reject"} for v in b["members"].values())
