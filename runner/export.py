@@ -132,7 +132,12 @@ def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPoli
                     reply, parsed = reply_of(log.blob(c.response_sha256))
                 except IntegrityError as exc:
                     raise IntegrityError(f"call seq {c.seq}: {exc}") from None
-            rows.append({"turn": c.turn, "prompt": prompt.decode("utf-8"),
+            try:
+                prompt_text = prompt.decode("utf-8")
+            except UnicodeDecodeError:
+                raise IntegrityError(f"call seq {c.seq}: recorded request is not UTF-8; "
+                                     "it cannot be exported byte-exactly as text") from None
+            rows.append({"turn": c.turn, "prompt": prompt_text,
                          "prompt_sha256": c.request_sha256, "reply": reply,
                          "response_sha256": c.response_sha256, "parsed": parsed,
                          "status": c.status})
