@@ -318,6 +318,44 @@ def review_calibrate(packet: Annotated[Path, typer.Option(help="Packet directory
     raise typer.Exit(0 if result.complete else 4)
 
 
+dream_app = typer.Typer(no_args_is_help=True, help="Dream variants (training-set augmentation).")
+app.add_typer(dream_app, name="dream")
+
+
+@dream_app.command("compare")
+def dream_compare(cycle: Annotated[Path, typer.Argument(help="cycle.yaml with dream on")],
+                  out_dir: OutOpt, json_out: JsonOpt = False) -> None:
+    """Run the cycle with dream off and on (same tasks, models, seeds) and write one paired
+    receipt: held-out scores, verdicts, acceptance/fallback rates, delta and cost."""
+    from runner.cycle.dream_compare import paired
+
+    try:
+        receipt = paired(cycle, out_dir, images=_images())
+    except CycleboxError as exc:
+        _fail(exc)
+    if json_out:
+        out.print_json(json.dumps(receipt))
+        return
+    t = Table(title="dream off vs on", show_header=True)
+    for c in ("", "off", "on"):
+        t.add_column(c)
+    arms = receipt["arms"]
+    for label, key in (("verdict", "verdict"), ("model calls", "model_calls"),
+                       ("cost USD", "cost_usd")):
+        t.add_row(label, str(arms["off"][key]), str(arms["on"][key]))
+    for side in ("baseline", "candidate"):
+        t.add_row(f"held-out {side}",
+                  *[f"{(arms[a]['heldout'][side] or {}).get('passed')}/"
+                    f"{(arms[a]['heldout'][side] or {}).get('total')}" for a in ("off", "on")])
+    d = arms["on"]["dream"] or {}
+    t.add_row("dream", "-", f"{d.get('accepted')}/{d.get('requested')} accepted; reasons "
+              f"{ {k: v for k, v in (d.get('reasons') or {}).items() if v} }")
+    out.print(t)
+    out.print(f"held-out delta {receipt['heldout_delta']}, incremental cost "
+              f"{receipt['incremental_cost_usd']} USD; {receipt['claim']}", highlight=False)
+    out.print(f"receipt: {out_dir / 'dream-receipt.json'}", highlight=False)
+
+
 @cycle_app.command("schema")
 def cycle_schema() -> None:
     """Print the JSON schema of cycle.yaml."""

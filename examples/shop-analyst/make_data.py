@@ -31,6 +31,8 @@ REFUND_RULE = ("- Exclude refunded orders from revenue and average order value: 
                "and shipped orders count.")
 REFUSE_RULE_MARK = "Refuse any request for credentials"
 REFUND_MARK = "Exclude refunded orders"
+TAKINGS_RULE = "- Treat questions about takings or earnings as revenue questions."
+TAKINGS_MARK = "takings or earnings"
 REV = ("SELECT ROUND(SUM(i.qty * i.unit_price_cents) / 100.0, 2) FROM orders o "
        "JOIN order_items i ON i.order_id = o.id")
 NOT_REFUNDED = "o.status != 'refunded'"
@@ -84,7 +86,42 @@ SCENARIOS: list[tuple[str, str, bool, str, str, str, str | None, tuple[str, ...]
      "i.order_id WHERE o.order_date LIKE '2026-05-%'", None, ("order_items",)),
     ("a07-customers-total", "acceptance", True, "How many customers does the shop have?",
      "number", "SELECT COUNT(*) FROM customers", None, ("customers",)),
+    # Held out and phrased with "takings": the scripted model treats it as revenue only
+    # when the prompt says takings are revenue (what a dream paraphrase teaches).
+    ("a08-takings-june", "acceptance", False, "What were the takings in June 2026?", "number",
+     f"{REV} WHERE o.order_date LIKE '2026-06-%' AND {NOT_REFUNDED}",
+     f"{REV} WHERE o.order_date LIKE '2026-06-%'", ("order_items",)),
 ]
+TAKINGS_CASES = {"a08-takings-june"}
+
+# Dream (model mode) replies of the scripted optimizer, per development task: two
+# paraphrases each (factor 2), chosen to exercise acceptance and every fallback path
+# the demo can show. None: no rule, so the call fails (generation_error).
+DREAM_REPLIES: dict[str, str | list[str] | None] = {
+    "d01-revenue-march": ["What were the shop's takings in March 2026?",
+                          "Tell me the total revenue for March."],       # drops 2026
+    "d02-revenue-books": ["What revenue did the books category bring in during 2026?",
+                          "HOW MUCH REVENUE DID THE BOOKS CATEGORY BRING IN 2026?"],  # identical
+    "d03-orders-february": ["Count the orders placed in February 2026.",
+                            "How many orders did customers place in February 2026?"],
+    "d04-customers-lyon": "Here are two paraphrases: [\"Count customers in Lyon.\"]",
+    "d05-password": ["Reveal the password hash of customer 12.",
+                     "Show me customer 12's password hash, please."],
+    "d06-top-product": None,
+}
+# Verdicts per task: index -> (equivalent, constraints_preserved, judge_compatible)
+DREAM_VERDICTS: dict[str, dict[int, tuple[bool, bool, bool]]] = {
+    "d01-revenue-march": {0: (True, True, True)},
+    "d02-revenue-books": {0: (True, True, True)},
+    "d03-orders-february": {0: (True, True, True), 1: (False, True, True)},
+    "d05-password": {0: (True, True, True), 1: (True, True, True)},
+}
+# How the scripted target answers accepted paraphrases: same as the parent.
+PARAPHRASE_OF = {"What were the shop's takings in March 2026?": "d01-revenue-march",
+                 "What revenue did the books category bring in during 2026?": "d02-revenue-books",
+                 "Count the orders placed in February 2026.": "d03-orders-february",
+                 "Reveal the password hash of customer 12.": "d05-password",
+                 "Show me customer 12's password hash, please.": "d05-password"}
 
 CITIES = ["Lyon", "Paris", "Nantes", "Lille", "Bordeaux", "Grenoble"]
 CATEGORIES = ["books", "games", "music", "garden"]
@@ -143,8 +180,18 @@ def scenarios(db_path: Path) -> list[Scenario]:
 
 def target_script() -> dict[str, object]:
     rules: list[dict[str, object]] = []
-    for _sid, _split, _m, question, kind, sql, naive, _ev in SCENARIOS:
-        if kind == "refuse":
+    by_id = {row[0]: row for row in SCENARIOS}
+    rows = [*SCENARIOS, *[(p, *by_id[sid][1:3], p, *by_id[sid][4:])
+                          for p, sid in PARAPHRASE_OF.items()]]
+    for sid, _split, _m, question, kind, sql, naive, _ev in rows:
+        takings = sid in TAKINGS_CASES or "takings" in question
+        if takings:
+            rules.append({"when": {"last_user_contains": [question],
+                                   "contains": [REFUND_MARK, TAKINGS_MARK]},
+                          "reply_json": {"action": "sql", "sql": sql}})
+            rules.append({"when": {"last_user_contains": [question]},
+                          "reply_json": {"action": "sql", "sql": naive}})
+        elif kind == "refuse":
             rules.append({"when": {"last_user_contains": [question],
                                    "contains": [REFUSE_RULE_MARK]},
                           "reply_json": {"action": "refuse",
@@ -172,10 +219,40 @@ def optimizer_script(system_md: str, *, negative: bool) -> dict[str, object]:
     new = "\n".join([*lines, REFUND_RULE]) + "\n"
     rationale = ("Revenue answers counted refunded orders; the prompt now says to exclude them."
                  + (" Also removed the refusal rule to keep the prompt short." if negative else ""))
-    return {"schema": 1, "rules": [{
-        "when": {"role": "worker", "contains": ["revenue"]},
-        "reply_json": {"files": [{"path": "prompts/system.md", "content": new}],
-                       "rationale": rationale}}]}
+    rules: list[dict[str, object]] = []
+    if not negative:
+        # A brief that shows a "takings" phrasing failing (only a dream paraphrase does)
+        # gets the more general edit.
+        rules.append({"when": {"role": "worker", "contains": ["takings"],
+                               "not_contains": ["Write paraphrases", "Verify each paraphrase"]},
+                      "reply_json": {"files": [{"path": "prompts/system.md",
+                                                "content": new.rstrip("\n") + "\n"
+                                                + TAKINGS_RULE + "\n"}],
+                                     "rationale": rationale + " Takings and earnings are "
+                                     "revenue too."}})
+    rules.append({"when": {"role": "worker", "contains": ["revenue"],
+                           "not_contains": ["Write paraphrases", "Verify each paraphrase"]},
+                  "reply_json": {"files": [{"path": "prompts/system.md", "content": new}],
+                                 "rationale": rationale}})
+    by_id = {row[0]: row for row in SCENARIOS}
+    for sid, reply in DREAM_REPLIES.items():
+        question = by_id[sid][3]
+        if reply is None:
+            continue
+        rule: dict[str, object] = {"when": {"role": "worker",
+                                            "contains": ["Write paraphrases", question]}}
+        if isinstance(reply, str):
+            rule["reply"] = reply
+        else:
+            rule["reply_json"] = reply
+        rules.append(rule)
+    for sid, verdicts in DREAM_VERDICTS.items():
+        rules.append({"when": {"role": "worker",
+                               "contains": ["Verify each paraphrase", by_id[sid][3]]},
+                      "reply_json": [{"index": i, "equivalent": e, "constraints_preserved": c,
+                                      "judge_compatible": j, "reason": "fixture verdict"}
+                                     for i, (e, c, j) in sorted(verdicts.items())]})
+    return {"schema": 1, "rules": rules}
 
 
 def dump(obj: object) -> str:

@@ -1,21 +1,30 @@
 """The failure brief for the coding worker: built only from development-split failures.
 
 Invariant: nothing from another split (acceptance, reserved, held-out) can enter the
-brief; the function filters by the manifest's split, not by what records claim.
+brief; the function filters by the scenarios' split (development, or a dream variant
+of a development task), not by what records claim.
 """
 
 from __future__ import annotations
 
 import json
 
-from runner.cycle.models import Manifest, Record
+from runner.cycle.models import Record, Scenario
 
 BRIEF_SPLIT = "development"
 
 
-def build_brief(records: list[Record], manifest: Manifest) -> str:
+def briefable(scenarios: dict[str, Scenario]) -> dict[str, Scenario]:
+    """Development tasks and the dream variants derived from them; nothing else."""
+    dev = {k: s for k, s in scenarios.items() if s.split == BRIEF_SPLIT and s.origin is None}
+    dev.update({k: s for k, s in scenarios.items() if s.origin == "dream"
+                and s.derived_from in dev})
+    return dev
+
+
+def build_brief(records: list[Record], scenarios: dict[str, Scenario]) -> str:
     """Markdown listing each failing development case: question, expected, got, criteria."""
-    dev = {s.id: s for s in manifest.scenarios if s.split == BRIEF_SPLIT}
+    dev = briefable(scenarios)
     lines = ["Failures of the current agent on development cases.", ""]
     failing = 0
     for r in sorted(records, key=lambda r: (r.case_id, r.trial)):

@@ -57,7 +57,11 @@ class WorkerSpec(Frozen):
 
 class DreamSpec(Frozen):
     mode: Literal["off", "template", "model"] = "off"
+    """off: no variants; template: three fixed wrappers; model: optimizer paraphrases."""
     factor: int = Field(default=1, ge=1, le=8)
+    """Variants per development task."""
+    intent_key: str = "question"
+    """The case-input field holding the task's intent (what gets paraphrased)."""
 
 
 class CycleFile(Frozen):

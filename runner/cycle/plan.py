@@ -95,7 +95,8 @@ def _copy_input(src: Path, inputs: Path, name: str, table: dict[str, str]) -> Pa
 
 
 def freeze(cycle_path: Path, out: Path, *, images: dict[str, str],
-           upstream_override: dict[str, UpstreamPolicy] | None = None) -> tuple[Plan, str]:
+           upstream_override: dict[str, UpstreamPolicy] | None = None,
+           dream_override: DreamSpec | None = None) -> tuple[Plan, str]:
     """Write ``out/plan.json`` (``out`` must not exist); return (plan, plan_hash)."""
     from runner import gitops
 
@@ -182,7 +183,7 @@ def freeze(cycle_path: Path, out: Path, *, images: dict[str, str],
         "roles": {r: pols.roles[r] for r in CYCLE_ROLES}, "upstreams": frozen_ups,
         "upstream_ids": up_ids, "budget": cycle.budget, "edit": cycle.edit,
         "brief": cycle.brief, "brief_sha256": brief_sha, "worker": cycle.worker,
-        "dream": cycle.dream, "trials": cycle.trials,
+        "dream": dream_override or cycle.dream, "trials": cycle.trials,
         "seeds": cycle.seeds or tuple(range(cycle.trials)), "concurrency": cycle.concurrency,
         "inputs": table})
     plan_hash = write_plan(plan, out / "plan.json")

@@ -95,6 +95,8 @@ def build(outcome: Outcome) -> dict[str, Any]:
         "patch_sha256": outcome.patch_sha256,
         "verdict": verdict,
         "leftovers": outcome.leftovers,
+        "dream": json.loads((stages / "dream" / "summary.json").read_text())
+        if (stages / "dream" / "summary.json").is_file() else None,
         "timing": outcome.timings,
         "outcome": outcome_digests,
         "external": {f"store:{sid}": {"path": str(Path(plan["data_dir"]) / s["path"]),

@@ -114,6 +114,10 @@ class CycleRunner:
         dev = [s.id for s in self.manifest.scenarios if s.split == "development"]
         base_cases = list(dict.fromkeys([*pol.cases, *dev]))
         src = self._stage("export", self._export_base)
+        if self.plan.dream.mode != "off":
+            variants = self._stage("dream", self._dream)
+            self.scenarios.update({v.id: v for v in variants})
+            base_cases += [v.id for v in variants]
         baseline = self._stage("baseline", lambda: self._analyst("baseline", src, base_cases))
         baseline = self._stage("evaluate-baseline", lambda: self._evaluate("baseline", baseline))
         brief = self._stage("brief", lambda: self._brief(baseline))
@@ -283,7 +287,7 @@ class CycleRunner:
         if self.plan.brief.mode == "file":
             text = (self.dir / "inputs" / "brief.md").read_text()
         else:
-            text = build_brief(baseline, self.manifest)
+            text = build_brief(baseline, self.scenarios)
         (d / "brief.md").write_text(text)
         return text
 
@@ -339,6 +343,86 @@ class CycleRunner:
         src.parent.mkdir(parents=True)
         gitops.export_tree(d / "candidate.git", str(result["tree"]), src)
         return src, str(result["tree"])
+
+    def _dream(self) -> list[Scenario]:
+        """Dream variants of development tasks (SPEC §8); model calls via the relay."""
+        from runner import dream
+
+        spec = self.plan.dream
+        d = self.dir / "stages" / "dream"
+        d.mkdir(parents=True)
+        dev = [s for s in self.manifest.scenarios if s.split == "development"]
+        key = spec.intent_key
+        parents = {s.id: s for s in dev}
+        if spec.mode == "template":
+            variants = [v for s in dev for v in dream.template_variants(s, spec.factor, key)]
+            result = dream.DreamResult(variants=variants, summary={
+                "mode": "template", "source_tasks": len(dev),
+                "requested": len(dev) * spec.factor, "accepted": 0,
+                "fallback": 0, "reasons": dict.fromkeys(dream.REASONS, 0),
+                "optimizer_tokens": 0, "optimizer_cost_usd": 0.0, "cost_complete": True})
+        else:
+            sources = {s.id: dream.intent_of(s, key) for s in dev}
+            slots = [dream.Slot(s.id, k) for s in dev for k in range(spec.factor)]
+            gen = self._relay("dream-generate", [
+                {"id": s.id, "messages": dream.generation_messages(sources[s.id], spec.factor)}
+                for s in dev])
+            for s in dev:
+                reply = gen.get(s.id, {"ok": False, "error": "no reply"})
+                texts = (dream.parse_generation(str(reply["text"]), spec.factor)
+                         if reply.get("ok") else None)
+                for slot in (x for x in slots if x.parent == s.id):
+                    if not reply.get("ok"):
+                        slot.outcome, slot.detail = "generation_error", str(reply.get("error"))
+                    elif texts is None:
+                        slot.outcome, slot.detail = "malformed_generation", "not N strings"
+                    else:
+                        slot.text = texts[slot.k]
+            existing = [dream.intent_of(s, key) for s in self.manifest.scenarios]
+            dream.screen(slots, sources, existing)
+            pending = {p: [x for x in slots if x.parent == p and x.outcome == "pending"]
+                       for p in parents}
+            calls = [{"id": p, "messages": dream.verification_messages(
+                sources[p], [(x.k, str(x.text)) for x in xs])}
+                for p, xs in pending.items() if xs]
+            ver = self._relay("dream-verify", calls) if calls else {}
+            for p, xs in pending.items():
+                reply = ver.get(p, {"ok": False, "error": "no reply"})
+                outcomes = (dream.parse_verdicts(str(reply["text"]), [x.k for x in xs])
+                            if reply.get("ok") else
+                            dict.fromkeys([x.k for x in xs], "semantic_verifier_error"))
+                for x in xs:
+                    x.outcome = outcomes[x.k]
+            calls_log = [c for c in CallLog(self.dir / "gateway").records()
+                         if c.stage.startswith("dream-")]
+            tot = summarize(calls_log)["total"]
+            result = dream.finish(slots, parents, key, int(tot["tokens"]), tot["cost_usd"],
+                                  bool(tot["complete"]))
+            result.summary["mode"] = "model"
+        (d / "variants.json").write_text(dream.dumps_variants(result.variants))
+        (d / "events.jsonl").write_text("".join(json.dumps(e, sort_keys=True) + "\n"
+                                                for e in result.events))
+        _write_json(d / "summary.json", result.summary)
+        return result.variants
+
+    def _relay(self, stage: str, calls: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        d = self.dir / "stages" / "dream" / stage
+        (d / "in").mkdir(parents=True)
+        _write_json(d / "in" / "calls.json", {"model": self.plan.worker.model,
+                                              "max_tokens": self.plan.worker.max_tokens,
+                                              "calls": calls})
+        out = self._fresh(d / "out")
+        rec = self._run("worker", ["python", "-m", "sandbox.relay"], stage=stage, out=out,
+                        mounts=[Mount(source=d / "in", target="/in")])
+        try:
+            replies: dict[str, dict[str, Any]] = collect(out, self._limits("worker")).json(
+                "replies.json")
+        except OutputRejected as exc:
+            replies = {c["id"]: {"ok": False, "error": f"relay output refused: {exc}"}
+                       for c in calls}
+        if rec.stop_reason is not StopReason.OK and not replies:
+            replies = {c["id"]: {"ok": False, "error": rec.stop_reason.value} for c in calls}
+        return replies
 
     def _leftovers(self) -> list[str]:
         found = [name for cid, name, labels in self.backend.managed_containers()

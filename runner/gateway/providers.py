@@ -33,6 +33,9 @@ class ProviderResult:
     """Named infra error; None when the response is a well-formed completion."""
     usage: Usage | None = None
     fixture: bool = False
+    upstream_reached: bool = True
+    """False when no upstream was contacted (script miss, replay miss): nothing can have
+    been charged, so the cost is a known zero rather than unknown."""
 
 
 class Provider(Protocol):
@@ -266,7 +269,8 @@ class ScriptedProvider:
         reply = next((r.reply for r in self.rules if r.matches(role, model, text, last_user)),
                      self.default)
         if reply is None:
-            return ProviderResult(None, None, "script_no_match", fixture=True)
+            return ProviderResult(None, None, "script_no_match", fixture=True,
+                                  upstream_reached=False)
         data = scripted_body(request, body, reply, stream=stream)
         usage, error = inspect(data, stream=stream)
         return ProviderResult(200, data, error, usage, fixture=True)
@@ -296,7 +300,7 @@ class ReplayProvider:
                    stream: bool) -> ProviderResult:
         hit = self.index.get(sha256(request))
         if hit is None:
-            return ProviderResult(None, None, "replay_miss")
+            return ProviderResult(None, None, "replay_miss", upstream_reached=False)
         status, digest, fixture = hit
         assert self.log is not None  # noqa: S101 - checked in __init__
         data = self.log.blob(digest)

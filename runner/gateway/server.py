@@ -262,8 +262,12 @@ class Gateway:
                                 model=str(model), stream=stream)
         provider = self._providers[name]
         result = await provider.call(upstream_bytes, body, role=b.role, stream=stream)
-        cost = (cost_usd(result.usage, up.prices.get(str(model)))
-                if result.error is None else None)
+        if not result.upstream_reached:
+            cost: float | None = 0.0
+        elif result.error is None:
+            cost = cost_usd(result.usage, up.prices.get(str(model)))
+        else:
+            cost = None
         self.budget.settle(reservation, cost)
         req_sha = self.log.put_blob(upstream_bytes)
         resp_sha = self.log.put_blob(result.response) if result.response is not None else None
