@@ -71,6 +71,9 @@ receipt: setup docker images ## Record the demo cycle, replay it byte-exactly, s
 	$(CYCLEBOX) receipt verify build/receipt/$(STAMP_NOW)/replayed
 	$(CYCLEBOX) receipt compare build/receipt/$(STAMP_NOW)/recorded build/receipt/$(STAMP_NOW)/replayed
 
+dream: setup docker images ## Paired dream off/on run of the example; one receipt with held-out delta and cost
+	$(CYCLEBOX) dream compare examples/shop-analyst/cycle-dream.yaml --out build/dream/$(STAMP_NOW)
+
 smoke: setup docker images ## One sandboxed smoke run of each role image
 	@for role in analyst worker evaluator apply; do \
 	  echo "== $$role: sandbox probe"; \
@@ -95,4 +98,4 @@ clean: ## Remove orphaned cyclebox containers and build/ (images are kept)
 	-@[ -x $(CYCLEBOX) ] && $(CYCLEBOX) gc || true
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache
 
-.PHONY: help setup docker images check test unit demo demo-negative receipt smoke bench gc clean
+.PHONY: help setup docker images check test unit demo demo-negative receipt dream smoke bench gc clean

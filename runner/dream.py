@@ -208,6 +208,60 @@ def screen(slots: list[Slot], sources: dict[str, str], existing: list[str]) -> N
         seen.add(n)
 
 
+Reply = dict[str, Any]
+"""A relay reply: {"ok": True, "text": ...} or {"ok": False, "error": ...}."""
+
+
+def generation_calls(dev: list[Scenario], factor: int, key: str) -> list[dict[str, Any]]:
+    """One generation call per development task (the only tasks that may be sent)."""
+    return [{"id": s.id, "messages": generation_messages(intent_of(s, key), factor)}
+            for s in dev if s.split == "development"]
+
+
+def after_generation(dev: list[Scenario], factor: int, key: str, replies: dict[str, Reply],
+                     existing: list[str]) -> tuple[list[Slot], list[dict[str, Any]]]:
+    """Slots after parsing, dedup and fidelity, plus the verification calls still needed."""
+    sources = {s.id: intent_of(s, key) for s in dev}
+    slots = [Slot(s.id, k) for s in dev for k in range(factor)]
+    for s in dev:
+        reply = replies.get(s.id, {"ok": False, "error": "no reply"})
+        texts = parse_generation(str(reply["text"]), factor) if reply.get("ok") else None
+        for slot in (x for x in slots if x.parent == s.id):
+            if not reply.get("ok"):
+                slot.outcome, slot.detail = "generation_error", str(reply.get("error"))
+            elif texts is None:
+                slot.outcome, slot.detail = "malformed_generation", "not one array of N strings"
+            else:
+                slot.text = texts[slot.k]
+    screen(slots, sources, existing)
+    calls = []
+    for s in dev:
+        pending = [(x.k, str(x.text)) for x in slots if x.parent == s.id and
+                   x.outcome == "pending"]
+        if pending:
+            calls.append({"id": s.id, "messages": verification_messages(sources[s.id], pending)})
+    return slots, calls
+
+
+def after_verification(slots: list[Slot], replies: dict[str, Reply]) -> None:
+    """Decide every pending slot from the verifier's replies (fail closed)."""
+    for parent in sorted({x.parent for x in slots}):
+        pending = [x for x in slots if x.parent == parent and x.outcome == "pending"]
+        if not pending:
+            continue
+        reply = replies.get(parent)
+        if reply is None:
+            outcomes = dict.fromkeys([x.k for x in pending], "missing_semantic_verifier")
+        elif not reply.get("ok"):
+            outcomes = dict.fromkeys([x.k for x in pending], "semantic_verifier_error")
+        else:
+            outcomes = parse_verdicts(str(reply["text"]), [x.k for x in pending])
+        for x in pending:
+            x.outcome = outcomes[x.k]
+            if x.outcome != "accept":
+                x.detail = str((reply or {}).get("error") or x.outcome)
+
+
 def finish(slots: list[Slot], parents: dict[str, Scenario], key: str,
            tokens: int, cost: float | None, complete: bool) -> DreamResult:
     """Variants (accepted text or template fallback), per-slot events, run summary."""

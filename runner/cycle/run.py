@@ -362,37 +362,10 @@ class CycleRunner:
                 "fallback": 0, "reasons": dict.fromkeys(dream.REASONS, 0),
                 "optimizer_tokens": 0, "optimizer_cost_usd": 0.0, "cost_complete": True})
         else:
-            sources = {s.id: dream.intent_of(s, key) for s in dev}
-            slots = [dream.Slot(s.id, k) for s in dev for k in range(spec.factor)]
-            gen = self._relay("dream-generate", [
-                {"id": s.id, "messages": dream.generation_messages(sources[s.id], spec.factor)}
-                for s in dev])
-            for s in dev:
-                reply = gen.get(s.id, {"ok": False, "error": "no reply"})
-                texts = (dream.parse_generation(str(reply["text"]), spec.factor)
-                         if reply.get("ok") else None)
-                for slot in (x for x in slots if x.parent == s.id):
-                    if not reply.get("ok"):
-                        slot.outcome, slot.detail = "generation_error", str(reply.get("error"))
-                    elif texts is None:
-                        slot.outcome, slot.detail = "malformed_generation", "not N strings"
-                    else:
-                        slot.text = texts[slot.k]
+            gen = self._relay("dream-generate", dream.generation_calls(dev, spec.factor, key))
             existing = [dream.intent_of(s, key) for s in self.manifest.scenarios]
-            dream.screen(slots, sources, existing)
-            pending = {p: [x for x in slots if x.parent == p and x.outcome == "pending"]
-                       for p in parents}
-            calls = [{"id": p, "messages": dream.verification_messages(
-                sources[p], [(x.k, str(x.text)) for x in xs])}
-                for p, xs in pending.items() if xs]
-            ver = self._relay("dream-verify", calls) if calls else {}
-            for p, xs in pending.items():
-                reply = ver.get(p, {"ok": False, "error": "no reply"})
-                outcomes = (dream.parse_verdicts(str(reply["text"]), [x.k for x in xs])
-                            if reply.get("ok") else
-                            dict.fromkeys([x.k for x in xs], "semantic_verifier_error"))
-                for x in xs:
-                    x.outcome = outcomes[x.k]
+            slots, calls = dream.after_generation(dev, spec.factor, key, gen, existing)
+            dream.after_verification(slots, self._relay("dream-verify", calls) if calls else {})
             calls_log = [c for c in CallLog(self.dir / "gateway").records()
                          if c.stage.startswith("dream-")]
             tot = summarize(calls_log)["total"]
