@@ -76,8 +76,9 @@ def cycle_run(
         help="Answer every model call from this recorded run (byte-exact).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Freeze then run a cycle (or run a prepared plan); exit 0 accept_for_review, 1 reject,
-    2 invalid_comparison, 3+ usage errors."""
+    """Freeze then run a cycle, or run a prepared plan.
+
+    Exit 0 accept_for_review, 1 reject, 2 invalid_comparison, 3+ usage errors."""
     from runner.cycle.compare import EXIT_CODES
     from runner.cycle.plan import freeze as do_freeze
     from runner.cycle.receipt import build
@@ -148,8 +149,10 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")],
               ref: Annotated[str, typer.Option(help="Base ref.")], out_dir: OutOpt,
               subdir: Annotated[str | None, typer.Option(help="Source subdirectory.")] = None,
               json_out: JsonOpt = False) -> None:
-    """Apply a proposal in the apply container on a throwaway repo; exit 2 with the reason
-    on any refusal. The proposal carries its path set, allowlist and base hashes."""
+    """Apply a proposal on a throwaway repo in the apply container.
+
+    Exit 2 with the named reason on any refusal. The proposal carries its path set,
+    allowlist and base hashes (as the worker writes them)."""
     from runner.cycle.run import apply_proposal
     from runner.docker_backend import DockerSandbox
     from runner.gitops import resolve_tree
@@ -205,8 +208,9 @@ def compare_cmd(baseline: Annotated[Path, typer.Option(help="Baseline records (J
                 candidate: Annotated[Path, typer.Option(help="Candidate records (JSONL).")],
                 policy: Annotated[Path, typer.Option(help="Comparison policy (YAML/JSON).")],
                 out_dir: OutOpt, json_out: JsonOpt = False) -> None:
-    """Compare two record sets under a policy: exit 0 accept_for_review, 1 reject,
-    2 invalid_comparison, 3+ usage errors."""
+    """Compare two record sets under a frozen policy.
+
+    Exit 0 accept_for_review, 1 reject, 2 invalid_comparison, 3+ usage errors."""
     from runner.cycle.compare import EXIT_CODES, compare, load_policy, load_records
 
     try:
@@ -282,8 +286,9 @@ def receipt_compare(recorded: Annotated[Path, typer.Argument(help="Recorded run 
 @review_app.command("packet")
 def review_packet(records: Annotated[Path, typer.Option(help="Records (JSONL).")],
                   out_dir: OutOpt, reviewer: str = "") -> None:
-    """Write a review packet (review.md, packet.json, empty human-labels.json,
-    judge-ratings.json kept apart)."""
+    """Write a review packet for human labelling.
+
+    review.md, packet.json, an empty human-labels.json and judge-ratings.json kept apart."""
     from runner.cycle.compare import load_records
     from runner.cycle.review import make_packet
 
@@ -301,8 +306,10 @@ def review_calibrate(packet: Annotated[Path, typer.Option(help="Packet directory
                      judges: Annotated[Path, typer.Option(help="judge-ratings.json.")],
                      out_file: Annotated[Path, typer.Option("--out", help="Result file.")],
                      json_out: JsonOpt = False) -> None:
-    """Agreement between human labels and model ratings (coverage, exact agreement, mean
-    absolute difference, Cohen's kappa). Non-zero exit when identity or coverage fails."""
+    """Agreement between human labels and model ratings.
+
+    Coverage, exact agreement, mean absolute difference and Cohen's kappa. Non-zero
+    exit when packet identity or coverage fails."""
     from runner.cycle.review import calibrate, write_calibration
 
     try:
@@ -325,8 +332,10 @@ app.add_typer(dream_app, name="dream")
 @dream_app.command("compare")
 def dream_compare(cycle: Annotated[Path, typer.Argument(help="cycle.yaml with dream on")],
                   out_dir: OutOpt, json_out: JsonOpt = False) -> None:
-    """Run the cycle with dream off and on (same tasks, models, seeds) and write one paired
-    receipt: held-out scores, verdicts, acceptance/fallback rates, delta and cost."""
+    """Run a cycle with dream off and on and write one paired receipt.
+
+    Same tasks, models and seeds; the receipt holds held-out scores, verdicts,
+    acceptance/fallback rates, the held-out delta and the incremental cost."""
     from runner.cycle.dream_compare import paired
 
     try:

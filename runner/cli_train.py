@@ -65,8 +65,10 @@ def train_proof(persona: Annotated[Path, typer.Option(help="Persona/skill script
                 ledger: Annotated[Path | None, typer.Option(
                     help="Feedback ledger (default build/train/ledger.jsonl).")] = None,
                 lr: float = 5e-3, seed: int = 0, json_out: JsonOpt = False) -> None:
-    """The proof loop: train a LoRA adapter and prove it imprinted. Exit 4 when nothing
-    imprinted; 5 when the adapter did not reproduce its answers in a fresh process."""
+    """Train a LoRA adapter on a persona and prove it imprinted.
+
+    Exit 4 when nothing imprinted; 5 when the adapter did not reproduce its answers
+    in a fresh process."""
     from runner.train import proof
 
     ledger = ledger or state_dir() / "train" / "ledger.jsonl"
@@ -124,8 +126,9 @@ def export_cmd(run: Annotated[Path, typer.Option("--run", help="A cycle run dire
                policy: Annotated[Path, typer.Option(help="Export policy.")] =
                PROJECT_ROOT / "policies" / "export.yaml",
                json_out: JsonOpt = False) -> None:
-    """Turn a run's call log and grades into training trajectories (refused without a
-    calibration that meets the export policy's kappa)."""
+    """Export a run's call log and grades as training trajectories.
+
+    Refused without a calibration that meets the export policy's kappa."""
     from runner.export import export, load_export_policy
 
     try:

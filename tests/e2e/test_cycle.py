@@ -256,7 +256,7 @@ def test_the_loop_closes_export_then_train(demo: tuple[Path, dict[str, Any]], tm
                    "--calibration", str(tmp_path / "cal.json"), "--json")
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout)
-    assert summary["trajectories"] == 26 and summary["turns"] == 26
+    assert summary["trajectories"] == 28 and summary["turns"] == 28  # 14 cases x 2 sides
     first = json.loads((corpus / "trajectories.jsonl").read_text().splitlines()[0])
     blob = (run / "gateway/blobs" / first["turns"][0]["prompt_sha256"]).read_bytes()
     assert first["turns"][0]["prompt"].encode("utf-8") == blob
@@ -264,5 +264,5 @@ def test_the_loop_closes_export_then_train(demo: tuple[Path, dict[str, Any]], tm
                    "--out", str(tmp_path / "sft"), "--epochs", "1", "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     receipt = json.loads(res.stdout)
-    assert receipt["kind"] == "sft" and receipt["figures"]["steps"] == 26
+    assert receipt["kind"] == "sft" and receipt["figures"]["steps"] == 28
     assert receipt["corpus_sha256"]
