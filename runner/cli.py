@@ -154,11 +154,11 @@ def sandbox_exec(
     """
     from runner.docker_backend import DockerSandbox
     from runner.gateway.calllog import CallLog
-    from runner.gateway.server import CONTAINER_DIR, Gateway
+    from runner.gateway.server import Gateway
     from runner.images import resolve_image
     from runner.policy import load_policies
     from runner.roles import fresh_output_dir, parse_mount_flag, role_spec
-    from runner.sandbox import Mount, StopReason
+    from runner.sandbox import StopReason
 
     command = list(ctx.args)
     if not command:
@@ -193,7 +193,7 @@ def sandbox_exec(
                 gateway = stack.enter_context(Gateway(
                     run_dir, run_id, pols.upstreams, {role: policy.upstream}))
                 binding = stack.enter_context(gateway.bound(role, stage="exec", uid=uid))
-                mounts.append(Mount(source=binding.directory, target=CONTAINER_DIR))
+                mounts.append(binding.mount())
             spec = role_spec(policy, role=role, run_id=run_id, image=image, command=command,
                              mounts=mounts, output_dir=odir.resolve())
             record = DockerSandbox().run(spec, on_output=stream)

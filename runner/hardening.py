@@ -28,7 +28,7 @@ CIS    recommendation                             how
 5.28   PIDs cgroup limit                          ``pids_limit``
 5.29   not on the default bridge                  ``network_mode=none``
 5.30   no host user namespace                     ``userns_mode`` unset
-5.31   no Docker socket mounted                   refused by policy and here
+5.31   no Docker socket mounted                   no unix socket but the gateway's, by type
 =====  =========================================  =======================================
 
 Not applicable: 5.13 (no ports), 5.22/5.23 (cyclebox never uses ``docker exec``),
@@ -78,7 +78,7 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str) -> dict[str, Any]:
     """Keyword arguments for ``docker.containers.create``; raises on a forbidden mount."""
     mounts: list[dict[str, Any]] = []
     for m in spec.mounts:
-        why = mount_violation(str(m.source), read_only=m.read_only)
+        why = mount_violation(str(m.source), read_only=m.read_only, allow_socket=m.gateway)
         if why:
             raise PolicyViolation(why, field=f"mount {m.source}:{m.target}",
                                   fix="mount data directories read-only")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -31,7 +32,8 @@ SENSITIVE_HOST_PATHS = (
     "/", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/sys", "/usr", "/bin", "/sbin",
     "/run", "/var/run", "/var/lib/docker", "/var/lib/containerd", "/root",
 )
-SOCKET_NAMES = ("docker.sock", "containerd.sock", "dockershim.sock", "podman.sock")
+SOCKET_SCAN_LIMIT = 50_000
+"""Entries scanned under a mounted directory looking for unix sockets (fail closed above)."""
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
@@ -140,19 +142,46 @@ def _is_within(path: PurePosixPath, parent: PurePosixPath) -> bool:
     return path == parent or parent in path.parents
 
 
-def mount_violation(source: str, *, read_only: bool, allow_writable: bool = False) -> str | None:
+def find_socket(root: str, limit: int = SOCKET_SCAN_LIMIT) -> str | None:
+    """A unix socket at or under ``root`` (never following links), or a reason it could
+    not be ruled out. Sockets are found by type, not by name: an engine's API socket
+    hard-linked or renamed into a data directory is still a socket."""
+    try:
+        st = os.stat(root)  # follows a symlinked root on purpose: that is what binds
+    except OSError:
+        return None
+    if stat.S_ISSOCK(st.st_mode):
+        return root
+    if not stat.S_ISDIR(st.st_mode):
+        return None
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in (*dirnames, *filenames):
+            seen += 1
+            if seen > limit:
+                return f"{root} (more than {limit} entries; could not rule out a socket)"
+            try:
+                if stat.S_ISSOCK(os.lstat(os.path.join(dirpath, name)).st_mode):
+                    return os.path.join(dirpath, name)
+            except OSError:
+                continue
+    return None
+
+
+def mount_violation(source: str, *, read_only: bool, allow_writable: bool = False,
+                    allow_socket: bool = False) -> str | None:
     """Why this host path may not be mounted, or None when it may.
 
     Both the path as written and its resolved form are checked, so a symlink to
-    the Docker socket or to ``/etc`` is caught too.
+    ``/etc`` is caught too. No unix socket may be mounted (a container engine's API
+    socket gives root on the host), except the gateway socket the controller binds
+    itself (``allow_socket``).
     """
     if not source.startswith("/"):
         return f"mount source must be an absolute host path, got {source!r}"
     candidates = {PurePosixPath(os.path.normpath(source)),
                   PurePosixPath(os.path.realpath(source))}
     for cand in candidates:
-        if cand.name in SOCKET_NAMES or (cand.name.endswith(".sock") and "docker" in cand.name):
-            return f"{source} is a container-engine socket; never mounted into a role"
         for sens in SENSITIVE_HOST_PATHS:
             s = PurePosixPath(sens)
             if _is_within(cand, s) and not (sens == "/" and cand != s):
@@ -161,6 +190,10 @@ def mount_violation(source: str, *, read_only: bool, allow_writable: bool = Fals
                 return f"{source} contains the host system directory {sens}"
     if not read_only and not allow_writable:
         return f"{source} is mounted writable; inputs must be read-only"
+    if not allow_socket:
+        sock = find_socket(source)
+        if sock:
+            return f"{source}: unix socket {sock}; sockets are never mounted into a role"
     return None
 
 

@@ -42,6 +42,9 @@ class Mount(Frozen):
     """Absolute path inside the container."""
     read_only: bool = True
     """Inputs are always read-only; only a stage's fresh output directory is writable."""
+    gateway: bool = False
+    """Set only by the controller for its own gateway socket directory, the one place
+    a unix socket may be mounted."""
 
 
 class Resources(Frozen):

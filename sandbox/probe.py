@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import socket
+import stat
 import sys
 from pathlib import Path
 
@@ -52,6 +53,22 @@ def _tcp(host: str, port: int) -> str:
         return errno.errorcode.get(exc.errno or 0, type(exc).__name__)
 
 
+def _sockets() -> list[str]:
+    """Every unix socket in the container's filesystem (found by type, not by name)."""
+    found = []
+    for root, dirs, files in os.walk("/", followlinks=False):
+        if root == "/":
+            dirs[:] = [d for d in dirs if d not in ("proc", "sys")]
+        for name in (*dirs, *files):
+            path = os.path.join(root, name)
+            try:
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
+                    found.append(path)
+            except OSError:
+                continue
+    return sorted(found)
+
+
 def _first_int(*paths: str) -> int | None:
     """First readable integer among cgroup v1/v2 files ("max" counts as unlimited: None)."""
     for p in paths:
@@ -78,8 +95,7 @@ def facts(role: str, tcp_targets: list[str]) -> dict[str, object]:
         "memory_limit": _first_int("/sys/fs/cgroup/memory/memory.limit_in_bytes",
                                    "/sys/fs/cgroup/memory.max"),
         "pids_limit": _first_int("/sys/fs/cgroup/pids/pids.max", "/sys/fs/cgroup/pids.max"),
-        "docker_socket": any(os.path.exists(p) for p in
-                             ("/var/run/docker.sock", "/run/docker.sock")),
+        "unix_sockets": _sockets(),
         "env_keys": sorted(os.environ),
         "tcp": {t: _tcp(t.rsplit(":", 1)[0], int(t.rsplit(":", 1)[1])) for t in tcp_targets},
     }

@@ -31,7 +31,7 @@ from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.gateway.budget import RunBudget
 from runner.gateway.calllog import CallLog
 from runner.gateway.report import summarize
-from runner.gateway.server import CONTAINER_DIR, Gateway
+from runner.gateway.server import Gateway
 from runner.hashing import sha256_bytes
 from runner.roles import fresh_output_dir, role_spec
 from runner.sandbox import Mount, RunRecord, StopReason
@@ -164,7 +164,7 @@ class CycleRunner:
             if policy.upstream:
                 b = stack.enter_context(self.gw.bound(role, stage=stage, uid=self.uid,
                                                       case=case, trial=trial))
-                mounts = [*mounts, Mount(source=b.directory, target=CONTAINER_DIR)]
+                mounts = [*mounts, b.mount()]
             spec = role_spec(policy, role=role, run_id=self.run_id, image=image,
                              command=command, output_dir=out, env=env, labels=labels,
                              mounts=mounts).model_copy(update={"output_target": output_target})

@@ -37,6 +37,7 @@ from runner.gateway.calllog import CallLog, CallRecord, Usage
 from runner.gateway.config import Price, UpstreamPolicy, read_credential
 from runner.gateway.providers import OpenAIProvider, Provider, ReplayProvider, ScriptedProvider
 from runner.owner import current_owner
+from runner.sandbox import Mount
 
 CONTAINER_DIR = "/run/cyclebox/gateway"
 """Where a role finds ``gateway.sock`` and ``token`` (read-only mount)."""
@@ -79,6 +80,10 @@ class Binding:
     """Host directory to mount read-only at CONTAINER_DIR."""
     turns: int = 0
     server: uvicorn.Server | None = field(default=None, repr=False)
+
+    def mount(self) -> Mount:
+        """The read-only mount that gives a container this socket and token."""
+        return Mount(source=self.directory, target=CONTAINER_DIR, gateway=True)
 
     def next_turn(self) -> int:
         t = self.turns

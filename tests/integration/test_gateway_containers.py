@@ -21,7 +21,7 @@ import pytest
 
 from runner.gateway.calllog import CallLog, sha256
 from runner.gateway.config import CredentialSource, UpstreamPolicy
-from runner.gateway.server import CONTAINER_DIR, Gateway
+from runner.gateway.server import Gateway
 from runner.images import resolve_image
 from runner.policy import RolePolicies
 from runner.roles import role_spec
@@ -80,7 +80,7 @@ def run_in_role(gw: Gateway, policies: RolePolicies, backend: Any, role: str, co
     with gw.bound(role, stage="test", uid=10001, case="c1", trial=0) as b:
         spec = role_spec(policies.roles[role], role=role, run_id="gwtest",
                          image=resolve_image(role), command=["python", "-c", code],
-                         mounts=[Mount(source=b.directory, target=CONTAINER_DIR), *mounts])
+                         mounts=[b.mount(), *mounts])
         if during is None:
             rec: RunRecord = backend.run(spec)
             return rec

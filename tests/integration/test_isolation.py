@@ -94,7 +94,7 @@ def test_identity_and_privileges(run_role: RunFn) -> None:
     assert facts["cap_eff"] == "0000000000000000"
     assert facts["no_new_privs"] == "1"
     assert facts["seccomp"] == "2"  # filter mode: the default profile is on
-    assert facts["docker_socket"] is False
+    assert facts["unix_sockets"] == []  # no engine socket, by any name
 
 
 def test_root_filesystem_read_only(run_role: RunFn) -> None:

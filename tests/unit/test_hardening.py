@@ -73,12 +73,23 @@ def test_root_user_is_unrepresentable() -> None:
 
 
 def test_socket_mount_refused_at_translation(tmp_path: Path) -> None:
-    sock = tmp_path / "docker.sock"
-    sock.write_text("")
-    with pytest.raises(PolicyViolation, match="socket"):
-        create_kwargs(_spec(mounts=(Mount(source=sock, target="/x"),)), OWNER, "n")
+    import socket
+
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(tmp_path / "api"))
+    try:
+        with pytest.raises(PolicyViolation, match="unix socket"):
+            create_kwargs(_spec(mounts=(Mount(source=tmp_path / "api", target="/x"),)),
+                          OWNER, "n")
+        kw = create_kwargs(_spec(mounts=(Mount(source=tmp_path, target="/gw", gateway=True),)),
+                           OWNER, "n")
+        assert kw["mounts"][0]["ReadOnly"] is True
+    finally:
+        s.close()
+    plain = tmp_path / "plain"
+    plain.mkdir()
     with pytest.raises(PolicyViolation, match="writable"):
-        create_kwargs(_spec(mounts=(Mount(source=tmp_path, target="/x", read_only=False),)),
+        create_kwargs(_spec(mounts=(Mount(source=plain, target="/x", read_only=False),)),
                       OWNER, "n")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -38,8 +39,8 @@ def test_shipped_policies_load() -> None:
     ({"ipc_mode": "host"}, "roles.analyst.ipc_mode", "IPC"),
     ({"devices": ["/dev/sda"]}, "roles.analyst.devices", "devices"),
     ({"user": "0:0"}, "roles.analyst.user", "uid"),
-    ({"mounts": [{"source": "/var/run/docker.sock", "target": "/s"}]},
-     "roles.analyst.mounts[0]", "socket"),
+    ({"mounts": [{"source": "/var/run", "target": "/s"}]},
+     "roles.analyst.mounts[0]", "/run"),
     ({"mounts": [{"source": "/etc", "target": "/e"}]}, "roles.analyst.mounts[0]", "/etc"),
     ({"mounts": [{"source": "/var", "target": "/v"}]}, "roles.analyst.mounts[0]", "contains"),
     ({"mounts": [{"source": "/srv/data", "target": "/d", "mode": "rw"}]},
@@ -68,15 +69,27 @@ def test_schema_version_checked() -> None:
         parse_policies({"schema": 2, "roles": {}}, path="x.yaml")
 
 
-def test_symlink_to_socket_is_caught(tmp_path: Path) -> None:
-    sock = tmp_path / "engine"
-    sock.mkdir()
-    target = sock / "docker.sock"
-    target.write_text("")
-    link = tmp_path / "innocent"
-    link.symlink_to(target)
-    assert mount_violation(str(link), read_only=True) is not None
-    assert mount_violation(str(tmp_path), read_only=True) is None
+def test_sockets_are_refused_by_type_whatever_their_name(tmp_path: Path) -> None:
+    import socket
+
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    data = tmp_path / "data"
+    (data / "deep").mkdir(parents=True)
+    (data / "deep" / "file.txt").write_text("x")
+    assert mount_violation(str(data), read_only=True) is None
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(engine / "api"))  # an engine-like API socket with an innocent name
+    try:
+        link = tmp_path / "innocent"
+        link.symlink_to(engine / "api")
+        assert "unix socket" in (mount_violation(str(link), read_only=True) or "")
+        assert "unix socket" in (mount_violation(str(engine), read_only=True) or "")
+        os.link(engine / "api", data / "deep" / "renamed")  # hard link into a data dir
+        assert "unix socket" in (mount_violation(str(data), read_only=True) or "")
+        assert mount_violation(str(engine), read_only=True, allow_socket=True) is None
+    finally:
+        s.close()
 
 
 @pytest.mark.parametrize(("text", "value"), [("512m", 512 * 1024**2), ("1g", 1024**3),
