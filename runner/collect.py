@@ -11,7 +11,6 @@ NaN, Infinity and duplicate keys.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import stat
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import OutputRejected
+from sandbox.proposal import strict_json
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
@@ -127,32 +127,11 @@ def _kind(mode: int) -> str:
     return "unknown type"
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise ValueError(f"number {text} overflows to infinity")
-    return value
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in obj:
-            raise ValueError(f"duplicate key {k!r}")
-        obj[k] = v
-    return obj
-
-
 def loads_strict(data: bytes | str, *, source: str = "<json>") -> Any:
     """Parse JSON refusing NaN/Infinity and duplicate keys; raise OutputRejected naming source."""
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
-                          object_pairs_hook=_no_duplicates)
+        return strict_json(text)
     except (ValueError, UnicodeDecodeError) as exc:
         raise OutputRejected(f"{source}: invalid JSON: {exc}") from None
 

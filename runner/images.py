@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from runner.errors import ConfigError, PrerequisiteError
+from runner.hashing import sha256_file
 from runner.paths import images_dir, sandbox_src, state_dir
 from runner.policy import ROLES
 
@@ -95,18 +96,10 @@ def ensure_wheels(role: str, log: Log) -> Path:
     # Digest of the wheel set, computed once here (hashing torch each build is slow).
     digest = hashlib.sha256()
     for whl in sorted(wdir.glob("*.whl")):
-        digest.update(whl.name.encode() + b"\0" + _file_sha(whl).encode() + b"\n")
+        digest.update(whl.name.encode() + b"\0" + sha256_file(whl).encode() + b"\n")
     (wdir / ".digest").write_text(digest.hexdigest())
     stamp.write_text(stamp_value)
     return wdir
-
-
-def _file_sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _sandbox_files() -> list[Path]:

@@ -112,15 +112,12 @@ def proof(persona_path: Path, base: Path, out: Path, *, ledger: Path, lr: float,
     _check_model_dir(base)
     out = out.resolve()
     fresh_output_dir(out, uid=_trainer_uid())
-    inputs = out.parent / f".{out.name}.in"
-    inputs.mkdir(mode=0o755)
+    given = {"persona.json": json.dumps(persona, sort_keys=True),
+             "config.json": json.dumps({"lr": lr, "seed": seed})}
+    if ledger.is_file():
+        given["ledger.jsonl"] = ledger.read_text()
+    inputs = _fresh_inputs(out, given)
     try:
-        (inputs / "persona.json").write_text(json.dumps(persona, sort_keys=True))
-        (inputs / "config.json").write_text(json.dumps({"lr": lr, "seed": seed}))
-        if ledger.is_file():
-            shutil.copyfile(ledger, inputs / "ledger.jsonl")
-        for p in inputs.iterdir():
-            p.chmod(0o644)
         rec = run_trainer("sandbox.train.proof", out=out, run_id="train-proof",
                           on_event=on_event,
                           mounts=[Mount(source=inputs, target="/in"),
@@ -157,6 +154,16 @@ def proof(persona_path: Path, base: Path, out: Path, *, ledger: Path, lr: float,
         shutil.rmtree(out.parent / f".{out.name}.verify", ignore_errors=True)
 
 
+def _fresh_inputs(out: Path, files: dict[str, str]) -> Path:
+    """A private, world-readable (for the role uid) sibling directory of input files."""
+    inputs = out.parent / f".{out.name}.in"
+    inputs.mkdir(mode=0o755)
+    for name, text in files.items():
+        (inputs / name).write_text(text)
+        (inputs / name).chmod(0o644)
+    return inputs
+
+
 def sft(corpus: Path, base: Path, out: Path, *, lr: float, seed: int, epochs: int | None,
         on_event: Events) -> dict[str, Any]:
     if not (corpus / "trajectories.jsonl").is_file():
@@ -165,12 +172,9 @@ def sft(corpus: Path, base: Path, out: Path, *, lr: float, seed: int, epochs: in
     _check_model_dir(base)
     out = out.resolve()
     fresh_output_dir(out, uid=_trainer_uid())
-    inputs = out.parent / f".{out.name}.in"
-    inputs.mkdir(mode=0o755)
+    inputs = _fresh_inputs(out, {"config.json": json.dumps({"lr": lr, "seed": seed,
+                                                           "epochs": epochs})})
     try:
-        (inputs / "config.json").write_text(json.dumps({"lr": lr, "seed": seed,
-                                                        "epochs": epochs}))
-        (inputs / "config.json").chmod(0o644)
         rec = run_trainer("sandbox.train.sft", out=out, run_id="train-sft", on_event=on_event,
                           mounts=[Mount(source=inputs, target="/in"),
                                   Mount(source=corpus.resolve(), target="/corpus"),

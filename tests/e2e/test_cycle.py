@@ -199,6 +199,17 @@ def test_compare_cli_exit_codes_and_coverage(demo: tuple[Path, dict[str, Any]],
     assert policy.is_file()
 
 
+def agree_with_model(packet: Path, labels_out: Path) -> None:
+    """Fill the packet's human labels with the model's own ratings (perfect agreement)."""
+    labels = json.loads((packet / "human-labels.json").read_text())
+    ratings = json.loads((packet / "judge-ratings.json").read_text())["ratings"]
+    for item, crit in labels["labels"].items():
+        for c in crit:
+            crit[c] = ratings[item][c] if ratings[item][c] is not None else 0
+    labels["labeled_at"] = "2026-11-29T12:00:00+00:00"
+    labels_out.write_text(json.dumps(labels))
+
+
 def test_review_packet_and_calibration(demo: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     run, _ = demo
     packet = tmp_path / "packet"
@@ -212,13 +223,7 @@ def test_review_packet_and_calibration(demo: tuple[Path, dict[str, Any]], tmp_pa
                    str(packet / "human-labels.json"), "--judges",
                    str(packet / "judge-ratings.json"), "--out", str(tmp_path / "c0.json"))
     assert res.returncode != 0
-    labels = json.loads((packet / "human-labels.json").read_text())
-    ratings = json.loads((packet / "judge-ratings.json").read_text())["ratings"]
-    for item, crit in labels["labels"].items():
-        for c in crit:
-            crit[c] = ratings[item][c] if ratings[item][c] is not None else 0
-    labels["labeled_at"] = "2026-11-29T12:00:00+00:00"
-    (tmp_path / "labels.json").write_text(json.dumps(labels))
+    agree_with_model(packet, tmp_path / "labels.json")
     res = cyclebox("review", "calibrate", "--packet", str(packet), "--labels",
                    str(tmp_path / "labels.json"), "--judges", str(packet / "judge-ratings.json"),
                    "--out", str(tmp_path / "cal.json"), "--json")
@@ -241,13 +246,7 @@ def test_the_loop_closes_export_then_train(demo: tuple[Path, dict[str, Any]], tm
     packet = tmp_path / "packet"
     assert cyclebox("review", "packet", "--records", str(run / "stages/baseline/records.jsonl"),
                     "--out", str(packet)).returncode == 0
-    labels = json.loads((packet / "human-labels.json").read_text())
-    ratings = json.loads((packet / "judge-ratings.json").read_text())["ratings"]
-    for item, crit in labels["labels"].items():
-        for c in crit:
-            crit[c] = ratings[item][c] if ratings[item][c] is not None else 0
-    labels["labeled_at"] = "2026-11-29T12:00:00+00:00"
-    (tmp_path / "labels.json").write_text(json.dumps(labels))
+    agree_with_model(packet, tmp_path / "labels.json")
     assert cyclebox("review", "calibrate", "--packet", str(packet), "--labels",
                     str(tmp_path / "labels.json"), "--judges",
                     str(packet / "judge-ratings.json"), "--out",
