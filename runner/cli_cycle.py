@@ -285,7 +285,10 @@ def receipt_compare(recorded: Annotated[Path, typer.Argument(help="Recorded run 
 
 @review_app.command("packet")
 def review_packet(records: Annotated[Path, typer.Option(help="Records (JSONL).")],
-                  out_dir: OutOpt, reviewer: str = "") -> None:
+                  out_dir: OutOpt, reviewer: str = "",
+                  manifest: Annotated[Path | None, typer.Option(
+                      help="Scenario manifest: shows each task to the reviewer.")] = None,
+                  intent_key: str = "question") -> None:
     """Write a review packet for human labelling.
 
     review.md, packet.json, an empty human-labels.json and judge-ratings.json kept apart."""
@@ -293,7 +296,15 @@ def review_packet(records: Annotated[Path, typer.Option(help="Records (JSONL).")
     from runner.cycle.review import make_packet
 
     try:
-        path = make_packet(load_records(records), out_dir, reviewer=reviewer)
+        questions = None
+        if manifest is not None:
+            from runner.collect import loads_strict
+
+            doc = loads_strict(manifest.read_bytes(), source=str(manifest))
+            questions = {str(sc["id"]): str(sc["input"].get(intent_key, json.dumps(sc["input"])))
+                         for sc in doc["scenarios"]}
+        path = make_packet(load_records(records), out_dir, reviewer=reviewer,
+                           questions=questions)
     except CycleboxError as exc:
         _fail(exc)
     out.print(f"packet written to {path}; fill human-labels.json, then run "

@@ -132,8 +132,12 @@ class CalibrationResult(Frozen):
     """Every item is labelled on every criterion (overall coverage is 1.0)."""
 
 
-def make_packet(records: Sequence[Record], out_dir: Path, *, reviewer: str = "") -> Path:
-    """Write a review packet for the ok records into the new directory ``out_dir``."""
+def make_packet(records: Sequence[Record], out_dir: Path, *, reviewer: str = "",
+                questions: Mapping[str, str] | None = None) -> Path:
+    """Write a review packet for the ok records into the new directory ``out_dir``.
+
+    ``questions`` (case id -> the task as the agent received it) lets the reviewer
+    judge correctness; it comes from the scenario manifest, never from a model."""
     ok = sorted((r for r in records if r.status == "ok"), key=lambda r: (r.case_id, r.trial))
     if not ok:
         raise ConfigError("no record with status ok to review", path=str(out_dir),
@@ -145,7 +149,7 @@ def make_packet(records: Sequence[Record], out_dir: Path, *, reviewer: str = "")
         raise ConfigError(f"duplicate (case, trial) items {dups}", field="records",
                           fix="pass each (case, trial) once")
     pid = _packet_id(items, CRITERIA)
-    review = _render_review(ok, pid, reviewer).encode("utf-8")
+    review = _render_review(ok, pid, reviewer, questions or {}).encode("utf-8")
     packet = Packet(packet_id=pid, items=items, criteria=CRITERIA,
                     review_md_sha256=sha256_bytes(review))
     labels = {"schema": 1, "packet_id": pid, "reviewer": reviewer, "labeled_at": None,
@@ -322,7 +326,8 @@ def _as_text(v: object) -> str:
                                                    ensure_ascii=False)
 
 
-def _render_review(records: Sequence[Record], packet_id: str, reviewer: str) -> str:
+def _render_review(records: Sequence[Record], packet_id: str, reviewer: str,
+                   questions: Mapping[str, str]) -> str:
     out = ["# Review packet", "", f"Packet: `{packet_id}`",
            f"Reviewer: {reviewer or '(unassigned)'}", "",
            f"Rate every item on every criterion 0, 1 or 2 using the anchors, from the answer "
@@ -331,7 +336,10 @@ def _render_review(records: Sequence[Record], packet_id: str, reviewer: str) -> 
     for r in records:
         ans = r.answer or {}
         out += [f"## {_item_id(r)}", "", f"Case `{r.case_id}`, trial {r.trial}, "
-                f"split {r.split}.", "", "### Answer", ""]
+                f"split {r.split}.", ""]
+        if r.case_id in questions:
+            out += ["### Task", "", _fenced(questions[r.case_id]), ""]
+        out += ["### Answer", ""]
         out += [_fenced(_as_text(ans["answer"])) if ans.get("answer") is not None
                 else "(no answer given)", "", "### Cited evidence", ""]
         ev = ans.get("evidence")

@@ -214,8 +214,12 @@ def test_review_packet_and_calibration(demo: tuple[Path, dict[str, Any]], tmp_pa
     run, _ = demo
     packet = tmp_path / "packet"
     res = cyclebox("review", "packet", "--records", str(run / "stages/baseline/records.jsonl"),
-                   "--out", str(packet), "--reviewer", "qa")
+                   "--out", str(packet), "--reviewer", "qa", "--manifest",
+                   str(EXAMPLE / "manifest.json"))
     assert res.returncode == 0, res.stderr
+    review = (packet / "review.md").read_text()
+    assert "What was the total revenue in April 2026?" in review  # the task, for the human
+    assert "judge" not in review.lower()
     assert {p.name for p in packet.iterdir()} == {"review.md", "packet.json",
                                                   "human-labels.json", "judge-ratings.json"}
     # unlabelled: coverage fails -> non-zero
