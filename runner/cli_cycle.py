@@ -153,7 +153,7 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")],
 
     Exit 2 with the named reason on any refusal. The proposal carries its path set,
     allowlist and base hashes (as the worker writes them)."""
-    from runner.cycle.run import apply_proposal
+    from runner.cycle.apply import apply_proposal
     from runner.docker_backend import DockerSandbox
     from runner.gitops import resolve_tree
     from runner.images import resolve_image

@@ -34,3 +34,8 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Readable, key-sorted JSON for stage files (not a hashing format; see canonical_bytes)."""
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ from typing import Any
 
 from runner import gitops
 from runner.collect import Limits, collect
+from runner.cycle.apply import apply_proposal
 from runner.cycle.brief import build_brief
 from runner.cycle.compare import compare
 from runner.cycle.models import ComparisonResult, Grades, Identities, Manifest, Record, Scenario
@@ -32,10 +32,9 @@ from runner.gateway.budget import RunBudget
 from runner.gateway.calllog import CallLog
 from runner.gateway.report import summarize
 from runner.gateway.server import Gateway
-from runner.hashing import sha256_bytes
+from runner.hashing import sha256_bytes, write_json
 from runner.roles import fresh_output_dir, role_spec
 from runner.sandbox import Mount, RunRecord, StopReason
-from sandbox.proposal import Change, Refused, check_changes
 
 Progress = Callable[[str, int, int], None]
 """(stage, done, total) as work completes."""
@@ -106,7 +105,7 @@ class CycleRunner:
             outcome.timings = self.timings
             outcome.leftovers = self._leftovers()
         (stages / "compare").mkdir(exist_ok=True)
-        _write_json(stages / "compare" / "verdict.json", outcome.result.model_dump(mode="json"))
+        write_json(stages / "compare" / "verdict.json", outcome.result.model_dump(mode="json"))
         return outcome
 
     def _stages(self, o: Outcome) -> Outcome:
@@ -217,7 +216,7 @@ class CycleRunner:
             return Record(**base, status="not_attempted", reason=f"budget: {self.budget.halted}")
         case_dir = self.dir / "stages" / stage / "cases" / f"{sc.id}__t{trial}"
         (case_dir / "input").mkdir(parents=True)
-        _write_json(case_dir / "input" / "input.json", sc.input)
+        write_json(case_dir / "input" / "input.json", sc.input)
         out = self._fresh(case_dir / "out")
         env = {"CYCLEBOX_SEED": str(self.plan.seeds[trial]), "CYCLEBOX_TRIAL": str(trial)}
         rec = self._run("analyst", list(self.plan.project.spec.entry), stage=stage, case=sc.id,
@@ -255,10 +254,10 @@ class CycleRunner:
             {"case_id": r.case_id, "trial": r.trial, "answer": r.answer}, sort_keys=True) + "\n"
             for r in ok))
         cases = {r.case_id for r in records}
-        _write_json(d / "ref" / "references.json",
+        write_json(d / "ref" / "references.json",
                     {c: self.scenarios[c].reference.model_dump(mode="json") for c in cases})
         judge = self.plan.judge
-        _write_json(d / "cfg" / "evaluator.json", {
+        write_json(d / "cfg" / "evaluator.json", {
             "judge": judge.model_dump(mode="json") if judge else None,
             "questions": {c: str(self.scenarios[c].input.get("question", "")) for c in cases}})
         out = self._fresh(d / "out")
@@ -306,7 +305,7 @@ class CycleRunner:
         request = {"brief": brief, "files": self._base_files(),
                    "paths": list(self.plan.edit.paths), "allowlist": list(self.plan.edit.allowlist),
                    "model": self.plan.worker.model, "max_tokens": self.plan.worker.max_tokens}
-        _write_json(d / "in" / "request.json", request)
+        write_json(d / "in" / "request.json", request)
         out = self._fresh(d / "out")
         rec = self._run("worker", ["python", "-m", "sandbox.worker"], stage="propose", out=out,
                         mounts=[Mount(source=d / "in", target="/in")])
@@ -328,8 +327,8 @@ class CycleRunner:
         invocation = {"paths": list(self.plan.edit.paths),
                       "allowlist": list(self.plan.edit.allowlist), "base": base_hashes,
                       "max_file_bytes": self.plan.edit.max_file_bytes}
-        _write_json(d / "in" / "invocation.json", invocation)
-        _write_json(d / "in" / "proposal.json", proposal)
+        write_json(d / "in" / "invocation.json", invocation)
+        write_json(d / "in" / "proposal.json", proposal)
         result = apply_proposal(d, Path(self.plan.project.repo), self.plan.project.base_tree,
                                 run=lambda work: self._run(
                                     "apply", ["python", "-m", "sandbox.apply_main"],
@@ -375,13 +374,13 @@ class CycleRunner:
         (d / "variants.json").write_text(dream.dumps_variants(result.variants))
         (d / "events.jsonl").write_text("".join(json.dumps(e, sort_keys=True) + "\n"
                                                 for e in result.events))
-        _write_json(d / "summary.json", result.summary)
+        write_json(d / "summary.json", result.summary)
         return result.variants
 
     def _relay(self, stage: str, calls: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         d = self.dir / "stages" / "dream" / stage
         (d / "in").mkdir(parents=True)
-        _write_json(d / "in" / "calls.json", {"model": self.plan.worker.model,
+        write_json(d / "in" / "calls.json", {"model": self.plan.worker.model,
                                               "max_tokens": self.plan.worker.max_tokens,
                                               "calls": calls})
         out = self._fresh(d / "out")
@@ -404,75 +403,9 @@ class CycleRunner:
         return found
 
 
-def apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
-                   run: Callable[[Path], RunRecord], uid: int) -> dict[str, Any]:
-    """Run the apply container on a throwaway repo, then re-verify on a host-made bare clone.
-
-    ``stage_dir/in`` holds proposal.json and invocation.json. The host never runs git
-    inside the directory the container wrote (its .git/config could carry commands):
-    it clones it with --no-local into ``candidate.git`` and checks that clone.
-    """
-    work = stage_dir / "work"
-    work.mkdir(mode=0o700)
-    base_commit = gitops.throwaway_repo(repo, tree, work / "repo")
-    (work / "out").mkdir()
-    if os.getuid() == 0 and uid != 0:
-        for p in [work, *work.rglob("*")]:
-            os.lchown(p, uid, uid)
-    rec = run(work)
-    try:
-        result = json.loads((work / "out" / "result.json").read_text())
-    except (OSError, ValueError):
-        result = {"status": "refused", "reason": "apply_failed",
-                  "message": f"{rec.stop_reason.value}: {rec.stderr_tail[-300:]}"}
-    _write_json(stage_dir / "result.json", result)
-    if result.get("status") != "applied":
-        return dict(result)
-    if rec.stop_reason is not StopReason.OK:
-        return {"status": "refused", "reason": "apply_failed", "message": rec.detail}
-    proposal = json.loads((stage_dir / "in" / "proposal.json").read_text())
-    inv = json.loads((stage_dir / "in" / "invocation.json").read_text())
-    bare = stage_dir / "candidate.git"
-    commit = str(result["commit"])
-    gitops.clone_bare_untrusted(work / "repo", bare, branch="cyclebox/candidate")
-    problems = _verify_candidate(bare, base_commit, commit, proposal, inv)
-    if problems:
-        return {"status": "refused", "reason": "host_verification_failed", "message": problems}
-    patch = gitops.diff(bare, base_commit, commit)
-    if patch != collect(work / "out").files.get("candidate.patch"):
-        return {"status": "refused", "reason": "host_verification_failed",
-                "message": "candidate.patch differs from the host's diff"}
-    (stage_dir / "candidate.patch").write_bytes(patch)
-    result["tree"] = gitops.head_tree(bare, commit)
-    _write_json(stage_dir / "result.json", result)
-    return dict(result)
-
-
-def _verify_candidate(bare: Path, base: str, commit: str, proposal: dict[str, Any],
-                      inv: dict[str, Any]) -> str:
-    if gitops.rev(bare, f"{commit}^") != base:
-        return "candidate commit is not a child of the frozen base"
-    changes = [Change(f["path"], f["content"]) for f in proposal["files"]]
-    try:
-        check_changes(changes, paths=set(inv["paths"]), allowlist=list(inv["allowlist"]),
-                      max_bytes=int(inv["max_file_bytes"]))
-    except Refused as exc:
-        return str(exc)
-    changed = gitops.changed_paths(bare, base, commit)
-    if changed != sorted(c.path for c in changes if gitops.read_blob(bare, base, c.path)
-                         != c.content.encode()):
-        return f"changed paths {changed} differ from the proposal"
-    for c in changes:
-        if gitops.read_blob(bare, commit, c.path) != c.content.encode():
-            return f"{c.path}: committed content differs from the proposal"
-    return ""
-
-
 def _invalid(reason: str) -> ComparisonResult:
     return ComparisonResult(verdict="invalid_comparison", reasons=(reason,))
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 

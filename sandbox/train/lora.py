@@ -11,7 +11,6 @@ import math
 import os
 import random
 import resource
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -127,8 +126,3 @@ def generate(model: Any, tok: Any, system: str, user: str, max_new_tokens: int =
                          max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id)
     return str(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)).strip()
-
-
-def main() -> int:  # pragma: no cover - exercised in the trainer container
-    print("use sandbox.train.proof or sandbox.train.sft", file=sys.stderr)
-    return 2
