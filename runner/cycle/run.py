@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,6 @@ from runner.cycle.plan import check_drift, load_plan
 from runner.docker_backend import DockerSandbox
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.gateway.budget import RunBudget
-from runner.gateway.calllog import CallLog
 from runner.gateway.report import summarize
 from runner.gateway.server import Gateway
 from runner.hashing import sha256_bytes, write_json
@@ -91,6 +91,7 @@ class CycleRunner:
         stages.mkdir()
         self.backend = backend
         self.containers = (self.dir / "containers.jsonl").open("a", encoding="utf-8")
+        self._containers_lock = threading.Lock()
         outcome = Outcome(self.dir, self.plan_hash, _invalid("cycle did not complete"))
         role_upstream = {r: p.upstream for r, p in self.plan.roles.items() if p.upstream}
         try:
@@ -171,8 +172,9 @@ class CycleRunner:
         row = {"stage": stage, "case": case, "trial": trial, **rec.model_dump(mode="json")}
         row.pop("stdout_tail")
         row.pop("stderr_tail")
-        self.containers.write(json.dumps(row, sort_keys=True) + "\n")
-        self.containers.flush()
+        with self._containers_lock:
+            self.containers.write(json.dumps(row, sort_keys=True) + "\n")
+            self.containers.flush()
         logs = out.parent / "logs"
         logs.mkdir(exist_ok=True)
         name = f"{role}" + (f"-{case}-t{trial}" if case is not None else "")
@@ -224,8 +226,7 @@ class CycleRunner:
                         mounts=[Mount(source=src, target="/src"),
                                 Mount(source=case_dir / "input", target="/case"),
                                 Mount(source=Path(self.plan.data_dir), target="/data")])
-        calls = [c for c in CallLog(self.dir / "gateway").records()
-                 if c.stage == stage and c.case == sc.id and c.trial == trial]
+        calls = self.gw.calls(stage, sc.id, trial)
         usage = summarize(calls)["per_role"]
         common = dict(base, latency_s=rec.wall_s, usage=usage)
         if any(c.error == "budget" for c in calls):
@@ -365,8 +366,7 @@ class CycleRunner:
             existing = [dream.intent_of(s, key) for s in self.manifest.scenarios]
             slots, calls = dream.after_generation(dev, spec.factor, key, gen, existing)
             dream.after_verification(slots, self._relay("dream-verify", calls) if calls else {})
-            calls_log = [c for c in CallLog(self.dir / "gateway").records()
-                         if c.stage.startswith("dream-")]
+            calls_log = [*self.gw.calls("dream-generate"), *self.gw.calls("dream-verify")]
             tot = summarize(calls_log)["total"]
             result = dream.finish(slots, parents, key, int(tot["tokens"]), tot["cost_usd"],
                                   bool(tot["complete"]))

@@ -106,6 +106,8 @@ class Gateway:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._bindings: list[Binding] = []
+        self._by_key: dict[tuple[str, str | None, int | None], list[CallRecord]] = {}
+        self._index_lock = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> Gateway:
@@ -296,17 +298,26 @@ class Gateway:
                      usage=None, cost=None, req_sha=req_sha, resp_sha=None)
         return _error(status, code, message)
 
+    def calls(self, stage: str, case: str | None = None,
+              trial: int | None = None) -> list[CallRecord]:
+        """Calls recorded so far for one container's (stage, case, trial), from memory."""
+        with self._index_lock:
+            return list(self._by_key.get((stage, case, trial), ()))
+
     def _record(self, b: Binding, turn: int, t0: float, *, status: Any, error: str | None,
                 upstream: str | None, provider: str | None, model: str | None, fixture: bool,
                 stream: bool, http_status: int | None, usage: Usage | None,
                 cost: float | None, req_sha: str, resp_sha: str | None) -> None:
-        self.log.append(CallRecord(
+        rec = CallRecord(
             seq=self.log.next_seq(), ts=CallLog.now(), run_id=self.run_id, role=b.role,
             upstream=upstream, stage=b.stage, case=b.case, trial=b.trial, turn=turn,
             provider=provider, model=model, fixture=fixture, stream=stream, status=status,
             error=error, http_status=http_status,
             latency_s=round(time.perf_counter() - t0, 6), usage=usage, cost_usd=cost,
-            request_sha256=req_sha, response_sha256=resp_sha))
+            request_sha256=req_sha, response_sha256=resp_sha)
+        self.log.append(rec)
+        with self._index_lock:
+            self._by_key.setdefault((b.stage, b.case, b.trial), []).append(rec)
 
 
 async def _stop(server: uvicorn.Server, grace_s: float = 5.0) -> None:
