@@ -230,14 +230,51 @@ def compare_cmd(baseline: Annotated[Path, typer.Option(help="Baseline records (J
     raise typer.Exit(EXIT_CODES[result.verdict])
 
 
+@receipt_app.command("keygen")
+def receipt_keygen(out_key: Annotated[Path, typer.Option("--out", help="Private key file.")]
+                   ) -> None:
+    """Create an Ed25519 signing key (0600) and KEY.pub."""
+    from runner.signing import keygen
+
+    try:
+        pub = keygen(out_key)
+    except CycleboxError as exc:
+        _fail(exc)
+    out.print(f"private key {out_key} (keep it off shared machines); public key {pub}",
+              highlight=False)
+
+
+@receipt_app.command("sign")
+def receipt_sign(run_dir: Annotated[Path, typer.Argument(help="A cycle run directory.")],
+                 key: Annotated[Path, typer.Option(help="Ed25519 private key (PEM).")]) -> None:
+    """Sign receipt.json into a DSSE envelope (receipt.dsse.json)."""
+    from runner.signing import sign
+
+    try:
+        env = sign(run_dir, key)
+    except CycleboxError as exc:
+        _fail(exc)
+    out.print(f"signed: {env}", highlight=False)
+
+
 @receipt_app.command("verify")
 def receipt_verify(run_dir: Annotated[Path, typer.Argument(help="A cycle run directory.")],
+                   pubkey: Annotated[Path | None, typer.Option(
+                       help="Also require a valid DSSE signature by this Ed25519 key.")] = None,
                    json_out: JsonOpt = False) -> None:
-    """Re-hash every file the receipt names; exit 8 naming each mismatch."""
+    """Re-hash every file the receipt names (and check its signature with --pubkey);
+    exit 8 naming each mismatch."""
     from runner.cycle.receipt import verify
 
     try:
         problems = verify(run_dir)
+        if pubkey is not None:
+            from runner.signing import load_public, verify_signature
+
+            try:
+                verify_signature(run_dir, load_public(pubkey))
+            except CycleboxError as exc:
+                problems.append(str(exc))
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
