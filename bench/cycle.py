@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from bench._report import report
 from bench.overhead import docker_cli_args
 from runner.docker_backend import DockerSandbox
 from runner.hardening import create_kwargs
@@ -92,10 +93,7 @@ def main() -> None:
         "raw_command": RAW_COMMAND,
     }
     result["meets_target"] = result["ratio_cycle_over_raw"] <= 1.3
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        a.out.write_text(text + "\n")
+    report(result, a.out)
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx2
 
+from bench._report import report
+
 BODY = b'{"model":"bench","messages":[{"role":"user","content":"ping"}]}'
 HERE = Path(__file__).resolve().parent
 
@@ -123,10 +125,7 @@ def main() -> None:
                                   c8["gateway"]["requests_per_s"]) >= 300),  # type: ignore[index]
         "note": "every gateway request is recorded (request/response blobs + fsynced index line)",
     }
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if a.out:
-        a.out.write_text(text + "\n")
+    report(summary, a.out)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,10 @@ only when it is missing (pass --cold-base to force a fresh bootstrap tag check).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
+from bench._report import report
 from runner.images import build_roles
 from runner.policy import ROLES
 
@@ -51,10 +51,7 @@ def main() -> None:
         rebuild < 5 and not result["unchanged_rebuild_built_anything"]
         and all(v <= TARGET_ROLE_BYTES for k, v in sizes.items() if k != "trainer")
         and sizes["trainer"] <= TARGET_TRAINER_BYTES)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        a.out.write_text(text + "\n")
+    report(result, a.out)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,12 @@ Target (issue 2): backend median / raw docker median <= 1.15.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import time
 from pathlib import Path
 
+from bench._report import report
 from runner.docker_backend import DockerSandbox
 from runner.images import resolve_image
 from runner.paths import default_policies
@@ -80,10 +80,7 @@ def main() -> None:
         "backend_includes": "create, attach, start, wait, inspect, remove, confirm removal",
     }
     result["meets_target"] = result["ratio_backend_over_raw_docker"] <= 1.15
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        a.out.write_text(text + "\n")
+    report(result, a.out)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from bench._report import report
 from runner.paths import PROJECT_ROOT
 from runner.roles import fresh_output_dir
 from runner.sandbox import Mount
@@ -51,10 +52,7 @@ def main() -> None:
             "lora_over_full_peak_rss": round(lora["peak_rss_mb_median"]
                                              / full["peak_rss_mb_median"], 3),
         }
-        text = json.dumps(result, indent=2)
-        print(text)
-        if a.out:
-            a.out.write_text(text + "\n")
+        report(result, a.out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

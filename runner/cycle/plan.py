@@ -36,7 +36,7 @@ from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_js
 from runner.paths import sandbox_src
 from runner.policy import ROLE_UPSTREAM, RolePolicy, load_policies
 from runner.sandbox import Frozen
-from sandbox.proposal import Refused, check_changes
+from sandbox.proposal import Refused, check_changes, check_path
 
 CYCLE_ROLES = ("analyst", "worker", "evaluator", "apply")
 
@@ -209,8 +209,6 @@ def _check_edit(edit: EditSpec, cycle_path: Path) -> None:
     try:
         check_changes([], paths=set(edit.paths), allowlist=list(edit.allowlist))
         for p in edit.paths:
-            from sandbox.proposal import check_path
-
             check_path(p, paths=set(edit.paths), allowlist=list(edit.allowlist))
     except Refused as exc:
         raise ConfigError(str(exc), path=str(cycle_path), field="edit.paths",

@@ -85,7 +85,10 @@ class CallLog:
         self.blobs.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._dirty = False
-        self._seq = sum(1 for _ in self.index.open()) if self.index.exists() else 0
+        self._seq = 0
+        if self.index.exists():
+            with self.index.open("rb") as f:
+                self._seq = sum(1 for _ in f)
 
     def put_blob(self, data: bytes) -> str:
         digest = sha256(data)

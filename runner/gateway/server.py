@@ -224,12 +224,15 @@ class Gateway:
         name = self.role_upstream.get(b.role)
         up = self.upstreams.get(name) if name else None
         limit = up.max_request_bytes if up else 1 << 20
-        raw = b""
+        parts: list[bytes] = []
+        size = 0
         async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > limit:
-                return self._refuse(b, turn, t0, raw, 413, "request_too_large",
+            parts.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                return self._refuse(b, turn, t0, b"".join(parts), 413, "request_too_large",
                                     f"request body over {limit} bytes", name)
+        raw = b"".join(parts)
         if not self._authorized(b, request):
             return self._refuse(b, turn, t0, raw, 401, "bad_token",
                                 f"missing or wrong gateway token for role {b.role}", name)
