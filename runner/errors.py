@@ -62,14 +62,68 @@ class IntegrityError(CycleboxError):
     """Raised when a frozen hash no longer matches (plan, data store, image id, receipt)."""
 
 
+class CheckFailed(CycleboxError):
+    """Raised when a gate the operator asked for did not pass (calibration coverage or
+    agreement, a training proof the board did not approve). Nothing is broken."""
+
+
+class EnvironmentFailure(CycleboxError):
+    """Raised when the machine failed under us (disk full, out of file descriptors).
+
+    Whatever was recorded stays; nothing that claims success is written.
+    """
+
+
+class Interrupted(CycleboxError):
+    """Raised when SIGINT or SIGTERM stopped the work; what was recorded stays."""
+
+
+# The one exit-code table (README "Exit codes", `cyclebox --help`). No code has two
+# meanings: verdicts are 0/1/2, errors 3 and up.
+EXIT_OK = 0
+"""Success; for a cycle or compare: ``accept_for_review``."""
+EXIT_REJECT = 1
+"""Verdict ``reject``."""
+EXIT_INVALID = 2
+"""Verdict ``invalid_comparison`` (the reasons are named), or an apply that was refused."""
+EXIT_BAD_INPUT = 3
+EXIT_CHECK_FAILED = 4
+EXIT_PREREQUISITE = 5
+EXIT_ENGINE = 6
+EXIT_OUTPUT_REFUSED = 7
+EXIT_INTEGRITY = 8
+EXIT_ENVIRONMENT = 9
+EXIT_UNEXPECTED = 10
+"""A bug: one line on stderr names the log file holding the traceback."""
+EXIT_INTERRUPTED = 130
+
 EXIT_CODES: dict[type[CycleboxError], int] = {
-    ConfigError: 3,
-    PolicyViolation: 3,
-    PrerequisiteError: 5,
-    SandboxError: 6,
-    OutputRejected: 7,
-    IntegrityError: 8,
+    ConfigError: EXIT_BAD_INPUT,
+    PolicyViolation: EXIT_BAD_INPUT,
+    CheckFailed: EXIT_CHECK_FAILED,
+    PrerequisiteError: EXIT_PREREQUISITE,
+    SandboxError: EXIT_ENGINE,
+    OutputRejected: EXIT_OUTPUT_REFUSED,
+    IntegrityError: EXIT_INTEGRITY,
+    EnvironmentFailure: EXIT_ENVIRONMENT,
+    Interrupted: EXIT_INTERRUPTED,
 }
+
+EXIT_TABLE: tuple[tuple[int, str], ...] = (
+    (EXIT_OK, "ok; cycle/compare verdict accept_for_review"),
+    (EXIT_REJECT, "verdict reject"),
+    (EXIT_INVALID, "verdict invalid_comparison (reasons named); apply refused"),
+    (EXIT_BAD_INPUT, "bad input: the message names the file, the field and the fix"),
+    (EXIT_CHECK_FAILED, "a requested check did not pass (calibration, training proof)"),
+    (EXIT_PREREQUISITE, "missing prerequisite (engine, image, credential, tool)"),
+    (EXIT_ENGINE, "container engine failure or engine lost"),
+    (EXIT_OUTPUT_REFUSED, "a container's output was refused"),
+    (EXIT_INTEGRITY, "integrity drift: a frozen hash or receipt does not match"),
+    (EXIT_ENVIRONMENT, "environment failure (disk full, out of file descriptors)"),
+    (EXIT_UNEXPECTED, "unexpected error: one line names the log with the traceback"),
+    (EXIT_INTERRUPTED, "interrupted by SIGINT/SIGTERM; what was recorded is kept"),
+)
+"""(code, meaning) for help texts and the README; keep it the only copy."""
 
 
 def exit_code_for(err: CycleboxError) -> int:
@@ -77,4 +131,4 @@ def exit_code_for(err: CycleboxError) -> int:
     for cls in type(err).__mro__:
         if cls in EXIT_CODES:
             return EXIT_CODES[cls]
-    return 1
+    return EXIT_UNEXPECTED

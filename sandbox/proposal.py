@@ -18,6 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MAX_FILE_BYTES = 256 * 1024
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays/objects any cyclebox JSON reader accepts."""
+_JSON_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _FENCE = re.compile(r"^\s*```[A-Za-z0-9_-]*\s*\n(.*)\n\s*```\s*$", re.DOTALL)
 
 
@@ -56,10 +60,52 @@ def _finite(text: str) -> float:
     return value
 
 
-def strict_json(text: str) -> object:
-    """json.loads refusing NaN/Infinity (also by overflow) and duplicate keys."""
-    return json.loads(text, object_pairs_hook=_no_dup_keys, parse_constant=_no_constants,
-                      parse_float=_finite)
+def _check_depth(text: str, limit: int) -> None:
+    """Refuse nesting deeper than ``limit`` before the recursive parser sees it."""
+    depth = 0
+    for m in _JSON_TOKENS.finditer(text):
+        c = m.group()
+        if c in "[{":
+            depth += 1
+            if depth > limit:
+                raise ValueError(f"nested deeper than {limit} levels")
+        elif c in "]}":
+            depth -= 1
+
+
+def _check_surrogates(obj: object) -> None:
+    """Refuse lone surrogates (from ``\\udXXX`` escapes): they cannot be written as UTF-8."""
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("string holds a lone surrogate (not valid Unicode)") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def strict_json(text: str, *, max_depth: int = MAX_JSON_DEPTH) -> object:
+    """json.loads refusing NaN/Infinity (also by overflow), duplicate keys, nesting deeper
+    than ``max_depth`` and lone surrogates; every refusal is a ValueError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text holds a lone surrogate (not valid Unicode)") from None
+    _check_depth(text, max_depth)
+    try:
+        obj = json.loads(text, object_pairs_hook=_no_dup_keys, parse_constant=_no_constants,
+                         parse_float=_finite)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {max_depth} levels") from None
+    if _SURROGATE_ESCAPE.search(text):
+        _check_surrogates(obj)
+    return obj
 
 
 def strip_fence(text: str) -> str:
