@@ -233,10 +233,16 @@ def test_check_changes_not_utf8(content: str) -> None:
     assert _reason(exc) == "not_utf8"
 
 
-def test_check_changes_not_utf8_from_json_escape() -> None:
-    changes, _ = parse_reply('{"files": [{"path": "notes.txt", "content": "\\ud800"}]}')
+def test_lone_surrogate_escape_is_a_malformed_reply() -> None:
+    # strict JSON refuses a lone surrogate before any rule sees it
     with pytest.raises(Refused) as exc:
-        check_changes(changes, paths=PATHS, allowlist=ALLOW)
+        parse_reply('{"files": [{"path": "notes.txt", "content": "\\ud800"}]}')
+    assert _reason(exc) == "malformed_proposal"
+
+
+def test_check_changes_not_utf8_in_content() -> None:
+    with pytest.raises(Refused) as exc:
+        check_changes([Change("notes.txt", "\ud800")], paths=PATHS, allowlist=ALLOW)
     assert _reason(exc) == "not_utf8"
 
 
