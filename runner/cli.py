@@ -286,6 +286,7 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
 def main() -> None:
     """Console-script entry point."""
     import runner.cli_cycle
+    import runner.cli_report
     import runner.cli_train  # noqa: F401 - registers model/train/export on `app`
 
     try:

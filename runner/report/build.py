@@ -59,7 +59,8 @@ class _Reader:
         return self._try(readfs.read_jsonl, rel) or []
 
     def raw(self, rel: str, limit: int) -> bytes | None:
-        return self._try(lambda r, p: readfs.read_bytes(r, p, limit), rel)
+        data: bytes | None = self._try(lambda r, p: readfs.read_bytes(r, p, limit), rel)
+        return data
 
 
 def _answer_text(answer: dict[str, object] | None) -> str | None:
@@ -153,8 +154,8 @@ def build_report(run_dir: Path) -> Report:
     rd = _Reader(run_dir)
     doc = rd.json("plan.json")
     plan: dict[str, Any] = doc.get("plan", {}) if isinstance(doc, dict) else {}
-    policy = plan.get("policy") if isinstance(plan.get("policy"), dict) else {}
-    assert isinstance(policy, dict)
+    raw_policy = plan.get("policy")
+    policy: dict[str, Any] = raw_policy if isinstance(raw_policy, dict) else {}
     criteria = tuple(str(c) for c in policy.get("criteria", ()) or ())
     compared = {str(c) for c in policy.get("cases", ()) or ()}
     mandatory = {str(c) for c in policy.get("mandatory", ()) or ()}

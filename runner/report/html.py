@@ -48,9 +48,10 @@ def _attempt_cell(a: Attempt | None, run_dir: Path, html_dir: Path) -> str:
         return '<td class="muted">not run</td>'
     cls = "pass" if a.passed else "fail"
     grades = ", ".join(f"{k}={v}" for k, v in (a.grades or {}).items() if v is not None)
-    detail = "pass" if a.passed else (
-        f"{a.status}: {a.reason}" if a.status != "ok" else "failed " + ", ".join(a.failed_criteria))
-    links = " ".join(f'<a href="{h(_href(run_dir, rel, html_dir))}">{h(_label(rel))}</a>" for rel in a.logs)
+    detail = "pass" if a.passed else (f"{a.status}: {a.reason}" if a.status != "ok"
+                                      else "failed " + ", ".join(a.failed_criteria))
+    links = " ".join(f'<a href="{h(_href(run_dir, rel, html_dir))}">{h(_label(rel))}</a>'
+                     for rel in a.logs)
     return (f'<td class="{cls}"><b>{h(detail)}</b><br>answer: <code>{h(a.answer or "-")}'
             f'</code><br><span class="muted">{h(grades or "no grades")}</span>'
             + (f"<br>{links}" if links else "") + "</td>")

@@ -18,7 +18,7 @@ def cost_text(c: RoleCost) -> str:
         usd = f"{c.cost_usd:.6f} USD"
     else:
         usd = f"unknown (known part {c.cost_usd_known_part} USD)"
-    return usd + ("" if c.complete else ", INCOMPLETE")
+    return usd + (", complete" if c.complete else ", INCOMPLETE")
 
 
 def change_text(c: Change) -> str:
@@ -35,21 +35,21 @@ def terminal_rows(r: Report) -> Iterator[tuple[str, str]]:
     for p in r.pass_rates:
         yield f"pass {p.arm} {p.split}", _rate(p.passed, p.rows) + (
             f", {p.rows - p.ok} not ok" if p.ok != p.rows else "")
-    for c in r.improved:
-        yield "improved", one_line(change_text(c))
-    for c in r.regressed:
-        yield "regressed", one_line(change_text(c))
-    for c in r.costs:
-        yield f"cost {c.role}", (f"{c.calls} calls ({c.ok} ok), {c.tokens} tokens, "
-                                 + cost_text(c)
-                                 + (f", {c.fixture_calls} fixture" if c.fixture_calls else ""))
+    for ch in r.improved:
+        yield "improved", one_line(change_text(ch))
+    for ch in r.regressed:
+        yield "regressed", one_line(change_text(ch))
+    for rc in r.costs:
+        yield f"cost {rc.role}", (f"{rc.calls} calls ({rc.ok} ok), {rc.tokens} tokens, "
+                                  + cost_text(rc)
+                                  + (f", {rc.fixture_calls} fixture" if rc.fixture_calls else ""))
     if r.statistics is not None:
         s = r.statistics
         yield "McNemar", f"b={s.b} c={s.c} pairs={s.pairs} p={s.p_value:.4g} (beside the verdict)"
     yield "fixture", "yes: scripted models, not a real model" if r.fixture else "no"
     yield "receipt sha256", r.receipt_sha256 or "MISSING (no receipt.json)"
-    for p in r.problems:
-        yield "problem", one_line(p)
+    for problem in r.problems:
+        yield "problem", one_line(problem)
 
 
 def markdown(r: Report) -> str:
@@ -61,7 +61,8 @@ def markdown(r: Report) -> str:
     lines += [f"- reason: {md(x)}" for x in r.reasons]
     if r.fixture:
         lines.append("- model calls came from **scripted fixtures** (not a real model)")
-    lines += ["", "| arm | split | passed | rows | not ok | rate |", "|---|---|---:|---:|---:|---:|"]
+    lines += ["", "| arm | split | passed | rows | not ok | rate |",
+              "|---|---|---:|---:|---:|---:|"]
     for p in r.pass_rates:
         rate = "-" if p.rate is None else f"{100 * p.rate:.1f}%"
         lines.append(f"| {p.arm} | {md(p.split)} | {p.passed} | {p.rows} | {p.rows - p.ok} "
@@ -114,4 +115,5 @@ def junit(r: Report) -> bytes:
                                      type=a.status if a.status != "ok" else "graded_fail")
                 fail.text = xml(f"{msg}\nanswer: {a.answer}")
     ET.indent(root)
-    return b'<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="utf-8")
+    body: bytes = ET.tostring(root, encoding="utf-8", xml_declaration=False)
+    return b'<?xml version="1.0" encoding="utf-8"?>\n' + body
