@@ -194,7 +194,7 @@ def test_symlinked_stage_directory_is_refused(run: Path, tmp_path: Path) -> None
 
 
 def test_not_a_run_directory(tmp_path: Path) -> None:
-    with pytest.raises(OutputRejected, match="plan.json"):
+    with pytest.raises(OutputRejected, match=r"plan\.json"):
         build_report(tmp_path)
 
 
