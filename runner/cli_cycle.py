@@ -12,7 +12,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from runner.cli import JsonOpt, _fail, app, err, out
-from runner.cli_report import HtmlOpt, JunitOpt, LineProgress, MarkdownOpt, write_outputs
+from runner.cli_report import (
+    HtmlOpt,
+    JunitOpt,
+    LineProgress,
+    MarkdownOpt,
+    check_targets,
+    write_outputs,
+)
 from runner.errors import CycleboxError
 
 cycle_app = typer.Typer(no_args_is_help=True, help="Run improvement cycles.")
@@ -89,6 +96,7 @@ def cycle_run(
     from runner.cycle.run import CycleRunner
 
     try:
+        check_targets(junit=junit, markdown=markdown, html=html)
         if plan is None:
             if cycle is None or out_dir is None:
                 err.print("error: give CYCLE and --out, or --plan DIR/plan.json")

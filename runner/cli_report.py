@@ -42,13 +42,25 @@ class LineProgress:
         self.stream.flush()
 
 
+def check_targets(**targets: Path | None) -> None:
+    """Refuse an output path whose directory is missing, before any work starts."""
+    for flag, path in targets.items():
+        if path is None:
+            continue
+        parent = path.parent if str(path.parent) else Path(".")
+        if not parent.is_dir():
+            raise ConfigError(f"{parent} is not a directory", path=str(path),
+                              field=f"--{flag}", fix="create the directory first or pick "
+                              "another path")
+        if path.is_dir():
+            raise ConfigError(f"{path} is a directory", path=str(path), field=f"--{flag}",
+                              fix="give a file name")
+
+
 def _write(path: Path, data: bytes) -> None:
     """Write via a temporary file and rename: an existing symlink at ``path`` is replaced,
     never followed."""
     parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise ConfigError(f"{parent} is not a directory", path=str(path),
-                          fix="create the directory first or pick another path")
     fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -67,6 +79,7 @@ def write_outputs(run_dir: Path, *, junit: Path | None = None, markdown: Path | 
     from runner.report.render import junit as render_junit
     from runner.report.render import markdown as render_markdown
 
+    check_targets(junit=junit, markdown=markdown, html=html)
     report = build_report(run_dir)
     if junit is not None:
         _write(junit, render_junit(report))
@@ -116,5 +129,5 @@ def print_terminal(report: Report) -> None:
     out.print(t)
 
 
-__all__ = ["HtmlOpt", "JunitOpt", "LineProgress", "MarkdownOpt", "err", "print_terminal",
-           "write_outputs"]
+__all__ = ["HtmlOpt", "JunitOpt", "LineProgress", "MarkdownOpt", "check_targets", "err",
+           "print_terminal", "write_outputs"]

@@ -58,8 +58,9 @@ class _Reader:
     def jsonl(self, rel: str) -> list[Any]:
         return self._try(readfs.read_jsonl, rel) or []
 
-    def raw(self, rel: str, limit: int) -> bytes | None:
-        data: bytes | None = self._try(lambda r, p: readfs.read_bytes(r, p, limit), rel)
+    def raw(self, rel: str, limit: int, *, head: bool = False) -> bytes | None:
+        data: bytes | None = self._try(lambda r, p: readfs.read_bytes(r, p, limit, head=head),
+                                       rel)
         return data
 
 
@@ -70,7 +71,7 @@ def _answer_text(answer: dict[str, object] | None) -> str | None:
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
                                                            sort_keys=True)
     if answer.get("refused") is True:
-        text = f"(refused) {text}"
+        text = "(refused)" if value is None else f"(refused) {text}"
     return cap(text)
 
 
@@ -188,7 +189,7 @@ def build_report(run_dir: Path) -> Report:
             rd.problems.append("stages/compare/verdict.json: statistics unreadable")
     costs, fixture = _costs(rd)
     receipt = rd.raw("receipt.json", readfs.MAX_FILE)
-    patch = rd.raw("stages/apply/candidate.patch", MAX_PATCH + 1)
+    patch = rd.raw("stages/apply/candidate.patch", MAX_PATCH, head=True)
     receipt_doc = rd.json("receipt.json") if receipt is not None else None
     timing = receipt_doc.get("timing") if isinstance(receipt_doc, dict) else None
     reasons = v.get("reasons") if isinstance(v.get("reasons"), list) else []

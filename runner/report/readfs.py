@@ -51,8 +51,10 @@ def _split(rel: str) -> list[str]:
     return parts
 
 
-def read_bytes(root: Path, rel: str, cap: int = MAX_FILE) -> bytes | None:
-    """The bytes of ``root/rel`` or None when absent; refuses links, non-files, > cap."""
+def read_bytes(root: Path, rel: str, cap: int = MAX_FILE, *,
+               head: bool = False) -> bytes | None:
+    """The bytes of ``root/rel`` or None when absent; refuses links, non-files, > cap.
+    With ``head``, a longer file is not refused: its first cap + 1 bytes are returned."""
     parts = _split(rel)
     dfd = _open_parent(root, parts[:-1])
     if dfd is None:
@@ -72,6 +74,9 @@ def read_bytes(root: Path, rel: str, cap: int = MAX_FILE) -> bytes | None:
             chunks, got = [], 0
             while chunk := os.read(fd, min(1 << 20, cap - got + 1)):
                 got += len(chunk)
+                if got > cap and head:
+                    chunks.append(chunk)
+                    return b"".join(chunks)[:cap + 1]
                 if got > cap:
                     raise OutputRejected(f"{root}/{rel}: larger than the {cap}-byte cap")
                 chunks.append(chunk)

@@ -230,3 +230,36 @@ def test_gc_dry_run_removes_nothing() -> None:
     assert e.removed == [] and res[0].would_remove and not res[0].removed
     res = sweep_containers(e)
     assert e.removed == ["c1"] and res[0].removed
+
+
+def test_reads_stop_at_the_cap(run: Path) -> None:
+    from runner.report import readfs
+    from runner.report.build import MAX_PATCH
+
+    (run / "stages/apply/candidate.patch").write_bytes(b"+" * (MAX_PATCH + 10))
+    r = build_report(run)
+    assert r.patch_truncated and r.patch is not None and len(r.patch) == MAX_PATCH
+    with pytest.raises(OutputRejected, match="cap"):
+        readfs.read_bytes(run, "stages/apply/candidate.patch", cap=100)
+    with pytest.raises(OutputRejected, match="relative path"):
+        readfs.read_bytes(run, "../run/plan.json")
+
+
+def test_output_file_symlink_is_replaced_not_followed(run: Path, tmp_path: Path) -> None:
+    from runner.cli_report import write_outputs
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    link = tmp_path / "summary.md"
+    link.symlink_to(victim)
+    write_outputs(run, markdown=link)
+    assert victim.read_text() == "keep me"
+    assert not link.is_symlink() and "`reject`" in link.read_text()
+
+
+def test_output_dir_missing_is_a_config_error(run: Path, tmp_path: Path) -> None:
+    from runner.cli_report import check_targets
+    from runner.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--junit"):
+        check_targets(junit=tmp_path / "nope" / "j.xml")
