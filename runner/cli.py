@@ -243,7 +243,7 @@ def gc(all_: Annotated[bool, typer.Option("--all", help="Remove every cyclebox c
         verb = ("would remove" if dry_run and r.would_remove else
                 "removed" if r.removed else "kept")
         what = "socket dir" if r.kind == "socket_dir" else "container"
-        out.print(f"{verb} {what} {r.name} (run {r.run_id}, role {r.role}): {r.reason}",
+        out.print(f"{verb} {r.name} ({what}, run {r.run_id}, role {r.role}): {r.reason}",
                   highlight=False, markup=False)
     verb = "would be removed" if dry_run else "removed"
     done = [r for r in results if (r.would_remove if dry_run else r.removed)]

@@ -119,9 +119,11 @@ def print_terminal(report: Report) -> None:
     from rich.text import Text
 
     from runner.report.render import terminal_rows
+    from runner.report.text import one_line
 
     colour = {"accept_for_review": "green", "reject": "red"}.get(report.verdict, "yellow")
-    t = Table(title=Text(f"cyclebox report {report.name or ''}"), show_header=False)
+    t = Table(title=Text(one_line(f"cyclebox report {report.name or ''}")),
+              show_header=False)
     t.add_column("k")
     t.add_column("v", overflow="fold")
     for k, v in terminal_rows(report):
