@@ -27,7 +27,8 @@ HtmlOpt = Annotated[Path | None, typer.Option(
 
 class LineProgress:
     """Progress as plain lines on a stream: one when a stage starts, then every
-    ``every`` cases and at the last one. For CI logs and ``--json`` runs."""
+    ``every`` cases (or every tenth of a long stage) and at the last one. For CI logs and
+    ``--json`` runs."""
 
     def __init__(self, stream: TextIO | None = None, every: int = 5) -> None:
         self.stream = stream or sys.stderr
@@ -35,7 +36,8 @@ class LineProgress:
         self.t0 = time.monotonic()
 
     def __call__(self, stage: str, done: int, total: int) -> None:
-        if total and (done == 0 or (done % self.every and done != total)):
+        step = max(self.every, total // 10)
+        if total and (done == 0 or (done % step and done != total)):
             return
         what = f"{done}/{total} cases" if total else "started"
         self.stream.write(f"cyclebox [{time.monotonic() - self.t0:7.1f}s] {stage}: {what}\n")

@@ -263,3 +263,14 @@ def test_output_dir_missing_is_a_config_error(run: Path, tmp_path: Path) -> None
 
     with pytest.raises(ConfigError, match="--junit"):
         check_targets(junit=tmp_path / "nope" / "j.xml")
+
+
+def test_a_run_that_stopped_early_reports_incomplete(run: Path) -> None:
+    (run / "stages/compare/verdict.json").unlink()
+    (run / "stages/candidate/records.jsonl").unlink()
+    (run / "stages/apply/candidate.patch").unlink()
+    r = build_report(run)
+    assert r.verdict == "incomplete" and r.exit_code == 2 and r.patch is None
+    assert all(not c.candidate for c in r.cases)
+    assert "`incomplete`" in markdown(r)
+    assert {p.arm for p in r.pass_rates} == {"baseline"}
