@@ -40,14 +40,24 @@ docker: ## Make sure a Docker engine answers; as root on Debian, install docker.
 	docker info >/dev/null 2>&1 || { tail -n 20 build/dockerd.log; echo "dockerd did not come up"; exit 1; }; \
 	echo "docker engine: $$(docker version -f '{{.Server.Version}}')"
 
+chromium: ## Make sure headless Chromium exists (the HTML report test renders in it); as root on Debian, install it
+	@if command -v chromium >/dev/null; then echo "chromium: $$(chromium --version 2>/dev/null)"; exit 0; fi; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+	  echo "chromium missing: install it (Debian: apt-get install chromium) and run make again."; exit 1; fi; \
+	echo "installing Debian's chromium (headless HTML report test)"; \
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; \
+	command -v chromium >/dev/null || { echo "chromium did not install"; exit 1; }; \
+	echo "chromium: $$(chromium --version 2>/dev/null)"
+
 images: setup docker ## Build the base and role images offline (unchanged inputs: no-op)
 	$(CYCLEBOX) images build
 
 check: setup ## Lint (ruff) and type-check (mypy strict on runner and sandbox)
 	$(BIN)/ruff check runner sandbox tests bench
 	$(BIN)/mypy
+	$(BIN)/actionlint examples/ci/*.yml
 
-test: setup docker images check ## Everything: set-up, images, lint, unit + integration + e2e tests
+test: setup docker images chromium check ## Everything: set-up, images, lint, unit + integration + e2e tests
 	$(BIN)/pytest tests/unit tests/integration tests/e2e
 
 unit: setup ## Unit tests only (no Docker)
@@ -98,4 +108,4 @@ clean: ## Remove orphaned cyclebox containers and build/ (images are kept)
 	-@[ -x $(CYCLEBOX) ] && $(CYCLEBOX) gc || true
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache
 
-.PHONY: help setup docker images check test unit demo demo-negative receipt dream smoke bench gc clean
+.PHONY: help setup docker chromium images check test unit demo demo-negative receipt dream smoke bench gc clean

@@ -111,21 +111,25 @@ def images_list(json_out: JsonOpt = False) -> None:
     """List the role images recorded in the image lock, with ids and sizes."""
     from runner.images import read_lock
 
-    _print_images(list(read_lock().values()), json_out)
+    _print_images(list(read_lock().values()), json_out, build_columns=False)
 
 
-def _print_images(rows: list[Any], json_out: bool) -> None:
+def _print_images(rows: list[Any], json_out: bool, *, build_columns: bool = True) -> None:
     from dataclasses import asdict
 
     if json_out:
         out.print_json(json.dumps([asdict(r) for r in rows]))
         return
     table = Table(title="role images")
-    for col in ("role", "tag", "id", "size", "built now", "seconds"):
+    # Whether and how long an image was built only means something right after a build.
+    cols = ("role", "tag", "id", "size") + (("built now", "seconds") if build_columns else ())
+    for col in cols:
         table.add_column(col)
     for r in rows:
-        table.add_row(r.role, r.tag, r.id[:19], f"{r.size_bytes / 1e6:.0f} MB",
-                      "yes" if r.built else "no (unchanged)", f"{r.seconds:.1f}")
+        row = [r.role, r.tag, r.id[:19], f"{r.size_bytes / 1e6:.0f} MB"]
+        if build_columns:
+            row += ["yes" if r.built else "no (unchanged)", f"{r.seconds:.1f}"]
+        table.add_row(*row)
     out.print(table)
 
 
@@ -217,27 +221,37 @@ def sandbox_exec(
 @app.command()
 def gc(all_: Annotated[bool, typer.Option("--all", help="Remove every cyclebox container, "
                                           "even those whose owner still runs.")] = False,
+       dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be removed; "
+                                             "remove nothing.")] = False,
        json_out: JsonOpt = False) -> None:
-    """Remove cyclebox-labelled containers whose owner process is gone; print what it removed."""
+    """Remove cyclebox-labelled containers whose owner process is gone, and stale gateway
+    socket directories; print what it removed (or, with --dry-run, would remove)."""
     from dataclasses import asdict
 
     from runner.docker_backend import DockerSandbox
     from runner.gc import sweep_containers, sweep_socket_dirs
 
     try:
-        results = sweep_containers(DockerSandbox(), only_orphans=not all_)
-        results += [r for r in sweep_socket_dirs() if r.removed]
+        results = sweep_containers(DockerSandbox(), only_orphans=not all_, dry_run=dry_run)
+        results += [r for r in sweep_socket_dirs(dry_run=dry_run) if r.would_remove]
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
         out.print_json(json.dumps([asdict(r) for r in results]))
         return
-    removed = [r for r in results if r.removed]
     for r in results:
-        verb = "removed" if r.removed else "kept"
-        out.print(f"{verb} {r.name} (run {r.run_id}, role {r.role}): {r.reason}",
-                  highlight=False)
-    out.print(f"{len(removed)} container(s) removed, {len(results) - len(removed)} kept")
+        verb = ("would remove" if dry_run and r.would_remove else
+                "removed" if r.removed else "kept")
+        what = "socket dir" if r.kind == "socket_dir" else "container"
+        out.print(f"{verb} {r.name} ({what}, run {r.run_id}, role {r.role}): {r.reason}",
+                  highlight=False, markup=False)
+    verb = "would be removed" if dry_run else "removed"
+    done = [r for r in results if (r.would_remove if dry_run else r.removed)]
+    n_cont = sum(r.kind == "container" for r in done)
+    kept = sum(r.kind == "container" for r in results) - n_cont
+    out.print(f"{n_cont} container(s) {verb}, {kept} kept; "
+              f"{len(done) - n_cont} gateway socket dir(s) {verb}"
+              + (" (dry run: nothing removed)" if dry_run else ""), highlight=False)
 
 
 gateway_app = typer.Typer(no_args_is_help=True, help="Inspect the model gateway's call log.")
@@ -286,6 +300,7 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
 def main() -> None:
     """Console-script entry point."""
     import runner.cli_cycle
+    import runner.cli_report
     import runner.cli_train  # noqa: F401 - registers model/train/export on `app`
 
     try:

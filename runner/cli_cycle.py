@@ -12,6 +12,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from runner.cli import JsonOpt, _fail, app, err, out
+from runner.cli_report import (
+    HtmlOpt,
+    JunitOpt,
+    LineProgress,
+    MarkdownOpt,
+    check_targets,
+    write_outputs,
+)
 from runner.errors import CycleboxError
 
 cycle_app = typer.Typer(no_args_is_help=True, help="Run improvement cycles.")
@@ -75,6 +83,9 @@ def cycle_run(
     replay: Annotated[Path | None, typer.Option(
         help="Answer every model call from this recorded run (byte-exact).")] = None,
     json_out: JsonOpt = False,
+    junit: JunitOpt = None,
+    markdown: MarkdownOpt = None,
+    html: HtmlOpt = None,
 ) -> None:
     """Freeze then run a cycle, or run a prepared plan.
 
@@ -85,6 +96,7 @@ def cycle_run(
     from runner.cycle.run import CycleRunner
 
     try:
+        check_targets(junit=junit, markdown=markdown, html=html)
         if plan is None:
             if cycle is None or out_dir is None:
                 err.print("error: give CYCLE and --out, or --plan DIR/plan.json")
@@ -95,8 +107,10 @@ def cycle_run(
             if prepare_only:
                 out.print(f"prepared {plan}")
                 return
+        # Not a terminal (CI) or --json: plain lines on stderr, so the run shows life.
+        lines = LineProgress() if json_out or not err.is_terminal else None
         with Progress(TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=err, disable=json_out) as bar:
+                      TimeElapsedColumn(), console=err, disable=lines is not None) as bar:
             tasks: dict[str, Any] = {}
 
             def progress(stage: str, done: int, total: int) -> None:
@@ -105,9 +119,10 @@ def cycle_run(
                     tasks[stage] = bar.add_task(stage, total=total or 1)
                 bar.update(tasks[stage], completed=done if total else 1, total=total or 1)
 
-            runner = CycleRunner(plan, progress=progress)
+            runner = CycleRunner(plan, progress=lines or progress)
             outcome = runner.run()
         receipt = build(outcome)
+        report = write_outputs(outcome.run_dir, junit=junit, markdown=markdown, html=html)
     except CycleboxError as exc:
         _fail(exc)
     result = outcome.result
@@ -115,7 +130,8 @@ def cycle_run(
         out.print_json(json.dumps({"run_dir": str(outcome.run_dir), "verdict": result.verdict,
                                    "reasons": list(result.reasons),
                                    "receipt": str(outcome.run_dir / "receipt.json"),
-                                   "outcome": receipt["outcome"], "timing": outcome.timings}))
+                                   "outcome": receipt["outcome"], "timing": outcome.timings,
+                                   "report": json.loads(report.model_dump_json(by_alias=True))}))
     else:
         _summary(outcome, receipt)
     raise typer.Exit(EXIT_CODES[result.verdict])

@@ -24,6 +24,10 @@ class SweepResult:
     role: str
     removed: bool
     reason: str
+    kind: str = "container"
+    """container or socket_dir."""
+    would_remove: bool = False
+    """What a --dry-run found removable (nothing is removed in a dry run)."""
 
 
 def owner_from_labels(labels: dict[str, str]) -> Owner | None:
@@ -57,21 +61,22 @@ class _Engine(Protocol):
     def remove(self, cid: str) -> bool: ...
 
 
-def sweep_containers(engine: _Engine, *, only_orphans: bool = True) -> list[SweepResult]:
+def sweep_containers(engine: _Engine, *, only_orphans: bool = True,
+                     dry_run: bool = False) -> list[SweepResult]:
     here = current_owner()
     results = []
     for cid, name, labels in engine.managed_containers():
         remove, why = judge(labels, here, only_orphans=only_orphans)
-        removed = engine.remove(cid) if remove else False
-        if remove and not removed:
+        removed = engine.remove(cid) if remove and not dry_run else False
+        if remove and not removed and not dry_run:
             why += "; removal could not be confirmed"
         results.append(SweepResult(name=name, run_id=labels.get(f"{LABEL_PREFIX}.run_id", "?"),
                                    role=labels.get(f"{LABEL_PREFIX}.role", "?"),
-                                   removed=removed, reason=why))
+                                   removed=removed, reason=why, would_remove=remove))
     return results
 
 
-def sweep_socket_dirs(tmp: Path | None = None) -> list[SweepResult]:
+def sweep_socket_dirs(tmp: Path | None = None, *, dry_run: bool = False) -> list[SweepResult]:
     """Remove gateway socket directories whose owning controller is gone."""
     import json
     import shutil
@@ -89,9 +94,10 @@ def sweep_socket_dirs(tmp: Path | None = None) -> list[SweepResult]:
             alive = owner_alive(owner, here=here)
         except (OSError, ValueError, TypeError):
             alive = False
-        if alive is False:
+        if alive is False and not dry_run:
             shutil.rmtree(d, ignore_errors=True)
         results.append(SweepResult(name=str(d), run_id="?", role="gateway-socket",
-                                   removed=alive is False,
-                                   reason="owner gone" if alive is False else "owner running"))
+                                   removed=alive is False and not dry_run,
+                                   reason="owner gone" if alive is False else "owner running",
+                                   kind="socket_dir", would_remove=alive is False))
     return results

@@ -1,0 +1,211 @@
+"""Assemble a Report from a run directory's files (pure over those files; no clock, no IO
+beyond bounded reads)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from runner.cycle.models import Record
+from runner.errors import CycleboxError, OutputRejected
+from runner.gateway.calllog import CallRecord
+from runner.gateway.report import summarize
+from runner.report import readfs
+from runner.report.model import (
+    Arm,
+    Attempt,
+    CaseRow,
+    Change,
+    PassRate,
+    Report,
+    RoleCost,
+    Statistics,
+)
+
+MAX_TEXT = 2000
+"""Cap on one answer or reason string kept in the report."""
+MAX_PATCH = 256 * 1024
+EXIT = {"accept_for_review": 0, "reject": 1, "invalid_comparison": 2}
+ARMS: tuple[Arm, ...] = ("baseline", "candidate")
+
+
+def cap(text: str, limit: int = MAX_TEXT) -> str:
+    return text if len(text) <= limit else text[:limit] + f"… [{len(text) - limit} more chars]"
+
+
+class _Reader:
+    """Bounded reads that record problems instead of stopping the report."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.problems: list[str] = []
+
+    def _try(self, fn: Any, rel: str) -> Any:
+        try:
+            return fn(self.root, rel)
+        except (CycleboxError, OSError, ValueError) as exc:
+            self.problems.append(cap(f"{rel}: {exc}", 500))
+            return None
+
+    def json(self, rel: str) -> Any:
+        return self._try(readfs.read_json, rel)
+
+    def jsonl(self, rel: str) -> list[Any]:
+        return self._try(readfs.read_jsonl, rel) or []
+
+    def raw(self, rel: str, limit: int, *, head: bool = False) -> bytes | None:
+        data: bytes | None = self._try(lambda r, p: readfs.read_bytes(r, p, limit, head=head),
+                                       rel)
+        return data
+
+
+def _answer_text(answer: dict[str, object] | None) -> str | None:
+    if answer is None:
+        return None
+    value = answer.get("answer", answer)
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
+                                                           sort_keys=True)
+    if answer.get("refused") is True:
+        text = "(refused)" if value is None else f"(refused) {text}"
+    return cap(text)
+
+
+def _attempt(r: Record, criteria: tuple[str, ...], stage: str, root: Path) -> Attempt:
+    failed: tuple[str, ...] = ()
+    if r.status != "ok":
+        passed = False
+    elif r.grades is None:
+        passed, failed = False, ("ungraded",)
+    else:
+        names = (*criteria, "judge_pass")
+        failed = tuple(c for c in names if getattr(r.grades, c) is False)
+        passed = not failed
+    base = f"stages/{stage}/cases/{r.case_id}__t{r.trial}"
+    logs = tuple(rel for rel in (f"{base}/logs/analyst-{r.case_id}-t{r.trial}.stdout",
+                                 f"{base}/logs/analyst-{r.case_id}-t{r.trial}.stderr",
+                                 f"{base}/out/answer.json")
+                 if readfs.is_file(root, rel))
+    return Attempt(trial=r.trial, status=r.status,
+                   reason=None if r.reason is None else cap(r.reason), passed=passed,
+                   failed_criteria=failed,
+                   grades=None if r.grades is None else r.grades.model_dump(),
+                   answer=_answer_text(r.answer), latency_s=r.latency_s, logs=logs)
+
+
+def _records(rd: _Reader, arm: Arm) -> list[Record]:
+    rel = f"stages/{arm}/records.jsonl"
+    out = []
+    for i, row in enumerate(rd.jsonl(rel)):
+        try:
+            out.append(Record.model_validate(row))
+        except ValidationError as exc:
+            rd.problems.append(f"{rel}:{i + 1}: not a record ({exc.error_count()} errors)")
+    return out
+
+
+def pass_rates(rows: Iterable[tuple[Arm, str, Attempt]]) -> tuple[PassRate, ...]:
+    """Per (arm, split): rows, ok, passed and rate, in arm then split order."""
+    acc: dict[tuple[Arm, str], list[int]] = {}
+    for arm, split, a in rows:
+        n = acc.setdefault((arm, split), [0, 0, 0])
+        n[0] += 1
+        n[1] += a.status == "ok"
+        n[2] += a.passed
+    return tuple(PassRate(arm=arm, split=split, rows=n[0], ok=n[1], passed=n[2],
+                          rate=round(n[2] / n[0], 4) if n[0] else None)
+                 for (arm, split), n in sorted(acc.items(), key=lambda kv: (
+                     ARMS.index(kv[0][0]), kv[0][1])))
+
+
+def _costs(rd: _Reader) -> tuple[tuple[RoleCost, ...], bool]:
+    calls = []
+    for i, row in enumerate(rd.jsonl("gateway/calls.jsonl")):
+        try:
+            calls.append(CallRecord.model_validate(row))
+        except ValidationError:
+            rd.problems.append(f"gateway/calls.jsonl:{i + 1}: not a call record")
+    totals = summarize(calls)
+    rows = [RoleCost(role=role, **v) for role, v in totals["per_role"].items()]
+    rows.append(RoleCost(role="total", **totals["total"]))
+    return tuple(rows), any(c.fixture for c in calls)
+
+
+def _changes(raw: Any) -> tuple[Change, ...]:
+    if not isinstance(raw, list):
+        return ()
+    out = []
+    for c in raw:
+        try:
+            out.append(Change.model_validate(c))
+        except ValidationError:
+            continue
+    return tuple(out)
+
+
+def build_report(run_dir: Path) -> Report:
+    """The report of one run directory; raises OutputRejected when it is not one."""
+    if not readfs.is_file(run_dir, "plan.json"):
+        raise OutputRejected(f"{run_dir}: no plan.json (a regular file); pass a directory "
+                             "written by `cyclebox cycle run --out DIR`")
+    rd = _Reader(run_dir)
+    doc = rd.json("plan.json")
+    plan: dict[str, Any] = doc.get("plan", {}) if isinstance(doc, dict) else {}
+    raw_policy = plan.get("policy")
+    policy: dict[str, Any] = raw_policy if isinstance(raw_policy, dict) else {}
+    criteria = tuple(str(c) for c in policy.get("criteria", ()) or ())
+    compared = {str(c) for c in policy.get("cases", ()) or ()}
+    mandatory = {str(c) for c in policy.get("mandatory", ()) or ()}
+
+    by_case: dict[str, dict[str, Any]] = {}
+    flat: list[tuple[Arm, str, Attempt]] = []
+    for arm in ARMS:
+        for r in _records(rd, arm):
+            a = _attempt(r, criteria, arm, run_dir)
+            row = by_case.setdefault(r.case_id, {"split": r.split, "baseline": [],
+                                                 "candidate": []})
+            row[arm].append(a)
+            flat.append((arm, r.split, a))
+    cases = tuple(CaseRow(case_id=cid, split=v["split"], mandatory=cid in mandatory,
+                          compared=cid in compared,
+                          baseline=tuple(sorted(v["baseline"], key=lambda a: a.trial)),
+                          candidate=tuple(sorted(v["candidate"], key=lambda a: a.trial)))
+                  for cid, v in by_case.items())
+
+    verdict_doc = rd.json("stages/compare/verdict.json")
+    v: dict[str, Any] = verdict_doc if isinstance(verdict_doc, dict) else {}
+    verdict = str(v.get("verdict", "incomplete"))
+    if verdict not in EXIT:
+        verdict = "incomplete"
+    stats = None
+    if isinstance(v.get("statistics"), dict):
+        try:
+            stats = Statistics.model_validate(v["statistics"])
+        except ValidationError:
+            rd.problems.append("stages/compare/verdict.json: statistics unreadable")
+    costs, fixture = _costs(rd)
+    receipt = rd.raw("receipt.json", readfs.MAX_FILE)
+    patch = rd.raw("stages/apply/candidate.patch", MAX_PATCH, head=True)
+    receipt_doc = rd.json("receipt.json") if receipt is not None else None
+    timing = receipt_doc.get("timing") if isinstance(receipt_doc, dict) else None
+    reasons = v.get("reasons") if isinstance(v.get("reasons"), list) else []
+    trials = plan.get("trials")
+    return Report(
+        run_dir=str(run_dir), name=str(plan["name"]) if "name" in plan else None,
+        plan_hash=doc.get("plan_hash") if isinstance(doc, dict) else None,
+        verdict=verdict, exit_code=EXIT.get(verdict, 2),
+        reasons=tuple(cap(str(r)) for r in (reasons or [])),
+        trials=trials if isinstance(trials, int) else None, criteria=criteria,
+        pass_rates=pass_rates(flat), cases=cases,
+        improved=_changes(v.get("improvements")), regressed=_changes(v.get("regressions")),
+        costs=costs, fixture=fixture, statistics=stats,
+        receipt_sha256=None if receipt is None else hashlib.sha256(receipt).hexdigest(),
+        patch=None if patch is None else patch[:MAX_PATCH].decode("utf-8", "replace"),
+        patch_truncated=patch is not None and len(patch) > MAX_PATCH,
+        timing={str(k): float(t) for k, t in timing.items() if isinstance(t, int | float)}
+        if isinstance(timing, dict) else {},
+        problems=tuple(rd.problems))

@@ -1,0 +1,119 @@
+"""Terminal, Markdown and JUnit renderings of a Report. Pure: Report in, text out."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+
+from runner.report.model import Attempt, Change, Report, RoleCost
+from runner.report.text import md, one_line, xml
+
+
+def _rate(passed: int, rows: int) -> str:
+    return f"{passed}/{rows} ({100 * passed / rows:.0f}%)" if rows else "0/0"
+
+
+def cost_text(c: RoleCost) -> str:
+    if c.cost_usd is not None:
+        usd = f"{c.cost_usd:.6f} USD"
+    else:
+        usd = f"unknown (known part {c.cost_usd_known_part} USD)"
+    return usd + (", complete" if c.complete else ", INCOMPLETE")
+
+
+def change_text(c: Change) -> str:
+    return f"{c.case_id} t{c.trial} {c.criterion}: {c.baseline} -> {c.candidate}"
+
+
+def terminal_rows(r: Report) -> Iterator[tuple[str, str]]:
+    """(label, value) rows for a two-column terminal table; values already made visible
+    (controls escaped) but not markup-escaped: print them with markup off."""
+    yield "run", one_line(f"{r.name} ({r.run_dir})")
+    yield "verdict", r.verdict + f" (exit {r.exit_code})"
+    for reason in r.reasons:
+        yield "reason", one_line(reason)
+    for p in r.pass_rates:
+        yield f"pass {p.arm} {p.split}", _rate(p.passed, p.rows) + (
+            f", {p.rows - p.ok} not ok" if p.ok != p.rows else "")
+    for ch in r.improved:
+        yield "improved", one_line(change_text(ch))
+    for ch in r.regressed:
+        yield "regressed", one_line(change_text(ch))
+    for rc in r.costs:
+        yield f"cost {rc.role}", (f"{rc.calls} calls ({rc.ok} ok), {rc.tokens} tokens, "
+                                  + cost_text(rc)
+                                  + (f", {rc.fixture_calls} fixture" if rc.fixture_calls else ""))
+    if r.statistics is not None:
+        s = r.statistics
+        yield "McNemar", f"b={s.b} c={s.c} pairs={s.pairs} p={s.p_value:.4g} (beside the verdict)"
+    yield "fixture", "yes: scripted models, not a real model" if r.fixture else "no"
+    yield "receipt sha256", r.receipt_sha256 or "MISSING (no receipt.json)"
+    for problem in r.problems:
+        yield "problem", one_line(problem)
+
+
+def markdown(r: Report) -> str:
+    """A CI step summary / PR comment. Every run-derived string goes through ``md``."""
+    mark = {"accept_for_review": "✅", "reject": "❌"}.get(r.verdict, "⚠️")
+    lines = [f"## cyclebox {md(r.name or '?')}: {mark} `{r.verdict}`", ""]
+    if r.verdict == "accept_for_review":
+        lines += ["Accepted **for review**: a person still decides whether to merge.", ""]
+    lines += [f"- reason: {md(x)}" for x in r.reasons]
+    if r.fixture:
+        lines.append("- model calls came from **scripted fixtures** (not a real model)")
+    lines += ["", "| arm | split | passed | rows | not ok | rate |",
+              "|---|---|---:|---:|---:|---:|"]
+    for p in r.pass_rates:
+        rate = "-" if p.rate is None else f"{100 * p.rate:.1f}%"
+        lines.append(f"| {p.arm} | {md(p.split)} | {p.passed} | {p.rows} | {p.rows - p.ok} "
+                     f"| {rate} |")
+    for title, rows in (("Improved", r.improved), ("Regressed", r.regressed)):
+        if rows:
+            lines += ["", f"**{title}** ({len(rows)})", ""]
+            lines += [f"- {md(change_text(c))}" for c in rows]
+    lines += ["", "| role | calls | tokens | cost | fixture calls |", "|---|---:|---:|---|---:|"]
+    for c in r.costs:
+        lines.append(f"| {md(c.role)} | {c.calls} | {c.tokens} | {md(cost_text(c))} "
+                     f"| {c.fixture_calls} |")
+    if r.statistics is not None:
+        s = r.statistics
+        lines += ["", f"Exact McNemar (beside the verdict, never instead): b={s.b}, c={s.c}, "
+                      f"pairs={s.pairs}, p={s.p_value:.4g}"]
+    lines += ["", f"Receipt sha256: `{r.receipt_sha256 or 'MISSING'}`"
+                  + (f" · plan {md(r.plan_hash[:16])}" if r.plan_hash else "")]
+    lines += [f"- problem: {md(p)}" for p in r.problems]
+    return "\n".join(lines) + "\n"
+
+
+def _failure_message(a: Attempt) -> str:
+    if a.status != "ok":
+        return f"{a.status}: {a.reason or 'no reason recorded'}"
+    return "failed: " + ", ".join(a.failed_criteria)
+
+
+def junit(r: Report) -> bytes:
+    """JUnit XML: one testsuite per arm, one testcase per (case, trial); a case that did
+    not pass carries a <failure> with its reason or failed criteria."""
+    root = ET.Element("testsuites", name=xml(f"cyclebox {r.name or ''}: {r.verdict}"))
+    for arm in ("baseline", "candidate"):
+        attempts = [(c, a) for c in r.cases for a in getattr(c, arm)]
+        fails = sum(not a.passed for _, a in attempts)
+        suite = ET.SubElement(root, "testsuite", name=arm, tests=str(len(attempts)),
+                              failures=str(fails), errors="0", skipped="0",
+                              time=f"{sum(a.latency_s or 0 for _, a in attempts):.3f}")
+        props = ET.SubElement(suite, "properties")
+        for k, v in (("verdict", r.verdict), ("receipt_sha256", r.receipt_sha256 or ""),
+                     ("fixture", str(r.fixture).lower())):
+            ET.SubElement(props, "property", name=k, value=xml(v))
+        for c, a in attempts:
+            tc = ET.SubElement(suite, "testcase", classname=xml(f"{arm}.{c.split}"),
+                               name=xml(f"{c.case_id} t{a.trial}"),
+                               time=f"{a.latency_s or 0:.3f}")
+            if not a.passed:
+                msg = xml(_failure_message(a), 1000)
+                fail = ET.SubElement(tc, "failure", message=msg,
+                                     type=a.status if a.status != "ok" else "graded_fail")
+                fail.text = xml(f"{msg}\nanswer: {a.answer}")
+    ET.indent(root)
+    body: bytes = ET.tostring(root, encoding="utf-8", xml_declaration=False)
+    return b'<?xml version="1.0" encoding="utf-8"?>\n' + body

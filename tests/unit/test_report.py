@@ -1,0 +1,276 @@
+"""The report model and renderers on a synthetic run directory (no Docker)."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from junitparser import JUnitXml
+
+from runner.errors import OutputRejected
+from runner.report import build_report
+from runner.report.html import render_html
+from runner.report.render import junit, markdown, terminal_rows
+
+HOSTILE = ("<script>document.title='pwned'</script><img src=x onerror=alert(1)> "
+           "[click](javascript:alert(1)) @everyone | `x` \x1b[31mred\x1b[0m \u202eevil")
+IDS = {"data_hash": "d", "reference_hash": "r", "scorer": "s", "judge": None}
+
+
+def record(case: str, trial: int, split: str, ok: bool | None, *, answer: str = "42",
+           status: str = "ok", reason: str | None = None) -> dict[str, Any]:
+    grades = None if ok is None else {"correctness": ok, "evidence": True, "refusal": True}
+    return {"case_id": case, "trial": trial, "split": split, "status": status, "reason": reason,
+            "answer": {"answer": answer} if status == "ok" else None, "grades": grades,
+            "latency_s": 1.0, "usage": {}, "identities": IDS}
+
+
+def call(seq: int, role: str, cost: float | None) -> dict[str, Any]:
+    return {"seq": seq, "ts": "2026-01-01T00:00:00+00:00", "run_id": "r", "role": role,
+            "upstream": "target", "stage": "baseline", "turn": 0, "provider": "scripted",
+            "model": "m", "fixture": True, "status": "ok", "latency_s": 0.1,
+            "usage": {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10},
+            "cost_usd": cost, "request_sha256": "a" * 64}
+
+
+def jsonl(rows: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    d = tmp_path / "run"
+    (d / "stages/compare").mkdir(parents=True)
+    (d / "stages/baseline").mkdir()
+    (d / "stages/candidate").mkdir()
+    (d / "stages/apply").mkdir()
+    (d / "gateway").mkdir()
+    policy = {"cases": ["a1", "a2", "d1"], "criteria": ["correctness", "evidence", "refusal"],
+              "mandatory": ["a2"], "trials": 2}
+    (d / "plan.json").write_text(json.dumps({"plan": {"name": "syn", "trials": 2,
+                                                      "policy": policy}, "plan_hash": "p" * 64}))
+    base = [record("d1", 0, "development", False), record("d1", 1, "development", False),
+            record("a1", 0, "acceptance", False), record("a1", 1, "acceptance", True),
+            record("a2", 0, "acceptance", True), record("a2", 1, "acceptance", True),
+            record("x1", 0, "development", True)]
+    cand = [record("d1", 0, "development", True), record("d1", 1, "development", True),
+            record("a1", 0, "acceptance", True, answer=HOSTILE),
+            record("a1", 1, "acceptance", None, status="infra_invalid",
+                   reason="timeout: " + HOSTILE),
+            record("a2", 0, "acceptance", False), record("a2", 1, "acceptance", True)]
+    (d / "stages/baseline/records.jsonl").write_text(jsonl(base))
+    (d / "stages/candidate/records.jsonl").write_text(jsonl(cand))
+    change = {"trial": 0, "criterion": "correctness"}
+    (d / "stages/compare/verdict.json").write_text(json.dumps({
+        "verdict": "reject", "reasons": ["mandatory case a2 failed " + HOSTILE],
+        "regressions": [{**change, "case_id": "a2", "baseline": True, "candidate": False}],
+        "improvements": [{**change, "case_id": "d1", "baseline": False, "candidate": True}],
+        "usage": {}, "statistics": {"method": "exact McNemar", "pairs": 6, "b": 1, "c": 3,
+                                    "p_value": 0.625, "note": "beside"}}))
+    (d / "gateway/calls.jsonl").write_text(jsonl([call(0, "analyst", 0.5),
+                                                  call(1, "analyst", None),
+                                                  call(2, "worker", 0.25)]))
+    (d / "receipt.json").write_text(json.dumps({"timing": {"baseline": 1.5}}))
+    (d / "stages/apply/candidate.patch").write_text("--- a/x\n+++ b/x\n@@ -1 +1 @@\n-old\n+"
+                                                    + HOSTILE + "\n")
+    return d
+
+
+def test_pass_rates_per_arm_and_split(run: Path) -> None:
+    r = build_report(run)
+    rates = {(p.arm, p.split): (p.passed, p.rows, p.ok) for p in r.pass_rates}
+    assert rates == {("baseline", "acceptance"): (3, 4, 4),
+                     ("baseline", "development"): (1, 3, 3),
+                     ("candidate", "acceptance"): (2, 4, 3),
+                     ("candidate", "development"): (2, 2, 2)}
+    assert r.verdict == "reject" and r.exit_code == 1 and r.trials == 2
+    assert not r.problems
+
+
+def test_improved_regressed_statistics_and_flags(run: Path) -> None:
+    r = build_report(run)
+    assert [(c.case_id, c.baseline, c.candidate) for c in r.improved] == [("d1", False, True)]
+    assert [(c.case_id, c.baseline, c.candidate) for c in r.regressed] == [("a2", True, False)]
+    assert r.statistics is not None and (r.statistics.b, r.statistics.c) == (1, 3)
+    assert r.statistics.p_value == 0.625
+    rows = {c.case_id: c for c in r.cases}
+    assert rows["a2"].mandatory and rows["a1"].compared and not rows["x1"].compared
+    infra = rows["a1"].candidate[1]
+    assert not infra.passed and infra.status == "infra_invalid"
+
+
+def test_unknown_cost_is_never_zero(run: Path) -> None:
+    costs = {c.role: c for c in build_report(run).costs}
+    assert costs["analyst"].cost_usd is None and not costs["analyst"].complete
+    assert costs["analyst"].cost_usd_known_part == 0.5
+    assert costs["worker"].cost_usd == 0.25 and costs["worker"].complete
+    assert costs["total"].calls == 3 and costs["total"].fixture_calls == 3
+    assert build_report(run).fixture is True
+
+
+def test_receipt_hash_is_of_the_receipt_bytes(run: Path) -> None:
+    import hashlib
+
+    r = build_report(run)
+    assert r.receipt_sha256 == hashlib.sha256((run / "receipt.json").read_bytes()).hexdigest()
+    (run / "receipt.json").unlink()
+    assert build_report(run).receipt_sha256 is None
+
+
+def test_html_escapes_every_hostile_string(run: Path) -> None:
+    page = render_html(build_report(run), run_dir=run, html_dir=run.parent)
+    assert "<script" not in page.lower()
+    assert "<img" not in page.lower()
+    assert "onerror=" not in page.replace("onerror=alert", "") or "&lt;img" in page
+    assert "&lt;script&gt;document.title=&#x27;pwned&#x27;&lt;/script&gt;" in page
+    assert "\x1b" not in page and "\u202e" not in page
+    assert "Content-Security-Policy" in page and "default-src 'none'" in page
+    # every tag that carries an attribute quotes it, and no attribute is an event handler
+    for tag in re.findall(r"<[a-z]+\s[^>]*>", page):
+        assert not re.search(r"\son\w+\s*=", tag), tag
+    hrefs = re.findall(r'href="([^"]*)"', page)
+    assert all(h.startswith(("./", "../")) for h in hrefs)
+
+
+def test_markdown_is_inert(run: Path) -> None:
+    text = markdown(build_report(run))
+    assert "<script" not in text and "<img" not in text
+    assert "@everyone" not in text and "](javascript" not in text
+    assert "\x1b" not in text and "\u202e" not in text
+    # a hostile '|' cannot add a column: every row of a table has its header's pipes
+    tables: list[list[str]] = [[]]
+    for ln in text.splitlines():
+        if ln.startswith("|"):
+            tables[-1].append(ln)
+        elif tables[-1]:
+            tables.append([])
+    assert len([t for t in tables if t]) == 2
+    for t in tables:
+        assert len({len(re.findall(r"(?<!\\)\|", ln)) for ln in t}) <= 1, t
+    assert "`reject`" in text and "b=1, c=3" in text
+
+
+def test_terminal_rows_have_no_controls(run: Path) -> None:
+    rows = list(terminal_rows(build_report(run)))
+    assert all("\x1b" not in v and "\u202e" not in v for _, v in rows)
+    assert ("verdict", "reject (exit 1)") in rows
+    assert any(k == "McNemar" and "p=0.625" in v for k, v in rows)
+
+
+def test_junit_counts_read_by_junitparser(run: Path, tmp_path: Path) -> None:
+    path = tmp_path / "j.xml"
+    path.write_bytes(junit(build_report(run)))
+    suites = {s.name: s for s in JUnitXml.fromfile(str(path))}
+    assert set(suites) == {"baseline", "candidate"}
+    assert (suites["baseline"].tests, suites["baseline"].failures) == (7, 3)
+    assert (suites["candidate"].tests, suites["candidate"].failures) == (6, 2)
+    failed = {c.name: c.result[0].message for c in suites["candidate"] if c.result}
+    assert failed["a1 t1"].startswith("infra_invalid: timeout: <script>")
+    assert failed["a2 t0"] == "failed: correctness"
+
+
+def test_symlinked_records_are_refused_not_followed(run: Path, tmp_path: Path) -> None:
+    secret = tmp_path / "secret.jsonl"
+    secret.write_text(jsonl([record("leak", 0, "acceptance", True)]))
+    target = run / "stages/candidate/records.jsonl"
+    target.unlink()
+    target.symlink_to(secret)
+    r = build_report(run)
+    assert all(c.case_id != "leak" for c in r.cases)
+    assert any("records.jsonl" in p and "symlink" in p for p in r.problems)
+
+
+def test_symlinked_stage_directory_is_refused(run: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    (run / "stages/baseline").rename(outside)
+    (run / "stages/baseline").symlink_to(outside)
+    r = build_report(run)
+    assert not any(p.arm == "baseline" for p in r.pass_rates)
+    assert any("stages/baseline" in p for p in r.problems)
+
+
+def test_not_a_run_directory(tmp_path: Path) -> None:
+    with pytest.raises(OutputRejected, match=r"plan\.json"):
+        build_report(tmp_path)
+
+
+def test_line_progress_prints_stages_and_every_n_cases() -> None:
+    from runner.cli_report import LineProgress
+
+    buf = io.StringIO()
+    p = LineProgress(buf, every=5)
+    p("export", 0, 0)
+    for i in range(13):
+        p("baseline", i, 12)
+    lines = buf.getvalue().splitlines()
+    assert [ln.split("] ", 1)[1] for ln in lines] == [
+        "export: started", "baseline: 5/12 cases",
+        "baseline: 10/12 cases", "baseline: 12/12 cases"]
+
+
+def test_gc_dry_run_removes_nothing() -> None:
+    from runner.gc import sweep_containers
+
+    class Engine:
+        removed: list[str] = []  # noqa: RUF012
+
+        def managed_containers(self) -> list[tuple[str, str, dict[str, str]]]:
+            return [("c1", "cyclebox-x", {"io.cyclebox.run_id": "r"})]
+
+        def remove(self, cid: str) -> bool:
+            self.removed.append(cid)
+            return True
+
+    e = Engine()
+    res = sweep_containers(e, dry_run=True)
+    assert e.removed == [] and res[0].would_remove and not res[0].removed
+    res = sweep_containers(e)
+    assert e.removed == ["c1"] and res[0].removed
+
+
+def test_reads_stop_at_the_cap(run: Path) -> None:
+    from runner.report import readfs
+    from runner.report.build import MAX_PATCH
+
+    (run / "stages/apply/candidate.patch").write_bytes(b"+" * (MAX_PATCH + 10))
+    r = build_report(run)
+    assert r.patch_truncated and r.patch is not None and len(r.patch) == MAX_PATCH
+    with pytest.raises(OutputRejected, match="cap"):
+        readfs.read_bytes(run, "stages/apply/candidate.patch", cap=100)
+    with pytest.raises(OutputRejected, match="relative path"):
+        readfs.read_bytes(run, "../run/plan.json")
+
+
+def test_output_file_symlink_is_replaced_not_followed(run: Path, tmp_path: Path) -> None:
+    from runner.cli_report import write_outputs
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    link = tmp_path / "summary.md"
+    link.symlink_to(victim)
+    write_outputs(run, markdown=link)
+    assert victim.read_text() == "keep me"
+    assert not link.is_symlink() and "`reject`" in link.read_text()
+
+
+def test_output_dir_missing_is_a_config_error(run: Path, tmp_path: Path) -> None:
+    from runner.cli_report import check_targets
+    from runner.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--junit"):
+        check_targets(junit=tmp_path / "nope" / "j.xml")
+
+
+def test_a_run_that_stopped_early_reports_incomplete(run: Path) -> None:
+    (run / "stages/compare/verdict.json").unlink()
+    (run / "stages/candidate/records.jsonl").unlink()
+    (run / "stages/apply/candidate.patch").unlink()
+    r = build_report(run)
+    assert r.verdict == "incomplete" and r.exit_code == 2 and r.patch is None
+    assert all(not c.candidate for c in r.cases)
+    assert "`incomplete`" in markdown(r)
+    assert {p.arm for p in r.pass_rates} == {"baseline"}
