@@ -277,7 +277,7 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
         cells = (str(r.seq), r.role, r.stage, r.case or "-",
                  "-" if r.trial is None else str(r.trial), str(r.turn), r.model or "-",
                  status, tokens, cost, f"{r.latency_s * 1000:.1f}")
-        table.add_row(*(safe(c, 200) for c in cells))
+        table.add_row(*(safe(c, 500) for c in cells))
     out.print(table)
     for role, row in totals["per_role"].items():
         out.print(safe(f"{role}: {row['calls']} calls, {row['tokens']} tokens, "
