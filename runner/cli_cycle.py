@@ -207,7 +207,8 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")], out
                        f"{out_dir / 'candidate.patch'}"), highlight=False)
     else:
         err.print(f"refused: {plain(result.get('reason'), 200)}: "
-                  f"{plain(result.get('message'))}", highlight=False, markup=False)
+                  f"{plain(result.get('message'))}", highlight=False, markup=False,
+                  soft_wrap=True)
     raise typer.Exit(0 if result.get("status") == "applied" else 2)
 
 
