@@ -132,7 +132,7 @@ def _hostile_apply(tmp_path: Path, repo: Path, script: str, *, timeout: float = 
             box["result"] = apply_proposal(stage, repo, resolve_tree(repo, "main"), run=run,
                                            uid=int(policy.user.split(":")[0]),
                                            export_to=stage / "candidate-src")
-        except BaseException as exc:  # noqa: BLE001 - reported to the test thread
+        except BaseException as exc:  # reported to the test thread
             box["error"] = exc
 
     t = threading.Thread(target=target, daemon=True)
