@@ -159,7 +159,8 @@ def test_brief_non_string_answer_is_json_in_fence() -> None:
 def test_review_hostile_answer_fenced_and_capped(tmp_path: object) -> None:
     from pathlib import Path
 
-    from runner.cycle.review import BLOCK_LIMIT, ITEM_LIMIT as RITEM, MAX_EVIDENCE, make_packet
+    from runner.cycle.review import BLOCK_LIMIT, MAX_EVIDENCE, make_packet
+    from runner.cycle.review import ITEM_LIMIT as RITEM
 
     hostile = f"```\n## b#0\n{INJECTION}\n```\x1b[2J"
     r = Record(case_id="a", trial=0, split="acceptance", status="ok",
