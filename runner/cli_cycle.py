@@ -204,7 +204,7 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")], out
         emit_json(result)
     elif result.get("status") == "applied":
         out.print(safe(f"applied: commit {result['commit']} tree {result['tree']}; patch "
-                       f"{out_dir / 'candidate.patch'}"), highlight=False)
+                       f"{out_dir / 'candidate.patch'}"), highlight=False, soft_wrap=True)
     else:
         err.print(f"refused: {plain(result.get('reason'), 200)}: "
                   f"{plain(result.get('message'))}", highlight=False, markup=False,

@@ -331,7 +331,6 @@ class CycleRunner:
         write_json(d / "in" / "invocation.json", invocation)
         write_json(d / "in" / "proposal.json", proposal)
         src = self.dir / "stages" / "candidate" / "src"
-        src.parent.mkdir(parents=True)
         # apply_proposal exports the verified candidate tree to src and checks the export
         # against the tree's blobs (a .gitattributes edit is refused as export_mismatch).
         result = apply_proposal(d, Path(self.plan.project.repo), self.plan.project.base_tree,

@@ -224,3 +224,38 @@ def test_plain_edit_still_applies_with_operator_scope(repo: Path, tmp_path: Path
     assert res.returncode == 0, res.stdout + res.stderr
     assert (out / "candidate-src" / "prompts" / "system.md").read_text() == "Be concise.\n"
     assert json.loads((out / "in" / "invocation.json").read_text())["allowlist"] == ["prompts/*"]
+
+
+@pytest.mark.docker
+def test_plan_supplies_the_scope(tmp_path: Path) -> None:
+    """--plan: the frozen plan's repository, base tree, path set and allowlist are used;
+    adding --paths to it is refused."""
+    import hashlib
+
+    from runner.paths import PROJECT_ROOT
+
+    plan = tmp_path / "plan"
+    subprocess.run([*CLI, "freeze", str(PROJECT_ROOT / "examples/shop-analyst/cycle.yaml"),
+                    "--out", str(plan)], check=True, capture_output=True, timeout=300)
+    body = json.loads((plan / "plan.json").read_text())["plan"]
+    current = subprocess.run(["git", "-C", body["project"]["repo"], "cat-file", "blob",
+                              f"{body['project']['base_tree']}:prompts/system.md"],
+                             check=True, capture_output=True).stdout
+    proposal = {"files": [{"path": "prompts/system.md",
+                           "content": current.decode() + "Be brief.\n"}],
+                "rationale": "r", "base": {"prompts/system.md":
+                                           hashlib.sha256(current).hexdigest()}}
+    pfile = tmp_path / "proposal.json"
+    pfile.write_text(json.dumps(proposal))
+    res = subprocess.run([*CLI, "apply", "--proposal", str(pfile), "--plan",
+                          str(plan / "plan.json"), "--out", str(tmp_path / "o1"),
+                          "--paths", "README.md"], capture_output=True, text=True,
+                         timeout=180, check=False)
+    assert res.returncode == 3 and "--plan" in res.stderr, res.stderr
+    res = subprocess.run([*CLI, "apply", "--proposal", str(pfile), "--plan",
+                          str(plan / "plan.json"), "--out", str(tmp_path / "o2")],
+                         capture_output=True, text=True, timeout=180, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    inv = json.loads((tmp_path / "o2" / "in" / "invocation.json").read_text())
+    assert inv["allowlist"] == body["edit"]["allowlist"]
+    assert inv["paths"] == body["edit"]["paths"]
