@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -14,12 +13,12 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from runner import __version__
 from runner.errors import CycleboxError, exit_code_for
 from runner.paths import default_policies, state_dir
+from runner.termsafe import StreamSanitizer, emit_json, emit_json_text, safe
 
 app = typer.Typer(
     name="cyclebox", no_args_is_help=True, add_completion=False,
@@ -40,7 +39,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 
 
 def _fail(exc: CycleboxError) -> NoReturn:
-    err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {safe(str(exc), 8000)}", highlight=False, soft_wrap=True)
     raise typer.Exit(exit_code_for(exc))
 
 
@@ -68,15 +67,16 @@ def doctor(policies: PoliciesOpt = default_policies(), json_out: JsonOpt = False
 
     checks = run_checks(policies, probe=probe)
     if json_out:
-        out.print_json(json.dumps([c.as_dict() for c in checks]))
+        emit_json([c.as_dict() for c in checks])
     else:
         table = Table(title="cyclebox doctor", show_lines=False)
         for col in ("check", "status", "detail"):
             table.add_column(col, overflow="fold")
         for c in checks:
             status = "[green]ok[/]" if c.ok else "[red]FAIL[/]"
-            detail = c.detail + (f"\n[yellow]fix:[/] {c.fix}" if (not c.ok and c.fix) else "")
-            table.add_row(c.name, status, detail)
+            detail = safe(c.detail) + (f"\n[yellow]fix:[/] {safe(c.fix)}"
+                                       if (not c.ok and c.fix) else "")
+            table.add_row(safe(c.name), status, detail)
         out.print(table)
     if not all(c.ok for c in checks):
         raise typer.Exit(5)
@@ -95,11 +95,9 @@ def images_build(role: Annotated[list[str] | None, typer.Option(
     try:
         with err.status("building images") as status:
             def log(line: str) -> None:
-                if line.startswith(("building", "downloading", "bootstrapping")):
-                    err.print(line, highlight=False)
-                elif verbose:
-                    err.print(line, highlight=False, markup=False)
-                status.update(line[:100])
+                if line.startswith(("building", "downloading", "bootstrapping")) or verbose:
+                    err.print(safe(line), highlight=False)
+                status.update(safe(line, 100, newlines=False))
             built = build_roles(roles, log)
     except CycleboxError as exc:
         _fail(exc)
@@ -118,7 +116,7 @@ def _print_images(rows: list[Any], json_out: bool, *, build_columns: bool = True
     from dataclasses import asdict
 
     if json_out:
-        out.print_json(json.dumps([asdict(r) for r in rows]))
+        emit_json([asdict(r) for r in rows])
         return
     table = Table(title="role images")
     # Whether and how long an image was built only means something right after a build.
@@ -126,7 +124,7 @@ def _print_images(rows: list[Any], json_out: bool, *, build_columns: bool = True
     for col in cols:
         table.add_column(col)
     for r in rows:
-        row = [r.role, r.tag, r.id[:19], f"{r.size_bytes / 1e6:.0f} MB"]
+        row = [safe(r.role), safe(r.tag), safe(r.id[:19]), f"{r.size_bytes / 1e6:.0f} MB"]
         if build_columns:
             row += ["yes" if r.built else "no (unchanged)", f"{r.seconds:.1f}"]
         table.add_row(*row)
@@ -185,11 +183,14 @@ def sandbox_exec(
         image = resolve_image(role)
         fresh_output_dir(odir.resolve(), uid=uid)
 
+        # The command's output is relayed live, but escaped: it is a container's bytes.
+        decoders = {"stdout": StreamSanitizer(), "stderr": StreamSanitizer()}
+
         def stream(name: str, chunk: bytes) -> None:
             if json_out:
                 return
-            target = sys.stdout.buffer if name == "stdout" else sys.stderr.buffer
-            target.write(chunk)
+            target = sys.stdout if name == "stdout" else sys.stderr
+            target.write(decoders[name].feed(chunk))
             target.flush()
 
         with contextlib.ExitStack() as stack:
@@ -203,15 +204,15 @@ def sandbox_exec(
             record = DockerSandbox().run(spec, on_output=stream)
         if policy.upstream and not json_out:
             n = len(CallLog(run_dir / "gateway").records())
-            err.print(f"[dim]gateway ({policy.upstream}): {n} call(s) recorded in "
-                      f"{run_dir / 'gateway'}[/]", highlight=False)
+            err.print(f"[dim]gateway ({safe(policy.upstream)}): {n} call(s) recorded in "
+                      f"{safe(run_dir / 'gateway')}[/]", highlight=False)
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
-        out.print_json(record.model_dump_json())
+        emit_json_text(record.model_dump_json())
     elif record.stop_reason is not StopReason.OK:
-        err.print(f"[yellow]cyclebox:[/] {record.stop_reason.value}: {record.detail} "
-                  f"(output dir {odir})", highlight=False)
+        err.print(f"[yellow]cyclebox:[/] {safe(record.stop_reason.value)}: "
+                  f"{safe(record.detail)} (output dir {safe(odir)})", highlight=False)
     codes = {StopReason.TIMEOUT: 124, StopReason.OUTPUT_LIMIT: 125, StopReason.OOM: 137,
              StopReason.CLEANUP_UNCONFIRMED: 126}
     code = codes.get(record.stop_reason, record.exit_code if record.exit_code is not None else 1)
@@ -237,14 +238,14 @@ def gc(all_: Annotated[bool, typer.Option("--all", help="Remove every cyclebox c
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
-        out.print_json(json.dumps([asdict(r) for r in results]))
+        emit_json([asdict(r) for r in results])
         return
     for r in results:
         verb = ("would remove" if dry_run and r.would_remove else
                 "removed" if r.removed else "kept")
         what = "socket dir" if r.kind == "socket_dir" else "container"
-        out.print(f"{verb} {r.name} ({what}, run {r.run_id}, role {r.role}): {r.reason}",
-                  highlight=False, markup=False)
+        out.print(f"{verb} {safe(r.name)} ({what}, run {safe(r.run_id)}, "
+                  f"role {safe(r.role)}): {safe(r.reason)}", highlight=False)
     verb = "would be removed" if dry_run else "removed"
     done = [r for r in results if (r.would_remove if dry_run else r.removed)]
     n_cont = sum(r.kind == "container" for r in done)
@@ -267,8 +268,8 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
 
     log_dir = run_dir / "gateway"
     if not (log_dir / "calls.jsonl").is_file():
-        err.print(f"error: {log_dir}/calls.jsonl not found; pass a run directory "
-                  "(e.g. build/runs/<id>)")
+        err.print(f"error: {safe(log_dir)}/calls.jsonl not found; pass a run directory "
+                  "(e.g. build/runs/<id>)", highlight=False)
         raise typer.Exit(3)
     try:
         records = CallLog(log_dir).records()
@@ -276,10 +277,9 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
         _fail(exc)
     totals = summarize(records)
     if json_out:
-        out.print_json(json.dumps({"calls": [r.model_dump() for r in records],
-                                   "totals": totals}))
+        emit_json({"calls": [r.model_dump(mode="json") for r in records], "totals": totals})
         return
-    table = Table(title=f"model calls: {log_dir}")
+    table = Table(title=f"model calls: {safe(log_dir)}")
     for col in ("seq", "role", "stage", "case", "trial", "turn", "model", "status", "tokens",
                 "cost", "ms"):
         table.add_column(col)
@@ -288,13 +288,14 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
         cost = "unknown" if r.cost_usd is None else f"{r.cost_usd:.6f}"
         status = r.status + (f" ({r.error})" if r.error else "") + (" [fixture]" if r.fixture
                                                                        else "")
-        table.add_row(str(r.seq), r.role, r.stage, r.case or "-",
-                      "-" if r.trial is None else str(r.trial), str(r.turn), r.model or "-",
-                      status, tokens, cost, f"{r.latency_s * 1000:.1f}")
+        cells = (str(r.seq), r.role, r.stage, r.case or "-",
+                 "-" if r.trial is None else str(r.trial), str(r.turn), r.model or "-",
+                 status, tokens, cost, f"{r.latency_s * 1000:.1f}")
+        table.add_row(*(safe(c, 500) for c in cells))
     out.print(table)
     for role, row in totals["per_role"].items():
-        out.print(f"{role}: {row['calls']} calls, {row['tokens']} tokens, "
-                  f"{row['cost_usd']} USD, complete={row['complete']}", highlight=False)
+        out.print(safe(f"{role}: {row['calls']} calls, {row['tokens']} tokens, "
+                       f"{row['cost_usd']} USD, complete={row['complete']}"), highlight=False)
 
 
 def main() -> None:

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -21,6 +20,7 @@ from runner.cli_report import (
     write_outputs,
 )
 from runner.errors import CycleboxError
+from runner.termsafe import emit_json, emit_json_text, plain, safe
 
 cycle_app = typer.Typer(no_args_is_help=True, help="Run improvement cycles.")
 receipt_app = typer.Typer(no_args_is_help=True, help="Verify and compare receipts.")
@@ -69,9 +69,10 @@ def freeze(cycle: Annotated[Path, typer.Argument(help="cycle.yaml")], out_dir: O
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
-        out.print_json(json.dumps({"plan": str(out_dir / "plan.json"), "plan_hash": h}))
+        emit_json({"plan": str(out_dir / "plan.json"), "plan_hash": h})
     else:
-        out.print(f"frozen {plan.name}: {out_dir / 'plan.json'} plan_hash {h}", highlight=False)
+        out.print(f"frozen {safe(plan.name)}: {safe(out_dir / 'plan.json')} plan_hash {safe(h)}",
+                  highlight=False)
 
 
 @cycle_app.command("run")
@@ -105,7 +106,7 @@ def cycle_run(
                       upstream_override=_replay_override(cycle, replay))
             plan = out_dir / "plan.json"
             if prepare_only:
-                out.print(f"prepared {plan}")
+                out.print(f"prepared {safe(plan)}", highlight=False)
                 return
         # Not a terminal (CI) or --json: plain lines on stderr, so the run shows life.
         lines = LineProgress() if json_out or not err.is_terminal else None
@@ -127,11 +128,11 @@ def cycle_run(
         _fail(exc)
     result = outcome.result
     if json_out:
-        out.print_json(json.dumps({"run_dir": str(outcome.run_dir), "verdict": result.verdict,
-                                   "reasons": list(result.reasons),
-                                   "receipt": str(outcome.run_dir / "receipt.json"),
-                                   "outcome": receipt["outcome"], "timing": outcome.timings,
-                                   "report": json.loads(report.model_dump_json(by_alias=True))}))
+        emit_json({"run_dir": str(outcome.run_dir), "verdict": result.verdict,
+                   "reasons": list(result.reasons),
+                   "receipt": str(outcome.run_dir / "receipt.json"),
+                   "outcome": receipt["outcome"], "timing": outcome.timings,
+                   "report": json.loads(report.model_dump_json(by_alias=True))})
     else:
         _summary(outcome, receipt)
     raise typer.Exit(EXIT_CODES[result.verdict])
@@ -140,38 +141,52 @@ def cycle_run(
 def _summary(outcome: Any, receipt: dict[str, Any]) -> None:
     r = outcome.result
     colour = {"accept_for_review": "green", "reject": "red"}.get(r.verdict, "yellow")
-    t = Table(title=f"cycle {outcome.run_dir.name}", show_header=False)
+    t = Table(title=f"cycle {safe(outcome.run_dir.name)}", show_header=False)
     t.add_column("k")
     t.add_column("v", overflow="fold")
-    t.add_row("verdict", f"[bold {colour}]{r.verdict}[/]")
+    t.add_row("verdict", f"[bold {colour}]{safe(r.verdict)}[/]")
     for reason in r.reasons:
-        t.add_row("reason", escape(reason))
+        t.add_row("reason", safe(reason))
     for c in r.improvements:
-        t.add_row("improved", f"{c.case_id} t{c.trial} {c.criterion}")
+        t.add_row("improved", safe(f"{c.case_id} t{c.trial} {c.criterion}"))
     for c in r.regressions:
-        t.add_row("regressed", f"{c.case_id} t{c.trial} {c.criterion}")
+        t.add_row("regressed", safe(f"{c.case_id} t{c.trial} {c.criterion}"))
     total = receipt["usage"]["total"]
-    t.add_row("model calls", f"{total['calls']} ({total['ok']} ok), cost "
-              f"{total['cost_usd']} USD, complete={total['complete']}"
-              + (" [fixture]" if receipt["fixture"] else ""))
-    t.add_row("time per stage", ", ".join(f"{k} {v:.1f}s" for k, v in outcome.timings.items()))
-    t.add_row("receipt", str(outcome.run_dir / "receipt.json"))
+    t.add_row("model calls", safe(f"{total['calls']} ({total['ok']} ok), cost "
+                                  f"{total['cost_usd']} USD, complete={total['complete']}"
+                                  + (" [fixture]" if receipt["fixture"] else "")))
+    t.add_row("time per stage", safe(", ".join(f"{k} {v:.1f}s"
+                                               for k, v in outcome.timings.items())))
+    t.add_row("receipt", safe(outcome.run_dir / "receipt.json"))
     out.print(t)
 
 
 @app.command("apply")
-def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")],
-              repo: Annotated[Path, typer.Option(help="Git repository (read only).")],
-              ref: Annotated[str, typer.Option(help="Base ref.")], out_dir: OutOpt,
+def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")], out_dir: OutOpt,
+              repo: Annotated[Path | None, typer.Option(
+                  help="Git repository (read only); taken from --plan when omitted.")] = None,
+              ref: Annotated[str | None, typer.Option(
+                  help="Base ref; the plan's frozen base tree when omitted.")] = None,
+              paths: Annotated[list[str] | None, typer.Option(
+                  "--paths", help="A path the edit may change (repeatable); required "
+                                  "without --plan.")] = None,
+              allowlist: Annotated[list[str] | None, typer.Option(
+                  "--allowlist", help="Glob every changed path must match (repeatable); "
+                                      "required without --plan.")] = None,
+              plan: Annotated[Path | None, typer.Option(
+                  help="A frozen plan.json: its repository, base tree, path set, allowlist "
+                       "and size cap.")] = None,
               subdir: Annotated[str | None, typer.Option(help="Source subdirectory.")] = None,
+              max_file_bytes: Annotated[int, typer.Option(
+                  help="Largest file an edit may write.")] = 256 * 1024,
               json_out: JsonOpt = False) -> None:
     """Apply a proposal on a throwaway repo in the apply container.
 
-    Exit 2 with the named reason on any refusal. The proposal carries its path set,
-    allowlist and base hashes (as the worker writes them)."""
-    from runner.cycle.apply import apply_proposal
+    The path set and allowlist are the operator's (--paths/--allowlist, or --plan), never
+    the proposal's: a proposal carrying its own is refused (exit 3 naming the field).
+    Exit 2 with the named reason on any refusal."""
+    from runner.cycle.apply import apply_proposal, invocation_for
     from runner.docker_backend import DockerSandbox
-    from runner.gitops import resolve_tree
     from runner.images import resolve_image
     from runner.paths import default_policies
     from runner.policy import load_policies
@@ -179,20 +194,12 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")],
     from runner.sandbox import Mount
 
     try:
-        from runner.collect import loads_strict
-
-        prop = loads_strict(proposal.read_bytes(), source=str(proposal))
-        if not isinstance(prop, dict):
-            raise CycleboxError(f"{proposal}: expected a JSON object")
-        tree = resolve_tree(repo.resolve(), ref, subdir)
+        inv, repo_path, tree = invocation_for(
+            proposal, repo=repo, ref=ref, subdir=subdir, paths=paths, allowlist=allowlist,
+            plan=plan, max_file_bytes=max_file_bytes)
         if out_dir.exists():
             raise CycleboxError(f"{out_dir} exists; evidence is never overwritten")
         (out_dir / "in").mkdir(parents=True)
-        raw_files = prop.get("files")
-        files: list[Any] = raw_files if isinstance(raw_files, list) else []
-        inv = {"paths": prop.get("paths", [f.get("path") for f in files if isinstance(f, dict)]),
-               "allowlist": prop.get("allowlist", ["*"]), "base": prop.get("base", {}),
-               "max_file_bytes": 256 * 1024}
         (out_dir / "in" / "proposal.json").write_bytes(proposal.read_bytes())
         (out_dir / "in" / "invocation.json").write_text(json.dumps(inv))
         policy = load_policies(default_policies()).roles["apply"]
@@ -205,17 +212,19 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")],
             return backend.run(spec.model_copy(update={"output_target": "/work"}))
 
         uid = int(policy.user.split(":")[0])
-        result = apply_proposal(out_dir.resolve(), repo.resolve(), tree, run=run, uid=uid)
+        result = apply_proposal(out_dir.resolve(), repo_path, tree, run=run, uid=uid,
+                                export_to=out_dir.resolve() / "candidate-src")
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
-        out.print_json(json.dumps(result))
+        emit_json(result)
     elif result.get("status") == "applied":
-        out.print(f"applied: commit {result['commit']} tree {result['tree']}; patch "
-                  f"{out_dir / 'candidate.patch'}", highlight=False)
+        out.print(safe(f"applied: commit {result['commit']} tree {result['tree']}; patch "
+                       f"{out_dir / 'candidate.patch'}"), highlight=False, soft_wrap=True)
     else:
-        err.print(f"refused: {result.get('reason')}: {result.get('message')}", highlight=False,
-                  markup=False)
+        err.print(f"refused: {plain(result.get('reason'), 200)}: "
+                  f"{plain(result.get('message'))}", highlight=False, markup=False,
+                  soft_wrap=True)
     raise typer.Exit(0 if result.get("status") == "applied" else 2)
 
 
@@ -238,11 +247,11 @@ def compare_cmd(baseline: Annotated[Path, typer.Option(help="Baseline records (J
     out_dir.mkdir(parents=True)
     (out_dir / "verdict.json").write_text(result.model_dump_json(indent=1))
     if json_out:
-        out.print_json(result.model_dump_json())
+        emit_json_text(result.model_dump_json())
     else:
-        out.print(f"{result.verdict}", highlight=False)
+        out.print(plain(result.verdict), highlight=False, markup=False)
         for reason in result.reasons:
-            out.print(f"  - {reason}", highlight=False, markup=False)
+            out.print(f"  - {plain(reason)}", highlight=False, markup=False)
     raise typer.Exit(EXIT_CODES[result.verdict])
 
 
@@ -256,8 +265,8 @@ def receipt_keygen(out_key: Annotated[Path, typer.Option("--out", help="Private 
         pub = keygen(out_key)
     except CycleboxError as exc:
         _fail(exc)
-    out.print(f"private key {out_key} (keep it off shared machines); public key {pub}",
-              highlight=False)
+    out.print(f"private key {safe(out_key)} (keep it off shared machines); public key "
+              f"{safe(pub)}", highlight=False)
 
 
 @receipt_app.command("sign")
@@ -270,7 +279,7 @@ def receipt_sign(run_dir: Annotated[Path, typer.Argument(help="A cycle run direc
         env = sign(run_dir, key)
     except CycleboxError as exc:
         _fail(exc)
-    out.print(f"signed: {env}", highlight=False)
+    out.print(f"signed: {safe(env)}", highlight=False)
 
 
 @receipt_app.command("verify")
@@ -294,13 +303,13 @@ def receipt_verify(run_dir: Annotated[Path, typer.Argument(help="A cycle run dir
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
-        out.print_json(json.dumps({"ok": not problems, "problems": problems}))
+        emit_json({"ok": not problems, "problems": problems})
     else:
         for p in problems:
-            err.print(f"[red]mismatch:[/] {escape(p)}", highlight=False)
-        n = len(json.loads((run_dir / "receipt.json").read_text())["files"])
-        out.print("receipt verified: every named file matches" if not problems
-                  else f"receipt verification FAILED ({len(problems)} of {n} files)")
+            err.print(f"[red]mismatch:[/] {safe(p)}", highlight=False)
+        out.print("receipt verified: every named file matches and no other file is present"
+                  if not problems else f"receipt verification FAILED ({len(problems)} "
+                                       "problem(s))", highlight=False)
     raise typer.Exit(0 if not problems else 8)
 
 
@@ -330,7 +339,7 @@ def receipt_compare(recorded: Annotated[Path, typer.Argument(help="Recorded run 
         return v[:16] if isinstance(v, str) else json.dumps(v, sort_keys=True)[:24]
 
     for k, same in rows:
-        t.add_row(k, short(value(a, k)), short(value(b, k)),
+        t.add_row(safe(k, 200), safe(short(value(a, k))), safe(short(value(b, k))),
                   "[green]yes[/]" if same else "[red]NO[/]")
     out.print(t)
     raise typer.Exit(0 if all(s for _, s in rows) else 8)
@@ -360,7 +369,7 @@ def review_packet(records: Annotated[Path, typer.Option(help="Records (JSONL).")
                            questions=questions)
     except CycleboxError as exc:
         _fail(exc)
-    out.print(f"packet written to {path}; fill human-labels.json, then run "
+    out.print(f"packet written to {safe(path)}; fill human-labels.json, then run "
               "`cyclebox review calibrate`", highlight=False)
 
 
@@ -382,10 +391,10 @@ def review_calibrate(packet: Annotated[Path, typer.Option(help="Packet directory
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
-        out.print_json(result.model_dump_json())
+        emit_json_text(result.model_dump_json())
     else:
         for k in ("coverage", "exact_agreement", "mean_abs_diff", "cohen_kappa"):
-            out.print(f"{k}: {getattr(result, k)}", highlight=False)
+            out.print(f"{k}: {safe(getattr(result, k))}", highlight=False)
     raise typer.Exit(0 if result.complete else 4)
 
 
@@ -407,7 +416,7 @@ def dream_compare(cycle: Annotated[Path, typer.Argument(help="cycle.yaml with dr
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
-        out.print_json(json.dumps(receipt))
+        emit_json(receipt)
         return
     t = Table(title="dream off vs on", show_header=True)
     for c in ("", "off", "on"):
@@ -415,18 +424,19 @@ def dream_compare(cycle: Annotated[Path, typer.Argument(help="cycle.yaml with dr
     arms = receipt["arms"]
     for label, key in (("verdict", "verdict"), ("model calls", "model_calls"),
                        ("cost USD", "cost_usd")):
-        t.add_row(label, str(arms["off"][key]), str(arms["on"][key]))
+        t.add_row(label, safe(arms["off"][key], 200), safe(arms["on"][key], 200))
     for side in ("baseline", "candidate"):
         t.add_row(f"held-out {side}",
-                  *[f"{(arms[a]['heldout'][side] or {}).get('passed')}/"
-                    f"{(arms[a]['heldout'][side] or {}).get('total')}" for a in ("off", "on")])
+                  *[safe(f"{(arms[a]['heldout'][side] or {}).get('passed')}/"
+                         f"{(arms[a]['heldout'][side] or {}).get('total')}", 200)
+                    for a in ("off", "on")])
     d = arms["on"]["dream"] or {}
-    t.add_row("dream", "-", f"{d.get('accepted')}/{d.get('requested')} accepted; reasons "
-              f"{ {k: v for k, v in (d.get('reasons') or {}).items() if v} }")
+    t.add_row("dream", "-", safe(f"{d.get('accepted')}/{d.get('requested')} accepted; reasons "
+                                 f"{ {k: v for k, v in (d.get('reasons') or {}).items() if v} }"))
     out.print(t)
-    out.print(f"held-out delta {receipt['heldout_delta']}, incremental cost "
-              f"{receipt['incremental_cost_usd']} USD; {receipt['claim']}", highlight=False)
-    out.print(f"receipt: {out_dir / 'dream-receipt.json'}", highlight=False)
+    out.print(safe(f"held-out delta {receipt['heldout_delta']}, incremental cost "
+                   f"{receipt['incremental_cost_usd']} USD; {receipt['claim']}"), highlight=False)
+    out.print(f"receipt: {safe(out_dir / 'dream-receipt.json')}", highlight=False)
 
 
 @cycle_app.command("schema")
@@ -434,4 +444,4 @@ def cycle_schema() -> None:
     """Print the JSON schema of cycle.yaml."""
     from runner.cycle.config import CycleFile
 
-    out.print_json(json.dumps(CycleFile.model_json_schema(by_alias=True)))
+    emit_json(CycleFile.model_json_schema(by_alias=True))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -12,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from runner.cli import JsonOpt, _fail, app, err, out
 from runner.errors import CycleboxError
 from runner.paths import PROJECT_ROOT, state_dir
+from runner.termsafe import emit_json, safe
 
 model_app = typer.Typer(no_args_is_help=True, help="Local base models.")
 train_app = typer.Typer(no_args_is_help=True, help="CPU LoRA training in the trainer image.")
@@ -30,12 +30,13 @@ class _Bar:
 
     def __call__(self, ev: dict[str, Any]) -> None:
         if ev.get("event") == "start":
-            self.p.console.print(f"rows {ev.get('rows')}, epochs {ev.get('epochs')}, grad-accum "
-                                 f"{ev.get('grad_accum')}, threads {ev.get('threads')}",
-                                 highlight=False)
+            # Trainer events come from a container: shown escaped and capped.
+            self.p.console.print(safe(f"rows {ev.get('rows')}, epochs {ev.get('epochs')}, "
+                                      f"grad-accum {ev.get('grad_accum')}, threads "
+                                      f"{ev.get('threads')}", 300), highlight=False)
         elif ev.get("event") == "progress":
             self.p.update(self.task, completed=ev["step"], total=ev["total"],
-                          description=f"loss {ev.get('loss')}")
+                          description=safe(f"loss {ev.get('loss')}", 40, newlines=False))
 
 
 def _progress(json_out: bool) -> Progress:
@@ -53,10 +54,10 @@ def model_tiny(out_dir: OutOpt, seed: int = 0, json_out: JsonOpt = False) -> Non
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
-        out.print_json(json.dumps(info))
+        emit_json(info)
     else:
-        out.print(f"tiny model in {out_dir}: {info['parameters']} parameters, vocab "
-                  f"{info['vocab']}", highlight=False)
+        out.print(safe(f"tiny model in {out_dir}: {info['parameters']} parameters, vocab "
+                  f"{info['vocab']}"), highlight=False)
 
 
 @train_app.command("proof")
@@ -80,14 +81,14 @@ def train_proof(persona: Annotated[Path, typer.Option(help="Persona/skill script
         _fail(exc)
     r = summary["report"]
     if json_out:
-        out.print_json(json.dumps({k: v for k, v in summary.items() if k != "trainer_run"}))
+        emit_json({k: v for k, v in summary.items() if k != "trainer_run"})
     else:
-        out.print(f"recall {r['recall_before']:.2f} -> {r['recall_after']:.2f}; imprint "
+        out.print(safe(f"recall {r['recall_before']:.2f} -> {r['recall_after']:.2f}; imprint "
                   f"{r['scores']}; classroom {'passed' if r['classroom_passed'] else 'FAILED'}; "
                   f"board {r['board']['decision']} {r['board']['members']}; reproduced in a "
-                  f"fresh process: {summary['reproduced_in_fresh_process']}", highlight=False)
-        out.print(f"adapter: {out_dir / 'adapter'}; receipt: {out_dir / 'train-receipt.json'}",
-                  highlight=False)
+                  f"fresh process: {summary['reproduced_in_fresh_process']}"), highlight=False)
+        out.print(safe(f"adapter: {out_dir / 'adapter'}; receipt: "
+                       f"{out_dir / 'train-receipt.json'}"), highlight=False)
     if summary["exit_code"] == 4:
         raise typer.Exit(4)
     if not summary["reproduced_in_fresh_process"]:
@@ -110,11 +111,11 @@ def train_sft(corpus: Annotated[Path, typer.Option(help="Exported corpus directo
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
-        out.print_json(json.dumps(receipt))
+        emit_json(receipt)
     else:
         f = receipt["figures"]
-        out.print(f"trained {f['steps']} steps, {f['tokens_per_s']} tokens/s, final loss "
-                  f"{f['final_loss']}; receipt {out_dir / 'train-receipt.json'}", highlight=False)
+        out.print(safe(f"trained {f['steps']} steps, {f['tokens_per_s']} tokens/s, final loss "
+                  f"{f['final_loss']}; receipt {out_dir / 'train-receipt.json'}"), highlight=False)
 
 
 @app.command("export")
@@ -137,8 +138,9 @@ def export_cmd(run: Annotated[Path, typer.Option("--run", help="A cycle run dire
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
-        out.print_json(json.dumps(summary))
+        emit_json(summary)
     else:
-        out.print(f"exported {summary['trajectories']} trajectories, {summary['turns']} turns; "
+        out.print(safe(f"exported {summary['trajectories']} trajectories, "
+                       f"{summary['turns']} turns; "
                   f"r_format {summary['r_format']}, r_outcome {summary['r_outcome']}, format "
-                  f"pass rate {summary['format_pass_rate']} -> {out_dir}", highlight=False)
+                  f"pass rate {summary['format_pass_rate']} -> {out_dir}"), highlight=False)

@@ -8,8 +8,10 @@ same commit and patch ids.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
+import stat
 import subprocess
 import tarfile
 from pathlib import Path
@@ -70,11 +72,64 @@ def resolve_tree(repo: Path, ref: str, subdir: str | None = None) -> str:
 
 
 def export_tree(repo: Path, tree: str, dest: Path) -> None:
-    """Write the files of ``tree`` into a new directory ``dest`` (read-only use of repo)."""
+    """Write the files of ``tree`` into a new directory ``dest`` (read-only use of repo).
+
+    The export is then compared with the tree's blobs (:func:`check_export`), because
+    ``git archive`` applies the tree's own ``.gitattributes`` (export-ignore, export-subst,
+    ident, eol): IntegrityError naming the first path that differs."""
     data = _git(["archive", "--format=tar", tree], cwd=repo)
     dest.mkdir(parents=True)
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(dest, filter="tar")
+    problems = check_export(repo, tree, dest)
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more"
+                                           if len(problems) > 5 else "")
+        raise IntegrityError(f"export of tree {tree} to {dest} differs from its committed "
+                             f"blobs: {shown} (a .gitattributes export-ignore/export-subst/"
+                             "ident/eol rule changes what would run)")
+
+
+def _blob_id(data: bytes, algo: str) -> str:
+    h = hashlib.new(algo)
+    h.update(b"blob %d\0" % len(data))
+    h.update(data)
+    return h.hexdigest()
+
+
+def check_export(repo: Path, tree: str, dest: Path) -> list[str]:
+    """Paths where the files under ``dest`` differ from ``tree``'s blobs (both directions).
+
+    Regular files are hashed as git blobs, symlinks by their target; nothing is followed."""
+    out = _git(["ls-tree", "-r", "-z", "--full-tree", tree], cwd=repo)
+    want: dict[str, tuple[str, str]] = {}
+    for entry in out.split(b"\0"):
+        if entry:
+            meta, path = entry.split(b"\t", 1)
+            mode, kind, oid = meta.decode().split()
+            if kind == "blob":
+                want[path.decode("utf-8", "surrogateescape")] = (mode, oid)
+    algo = "sha256" if any(len(oid) == 64 for _, oid in want.values()) else "sha1"
+    got: dict[str, tuple[str, str]] = {}
+    for dirpath, dirnames, filenames in os.walk(dest, followlinks=False):
+        for name in [*filenames, *[d for d in dirnames if os.path.islink(
+                os.path.join(dirpath, d))]]:
+            p = os.path.join(dirpath, name)
+            rel = os.path.relpath(p, dest).replace(os.sep, "/")
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                got[rel] = ("120000", _blob_id(os.fsencode(os.readlink(p)), algo))
+            elif stat.S_ISREG(st.st_mode):
+                with open(p, "rb") as f:
+                    got[rel] = ("100755" if st.st_mode & 0o111 else "100644",
+                                _blob_id(f.read(), algo))
+            else:
+                got[rel] = ("other", "")
+    problems = [f"{p}: missing from the export" for p in sorted(set(want) - set(got))]
+    problems += [f"{p}: in the export but not in the tree" for p in sorted(set(got) - set(want))]
+    problems += [f"{p}: exported content differs from the committed blob"
+                 for p in sorted(set(want) & set(got)) if want[p][1] != got[p][1]]
+    return problems
 
 
 def read_blob(repo: Path, tree: str, path: str) -> bytes | None:

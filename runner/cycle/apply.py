@@ -5,10 +5,19 @@ Invariant: the host never runs git inside a directory a container wrote (its
 .git/config could carry commands); it clones it with ``--no-local`` into
 ``candidate.git`` and checks that clone: parent is the frozen base, changed paths are
 exactly the proposal's, contents equal the proposal, the patch equals the host's diff.
+
+The container's ``result.json`` and patch are read through :func:`runner.collect.collect`
+(no symlink followed, no FIFO opened, sizes capped). The candidate tree is then exported
+and the export compared with the committed tree's blobs (:func:`gitops.export_tree`), so a
+``.gitattributes`` edit (export-ignore, export-subst, ident, eol) that would make the
+exported source differ from the reviewed commit is a named refusal, ``export_mismatch``.
+The path set and allowlist always come from the operator (plan or flags), never from the
+proposal (:func:`invocation_for`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -16,19 +25,92 @@ from pathlib import Path
 from typing import Any
 
 from runner import gitops
-from runner.collect import collect
+from runner.collect import Collected, Limits, collect, loads_strict
+from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.hashing import write_json
 from runner.sandbox import RunRecord, StopReason
 from sandbox.proposal import Change, Refused, check_changes
 
+OUTPUT_LIMITS = Limits(max_file_bytes=8 * 1024 * 1024, max_total_bytes=16 * 1024 * 1024,
+                       max_files=16, max_depth=2)
+"""Caps on the apply container's /out (result.json and candidate.patch)."""
+
+OPERATOR_FIELDS = ("paths", "allowlist")
+"""Proposal fields that only the operator may set; a proposal carrying one is refused."""
+
+
+def invocation_for(proposal: Path, *, repo: Path | None, ref: str | None, subdir: str | None,
+                   paths: list[str] | None, allowlist: list[str] | None, plan: Path | None,
+                   max_file_bytes: int) -> tuple[dict[str, Any], Path, str]:
+    """The invocation (path set, allowlist, base hashes, size cap) for a standalone apply.
+
+    Returns (invocation, repository, base tree). ConfigError naming the field when the
+    operator gave no path set or allowlist, or when the proposal carries its own."""
+    try:
+        prop = loads_strict(proposal.read_bytes(), source=str(proposal))
+    except OSError as exc:
+        raise ConfigError(f"cannot read the proposal: {exc.strerror}", path=str(proposal),
+                          field="--proposal", fix="pass a proposal.json file") from None
+    except OutputRejected as exc:
+        raise ConfigError(str(exc), path=str(proposal), field="--proposal",
+                          fix="pass a proposal.json written by the worker") from None
+    if not isinstance(prop, dict):
+        raise ConfigError("expected a JSON object", path=str(proposal), field="(top level)",
+                          fix="pass a proposal.json written by the worker")
+    for name in OPERATOR_FIELDS:
+        if name in prop:
+            raise ConfigError(f"the proposal carries its own {name!r}; the edit's path set "
+                              "and allowlist are the operator's, never the proposal's",
+                              path=str(proposal), field=name,
+                              fix=f"remove {name!r} from the proposal and pass --paths and "
+                                  "--allowlist (or --plan)")
+    if plan is not None:
+        from runner.cycle.plan import load_plan
+
+        frozen, _ = load_plan(plan)
+        if paths or allowlist:
+            raise ConfigError("--paths/--allowlist and --plan both given", field="--plan",
+                              fix="use the plan's path set and allowlist, or drop --plan")
+        paths, allowlist = list(frozen.edit.paths), list(frozen.edit.allowlist)
+        max_file_bytes = frozen.edit.max_file_bytes
+        repo_path = (repo or Path(frozen.project.repo)).resolve()
+        tree = (gitops.resolve_tree(repo_path, ref, subdir) if ref is not None
+                else frozen.project.base_tree)
+    else:
+        for name, given in (("--paths", paths), ("--allowlist", allowlist)):
+            if not given:
+                raise ConfigError(f"{name} is required: the operator sets the path set and "
+                                  "allowlist, never the proposal", field=name,
+                                  fix=f"pass {name} (repeatable) or --plan DIR/plan.json")
+        if repo is None or ref is None:
+            raise ConfigError("--repo and --ref are required without --plan",
+                              field="--repo" if repo is None else "--ref",
+                              fix="pass --repo R --ref REF, or --plan DIR/plan.json")
+        repo_path = repo.resolve()
+        tree = gitops.resolve_tree(repo_path, ref, subdir)
+    if not paths or not allowlist:  # the plan's EditSpec requires both; checked for mypy
+        raise ConfigError("empty path set or allowlist", field="edit", fix="freeze again")
+    # Base hashes: the proposal's claim when it makes one (the apply container refuses a
+    # claim that differs from the tree), otherwise the operator's tree itself.
+    base = prop.get("base")
+    if base is None:
+        base = {}
+        for p in paths:
+            data = gitops.read_blob(repo_path, tree, p)
+            base[p] = None if data is None else hashlib.sha256(data).hexdigest()
+    return ({"paths": list(paths), "allowlist": list(allowlist), "base": base,
+             "max_file_bytes": max_file_bytes}, repo_path, tree)
+
 
 def apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
-                   run: Callable[[Path], RunRecord], uid: int) -> dict[str, Any]:
+                   run: Callable[[Path], RunRecord], uid: int,
+                   export_to: Path | None = None) -> dict[str, Any]:
     """Run the apply container on a throwaway repo, then re-verify on a host-made bare clone.
 
     ``stage_dir/in`` holds proposal.json and invocation.json. The host never runs git
     inside the directory the container wrote (its .git/config could carry commands):
-    it clones it with --no-local into ``candidate.git`` and checks that clone.
+    it clones it with --no-local into ``candidate.git`` and checks that clone. With
+    ``export_to``, the candidate tree is exported there and checked against its blobs.
     """
     work = stage_dir / "work"
     work.mkdir(mode=0o700)
@@ -38,32 +120,57 @@ def apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
         for p in [work, *work.rglob("*")]:
             os.lchown(p, uid, uid)
     rec = run(work)
+    got: Collected | None = None
     try:
-        result = json.loads((work / "out" / "result.json").read_text())
-    except (OSError, ValueError):
-        result = {"status": "refused", "reason": "apply_failed",
-                  "message": f"{rec.stop_reason.value}: {rec.stderr_tail[-300:]}"}
+        got = collect(work / "out", OUTPUT_LIMITS)
+        result = got.json("result.json")
+        if not isinstance(result, dict):
+            raise OutputRejected("result.json: expected a JSON object")
+    except OutputRejected as exc:
+        # A planted symlink, FIFO, hard link or oversize file: recorded, never followed.
+        result = {"status": "refused", "reason": "output_refused",
+                  "message": f"{exc}; container {rec.stop_reason.value}"}
+    if result.get("status") == "applied" and rec.stop_reason is StopReason.OK and not (
+            isinstance(result.get("commit"), str) and len(result["commit"]) in (40, 64)
+            and all(ch in "0123456789abcdef" for ch in result["commit"])):
+        result = {"status": "refused", "reason": "output_refused",
+                  "message": "result.json: commit is not a git object id"}
     write_json(stage_dir / "result.json", result)
     if result.get("status") != "applied":
         return dict(result)
     if rec.stop_reason is not StopReason.OK:
-        return {"status": "refused", "reason": "apply_failed", "message": rec.detail}
+        return _refuse(stage_dir, "apply_failed", rec.detail)
     proposal = json.loads((stage_dir / "in" / "proposal.json").read_text())
     inv = json.loads((stage_dir / "in" / "invocation.json").read_text())
     bare = stage_dir / "candidate.git"
     commit = str(result["commit"])
     gitops.clone_bare_untrusted(work / "repo", bare, branch="cyclebox/candidate")
-    problems = _verify_candidate(bare, base_commit, commit, proposal, inv)
+    try:
+        problems = _verify_candidate(bare, base_commit, commit, proposal, inv)
+    except (KeyError, TypeError, AttributeError) as exc:
+        problems = f"the proposal is malformed ({type(exc).__name__}: {exc})"
     if problems:
-        return {"status": "refused", "reason": "host_verification_failed", "message": problems}
+        return _refuse(stage_dir, "host_verification_failed", problems)
     patch = gitops.diff(bare, base_commit, commit)
-    if patch != collect(work / "out").files.get("candidate.patch"):
-        return {"status": "refused", "reason": "host_verification_failed",
-                "message": "candidate.patch differs from the host's diff"}
-    (stage_dir / "candidate.patch").write_bytes(patch)
+    if got is None or patch != got.files.get("candidate.patch"):
+        return _refuse(stage_dir, "host_verification_failed",
+                       "candidate.patch differs from the host's diff")
     result["tree"] = gitops.head_tree(bare, commit)
+    if export_to is not None:
+        try:
+            gitops.export_tree(bare, result["tree"], export_to)
+        except IntegrityError as exc:
+            return _refuse(stage_dir, "export_mismatch", str(exc))
+    (stage_dir / "candidate.patch").write_bytes(patch)
     write_json(stage_dir / "result.json", result)
     return dict(result)
+
+
+def _refuse(stage_dir: Path, reason: str, message: str) -> dict[str, Any]:
+    """Record a host-side refusal in result.json (it replaces the container's claim)."""
+    refused = {"status": "refused", "reason": reason, "message": message}
+    write_json(stage_dir / "result.json", refused)
+    return refused
 
 
 def _verify_candidate(bare: Path, base: str, commit: str, proposal: dict[str, Any],

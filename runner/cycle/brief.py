@@ -3,6 +3,9 @@
 Invariant: nothing from another split (acceptance, reserved, held-out) can enter the
 brief; the function filters by the scenarios' split (development, or a dream variant
 of a development task), not by what records claim.
+
+Untrusted text (questions, answers) is fenced as data and length-capped (see
+:func:`build_brief`); the worker model reads this file.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 
 from runner.cycle.models import Record, Scenario
+from runner.termsafe import DATA_NOTE, fence, plain
 
 BRIEF_SPLIT = "development"
 
@@ -22,11 +26,26 @@ def briefable(scenarios: dict[str, Scenario]) -> dict[str, Scenario]:
     return dev
 
 
+ITEM_LIMIT = 2000
+"""Characters quoted of one question or answer (a visible marker shows a cut)."""
+TOTAL_LIMIT = 24_000
+"""Characters of the whole brief; failing cases past it are counted, not quoted."""
+
+
 def build_brief(records: list[Record], scenarios: dict[str, Scenario]) -> str:
-    """Markdown listing each failing development case: question, expected, got, criteria."""
+    """Markdown listing each failing development case: question, expected, got, criteria.
+
+    Questions (dream variants are model-written) and answers (the agent's) are untrusted:
+    each is quoted in a fenced block longer than any backtick run inside it, with controls
+    escaped, capped at :data:`ITEM_LIMIT` characters, under a note that it is data, not
+    instructions. The brief stays under :data:`TOTAL_LIMIT` characters: cases past it are
+    named in a count only."""
     dev = briefable(scenarios)
-    lines = ["Failures of the current agent on development cases.", ""]
+    head = ["Failures of the current agent on development cases.", "", DATA_NOTE, ""]
+    lines: list[str] = []
+    size = sum(len(x) + 1 for x in head)
     failing = 0
+    omitted = 0
     for r in sorted(records, key=lambda r: (r.case_id, r.trial)):
         s = dev.get(r.case_id)
         if s is None or r.status != "ok" or r.grades is None or r.grades.passed():
@@ -37,12 +56,23 @@ def build_brief(records: list[Record], scenarios: dict[str, Scenario]) -> str:
         ref = s.reference
         expected = "a refusal" if ref.kind == "refuse" else json.dumps(ref.value)
         got = (r.answer or {}).get("answer")
-        lines += [f"## {r.case_id} (trial {r.trial})",
-                  f"- question: {s.input.get('question', json.dumps(s.input, sort_keys=True))}",
-                  f"- expected: {expected}",
-                  f"- got: {json.dumps(got)}" + (" (refused)" if (r.answer or {}).get("refused")
-                                                  else ""),
-                  f"- failed criteria: {', '.join(failed)}", ""]
+        question = s.input.get("question", json.dumps(s.input, sort_keys=True))
+        item = [f"## {r.case_id} (trial {r.trial})", "- question:", "",
+                fence(question if isinstance(question, str) else json.dumps(question),
+                      ITEM_LIMIT), "",
+                f"- expected: {plain(expected, ITEM_LIMIT, newlines=False)}",
+                "- got" + (" (refused)" if (r.answer or {}).get("refused") else "") + ":", "",
+                fence(got if isinstance(got, str) else json.dumps(got), ITEM_LIMIT), "",
+                f"- failed criteria: {', '.join(failed)}", ""]
+        cost = sum(len(x) + 1 for x in item)
+        if omitted or size + cost > TOTAL_LIMIT:
+            omitted += 1
+            continue
+        lines += item
+        size += cost
     if not failing:
         lines.append("No development case failed.")
-    return "\n".join(lines).rstrip() + "\n"
+    if omitted:
+        lines.append(f"{omitted} more failing case(s) omitted: the brief is capped at "
+                     f"{TOTAL_LIMIT} characters.")
+    return "\n".join(head + lines).rstrip() + "\n"

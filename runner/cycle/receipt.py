@@ -9,16 +9,21 @@ to reproduce them; timings live apart in ``timing``.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import stat
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from runner.collect import loads_strict
 from runner.cycle.run import Outcome
-from runner.errors import IntegrityError
+from runner.errors import IntegrityError, OutputRejected
 from runner.gateway.calllog import CallLog
 from runner.gateway.report import summarize
 from runner.hashing import canonical_bytes, sha256_file, sha256_json
+from runner.signing import ENVELOPE
 
 SCHEMA = 1
 RECEIPT = "receipt.json"
@@ -108,28 +113,187 @@ def build(outcome: Outcome) -> dict[str, Any]:
     return receipt
 
 
-def verify(run_dir: Path) -> list[str]:
-    """Problems found re-hashing everything the receipt names; empty when all match."""
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_MAX_ENTRIES = 1_000_000
+_MAX_DEPTH = 64
+
+
+class _Unreadable(Exception):
+    """A named file cannot be opened safely; the message says why."""
+
+
+def _unbound(rel: str) -> bool:
+    """Files of a run directory the receipt does not bind (same rule as the writer's walk):
+    the receipt itself, its signature, and git internals bound through commit/tree ids."""
+    return (rel.rsplit("/", 1)[-1] == RECEIPT or rel == ENVELOPE
+            or "/candidate.git/" in f"/{rel}" or "/work/repo/.git/" in f"/{rel}")
+
+
+def _name_problem(rel: str) -> str | None:
+    """Why ``rel`` is not a plain relative name inside the run directory, or None."""
+    if not rel:
+        return "empty name refused"
+    if "\0" in rel:
+        return "NUL in name refused"
+    if rel.startswith("/"):
+        return "absolute name refused; names are relative to the run directory"
+    parts = rel.split("/")
+    if ".." in parts:
+        return "'..' component refused; names must stay inside the run directory"
+    if any(p in ("", ".") for p in parts):
+        return "empty or '.' component refused; names are normalised relative paths"
+    return None
+
+
+def _open_in(root_fd: int, rel: str) -> int:
+    """Open ``rel`` under the directory fd ``root_fd``, one component at a time, following
+    no symlink (``O_NOFOLLOW`` per component); only a regular file is returned."""
+    parts = rel.split("/")
+    dfd = os.dup(root_fd)
     try:
-        receipt = json.loads((run_dir / RECEIPT).read_text())
-    except (OSError, ValueError) as exc:
+        for i, part in enumerate(parts):
+            where = "/".join(parts[:i + 1])
+            try:
+                st = os.lstat(part, dir_fd=dfd)
+            except FileNotFoundError:
+                raise _Unreadable("missing") from None
+            except OSError as exc:
+                raise _Unreadable(f"cannot stat {where}: {exc.strerror}") from None
+            last = i == len(parts) - 1
+            if stat.S_ISLNK(st.st_mode):
+                raise _Unreadable("symlink refused (never followed)" if last else
+                                  f"symlinked directory component {where!r} refused")
+            if not last:
+                if not stat.S_ISDIR(st.st_mode):
+                    raise _Unreadable(f"component {where!r} is not a directory")
+                try:
+                    nfd = os.open(part, _DIR_FLAGS, dir_fd=dfd)
+                except OSError as exc:
+                    raise _Unreadable(f"cannot open {where!r}: {exc.strerror}") from None
+                os.close(dfd)
+                dfd = nfd
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                raise _Unreadable("not a regular file (refused without reading)")
+            try:
+                fd = os.open(part, _FILE_FLAGS, dir_fd=dfd)
+            except OSError as exc:
+                raise _Unreadable(f"cannot open: {exc.strerror}") from None
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise _Unreadable("changed type while opening; refused")
+            return fd
+        raise _Unreadable("empty name")
+    finally:
+        os.close(dfd)
+
+
+def _read_in(root_fd: int, rel: str) -> bytes:
+    fd = _open_in(root_fd, rel)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def _sha256_in(root_fd: int, rel: str) -> str:
+    fd = _open_in(root_fd, rel)
+    h = hashlib.sha256()
+    with os.fdopen(fd, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _present(root_fd: int) -> set[str]:
+    """Regular files under the run directory (by dir fd, no link followed), minus the
+    unbound ones. Symlinks and special files are skipped, as the writer skips them; a
+    receipt naming one fails on its own entry."""
+    found: set[str] = set()
+    stack: list[tuple[int, str, int]] = [(os.dup(root_fd), "", 0)]
+    entries = 0
+    try:
+        while stack:
+            dfd, prefix, depth = stack.pop()
+            try:
+                for name in sorted(os.listdir(dfd)):
+                    entries += 1
+                    if entries > _MAX_ENTRIES:
+                        raise IntegrityError(f"run directory holds more than {_MAX_ENTRIES} "
+                                             "entries; refusing to walk it")
+                    rel = prefix + name
+                    st = os.lstat(name, dir_fd=dfd)
+                    if stat.S_ISDIR(st.st_mode):
+                        if _unbound(rel + "/x") or depth + 1 > _MAX_DEPTH:
+                            if depth + 1 > _MAX_DEPTH:
+                                found.add(rel + "/ (nested too deep to check)")
+                            continue
+                        stack.append((os.open(name, _DIR_FLAGS, dir_fd=dfd), rel + "/",
+                                      depth + 1))
+                    elif stat.S_ISREG(st.st_mode) and not _unbound(rel):
+                        found.add(rel)
+            finally:
+                os.close(dfd)
+    finally:
+        for dfd, _, _ in stack:
+            os.close(dfd)
+    return found
+
+
+def verify(run_dir: Path) -> list[str]:
+    """Problems found re-hashing everything the receipt names; empty when all match.
+
+    Names must be plain relative paths (no ``..``, not absolute); each is opened relative
+    to the run directory with ``O_NOFOLLOW`` on every component; and the run directory's
+    files must equal the receipt's list in both directions (only the receipt and its
+    signature are left out, plus the git internals the writer binds by commit and tree)."""
+    try:
+        root_fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise IntegrityError(f"{run_dir}: cannot open the run directory ({exc.strerror})"
+                             ) from None
+    try:
+        return _verify_at(root_fd, run_dir)
+    finally:
+        os.close(root_fd)
+
+
+def _verify_at(root_fd: int, run_dir: Path) -> list[str]:
+    try:
+        receipt = loads_strict(_read_in(root_fd, RECEIPT), source=str(run_dir / RECEIPT))
+    except (_Unreadable, OutputRejected) as exc:
         raise IntegrityError(f"{run_dir / RECEIPT}: unreadable ({exc})") from None
+    files = receipt.get("files") if isinstance(receipt, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise IntegrityError(f"{run_dir / RECEIPT}: 'files' must map names to sha256 strings")
     problems = []
-    for rel, digest in sorted(receipt["files"].items()):
-        p = run_dir / rel
-        if p.is_symlink() or not p.is_file():
-            problems.append(f"{rel}: missing")
-        elif sha256_file(p) != digest:
-            problems.append(f"{rel}: sha256 differs from the receipt")
-    for name, ext in sorted(receipt.get("external", {}).items()):
-        p = Path(ext["path"])
-        if not p.is_file() or sha256_file(p) != ext["sha256"]:
+    for rel, digest in sorted(files.items()):
+        why = _name_problem(rel)
+        if why is None and _unbound(rel):
+            why = "names a file the receipt never binds (the receipt, its signature, git data)"
+        if why is not None:
+            problems.append(f"{rel}: {why}")
+            continue
+        try:
+            if _sha256_in(root_fd, rel) != digest:
+                problems.append(f"{rel}: sha256 differs from the receipt")
+        except _Unreadable as exc:
+            problems.append(f"{rel}: {exc}")
+    problems += [f"{rel}: present in the run directory but not named by the receipt"
+                 for rel in sorted(_present(root_fd) - set(files))]
+    external = receipt.get("external", {})
+    for name, ext in sorted(external.items() if isinstance(external, dict) else []):
+        try:
+            p = Path(ext["path"])
+            ok = p.is_file() and sha256_file(p) == ext["sha256"]
+        except (KeyError, TypeError, OSError):
+            p, ok = Path("?"), False
+        if not ok:
             problems.append(f"{name} ({p}): missing or changed")
     try:
-        plan = json.loads((run_dir / "plan.json").read_text())
-        ok = (plan.get("plan_hash") == receipt["plan_hash"]
-              and sha256_json(plan.get("plan")) == receipt["plan_hash"])
-    except (OSError, ValueError):
+        plan = loads_strict(_read_in(root_fd, "plan.json"), source="plan.json")
+        ok = (plan.get("plan_hash") == receipt.get("plan_hash")
+              and sha256_json(plan.get("plan")) == receipt.get("plan_hash"))
+    except (_Unreadable, OutputRejected, AttributeError):
         ok = False
     if not ok:
         problems.append("plan.json: plan_hash differs from the receipt")

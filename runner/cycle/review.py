@@ -4,7 +4,9 @@ Invariants:
 - A packet is written once, into a directory that did not exist; nothing is overwritten,
   and everything is computed before the directory is created (no half-written packets).
 - ``review.md`` carries answers, cited evidence and blank anchored 0/1/2 criteria, never a
-  model grade or score; model ratings live only in ``judge-ratings.json``.
+  model grade or score; model ratings live only in ``judge-ratings.json``. Answers, evidence
+  and tasks are quoted as data (fenced, controls escaped, capped per block and per item,
+  under a note that they are not instructions).
 - ``packet_id`` is the sha256 of canonical ``{"items", "criteria"}``; ``packet.json`` also
   pins the sha256 of ``review.md``, and the labels and ratings files name their packet_id.
   :func:`calibrate` re-checks all of it and raises IntegrityError naming the file at fault.
@@ -17,7 +19,6 @@ Invariants:
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
@@ -31,6 +32,7 @@ from runner.cycle.models import CRITERIA, Criterion, Grades, Record
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_json
 from runner.sandbox import Frozen
+from runner.termsafe import DATA_NOTE, code_span, fence, plain
 
 REVIEW_MD = "review.md"
 PACKET_JSON = "packet.json"
@@ -42,6 +44,16 @@ calibration does not compare it."""
 OVERALL = "overall"
 """Key for the value pooled over all criteria in the per-criterion maps."""
 SCALE = (0, 1, 2)
+ITEM_LIMIT = 12_000
+"""Characters of quoted text (task, answer, evidence) shown for one item."""
+BLOCK_LIMIT = 6_000
+"""Characters of one quoted block; a visible marker shows a cut."""
+BLOCK_MIN = 200
+"""Characters a block keeps even when its item's budget is spent."""
+MAX_EVIDENCE = 20
+"""Evidence items shown per answer; the rest are counted."""
+TOTAL_LIMIT = 8_000_000
+"""Characters of review.md; a larger packet is refused before anything is written."""
 
 # (question, 0 = fails, 1 = partly, 2 = fully meets)
 ANCHORS: dict[Criterion, tuple[str, str, str, str]] = {
@@ -315,44 +327,66 @@ def _grid(path: Path, packet: Packet, packet_id: str, table: Mapping[str, Mappin
     return grid
 
 
-def _fenced(text: str) -> str:
-    longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
-    fence = "`" * max(3, longest + 1)
-    return f"{fence}text\n{text}\n{fence}"
-
-
 def _as_text(v: object) -> str:
     return v if isinstance(v, str) else json.dumps(v, indent=2, sort_keys=True,
                                                    ensure_ascii=False)
 
 
+class _Quoter:
+    """Fences blocks of one item; each takes what is left of the item's budget (at least
+    :data:`BLOCK_MIN`, at most :data:`BLOCK_LIMIT` characters)."""
+
+    def __init__(self, budget: int) -> None:
+        self.left = budget
+
+    def __call__(self, v: object) -> str:
+        text = _as_text(v)
+        cap = max(BLOCK_MIN, min(BLOCK_LIMIT, self.left))
+        self.left -= min(len(text), cap)
+        return fence(text, cap)
+
+
 def _render_review(records: Sequence[Record], packet_id: str, reviewer: str,
                    questions: Mapping[str, str]) -> str:
+    """review.md. Every string from a record or the manifest is quoted as data: blocks
+    fenced (one backtick longer than any run inside), names as code spans, controls
+    escaped; each item's quoted text is capped at :data:`ITEM_LIMIT` characters and the
+    file at :data:`TOTAL_LIMIT` (ConfigError before anything is written)."""
     out = ["# Review packet", "", f"Packet: `{packet_id}`",
-           f"Reviewer: {reviewer or '(unassigned)'}", "",
+           f"Reviewer: {code_span(reviewer) if reviewer else '(unassigned)'}", "",
            f"Rate every item on every criterion 0, 1 or 2 using the anchors, from the answer "
            f"and its cited evidence alone. Record ratings in `{LABELS_JSON}` under the item "
-           "id; leave a rating null if you cannot decide.", ""]
+           "id; leave a rating null if you cannot decide.", "", DATA_NOTE, ""]
     for r in records:
         ans = r.answer or {}
-        out += [f"## {_item_id(r)}", "", f"Case `{r.case_id}`, trial {r.trial}, "
-                f"split {r.split}.", ""]
+        quote = _Quoter(ITEM_LIMIT)
+
+        out += [f"## {plain(_item_id(r), 200, newlines=False)}", "",
+                f"Case {code_span(r.case_id)}, trial {r.trial}, "
+                f"split {code_span(r.split)}.", ""]
         if r.case_id in questions:
-            out += ["### Task", "", _fenced(questions[r.case_id]), ""]
+            out += ["### Task", "", quote(questions[r.case_id]), ""]
         out += ["### Answer", ""]
-        out += [_fenced(_as_text(ans["answer"])) if ans.get("answer") is not None
+        out += [quote(ans["answer"]) if ans.get("answer") is not None
                 else "(no answer given)", "", "### Cited evidence", ""]
         ev = ans.get("evidence")
         evs = ev if isinstance(ev, list) else [] if ev in (None, "") else [ev]
-        out += [f"Evidence {k}:\n\n{_fenced(_as_text(e))}\n" for k, e in
-                enumerate(evs, 1)] or ["(none cited)", ""]
+        out += [f"Evidence {k}:\n\n{quote(e)}\n" for k, e in
+                enumerate(evs[:MAX_EVIDENCE], 1)] or ["(none cited)", ""]
+        if len(evs) > MAX_EVIDENCE:
+            out += [f"({len(evs) - MAX_EVIDENCE} more evidence item(s) not shown)", ""]
         if "refused" in ans:
             v = ans["refused"]
-            said = "yes" if v is True else "no" if v is False else _as_text(v)
+            said = "yes" if v is True else "no" if v is False else code_span(_as_text(v))
             out += [f"Agent declined to answer: {said}", ""]
         out += ["### Ratings", "", "| Criterion | Question | 0 = fails | 1 = partly "
                 "| 2 = fully meets | Rating |", "|---|---|---|---|---|---|"]
         out += [f"| {c} | {q} | {a0} | {a1} | {a2} |   |"
                 for c, (q, a0, a1, a2) in ANCHORS.items()]
         out.append("")
-    return "\n".join(out)
+    text = "\n".join(out)
+    if len(text) > TOTAL_LIMIT:
+        raise ConfigError(f"review.md would be {len(text)} characters, over the cap of "
+                          f"{TOTAL_LIMIT}", field="records",
+                          fix="split the records into several packets")
+    return text

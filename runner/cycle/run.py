@@ -330,18 +330,18 @@ class CycleRunner:
                       "max_file_bytes": self.plan.edit.max_file_bytes}
         write_json(d / "in" / "invocation.json", invocation)
         write_json(d / "in" / "proposal.json", proposal)
+        src = self.dir / "stages" / "candidate" / "src"
+        # apply_proposal exports the verified candidate tree to src and checks the export
+        # against the tree's blobs (a .gitattributes edit is refused as export_mismatch).
         result = apply_proposal(d, Path(self.plan.project.repo), self.plan.project.base_tree,
                                 run=lambda work: self._run(
                                     "apply", ["python", "-m", "sandbox.apply_main"],
                                     stage="apply", out=work, output_target="/work",
                                     mounts=[Mount(source=d / "in", target="/in")]),
-                                uid=self.uid)
+                                uid=self.uid, export_to=src)
         if result.get("status") != "applied":
             raise StageFailed(f"no candidate: apply refused ({result.get('reason')}: "
                               f"{result.get('message')})")
-        src = self.dir / "stages" / "candidate" / "src"
-        src.parent.mkdir(parents=True)
-        gitops.export_tree(d / "candidate.git", str(result["tree"]), src)
         return src, str(result["tree"])
 
     def _dream(self) -> list[Scenario]:

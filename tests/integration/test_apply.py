@@ -115,11 +115,23 @@ def base_files(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
 
 def _apply(tmp_path: Path, repo: Path, proposal: dict[str, Any] | bytes
            ) -> tuple[subprocess.CompletedProcess[str], Path]:
+    # The path set and allowlist are the operator's flags; the proposal file keeps only
+    # files, rationale and base hashes.
+    flags: list[str] = []
+    if isinstance(proposal, dict):
+        proposal = dict(proposal)
+        # argv cannot carry NUL: such a path stays out of the operator's set (the NUL
+        # check comes first in the apply container either way).
+        flags += [f"--paths={p}" for p in proposal.pop("paths") if "\0" not in p] or [
+            "--paths=prompts/system.md"]
+        flags += [f"--allowlist={g}" for g in proposal.pop("allowlist")]
+    else:
+        flags += ["--paths=prompts/system.md", "--allowlist=*"]
     pfile = tmp_path / "proposal.json"
     pfile.write_bytes(proposal if isinstance(proposal, bytes) else json.dumps(proposal).encode())
     out = tmp_path / "OUT"
     res = subprocess.run([*CLI, "apply", "--proposal", str(pfile), "--repo", str(repo),
-                          "--ref", REF, "--out", str(out)],
+                          "--ref", REF, "--out", str(out), *flags],
                          capture_output=True, text=True, timeout=180, check=False)
     return res, out
 
