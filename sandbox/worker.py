@@ -47,8 +47,9 @@ def main(in_dir: Path = Path("/in"), out_dir: Path = Path("/out")) -> int:
         return 3
     base = {f["path"]: f["sha256"] for f in req["files"]}
     proposal = {"schema": 1, "files": [{"path": c.path, "content": c.content} for c in changes],
-                "rationale": rationale, "base": {c.path: base.get(c.path) for c in changes},
-                "paths": sorted(req["paths"]), "allowlist": list(req["allowlist"])}
+                "rationale": rationale, "base": {c.path: base.get(c.path) for c in changes}}
+    # The path set and allowlist are the operator's (plan or apply flags): a proposal that
+    # carried its own would be refused by `cyclebox apply`, so the worker never writes them.
     (out_dir / "proposal.json").write_text(json.dumps(proposal, sort_keys=True, indent=1))
     return 0
 
