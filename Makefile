@@ -40,6 +40,9 @@ docker: ## Make sure a Docker engine answers; as root on Debian, install docker.
 	docker info >/dev/null 2>&1 || { tail -n 20 build/dockerd.log; echo "dockerd did not come up"; exit 1; }; \
 	echo "docker engine: $$(docker version -f '{{.Server.Version}}')"
 
+gvisor: docker ## Make runtime runsc (gVisor) usable: install runsc, merge it into daemon.json, reload dockerd (HUP)
+	$(PY) images/gvisor_setup.py
+
 images: setup docker ## Build the base and role images offline (unchanged inputs: no-op)
 	$(CYCLEBOX) images build
 
@@ -47,7 +50,7 @@ check: setup ## Lint (ruff) and type-check (mypy strict on runner and sandbox)
 	$(BIN)/ruff check runner sandbox tests bench
 	$(BIN)/mypy
 
-test: setup docker images check ## Everything: set-up, images, lint, unit + integration + e2e tests
+test: setup docker gvisor images check ## Everything: set-up, gVisor, images, lint, unit + integration + e2e tests
 	$(BIN)/pytest tests/unit tests/integration tests/e2e
 
 unit: setup ## Unit tests only (no Docker)
@@ -98,4 +101,4 @@ clean: ## Remove orphaned cyclebox containers and build/ (images are kept)
 	-@[ -x $(CYCLEBOX) ] && $(CYCLEBOX) gc || true
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache
 
-.PHONY: help setup docker images check test unit demo demo-negative receipt dream smoke bench gc clean
+.PHONY: help setup docker gvisor images check test unit demo demo-negative receipt dream smoke bench gc clean

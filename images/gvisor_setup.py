@@ -31,8 +31,8 @@ RUNTIME_ARGS = ["--network=none", "--host-uds=open", "--oci-seccomp"]
 WAIT_S = 30
 
 
-def engine_runtimes() -> set[str] | None:
-    """Runtime names the engine reports, or None when no engine answers."""
+def engine_runtimes() -> dict[str, dict[str, object]] | None:
+    """Runtimes the engine has loaded (name -> path, args), or None when no engine answers."""
     try:
         out = subprocess.run(["docker", "info", "--format", "{{json .Runtimes}}"],
                              capture_output=True, text=True, timeout=30, check=False)
@@ -41,9 +41,16 @@ def engine_runtimes() -> set[str] | None:
     if out.returncode != 0:
         return None
     try:
-        return set(json.loads(out.stdout or "{}"))
+        loaded = json.loads(out.stdout or "{}")
     except ValueError:
         return None
+    return loaded if isinstance(loaded, dict) else None
+
+
+def loaded_ok(runtimes: dict[str, dict[str, object]] | None) -> bool:
+    """The engine has runsc loaded with exactly our arguments."""
+    entry = (runtimes or {}).get("runsc")
+    return isinstance(entry, dict) and entry.get("runtimeArgs") == RUNTIME_ARGS
 
 
 def install_runsc() -> str:
@@ -121,19 +128,19 @@ def main() -> int:
     runtimes = engine_runtimes()
     if runtimes is None:
         sys.exit("engine: no Docker engine answers; run make docker first")
-    if "runsc" in runtimes and not changed:
-        print("engine: runsc runtime already loaded")
+    if loaded_ok(runtimes) and not changed:
+        print("engine: runsc runtime already loaded with these arguments")
         return 0
     reload_engine()
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         runtimes = engine_runtimes()
-        if runtimes and "runsc" in runtimes:
-            print(f"engine: runtimes now {sorted(runtimes)}")
+        if loaded_ok(runtimes):
+            print(f"engine: runtimes now {sorted(runtimes or {})}")
             return 0
         time.sleep(0.5)
-    sys.exit(f"engine: runsc not listed by docker info {WAIT_S}s after the reload; "
-             "see the dockerd log")
+    sys.exit(f"engine: runsc with {RUNTIME_ARGS} not listed by docker info {WAIT_S}s after "
+             "the reload; see the dockerd log")
 
 
 if __name__ == "__main__":

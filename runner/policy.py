@@ -292,14 +292,13 @@ def load_policies(path: Path) -> RolePolicies:
         raise ConfigError(f"not valid YAML: {exc}", path=str(path)) from None
     pols = parse_policies(data, path=str(path))
     base = path.resolve().parent
-    roles = {}
+    roles = dict(pols.roles)
     for name, pol in pols.roles.items():
         if pol.seccomp:
             # Checked now so a bad profile is refused by field before any work starts.
             prof = load_profile(resolve_path(pol.seccomp, base=base),
                                 field=f"roles.{name}.seccomp")
-            pol = pol.model_copy(update={"seccomp": prof.path})
-        roles[name] = pol
+            roles[name] = pol.model_copy(update={"seccomp": prof.path})
     fixed = {}
     for name, up in pols.upstreams.items():
         upd: dict[str, str] = {}
