@@ -81,7 +81,7 @@ def test_engine_received_exactly_our_profile(run_role: RunFn, backend: Any) -> N
     try:
         deadline = time.monotonic() + 30
         while not seen and time.monotonic() < deadline:
-            for cid, name, labels in backend.managed_containers():
+            for cid, name, _labels in backend.managed_containers():
                 if name.startswith("cyclebox-test-test_engine_received"):
                     seen.append(backend.client.api.inspect_container(cid)["HostConfig"]
                                 ["SecurityOpt"])
