@@ -86,9 +86,10 @@ smoke: setup docker images ## One sandboxed smoke run of each role image
 	$(CYCLEBOX) sandbox exec --role trainer -- python -c \
 	  "import torch, transformers, peft, json; print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, 'peft': peft.__version__, 'cuda': torch.cuda.is_available()}))"
 
-bench: setup docker images ## Run the benchmarks (JSON into build/bench/)
+bench: setup docker gvisor images ## Run the benchmarks (JSON into build/bench/)
 	@mkdir -p build/bench
 	$(BIN)/python -m bench.overhead --out build/bench/overhead.json
+	$(BIN)/python -m bench.runtimes --out build/bench/runtimes.json
 	$(BIN)/python -m bench.images --out build/bench/images.json
 	$(BIN)/python -m bench.gateway --out build/bench/gateway.json
 	$(BIN)/python -m bench.cycle --out build/bench/cycle.json
