@@ -200,3 +200,28 @@ def test_gateway_via_openai_sdk_and_no_credential_visible(
     assert canary not in rec.stdout_tail + rec.stderr_tail
     recs = CallLog(tmp_path / "gateway").records()
     assert [(r.role, r.upstream) for r in recs] == [("analyst", "target")]
+
+
+def test_doctor_probes_seccomp_under_runsc_when_a_policy_asks(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import yaml
+
+    from runner.paths import PROJECT_ROOT
+
+    doc = yaml.safe_load((PROJECT_ROOT / "policies" / "roles.yaml").read_text())
+    for up in doc["upstreams"].values():
+        up["script"] = str(PROJECT_ROOT / "policies" / up["script"])
+    doc["roles"]["analyst"]["runtime"] = "runsc"
+    roles = tmp_path / "roles.yaml"
+    roles.write_text(yaml.safe_dump(doc))
+    cli = str(Path(sys.executable).with_name("cyclebox"))
+    res = subprocess.run([cli, "doctor", "--policies", str(roles), "--json"],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = {c["name"]: c for c in json.loads(res.stdout)}
+    assert rows["runtime runsc"]["detail"] == "available; used by analyst"
+    assert rows["seccomp enforced (runsc)"]["ok"]
+    assert "io_uring_setup EPERM" in rows["seccomp enforced (runsc)"]["detail"]
+    assert rows["limits enforced"]["ok"]  # cgroup facts read under the default runtime

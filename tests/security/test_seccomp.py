@@ -219,3 +219,15 @@ def test_profile_frozen_into_plan_and_tampering_refused(tmp_path: Path) -> None:
     copy.write_bytes(copy.read_bytes().replace(b'"read",', b'"read","io_uring_setup",', 1))
     with pytest.raises(IntegrityError, match="seccomp"):
         load_plan(d / "plan.json")
+
+
+@pytest.mark.docker
+def test_doctor_reports_profile_and_probe() -> None:
+    res = subprocess.run([CLI, "doctor", "--json"], capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = {c["name"]: c for c in json.loads(res.stdout)}
+    assert rows["seccomp profile"]["ok"] and "io_uring_setup" in rows["seccomp profile"]["detail"]
+    probe = rows["seccomp enforced (default runtime)"]
+    assert probe["ok"]
+    assert probe["detail"] == "io_uring_setup EPERM, keyctl EPERM, unshare_newuser EPERM"
