@@ -50,8 +50,8 @@ check: setup ## Lint (ruff) and type-check (mypy strict on runner and sandbox)
 	$(BIN)/ruff check runner sandbox tests bench
 	$(BIN)/mypy
 
-test: setup docker gvisor images check ## Everything: set-up, gVisor, images, lint, unit + integration + e2e tests
-	$(BIN)/pytest tests/unit tests/integration tests/e2e
+test: setup docker gvisor images check ## Everything: set-up, gVisor, images, lint, unit + integration + security + e2e tests
+	$(BIN)/pytest tests/unit tests/integration tests/security tests/e2e
 
 unit: setup ## Unit tests only (no Docker)
 	$(BIN)/pytest tests/unit
