@@ -143,7 +143,8 @@ def test_shipped_profile_is_moby_default_without_io_uring() -> None:
     (b'{"defaultAction": "SCMP_ACT_ERRNO", "defaultAction": "SCMP_ACT_ERRNO", '
      b'"syscalls": [{"names": ["read"], "action": "SCMP_ACT_ALLOW"}]}', "duplicate"),
     (b" " * (300 * 1024), "more than"),
-])
+], ids=["empty", "truncated", "array", "allow_by_default", "io_uring_allowed", "duplicate_key",
+        "oversize"])
 def test_bad_profiles_refused_by_name(content: bytes, reason: str) -> None:
     with pytest.raises(ConfigError, match=reason) as info:
         check_profile(content, path="p.json", field="roles.analyst.seccomp")
