@@ -49,6 +49,9 @@ chromium: ## Make sure headless Chromium exists (the HTML report test renders in
 	command -v chromium >/dev/null || { echo "chromium did not install"; exit 1; }; \
 	echo "chromium: $$(chromium --version 2>/dev/null)"
 
+gvisor: docker ## Make runtime runsc (gVisor) usable: install runsc, merge it into daemon.json, reload dockerd (HUP)
+	$(PY) images/gvisor_setup.py
+
 images: setup docker ## Build the base and role images offline (unchanged inputs: no-op)
 	$(CYCLEBOX) images build
 
@@ -57,8 +60,8 @@ check: setup ## Lint (ruff) and type-check (mypy strict on runner and sandbox)
 	$(BIN)/mypy
 	$(BIN)/actionlint examples/ci/*.yml
 
-test: setup docker images chromium check ## Everything: set-up, images, lint, unit + integration + e2e tests
-	$(BIN)/pytest tests/unit tests/integration tests/e2e
+test: setup docker gvisor chromium images check ## Everything: set-up, gVisor, Chromium, images, lint, unit + integration + security + e2e tests
+	$(BIN)/pytest tests/unit tests/integration tests/security tests/e2e
 
 unit: setup ## Unit tests only (no Docker)
 	$(BIN)/pytest tests/unit
@@ -93,9 +96,10 @@ smoke: setup docker images ## One sandboxed smoke run of each role image
 	$(CYCLEBOX) sandbox exec --role trainer -- python -c \
 	  "import torch, transformers, peft, json; print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, 'peft': peft.__version__, 'cuda': torch.cuda.is_available()}))"
 
-bench: setup docker images ## Run the benchmarks (JSON into build/bench/)
+bench: setup docker gvisor images ## Run the benchmarks (JSON into build/bench/)
 	@mkdir -p build/bench
 	$(BIN)/python -m bench.overhead --out build/bench/overhead.json
+	$(BIN)/python -m bench.runtimes --out build/bench/runtimes.json
 	$(BIN)/python -m bench.images --out build/bench/images.json
 	$(BIN)/python -m bench.gateway --out build/bench/gateway.json
 	$(BIN)/python -m bench.cycle --out build/bench/cycle.json
@@ -108,4 +112,4 @@ clean: ## Remove orphaned cyclebox containers and build/ (images are kept)
 	-@[ -x $(CYCLEBOX) ] && $(CYCLEBOX) gc || true
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache
 
-.PHONY: help setup docker chromium images check test unit demo demo-negative receipt dream smoke bench gc clean
+.PHONY: help setup docker chromium gvisor images check test unit demo demo-negative receipt dream smoke bench gc clean

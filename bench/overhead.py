@@ -18,6 +18,7 @@ from runner.images import resolve_image
 from runner.paths import default_policies
 from runner.policy import load_policies
 from runner.roles import role_spec
+from runner.seccomp import PROFILE_PATH
 
 COMMAND = ["true"]
 
@@ -26,6 +27,7 @@ def docker_cli_args(kw: dict[str, object]) -> list[str]:
     """The hardening of create_kwargs as `docker run` flags (same controls, CLI spelling)."""
     args = ["docker", "run", "--rm", "--network", "none", "--read-only",
             "--cap-drop", "ALL", "--security-opt", "no-new-privileges:true",
+            "--security-opt", f"seccomp={PROFILE_PATH}",
             "--user", str(kw["user"]), "--ipc", "private", "--shm-size", str(kw["shm_size"]),
             "--pids-limit", str(kw["pids_limit"]), "--memory", str(kw["mem_limit"]),
             "--memory-swap", str(kw["memswap_limit"]),

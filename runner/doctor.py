@@ -11,7 +11,7 @@ import json
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from runner.errors import CycleboxError
 from runner.paths import state_dir
@@ -19,7 +19,8 @@ from runner.policy import ROLES
 
 if TYPE_CHECKING:
     from runner.docker_backend import DockerSandbox
-    from runner.policy import RolePolicy
+    from runner.policy import RolePolicies, RolePolicy
+    from runner.sandbox import RunRecord
 
 MIN_FREE_BYTES = 5 * 1024**3
 
@@ -58,6 +59,8 @@ def run_checks(policies_path: Path, *, probe: bool = True) -> list[Check]:
     seccomp = any("seccomp" in s for s in info.security_options)
     checks.append(Check("seccomp", seccomp, ", ".join(info.security_options) or "none reported",
                         "use an engine built with seccomp support"))
+    checks.append(seccomp_profile_check())
+    checks.extend(runtime_checks(pols, info.runtimes))
     backend = DockerSandbox(client)
     lock = read_lock()
     for role in ROLES:
@@ -76,21 +79,105 @@ def run_checks(policies_path: Path, *, probe: bool = True) -> list[Check]:
         checks.append(Check(label, free >= MIN_FREE_BYTES, f"{free / 1024**3:.1f} GiB free at "
                             f"{target}", f"free at least {MIN_FREE_BYTES // 1024**3} GiB"))
     if probe and lock.get("analyst") and backend.image_id(lock["analyst"].id):
-        checks.append(_probe_limits(backend, pols.roles["analyst"], lock["analyst"].id))
+        # Cgroup limits are read from inside, which only the default runtime shows
+        # (gVisor emulates /proc and /sys); each runtime a policy names gets its own
+        # seccomp probe, and the gVisor tests check its limits by behaviour.
+        analyst = pols.roles["analyst"].model_copy(update={"runtime": None})
+        checks.extend(_probe_limits(backend, analyst, lock["analyst"].id))
+        for runtime in sorted(wanted_runtimes(pols)):
+            if runtime in info.runtimes:
+                checks.append(_probe_seccomp(backend, analyst.model_copy(
+                    update={"runtime": runtime}), lock["analyst"].id))
     return checks
 
 
-def _probe_limits(backend: DockerSandbox, policy: RolePolicy, image: str) -> Check:
-    """Run sandbox.probe in the analyst image and compare what it saw with the policy."""
+def seccomp_profile_check(path: Path | None = None) -> Check:
+    """The shipped profile (or ``path``) exists, parses, refuses by default and refuses io_uring."""
+    from runner.seccomp import FORBIDDEN, load_profile
+
+    try:
+        prof = load_profile(path)
+    except CycleboxError as exc:
+        fix = getattr(exc, "fix", None) or "git checkout -- policies/seccomp.json"
+        return Check("seccomp profile", False, str(exc).split(" Fix: ")[0], fix)
+    return Check("seccomp profile", True, f"{prof.path}: sha256 {prof.sha256[:16]}, "
+                 f"{prof.rules} rules, {', '.join(FORBIDDEN)} refused")
+
+
+def wanted_runtimes(pols: RolePolicies) -> set[str]:
+    return {p.runtime for p in pols.roles.values() if p.runtime}
+
+
+def runtime_checks(pols: RolePolicies, available: tuple[str, ...]) -> list[Check]:
+    """runsc availability always; a failing line (with the fix) for any runtime a policy
+    names that the engine does not have."""
+    wanted = wanted_runtimes(pols)
+    users = {rt: sorted(r for r, p in pols.roles.items() if p.runtime == rt) for rt in wanted}
+    out = []
+    for rt in sorted(wanted | {"runsc"}):
+        fix = "make gvisor" if rt == "runsc" else f"register runtime {rt} in daemon.json"
+        if rt in available:
+            out.append(Check(f"runtime {rt}", True, "available" + (
+                f"; used by {', '.join(users[rt])}" if rt in users else "; no policy uses it")))
+        elif rt in users:
+            out.append(Check(f"runtime {rt}", False, f"not registered with the engine "
+                             f"(has {', '.join(available)}) but roles {', '.join(users[rt])} "
+                             "ask for it", fix))
+        else:
+            out.append(Check(f"runtime {rt}", True, f"not available (optional; no policy "
+                             f"asks for it; {fix} adds it)"))
+    return out
+
+
+def seccomp_problems(facts: dict[str, object]) -> list[str]:
+    """What the probe's syscall attempts show the profile let through."""
+    calls = facts.get("syscalls")
+    if not isinstance(calls, dict):
+        return ["probe reported no syscall results"]
+    problems = []
+    if calls.get("io_uring_setup") not in ("EPERM", "ENOSYS"):
+        problems.append(f"io_uring_setup {calls.get('io_uring_setup')}")
+    for name in ("unshare_newuser", "keyctl"):
+        if calls.get(name) not in ("EPERM", "EACCES", "ENOSYS", "EINVAL"):
+            problems.append(f"{name} {calls.get(name)}")
+    return problems
+
+
+def _probe_seccomp(backend: DockerSandbox, policy: RolePolicy, image: str) -> Check:
+    name = f"seccomp enforced ({policy.runtime or 'default runtime'})"
+    rec, facts = _run_probe(backend, policy, image)
+    if facts is None:
+        return Check(name, False, f"probe {rec.stop_reason.value}: {rec.detail} "
+                     f"{rec.stderr_tail[-300:]}", "see the engine log; for runsc: make gvisor")
+    problems = seccomp_problems(facts)
+    return Check(name, not problems, "; ".join(problems) or ", ".join(
+        f"{k} {v}" for k, v in sorted(dict(facts["syscalls"]).items())),
+        "the container did not get policies/seccomp.json; for runsc the runtime needs "
+        "--oci-seccomp: make gvisor")
+
+
+def _run_probe(backend: DockerSandbox, policy: RolePolicy,
+               image: str) -> tuple[RunRecord, dict[str, Any] | None]:
     from runner.roles import role_spec
 
     spec = role_spec(policy, role="analyst", run_id="doctor", image=image,
                      command=["python", "-m", "sandbox.probe", "--role", "analyst"])
     rec = backend.run(spec)
     if rec.stop_reason.value != "ok":
-        return Check("limits enforced", False, f"probe {rec.stop_reason.value}: "
-                     f"{rec.detail} {rec.stderr_tail[-300:]}", "see the engine log")
-    facts = json.loads(rec.stdout_tail)
+        return rec, None
+    try:
+        facts = json.loads(rec.stdout_tail)
+    except ValueError:
+        return rec, None
+    return rec, facts if isinstance(facts, dict) else None
+
+
+def _probe_limits(backend: DockerSandbox, policy: RolePolicy, image: str) -> list[Check]:
+    """Run sandbox.probe in the analyst image and compare what it saw with the policy."""
+    rec, facts = _run_probe(backend, policy, image)
+    if facts is None:
+        return [Check("limits enforced", False, f"probe {rec.stop_reason.value}: "
+                      f"{rec.detail} {rec.stderr_tail[-300:]}", "see the engine log")]
     problems = []
     if facts["uid"] == 0:
         problems.append("uid 0")
@@ -111,5 +198,10 @@ def _probe_limits(backend: DockerSandbox, policy: RolePolicy, image: str) -> Che
     detail = (f"uid {facts['uid']}, CapEff {facts['cap_eff']}, NoNewPrivs "
               f"{facts['no_new_privs']}, net {facts['interfaces']}, mem {facts['memory_limit']},"
               f" pids {facts['pids_limit']}, {rec.wall_s:.2f}s")
-    return Check("limits enforced", not problems, detail if not problems else
-                 "; ".join(problems), "the engine does not enforce cgroup limits; check dockerd")
+    sec = seccomp_problems(facts)
+    return [Check("limits enforced", not problems, detail if not problems else
+                  "; ".join(problems), "the engine does not enforce cgroup limits; check dockerd"),
+            Check(f"seccomp enforced ({policy.runtime or 'default runtime'})", not sec,
+                  "; ".join(sec) or ", ".join(f"{k} {v}" for k, v in
+                                              sorted(facts["syscalls"].items())),
+                  "the container did not get policies/seccomp.json; check runner/hardening.py")]

@@ -23,7 +23,7 @@ CIS    recommendation                             how
 5.18   override default ulimits                   ``nofile``, ``fsize`` set explicitly
 5.19   no shared mount propagation                binds are ``rprivate``
 5.20   no host UTS namespace                      ``uts_mode`` unset
-5.21   default seccomp not disabled               no ``seccomp=unconfined``
+5.21   default seccomp not disabled               moby's default minus io_uring, always
 5.25   no new privileges                          ``no-new-privileges:true``
 5.28   PIDs cgroup limit                          ``pids_limit``
 5.29   not on the default bridge                  ``network_mode=none``
@@ -44,6 +44,7 @@ from runner.errors import PolicyViolation
 from runner.owner import Owner
 from runner.policy import mount_violation
 from runner.sandbox import RunSpec
+from runner.seccomp import load_profile
 
 LABEL_PREFIX = "io.cyclebox"
 MANAGED_LABEL = f"{LABEL_PREFIX}.managed"
@@ -103,7 +104,9 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str) -> dict[str, Any]:
         "tmpfs": {path: _tmpfs_opts(size) for path, size in spec.tmpfs},
         "mounts": mounts,
         "cap_drop": ["ALL"],
-        "security_opt": ["no-new-privileges:true"],
+        # Never the engine default (it allows io_uring); see runner/seccomp.py.
+        "security_opt": ["no-new-privileges:true",
+                         f"seccomp={spec.seccomp or load_profile().text}"],
         "privileged": False,
         "ipc_mode": "private",
         "shm_size": SHM_BYTES,

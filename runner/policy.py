@@ -20,6 +20,7 @@ from pydantic import Field, ValidationError, field_validator
 from runner.errors import ConfigError, PolicyViolation
 from runner.gateway.config import UpstreamPolicy, check_script, resolve_path
 from runner.sandbox import Frozen
+from runner.seccomp import load_profile
 
 SCHEMA_VERSION = 1
 ROLES = ("analyst", "worker", "evaluator", "apply", "trainer")
@@ -89,6 +90,9 @@ class RolePolicy(Frozen):
     """Output directory cap in bytes."""
     runtime: str | None = None
     """OCI runtime, e.g. ``runsc``; engine default when unset."""
+    seccomp: str | None = None
+    """Seccomp profile (JSON file, relative to this file); unset: the shipped
+    ``policies/seccomp.json``. It must refuse by default and refuse io_uring."""
     env: dict[str, str] = Field(default_factory=dict)
     """Non-secret environment for the role."""
     mounts: tuple[PolicyMount, ...] = ()
@@ -288,6 +292,13 @@ def load_policies(path: Path) -> RolePolicies:
         raise ConfigError(f"not valid YAML: {exc}", path=str(path)) from None
     pols = parse_policies(data, path=str(path))
     base = path.resolve().parent
+    roles = dict(pols.roles)
+    for name, pol in pols.roles.items():
+        if pol.seccomp:
+            # Checked now so a bad profile is refused by field before any work starts.
+            prof = load_profile(resolve_path(pol.seccomp, base=base),
+                                field=f"roles.{name}.seccomp")
+            roles[name] = pol.model_copy(update={"seccomp": prof.path})
     fixed = {}
     for name, up in pols.upstreams.items():
         upd: dict[str, str] = {}
@@ -297,4 +308,4 @@ def load_policies(path: Path) -> RolePolicies:
         if up.replay_from:
             upd["replay_from"] = str(resolve_path(up.replay_from, base=base))
         fixed[name] = up.model_copy(update=upd)
-    return pols.model_copy(update={"upstreams": fixed})
+    return pols.model_copy(update={"upstreams": fixed, "roles": roles})

@@ -9,6 +9,7 @@ from pathlib import Path
 from runner.errors import ConfigError
 from runner.policy import RolePolicy, mount_violation
 from runner.sandbox import Mount, Resources, RunSpec
+from runner.seccomp import load_profile
 
 
 def resolve_user(policy_user: str, *, host_uid: int, host_gid: int) -> str:
@@ -54,7 +55,10 @@ def role_spec(policy: RolePolicy, *, role: str, run_id: str, image: str,
               command: Sequence[str], mounts: Sequence[Mount] = (),
               output_dir: Path | None = None, env: dict[str, str] | None = None,
               labels: dict[str, str] | None = None) -> RunSpec:
-    """A run spec under the role's policy, running as the resolved non-root user."""
+    """A run spec under the role's policy, running as the resolved non-root user.
+
+    The role's seccomp profile is read and checked here (ConfigError naming
+    ``roles.<role>.seccomp`` when it is missing, corrupt or allows io_uring)."""
     all_mounts = [Mount(source=Path(m.source), target=m.target, read_only=True)
                   for m in policy.mounts] + list(mounts)
     merged_env = dict(policy.env)
@@ -68,7 +72,10 @@ def role_spec(policy: RolePolicy, *, role: str, run_id: str, image: str,
                             nofile=policy.nofile, file_size_bytes=policy.file_size),
         timeout_s=policy.timeout_s, stdout_cap_bytes=policy.stdout_cap,
         output_cap_bytes=policy.output_cap, env=tuple(sorted(merged_env.items())),
-        runtime=policy.runtime, labels=tuple(sorted((labels or {}).items())),
+        runtime=policy.runtime,
+        seccomp=load_profile(Path(policy.seccomp) if policy.seccomp else None,
+                             field=f"roles.{role}.seccomp").text,
+        labels=tuple(sorted((labels or {}).items())),
     )
 
 

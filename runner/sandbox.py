@@ -97,6 +97,9 @@ class RunSpec(Frozen):
     """Working directory inside the container."""
     runtime: str | None = None
     """OCI runtime (``runsc`` for gVisor); the engine default when unset."""
+    seccomp: str | None = None
+    """Seccomp profile JSON handed to the engine; unset: the shipped
+    ``policies/seccomp.json`` (never the engine's default, which allows io_uring)."""
     labels: tuple[tuple[str, str], ...] = ()
     """Extra labels (case, trial, stage); run id, role and owner are always added."""
 

@@ -8,9 +8,11 @@ opened), not inferred from configuration.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import errno
 import json
 import os
+import platform
 import socket
 import stat
 import sys
@@ -80,6 +82,68 @@ def _first_int(*paths: str) -> int | None:
     return None
 
 
+# Syscall numbers by machine: io_uring_setup is 425 everywhere (unified table).
+_SYSCALLS = {
+    "x86_64": {"io_uring_setup": 425, "unshare": 272, "keyctl": 250},
+    "aarch64": {"io_uring_setup": 425, "unshare": 97, "keyctl": 219},
+}
+CLONE_NEWUSER = 0x10000000
+
+
+def _syscall(name: str, *args: int) -> str:
+    """"allowed" when the raw syscall succeeded, else the errno name (EPERM, ENOSYS ...)."""
+    nr = _SYSCALLS.get(platform.machine(), {}).get(name)
+    if nr is None:
+        return "unknown_arch"
+    libc = ctypes.CDLL(None, use_errno=True)
+    ret = libc.syscall(nr, *(ctypes.c_long(a) for a in args))
+    if ret < 0:
+        return errno.errorcode.get(ctypes.get_errno(), "EUNKNOWN")
+    return "allowed"
+
+
+def _io_uring_setup() -> str:
+    params = ctypes.create_string_buffer(120)  # struct io_uring_params, zeroed
+    nr = _SYSCALLS.get(platform.machine(), {}).get("io_uring_setup")
+    if nr is None:
+        return "unknown_arch"
+    libc = ctypes.CDLL(None, use_errno=True)
+    ret = libc.syscall(nr, ctypes.c_long(1), params)
+    if ret < 0:
+        return errno.errorcode.get(ctypes.get_errno(), "EUNKNOWN")
+    os.close(ret)
+    return "allowed"
+
+
+def _in_child(name: str, *args: int) -> str:
+    """Run a syscall that would change this process (unshare) in a throwaway child."""
+    r, w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        os.close(r)
+        os.close(w)
+        return f"fork_failed:{errno.errorcode.get(exc.errno or 0, '?')}"
+    if pid == 0:  # child: report and leave without running any cleanup handlers
+        os.close(r)
+        os.write(w, _syscall(name, *args).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as fh:
+        out = fh.read(64).decode(errors="replace")
+    os.waitpid(pid, 0)
+    return out
+
+
+def syscalls() -> dict[str, str]:
+    """What the seccomp profile lets through: each entry "allowed" or the errno seen."""
+    return {
+        "io_uring_setup": _io_uring_setup(),
+        "unshare_newuser": _in_child("unshare", CLONE_NEWUSER),
+        "keyctl": _syscall("keyctl", 0, 0, 0, 0, 0),
+    }
+
+
 def facts(role: str, tcp_targets: list[str]) -> dict[str, object]:
     return {
         "role": role,
@@ -97,6 +161,7 @@ def facts(role: str, tcp_targets: list[str]) -> dict[str, object]:
         "pids_limit": _first_int("/sys/fs/cgroup/pids/pids.max", "/sys/fs/cgroup/pids.max"),
         "unix_sockets": _sockets(),
         "env_keys": sorted(os.environ),
+        "syscalls": syscalls(),
         "tcp": {t: _tcp(t.rsplit(":", 1)[0], int(t.rsplit(":", 1)[1])) for t in tcp_targets},
     }
 

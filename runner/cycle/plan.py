@@ -36,6 +36,7 @@ from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_js
 from runner.paths import sandbox_src
 from runner.policy import ROLE_UPSTREAM, RolePolicy, load_policies
 from runner.sandbox import Frozen
+from runner.seccomp import load_profile
 from sandbox.proposal import Refused, check_changes, check_path
 
 CYCLE_ROLES = ("analyst", "worker", "evaluator", "apply")
@@ -125,6 +126,7 @@ def freeze(cycle_path: Path, out: Path, *, images: dict[str, str],
     _copy_input(resolve(base, cycle.policy), inputs_dir, "policy" + resolve(
         base, cycle.policy).suffix, table)
     _copy_input(roles_path, inputs_dir, "roles.yaml", table)
+    roles = {r: _freeze_seccomp(r, pols.roles[r], inputs_dir, table) for r in CYCLE_ROLES}
 
     upstreams: dict[str, UpstreamPolicy] = {**pols.upstreams}
     for name, up in cycle.upstreams.items():
@@ -180,7 +182,7 @@ def freeze(cycle_path: Path, out: Path, *, images: dict[str, str],
         "data_dir": str(data_dir), "stores": manifest.stores, "policy": policy,
         "scorer": scorer, "judge": cycle.judge, "judge_id": judge_id,
         "images": {r: images[r] for r in CYCLE_ROLES},
-        "roles": {r: pols.roles[r] for r in CYCLE_ROLES}, "upstreams": frozen_ups,
+        "roles": roles, "upstreams": frozen_ups,
         "upstream_ids": up_ids, "budget": cycle.budget, "edit": cycle.edit,
         "brief": cycle.brief, "brief_sha256": brief_sha, "worker": cycle.worker,
         "dream": dream_override or cycle.dream, "trials": cycle.trials,
@@ -188,6 +190,21 @@ def freeze(cycle_path: Path, out: Path, *, images: dict[str, str],
         "inputs": table})
     plan_hash = write_plan(plan, out / "plan.json")
     return plan, plan_hash
+
+
+def _freeze_seccomp(role: str, pol: RolePolicy, inputs: Path,
+                    table: dict[str, str]) -> RolePolicy:
+    """Copy the role's seccomp profile into ``inputs/`` (bound by sha256 there), check
+    the copy, and point the frozen policy at it, so every stage runs the frozen bytes."""
+    field = f"roles.{role}.seccomp"
+    src = load_profile(Path(pol.seccomp) if pol.seccomp else None, field=field)
+    name = f"seccomp/{src.sha256[:16]}.json"
+    if name not in table:
+        _copy_input(Path(src.path), inputs, name, table)
+    if load_profile(inputs / name, field=field).sha256 != src.sha256:
+        raise ConfigError(f"{src.path} changed while it was being frozen", field=field,
+                          fix="freeze again")
+    return pol.model_copy(update={"seccomp": str(inputs / name)})
 
 
 def _policy(policy: ComparisonPolicy, manifest: Manifest, cycle: CycleFile,

@@ -13,6 +13,7 @@ from runner.paths import default_policies
 from runner.policy import load_policies
 from runner.roles import parse_mount_flag, resolve_user, role_spec
 from runner.sandbox import Mount, Resources, RunSpec
+from runner.seccomp import load_profile
 
 OWNER = Owner(pid=42, start=1234, boot_id="boot", host="h")
 
@@ -34,7 +35,10 @@ def test_every_control_is_set(tmp_path: Path) -> None:
     assert kw["read_only"] is True
     assert kw["cap_drop"] == ["ALL"]
     assert "cap_add" not in kw
-    assert kw["security_opt"] == ["no-new-privileges:true"]
+    nnp, seccomp = kw["security_opt"]
+    assert nnp == "no-new-privileges:true"
+    assert seccomp == f"seccomp={load_profile().text}"
+    assert "io_uring" not in seccomp and "unconfined" not in seccomp
     assert kw["privileged"] is False
     assert kw["user"] == "10001:10001"
     assert kw["pids_limit"] == 99
