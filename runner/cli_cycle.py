@@ -24,11 +24,22 @@ app.add_typer(review_app, name="review")
 OutOpt = Annotated[Path, typer.Option("--out", help="Fresh output directory (must not exist).")]
 
 
-def _images() -> dict[str, str]:
+def _images(check_engine: bool = False) -> dict[str, str]:
+    """Role image ids from the lock; with ``check_engine``, each must exist in the engine."""
     from runner.cycle.plan import CYCLE_ROLES
+    from runner.errors import PrerequisiteError
     from runner.images import resolve_image
 
-    return {r: resolve_image(r) for r in CYCLE_ROLES}
+    ids = {r: resolve_image(r) for r in CYCLE_ROLES}
+    if check_engine:
+        from runner.docker_backend import DockerSandbox
+
+        backend = DockerSandbox()
+        gone = [r for r, i in ids.items() if backend.image_id(i) is None]
+        if gone:
+            raise PrerequisiteError(f"images for {gone} are in the lock file but not in the "
+                                    "engine. Fix: cyclebox images build")
+    return ids
 
 
 def _replay_override(cycle_path: Path, replay: Path | None) -> dict[str, Any] | None:
@@ -56,7 +67,7 @@ def freeze(cycle: Annotated[Path, typer.Argument(help="cycle.yaml")], out_dir: O
     from runner.cycle.plan import freeze as do_freeze
 
     try:
-        plan, h = do_freeze(cycle, out_dir, images=_images(),
+        plan, h = do_freeze(cycle, out_dir, images=_images,
                             upstream_override=_replay_override(cycle, replay))
     except CycleboxError as exc:
         _fail(exc)
@@ -89,7 +100,8 @@ def cycle_run(
             if cycle is None or out_dir is None:
                 err.print("error: give CYCLE and --out, or --plan DIR/plan.json")
                 raise typer.Exit(3)
-            do_freeze(cycle, out_dir, images=_images(),
+            # Inputs, credentials, then images: only then is --out created (exclusively).
+            do_freeze(cycle, out_dir, images=lambda: _images(check_engine=not prepare_only),
                       upstream_override=_replay_override(cycle, replay))
             plan = out_dir / "plan.json"
             if prepare_only:
@@ -154,36 +166,47 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")],
     Exit 2 with the named reason on any refusal. The proposal carries its path set,
     allowlist and base hashes (as the worker writes them)."""
     from runner.cycle.apply import apply_proposal
+    from runner.cycle.config import check_repo
+    from runner.cycle.models import ProposalFile
+    from runner.cycle.plan import make_fresh_dir, remove_created
     from runner.docker_backend import DockerSandbox
-    from runner.gitops import resolve_tree
+    from runner.errors import ConfigError
     from runner.images import resolve_image
+    from runner.loading import decode_utf8, parse_json, read_capped, show, validate
     from runner.paths import default_policies
     from runner.policy import load_policies
     from runner.roles import role_spec
     from runner.sandbox import Mount
 
     try:
-        from runner.collect import loads_strict
-
-        prop = loads_strict(proposal.read_bytes(), source=str(proposal))
-        if not isinstance(prop, dict):
-            raise CycleboxError(f"{proposal}: expected a JSON object")
-        tree = resolve_tree(repo.resolve(), ref, subdir)
         if out_dir.exists():
-            raise CycleboxError(f"{out_dir} exists; evidence is never overwritten")
-        (out_dir / "in").mkdir(parents=True)
-        raw_files = prop.get("files")
-        files: list[Any] = raw_files if isinstance(raw_files, list) else []
-        inv = {"paths": prop.get("paths", [f.get("path") for f in files if isinstance(f, dict)]),
-               "allowlist": prop.get("allowlist", ["*"]), "base": prop.get("base", {}),
-               "max_file_bytes": 256 * 1024}
-        (out_dir / "in" / "proposal.json").write_bytes(proposal.read_bytes())
-        (out_dir / "in" / "invocation.json").write_text(json.dumps(inv))
+            raise ConfigError(f"{out_dir} exists; evidence is never overwritten", field="--out",
+                              fix="choose a new output directory")
+        fix = "a proposal.json as the worker writes it: {files: [{path, content}], ...}"
+        raw = read_capped(proposal, what="proposal", fix=fix)
+        where = show(str(proposal))
+        prop = validate(ProposalFile, parse_json(decode_utf8(raw, path=where), path=where),
+                        path=where, fix=fix)
+        tree = check_repo(repo.resolve(), ref, subdir, path=None,
+                          fields=("--repo", "--ref", "--subdir"))
         policy = load_policies(default_policies()).roles["apply"]
+        image = resolve_image("apply")
+        inv = {"paths": list(prop.paths) if prop.paths is not None
+               else [f.path for f in prop.files],
+               "allowlist": list(prop.allowlist), "base": prop.base,
+               "max_file_bytes": 256 * 1024}
+        created = make_fresh_dir(out_dir)
+        try:
+            (out_dir / "in").mkdir()
+            (out_dir / "in" / "proposal.json").write_bytes(raw)
+            (out_dir / "in" / "invocation.json").write_text(json.dumps(inv))
+        except BaseException:
+            remove_created(created)
+            raise
         backend = DockerSandbox()
 
         def run(work: Path) -> Any:
-            spec = role_spec(policy, role="apply", run_id="apply", image=resolve_image("apply"),
+            spec = role_spec(policy, role="apply", run_id="apply", image=image,
                              command=["python", "-m", "sandbox.apply_main"], output_dir=work,
                              mounts=[Mount(source=(out_dir / "in").resolve(), target="/in")])
             return backend.run(spec.model_copy(update={"output_target": "/work"}))
@@ -212,15 +235,22 @@ def compare_cmd(baseline: Annotated[Path, typer.Option(help="Baseline records (J
 
     Exit 0 accept_for_review, 1 reject, 2 invalid_comparison, 3+ usage errors."""
     from runner.cycle.compare import EXIT_CODES, compare, load_policy, load_records
+    from runner.cycle.plan import make_fresh_dir, remove_created
+    from runner.errors import ConfigError
 
     try:
         if out_dir.exists():
-            raise CycleboxError(f"{out_dir} exists; evidence is never overwritten")
+            raise ConfigError(f"{out_dir} exists; evidence is never overwritten", field="--out",
+                              fix="choose a new output directory")
         result = compare(load_records(baseline), load_records(candidate), load_policy(policy))
+        created = make_fresh_dir(out_dir)
+        try:
+            (out_dir / "verdict.json").write_text(result.model_dump_json(indent=1))
+        except BaseException:
+            remove_created(created)
+            raise
     except CycleboxError as exc:
         _fail(exc)
-    out_dir.mkdir(parents=True)
-    (out_dir / "verdict.json").write_text(result.model_dump_json(indent=1))
     if json_out:
         out.print_json(result.model_dump_json())
     else:
@@ -282,7 +312,9 @@ def receipt_verify(run_dir: Annotated[Path, typer.Argument(help="A cycle run dir
     else:
         for p in problems:
             err.print(f"[red]mismatch:[/] {escape(p)}", highlight=False)
-        n = len(json.loads((run_dir / "receipt.json").read_text())["files"])
+        from runner.cycle.receipt import load_receipt
+
+        n = len(load_receipt(run_dir)["files"])
         out.print("receipt verified: every named file matches" if not problems
                   else f"receipt verification FAILED ({len(problems)} of {n} files)")
     raise typer.Exit(0 if not problems else 8)
@@ -292,8 +324,12 @@ def receipt_verify(run_dir: Annotated[Path, typer.Argument(help="A cycle run dir
 def receipt_compare(recorded: Annotated[Path, typer.Argument(help="Recorded run dir.")],
                     replayed: Annotated[Path, typer.Argument(help="Replayed run dir.")]) -> None:
     """Show that two runs' receipts have equal input and outcome hashes (timings aside)."""
-    a = json.loads((recorded / "receipt.json").read_text())
-    b = json.loads((replayed / "receipt.json").read_text())
+    from runner.cycle.receipt import load_receipt
+
+    try:
+        a, b = load_receipt(recorded), load_receipt(replayed)
+    except CycleboxError as exc:
+        _fail(exc)
     keys = ["identities", "base_tree", "images"]
     rows = [(k, a[k] == b[k]) for k in keys]
     # Every frozen input section, except how model calls are answered (a replay
@@ -335,11 +371,14 @@ def review_packet(records: Annotated[Path, typer.Option(help="Records (JSONL).")
     try:
         questions = None
         if manifest is not None:
-            from runner.collect import loads_strict
+            from runner.cycle.manifest import MANIFEST_FIX
+            from runner.cycle.models import Manifest
+            from runner.loading import load_model
 
-            doc = loads_strict(manifest.read_bytes(), source=str(manifest))
-            questions = {str(sc["id"]): str(sc["input"].get(intent_key, json.dumps(sc["input"])))
-                         for sc in doc["scenarios"]}
+            doc = load_model(manifest, Manifest, fmt="json", what="scenario manifest",
+                             schema=1, fix=MANIFEST_FIX)
+            questions = {sc.id: str(sc.input.get(intent_key, json.dumps(sc.input)))
+                         for sc in doc.scenarios}
         path = make_packet(load_records(records), out_dir, reviewer=reviewer,
                            questions=questions)
     except CycleboxError as exc:

@@ -14,11 +14,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from runner.cycle.run import Outcome
-from runner.errors import IntegrityError
+from runner.errors import ConfigError
 from runner.gateway.calllog import CallLog
 from runner.gateway.report import summarize
 from runner.hashing import canonical_bytes, sha256_file, sha256_json
+from runner.loading import check_schema, load_data, validate
 
 SCHEMA = 1
 RECEIPT = "receipt.json"
@@ -108,12 +111,44 @@ def build(outcome: Outcome) -> dict[str, Any]:
     return receipt
 
 
+class _External(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    path: str
+    sha256: str
+
+
+class _ReceiptHead(BaseModel):
+    """The parts of receipt.json that verify and compare read; the rest is carried along."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    schema_: int = Field(alias="schema")
+    plan_hash: str
+    files: dict[str, str]
+    external: dict[str, _External] = Field(default_factory=dict)
+    outcome: dict[str, Any] = Field(default_factory=dict)
+    inputs: dict[str, Any] = Field(default_factory=dict)
+
+
+RECEIPT_FIX = "pass a cycle run directory holding the receipt.json a run wrote"
+
+
+def load_receipt(run_dir: Path) -> dict[str, Any]:
+    """receipt.json of a run directory, typed and bounded (runner.loading); ConfigError
+    (bad input) when it is missing or is not a receipt (a JSON list, ``{}``, ...)."""
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir} is not a directory", field="DIR", fix=RECEIPT_FIX)
+    path = run_dir / RECEIPT
+    data = load_data(path, fmt="json", what="receipt", fix=RECEIPT_FIX)
+    check_schema(data, SCHEMA, path=str(path))
+    validate(_ReceiptHead, data, path=str(path), fix=RECEIPT_FIX)
+    return dict(data)
+
+
 def verify(run_dir: Path) -> list[str]:
     """Problems found re-hashing everything the receipt names; empty when all match."""
-    try:
-        receipt = json.loads((run_dir / RECEIPT).read_text())
-    except (OSError, ValueError) as exc:
-        raise IntegrityError(f"{run_dir / RECEIPT}: unreadable ({exc})") from None
+    receipt = load_receipt(run_dir)
     problems = []
     for rel, digest in sorted(receipt["files"].items()):
         p = run_dir / rel
