@@ -254,7 +254,7 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
     log_dir = run_dir / "gateway"
     if not (log_dir / "calls.jsonl").is_file():
         err.print(f"error: {log_dir}/calls.jsonl not found; pass a run directory "
-                  "(e.g. build/runs/<id>)")
+                  "(e.g. build/runs/<id>)", soft_wrap=True, markup=False, highlight=False)
         raise typer.Exit(3)
     try:
         records = CallLog(log_dir).records()
