@@ -165,14 +165,12 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")],
 
     Exit 2 with the named reason on any refusal. The proposal carries its path set,
     allowlist and base hashes (as the worker writes them)."""
-    from runner.cycle.apply import apply_proposal
+    from runner.cycle.apply import apply_proposal, load_proposal
     from runner.cycle.config import check_repo
-    from runner.cycle.models import ProposalFile
     from runner.cycle.plan import make_fresh_dir, remove_created
     from runner.docker_backend import DockerSandbox
     from runner.errors import ConfigError
     from runner.images import resolve_image
-    from runner.loading import decode_utf8, parse_json, read_capped, show, validate
     from runner.paths import default_policies
     from runner.policy import load_policies
     from runner.roles import role_spec
@@ -182,11 +180,7 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")],
         if out_dir.exists():
             raise ConfigError(f"{out_dir} exists; evidence is never overwritten", field="--out",
                               fix="choose a new output directory")
-        fix = "a proposal.json as the worker writes it: {files: [{path, content}], ...}"
-        raw = read_capped(proposal, what="proposal", fix=fix)
-        where = show(str(proposal))
-        prop = validate(ProposalFile, parse_json(decode_utf8(raw, path=where), path=where),
-                        path=where, fix=fix)
+        prop, raw = load_proposal(proposal)
         tree = check_repo(repo.resolve(), ref, subdir, path=None,
                           fields=("--repo", "--ref", "--subdir"))
         policy = load_policies(default_policies()).roles["apply"]

@@ -162,8 +162,9 @@ StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_y
 
 def parse_yaml(text: str, *, path: str) -> Any:
     """One YAML document under :class:`StrictLoader`; ConfigError with line and column."""
-    loader = StrictLoader(text)
+    loader: StrictLoader | None = None
     try:
+        loader = StrictLoader(text)  # the reader checks characters here already
         return loader.get_single_data()
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -176,7 +177,8 @@ def parse_yaml(text: str, *, path: str) -> Any:
         raise ConfigError(f"not accepted as YAML: {show(str(exc) or type(exc).__name__)}",
                           path=path) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def parse_json(text: str, *, path: str) -> Any:

@@ -17,6 +17,7 @@ from typing import Any
 
 from runner import gitops
 from runner.collect import collect
+from runner.cycle.models import ProposalFile
 from runner.hashing import write_json
 from runner.sandbox import RunRecord, StopReason
 from sandbox.proposal import Change, Refused, check_changes
@@ -84,3 +85,18 @@ def _verify_candidate(bare: Path, base: str, commit: str, proposal: dict[str, An
         if gitops.read_blob(bare, commit, c.path) != c.content.encode():
             return f"{c.path}: committed content differs from the proposal"
     return ""
+
+
+PROPOSAL_FIX = "a proposal.json as the worker writes it: {files: [{path, content}], ...}"
+
+
+def load_proposal(path: Path) -> tuple[ProposalFile, bytes]:
+    """A proposal file's shape (runner.loading rules) and its exact bytes, which are what
+    the apply container gets: the bytes checked are the bytes used."""
+    from runner.loading import decode_utf8, parse_json, read_capped, show, validate
+
+    raw = read_capped(path, what="proposal", fix=PROPOSAL_FIX)
+    where = show(str(path))
+    doc = validate(ProposalFile, parse_json(decode_utf8(raw, path=where), path=where),
+                   path=where, fix=PROPOSAL_FIX)
+    return doc, raw

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.faults.test_bad_inputs import CASES, run_case  # noqa: E402
+from tests.faults.test_bad_inputs import CASES, run_case
 
 
 def _cell(text: str, root: str) -> str:
