@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -181,7 +182,7 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")],
             raise ConfigError(f"{out_dir} exists; evidence is never overwritten", field="--out",
                               fix="choose a new output directory")
         prop, raw = load_proposal(proposal)
-        tree = check_repo(repo.resolve(), ref, subdir, path=None,
+        tree = check_repo(Path(os.path.abspath(repo)), ref, subdir, path=None,
                           fields=("--repo", "--ref", "--subdir"))
         policy = load_policies(default_policies()).roles["apply"]
         image = resolve_image("apply")

@@ -303,14 +303,41 @@ def relative_inside(value: str, *, path: str, field: str, fix: str) -> str:
 
 
 def is_inside(child: Path, parent: Path) -> bool:
-    """``child`` resolves to ``parent`` or below it (symlinks followed on both)."""
-    c, p = child.resolve(), parent.resolve()
+    """``child`` resolves to ``parent`` or below it (symlinks followed on both); False when
+    either cannot be resolved."""
+    try:
+        c, p = child.resolve(), parent.resolve()
+    except (OSError, ValueError, RuntimeError):
+        return False
     return c == p or p in c.parents
 
 
 def existing_dir(p: Path, *, path: str, field: str, fix: str) -> Path:
-    if not p.exists():
+    return checked_path(p, kind="dir", path=path, field=field, fix=fix)
+
+
+def checked_path(p: Path, *, kind: Literal["file", "dir"], path: str, field: str,
+                 fix: str) -> Path:
+    """``p`` when it is an existing file (or directory); ConfigError naming the field that
+    named it otherwise, also for names the OS refuses (too long, NUL, unknown ~user)."""
+    try:
+        exists, is_kind = p.exists(), (p.is_file() if kind == "file" else p.is_dir())
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ConfigError(f"{show(str(p))} is not a usable path ({show(str(exc), 80)})",
+                          path=path, field=field, fix=fix) from None
+    if not exists:
         raise ConfigError(f"{show(str(p))} does not exist", path=path, field=field, fix=fix)
-    if not p.is_dir():
-        raise ConfigError(f"{show(str(p))} is not a directory", path=path, field=field, fix=fix)
+    if not is_kind:
+        what = "a regular file" if kind == "file" else "a directory"
+        raise ConfigError(f"{show(str(p))} is not {what}", path=path, field=field, fix=fix)
     return p
+
+
+def resolve_under(base: Path, value: str, *, path: str, field: str, fix: str) -> Path:
+    """``value`` (``~`` expanded) as an absolute path, relative ones against ``base``."""
+    try:
+        p = Path(value).expanduser()
+        return p if p.is_absolute() else (base / p).resolve()
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ConfigError(f"{show(value)} is not a usable path ({show(str(exc), 80)})",
+                          path=path, field=field, fix=fix) from None

@@ -17,8 +17,8 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from runner.errors import ConfigError, PolicyViolation
-from runner.gateway.config import UpstreamPolicy, check_script, resolve_path
-from runner.loading import check_schema, load_data, show, validate
+from runner.gateway.config import UpstreamPolicy
+from runner.loading import check_schema, checked_path, load_data, resolve_under, show, validate
 from runner.sandbox import Frozen
 
 SCHEMA_VERSION = 1
@@ -299,11 +299,17 @@ def load_policies(path: Path, *, ref: tuple[str, str] | None = None) -> RolePoli
     fixed = {}
     for name, up in pols.upstreams.items():
         upd: dict[str, str] = {}
+        field = f"upstreams.{name}"
         if up.script:
-            upd["script"] = str(resolve_path(up.script, base=base))
-            check_script(Path(upd["script"]), field=f"{where}: upstreams.{name}.script")
-            load_script(Path(upd["script"]), ref=(where, f"upstreams.{name}.script"))
+            fix = "point to a scripted-provider YAML file"
+            script = checked_path(resolve_under(base, up.script, path=where,
+                                                field=f"{field}.script", fix=fix),
+                                  kind="file", path=where, field=f"{field}.script", fix=fix)
+            load_script(script, ref=(where, f"{field}.script"))
+            upd["script"] = str(script)
         if up.replay_from:
-            upd["replay_from"] = str(resolve_path(up.replay_from, base=base))
+            upd["replay_from"] = str(resolve_under(base, up.replay_from, path=where,
+                                                   field=f"{field}.replay_from",
+                                                   fix="point at a finished run directory"))
         fixed[name] = up.model_copy(update=upd)
     return pols.model_copy(update={"upstreams": fixed})

@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 from runner.errors import ConfigError
 from runner.gateway.budget import BudgetPolicy
 from runner.gateway.config import UpstreamPolicy
-from runner.loading import existing_dir, load_model, relative_inside, show
+from runner.loading import checked_path, load_model, relative_inside, resolve_under, show
 from runner.sandbox import Frozen
 
 
@@ -133,14 +133,12 @@ def check_inputs(cycle: CycleFile, path: Path, base: Path) -> CycleInputs:
     where = show(str(path))
 
     def file_at(field: str, value: str, fix: str) -> Path:
-        p = resolve(base, value)
-        if not p.exists():
-            raise ConfigError(f"{show(str(p))} does not exist", path=where, field=field,
-                              fix=fix)
-        if not p.is_file():
-            raise ConfigError(f"{show(str(p))} is not a regular file", path=where,
-                              field=field, fix=fix)
-        return p
+        p = resolve_under(base, value, path=where, field=field, fix=fix)
+        return checked_path(p, kind="file", path=where, field=field, fix=fix)
+
+    def dir_at(field: str, value: str, fix: str) -> Path:
+        p = resolve_under(base, value, path=where, field=field, fix=fix)
+        return checked_path(p, kind="dir", path=where, field=field, fix=fix)
 
     manifest = file_at("scenarios", cycle.scenarios, "point scenarios at the scenario "
                        "manifest (JSON), relative to the cycle file")
@@ -148,15 +146,14 @@ def check_inputs(cycle: CycleFile, path: Path, base: Path) -> CycleInputs:
                      "(*.yaml, *.yml or *.json)")
     roles = file_at("roles", cycle.roles, "point roles at a role policy file "
                     "(e.g. policies/roles.yaml)")
-    data_dir = existing_dir(resolve(base, cycle.data_dir), path=where, field="data_dir",
-                            fix="point data_dir at the directory holding the data stores")
+    data_dir = dir_at("data_dir", cycle.data_dir,
+                      "point data_dir at the directory holding the data stores")
     why = mount_violation(str(data_dir), read_only=True)
     if why:
         raise ConfigError(f"{why}; it would be mounted into the analyst at /data",
                           path=where, field="data_dir",
                           fix="use a directory holding only the data stores")
-    repo = existing_dir(resolve(base, cycle.project.repo), path=where, field="project.repo",
-                        fix="point project.repo at a git repository "
+    repo = dir_at("project.repo", cycle.project.repo, "point project.repo at a git repository "
                         "(git init && git add -A && git commit -m base)")
     brief = None
     if cycle.brief.mode == "file":
@@ -169,11 +166,8 @@ def check_inputs(cycle: CycleFile, path: Path, base: Path) -> CycleInputs:
             file_at(f"upstreams.{name}.script", up.script, "name a scripted-provider YAML "
                     "file, relative to the cycle file")
         if up.replay_from:
-            log = resolve(base, up.replay_from) / "gateway" / "calls.jsonl"
-            if not log.is_file():
-                raise ConfigError(f"{show(str(log))} does not exist", path=where,
-                                  field=f"upstreams.{name}.replay_from",
-                                  fix="point at a finished run directory")
+            file_at(f"upstreams.{name}.replay_from", str(Path(up.replay_from) / "gateway" /
+                    "calls.jsonl"), "point at a finished run directory")
     return CycleInputs(manifest=manifest, data_dir=data_dir, policy=policy, roles=roles,
                        repo=repo, brief=brief)
 
@@ -185,7 +179,11 @@ def check_repo(repo: Path, ref: str, subdir: str | None, *, path: str | None,
     from runner import gitops
 
     f_repo, f_ref, f_subdir = fields
-    if not repo.is_dir():
+    try:
+        usable = repo.is_dir()
+    except (OSError, ValueError):
+        usable = False
+    if not usable:
         raise ConfigError(f"{show(str(repo))} does not exist or is not a directory", path=path,
                           field=f_repo, fix="point at a git repository "
                           "(git init && git add -A && git commit -m base)")

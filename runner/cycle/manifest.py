@@ -72,10 +72,14 @@ def verify_stores(m: Manifest, data_dir: Path) -> None:
     """Exact bytes of every store; IntegrityError naming the store on any difference."""
     for sid, st in sorted(m.stores.items()):
         p = data_dir / st.path
-        if not p.is_file() or p.is_symlink():
+        try:
+            regular = p.is_file() and not p.is_symlink()
+            size = p.stat().st_size if regular else -1
+            digest = sha256_file(p) if regular else ""
+        except (OSError, ValueError):
+            regular = False
+        if not regular:
             raise IntegrityError(f"store {sid}: {p} is missing or not a regular file")
-        size = p.stat().st_size
-        digest = sha256_file(p)
         if size != st.size_bytes or digest != st.sha256:
             raise IntegrityError(f"store {sid}: {p} changed (sha256 {digest[:12]}…, "
                                  f"{size} bytes; manifest says {st.sha256[:12]}…, "
