@@ -168,9 +168,8 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")],
     allowlist and base hashes (as the worker writes them)."""
     from runner.cycle.apply import apply_proposal, load_proposal
     from runner.cycle.config import check_repo
-    from runner.cycle.plan import make_fresh_dir, remove_created
+    from runner.cycle.plan import make_fresh_dir, refuse_existing, remove_created
     from runner.docker_backend import DockerSandbox
-    from runner.errors import ConfigError
     from runner.images import resolve_image
     from runner.paths import default_policies
     from runner.policy import load_policies
@@ -178,9 +177,7 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")],
     from runner.sandbox import Mount
 
     try:
-        if out_dir.exists():
-            raise ConfigError(f"{out_dir} exists; evidence is never overwritten", field="--out",
-                              fix="choose a new output directory")
+        refuse_existing(out_dir)
         prop, raw = load_proposal(proposal)
         tree = check_repo(Path(os.path.abspath(repo)), ref, subdir, path=None,
                           fields=("--repo", "--ref", "--subdir"))
@@ -230,13 +227,10 @@ def compare_cmd(baseline: Annotated[Path, typer.Option(help="Baseline records (J
 
     Exit 0 accept_for_review, 1 reject, 2 invalid_comparison, 3+ usage errors."""
     from runner.cycle.compare import EXIT_CODES, compare, load_policy, load_records
-    from runner.cycle.plan import make_fresh_dir, remove_created
-    from runner.errors import ConfigError
+    from runner.cycle.plan import make_fresh_dir, refuse_existing, remove_created
 
     try:
-        if out_dir.exists():
-            raise ConfigError(f"{out_dir} exists; evidence is never overwritten", field="--out",
-                              fix="choose a new output directory")
+        refuse_existing(out_dir)
         result = compare(load_records(baseline), load_records(candidate), load_policy(policy))
         created = make_fresh_dir(out_dir)
         try:

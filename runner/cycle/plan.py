@@ -109,31 +109,39 @@ ImagesArg = dict[str, str] | Callable[[], dict[str, str]]
 
 def make_fresh_dir(out: Path) -> list[Path]:
     """Create ``out`` exclusively (an existing one is refused, also when a racer made it a
-    moment ago); returns the directories created, ``out`` last, for :func:`remove_created`."""
+    moment ago); returns the directories created, ``out`` last, for :func:`remove_created`.
+
+    Missing parents are created and, on a refusal, left in place: removing them could pull
+    a directory from under a racer that is about to create its own ``out`` there."""
     created: list[Path] = []
-    for parent in reversed([*out.parents]):
-        if not parent.exists():
-            try:
-                parent.mkdir()
-                created.append(parent)
-            except FileExistsError:
-                pass
-            except OSError as exc:
-                remove_created(created)
-                raise ConfigError(f"cannot create {parent}: {exc.strerror}", field="--out",
-                                  fix="choose an output directory you can write") from None
     try:
+        for parent in reversed(out.parents):
+            if not parent.exists():
+                with contextlib.suppress(FileExistsError):
+                    parent.mkdir()
+                    created.append(parent)
         out.mkdir()
     except FileExistsError:
-        remove_created(created)
         raise ConfigError(f"{out} already exists; prior evidence is never overwritten",
                           field="--out", fix="choose a new output directory") from None
     except OSError as exc:
-        remove_created(created)
         raise ConfigError(f"cannot create {out}: {exc.strerror}", field="--out",
                           fix="choose an output directory you can write") from None
     created.append(out)
     return created
+
+
+def refuse_existing(out: Path) -> None:
+    """ConfigError when ``out`` exists (or cannot even be looked at): checked first, so a
+    rerun into used evidence fails before any work; :func:`make_fresh_dir` decides races."""
+    try:
+        taken = out.exists() or out.is_symlink()
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{out} is not a usable output directory ({exc})", field="--out",
+                          fix="choose a new output directory") from None
+    if taken:
+        raise ConfigError(f"{out} already exists; prior evidence is never overwritten",
+                          field="--out", fix="choose a new output directory")
 
 
 def remove_created(created: list[Path]) -> None:
@@ -237,9 +245,7 @@ def freeze(cycle_path: Path, out: Path, *, images: ImagesArg,
     the other gets that refusal). A failure while writing removes ``out`` again, so the
     corrected rerun can use the same path.
     """
-    if out.exists():
-        raise ConfigError(f"{out} already exists; prior evidence is never overwritten",
-                          field="--out", fix="choose a new output directory")
+    refuse_existing(out)
     c = check_cycle(cycle_path, upstream_override=upstream_override,
                     check_credentials=check_credentials)
     image_ids = images() if callable(images) else images
