@@ -902,6 +902,16 @@ def _(e: Env) -> list[str]:
     return _apply(e, _good_proposal(e), subdir="../x")
 
 
+# dream compare (two arms under one --out)
+@case("dream-compare-bad-manifest", 3, "manifest.json", "scenarios[0].split")
+def _(e: Env) -> list[str]:
+    e.set_cycle(dream={"mode": "template"})
+    m = e.manifest()
+    m["scenarios"][0]["split"] = "holdout"
+    e.set_manifest(m)
+    return ["dream", "compare", str(e.cycle), "--out", str(e.out)]
+
+
 # review packet and gateway
 @case("review-manifest-deep", 3, "manifest.json", "deeper than 64")
 def _(e: Env) -> list[str]:
