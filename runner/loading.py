@@ -169,9 +169,11 @@ def parse_yaml(text: str, *, path: str) -> Any:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        refused = isinstance(exc, ComposerError | ConstructorError)
         raise ConfigError(f"not accepted as YAML: {where}{show(exc.problem or exc)}",
-                          path=path, fix="plain YAML: no anchors, aliases, duplicate keys "
-                          "or custom tags") from None
+                          path=path, fix="plain YAML: no anchors, aliases, merge keys, "
+                          "duplicate keys, custom tags or non-finite numbers" if refused
+                          else "correct the YAML syntax at that line") from None
     except (yaml.YAMLError, ValueError, RecursionError) as exc:
         # ValueError: e.g. an integer longer than Python converts (sys.int_info)
         raise ConfigError(f"not accepted as YAML: {show(str(exc) or type(exc).__name__)}",
@@ -248,7 +250,8 @@ def validate(model: type[M], data: Any, *, path: str, fix: str, prefix: str = ""
         more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
         loc = field_path(e["loc"])
         field = f"{prefix}.{loc}" if prefix else loc
-        raise ConfigError(show(e["msg"], 300) + more, path=path, field=field, fix=fix) from None
+        msg = show(e["msg"].removeprefix("Value error, "), 300)
+        raise ConfigError(msg + more, path=path, field=field, fix=fix) from None
     except (ValueError, TypeError, OverflowError) as exc:
         # a validator's own bug or an exotic input: still the operator's file, named
         raise ConfigError(show(str(exc), 300), path=path, field=prefix or None,

@@ -320,7 +320,8 @@ def _policy(policy: ComparisonPolicy, manifest: Manifest, cycle: CycleFile,
     unknown = sorted(set(policy.cases) - ids)
     if unknown:
         raise ConfigError(f"policy names cases not in the manifest: {unknown}",
-                          path=str(cycle_path), field="policy.cases")
+                          path=str(cycle_path), field="policy.cases",
+                          fix="list only scenario ids of the manifest in the policy's cases")
     if policy.trials != cycle.trials:
         raise ConfigError(f"policy.trials {policy.trials} != cycle trials {cycle.trials}",
                           path=str(cycle_path), field="trials", fix="make them equal")
