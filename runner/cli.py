@@ -269,7 +269,7 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
     log_dir = run_dir / "gateway"
     if not (log_dir / "calls.jsonl").is_file():
         err.print(f"error: {safe(log_dir)}/calls.jsonl not found; pass a run directory "
-                  "(e.g. build/runs/<id>)", highlight=False)
+                  "(e.g. build/runs/<id>)", soft_wrap=True, highlight=False)
         raise typer.Exit(3)
     try:
         records = CallLog(log_dir).records()

@@ -32,11 +32,22 @@ app.add_typer(review_app, name="review")
 OutOpt = Annotated[Path, typer.Option("--out", help="Fresh output directory (must not exist).")]
 
 
-def _images() -> dict[str, str]:
+def _images(check_engine: bool = False) -> dict[str, str]:
+    """Role image ids from the lock; with ``check_engine``, each must exist in the engine."""
     from runner.cycle.plan import CYCLE_ROLES
+    from runner.errors import PrerequisiteError
     from runner.images import resolve_image
 
-    return {r: resolve_image(r) for r in CYCLE_ROLES}
+    ids = {r: resolve_image(r) for r in CYCLE_ROLES}
+    if check_engine:
+        from runner.docker_backend import DockerSandbox
+
+        backend = DockerSandbox()
+        gone = [r for r, i in ids.items() if backend.image_id(i) is None]
+        if gone:
+            raise PrerequisiteError(f"images for {gone} are in the lock file but not in the "
+                                    "engine. Fix: cyclebox images build")
+    return ids
 
 
 def _replay_override(cycle_path: Path, replay: Path | None) -> dict[str, Any] | None:
@@ -64,7 +75,7 @@ def freeze(cycle: Annotated[Path, typer.Argument(help="cycle.yaml")], out_dir: O
     from runner.cycle.plan import freeze as do_freeze
 
     try:
-        plan, h = do_freeze(cycle, out_dir, images=_images(),
+        plan, h = do_freeze(cycle, out_dir, images=_images,
                             upstream_override=_replay_override(cycle, replay))
     except CycleboxError as exc:
         _fail(exc)
@@ -102,7 +113,8 @@ def cycle_run(
             if cycle is None or out_dir is None:
                 err.print("error: give CYCLE and --out, or --plan DIR/plan.json")
                 raise typer.Exit(3)
-            do_freeze(cycle, out_dir, images=_images(),
+            # Inputs, credentials, then images: only then is --out created (exclusively).
+            do_freeze(cycle, out_dir, images=lambda: _images(check_engine=not prepare_only),
                       upstream_override=_replay_override(cycle, replay))
             plan = out_dir / "plan.json"
             if prepare_only:
@@ -186,6 +198,7 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")], out
     the proposal's: a proposal carrying its own is refused (exit 3 naming the field).
     Exit 2 with the named reason on any refusal."""
     from runner.cycle.apply import apply_proposal, invocation_for
+    from runner.cycle.plan import make_fresh_dir, refuse_existing, remove_created
     from runner.docker_backend import DockerSandbox
     from runner.images import resolve_image
     from runner.paths import default_policies
@@ -194,19 +207,24 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")], out
     from runner.sandbox import Mount
 
     try:
-        inv, repo_path, tree = invocation_for(
+        refuse_existing(out_dir)
+        inv, repo_path, tree, raw = invocation_for(
             proposal, repo=repo, ref=ref, subdir=subdir, paths=paths, allowlist=allowlist,
             plan=plan, max_file_bytes=max_file_bytes)
-        if out_dir.exists():
-            raise CycleboxError(f"{out_dir} exists; evidence is never overwritten")
-        (out_dir / "in").mkdir(parents=True)
-        (out_dir / "in" / "proposal.json").write_bytes(proposal.read_bytes())
-        (out_dir / "in" / "invocation.json").write_text(json.dumps(inv))
         policy = load_policies(default_policies()).roles["apply"]
+        image = resolve_image("apply")
+        created = make_fresh_dir(out_dir)
+        try:
+            (out_dir / "in").mkdir()
+            (out_dir / "in" / "proposal.json").write_bytes(raw)
+            (out_dir / "in" / "invocation.json").write_text(json.dumps(inv))
+        except BaseException:
+            remove_created(created)
+            raise
         backend = DockerSandbox()
 
         def run(work: Path) -> Any:
-            spec = role_spec(policy, role="apply", run_id="apply", image=resolve_image("apply"),
+            spec = role_spec(policy, role="apply", run_id="apply", image=image,
                              command=["python", "-m", "sandbox.apply_main"], output_dir=work,
                              mounts=[Mount(source=(out_dir / "in").resolve(), target="/in")])
             return backend.run(spec.model_copy(update={"output_target": "/work"}))
@@ -237,15 +255,19 @@ def compare_cmd(baseline: Annotated[Path, typer.Option(help="Baseline records (J
 
     Exit 0 accept_for_review, 1 reject, 2 invalid_comparison, 3+ usage errors."""
     from runner.cycle.compare import EXIT_CODES, compare, load_policy, load_records
+    from runner.cycle.plan import make_fresh_dir, refuse_existing, remove_created
 
     try:
-        if out_dir.exists():
-            raise CycleboxError(f"{out_dir} exists; evidence is never overwritten")
+        refuse_existing(out_dir)
         result = compare(load_records(baseline), load_records(candidate), load_policy(policy))
+        created = make_fresh_dir(out_dir)
+        try:
+            (out_dir / "verdict.json").write_text(result.model_dump_json(indent=1))
+        except BaseException:
+            remove_created(created)
+            raise
     except CycleboxError as exc:
         _fail(exc)
-    out_dir.mkdir(parents=True)
-    (out_dir / "verdict.json").write_text(result.model_dump_json(indent=1))
     if json_out:
         emit_json_text(result.model_dump_json())
     else:
@@ -317,8 +339,12 @@ def receipt_verify(run_dir: Annotated[Path, typer.Argument(help="A cycle run dir
 def receipt_compare(recorded: Annotated[Path, typer.Argument(help="Recorded run dir.")],
                     replayed: Annotated[Path, typer.Argument(help="Replayed run dir.")]) -> None:
     """Show that two runs' receipts have equal input and outcome hashes (timings aside)."""
-    a = json.loads((recorded / "receipt.json").read_text())
-    b = json.loads((replayed / "receipt.json").read_text())
+    from runner.cycle.receipt import load_receipt
+
+    try:
+        a, b = load_receipt(recorded), load_receipt(replayed)
+    except CycleboxError as exc:
+        _fail(exc)
     keys = ["identities", "base_tree", "images"]
     rows = [(k, a[k] == b[k]) for k in keys]
     # Every frozen input section, except how model calls are answered (a replay
@@ -360,11 +386,14 @@ def review_packet(records: Annotated[Path, typer.Option(help="Records (JSONL).")
     try:
         questions = None
         if manifest is not None:
-            from runner.collect import loads_strict
+            from runner.cycle.manifest import MANIFEST_FIX
+            from runner.cycle.models import Manifest
+            from runner.loading import load_model
 
-            doc = loads_strict(manifest.read_bytes(), source=str(manifest))
-            questions = {str(sc["id"]): str(sc["input"].get(intent_key, json.dumps(sc["input"])))
-                         for sc in doc["scenarios"]}
+            doc = load_model(manifest, Manifest, fmt="json", what="scenario manifest",
+                             schema=1, fix=MANIFEST_FIX)
+            questions = {sc.id: str(sc.input.get(intent_key, json.dumps(sc.input)))
+                         for sc in doc.scenarios}
         path = make_packet(load_records(records), out_dir, reviewer=reviewer,
                            questions=questions)
     except CycleboxError as exc:

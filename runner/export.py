@@ -16,7 +16,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import Field
 
 from runner.collect import loads_strict
@@ -38,10 +37,10 @@ class ExportPolicy(Frozen):
 
 
 def load_export_policy(path: Path) -> ExportPolicy:
-    try:
-        return ExportPolicy.model_validate(yaml.safe_load(path.read_text()))
-    except (OSError, yaml.YAMLError, ValueError) as exc:
-        raise ConfigError(f"invalid export policy: {exc}", path=str(path)) from None
+    from runner.loading import load_model
+
+    return load_model(path, ExportPolicy, fmt="yaml", what="export policy",
+                      fix="see ExportPolicy in runner/export.py (default policies/export.yaml)")
 
 
 def join_key(stage: str, case: str | None, trial: int | None) -> str:

@@ -14,11 +14,11 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
 from runner.errors import ConfigError, PolicyViolation
-from runner.gateway.config import UpstreamPolicy, check_script, resolve_path
+from runner.gateway.config import UpstreamPolicy, resolve_path
+from runner.loading import check_schema, checked_path, load_data, resolve_under, show, validate
 from runner.sandbox import Frozen
 from runner.seccomp import load_profile
 
@@ -40,16 +40,29 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
 
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string like ``512m``, ``1.5g``, ``64MiB``."""
+MAX_SIZE = 1 << 50
+"""Largest size accepted (1 PiB): anything above is a typo, not a limit."""
+
+
+def parse_size(value: object) -> int:
+    """Bytes (> 0) from an int or a string like ``512m``, ``1.5g``, ``64MiB``."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        # ValueError, not TypeError: pydantic turns only ValueError into a field error
+        raise ValueError(f"not a size: {str(value)[:40]!r} (use bytes or a suffix k, m, g, "  # noqa: TRY004
+                         "e.g. '512m')")
     if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"size must be positive, got {value}")
-        return value
-    m = _SIZE.match(value)
-    if not m:
-        raise ValueError(f"not a size: {value!r} (use bytes or a suffix k, m, g, e.g. '512m')")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        n = value
+    else:
+        m = _SIZE.match(value[:64])
+        if not m or len(value) > 64:
+            raise ValueError(f"not a size: {value[:40]!r} (use bytes or a suffix k, m, g, "
+                             "e.g. '512m')")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"size must be positive, got {str(value)[:40]!r}")
+    if n > MAX_SIZE:
+        raise ValueError(f"size {str(value)[:40]!r} is larger than {MAX_SIZE} bytes")
+    return n
 
 
 class PolicyMount(Frozen):
@@ -72,7 +85,7 @@ class RolePolicy(Frozen):
     """Non-root ``uid:gid`` the role runs as."""
     memory: int
     """Memory limit in bytes (strings like ``512m`` accepted)."""
-    cpus: float = Field(gt=0, le=64)
+    cpus: float = Field(gt=0, le=64, allow_inf_nan=False)
     """CPU quota in cores."""
     pids: int = Field(gt=0, le=32768)
     """Process/thread limit."""
@@ -82,8 +95,8 @@ class RolePolicy(Frozen):
     """Largest single file a process may write."""
     tmpfs: dict[str, int] = Field(default_factory=lambda: {"/tmp": 64 * 1024 * 1024})  # noqa: S108
     """Scratch mounts: container path -> size cap."""
-    timeout_s: float = Field(gt=0)
-    """Wall-clock limit per container."""
+    timeout_s: float = Field(gt=0, le=7 * 86400, allow_inf_nan=False)
+    """Wall-clock limit per container (at most a week)."""
     stdout_cap: int = 1024 * 1024
     """stdout+stderr cap in bytes."""
     output_cap: int = 64 * 1024 * 1024
@@ -127,8 +140,13 @@ class RolePolicy(Frozen):
     @classmethod
     def _tmpfs(cls, v: Any) -> dict[str, int]:
         if not isinstance(v, dict):
-            raise TypeError("tmpfs must map a container path to a size")
-        return {str(k): parse_size(s) for k, s in v.items()}
+            raise ValueError(  # noqa: TRY004 - pydantic reports only ValueError by field
+                "tmpfs must map a container path to a size, e.g. {/tmp: 64m}")
+        for k in v:
+            if not isinstance(k, str) or not k.startswith("/"):
+                raise ValueError(f"tmpfs path {str(k)[:60]!r} must be an absolute container "
+                                 "path")
+        return {k: parse_size(s) for k, s in v.items()}
 
 
 class RolePolicies(Frozen):
@@ -244,20 +262,13 @@ def policy_violations(role: str, p: RolePolicy) -> list[tuple[str, str, str]]:
     return out
 
 
+POLICIES_FIX = "see policies/roles.yaml for the accepted keys"
+
+
 def parse_policies(data: Any, *, path: str) -> RolePolicies:
     """Validate parsed YAML into policies, refusing forbidden settings by field."""
-    if not isinstance(data, dict):
-        raise ConfigError("expected a mapping with 'schema' and 'roles'", path=path)
-    if data.get("schema") != SCHEMA_VERSION:
-        raise ConfigError(f"schema must be {SCHEMA_VERSION}, got {data.get('schema')!r}",
-                          path=path, field="schema", fix=f"set schema: {SCHEMA_VERSION}")
-    try:
-        pols = RolePolicies.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
-        raise ConfigError(err["msg"], path=path, field=loc,
-                          fix="see policies/roles.yaml for the accepted keys") from None
+    check_schema(data, SCHEMA_VERSION, path=path)
+    pols = validate(RolePolicies, data, path=path, fix=POLICIES_FIX)
     for role, pol in pols.roles.items():
         if pol.upstream is not None:
             allowed = ROLE_UPSTREAM.get(role)
@@ -279,18 +290,15 @@ def parse_policies(data: Any, *, path: str) -> RolePolicies:
     return pols
 
 
-def load_policies(path: Path) -> RolePolicies:
-    """Read and validate a roles file; relative script/replay paths resolve against it."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read: {exc.strerror}", path=str(path),
-                          fix="pass an existing roles.yaml (default policies/roles.yaml)") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"not valid YAML: {exc}", path=str(path)) from None
-    pols = parse_policies(data, path=str(path))
+def load_policies(path: Path, *, ref: tuple[str, str] | None = None) -> RolePolicies:
+    """Read and validate a roles file; relative script/replay paths resolve against it, and
+    every script must exist and load."""
+    from runner.gateway.providers import load_script
+
+    data = load_data(path, fmt="yaml", what="role policy file", ref=ref,
+                     fix="pass an existing roles.yaml (default policies/roles.yaml)")
+    where = show(str(path))
+    pols = parse_policies(data, path=where)
     base = path.resolve().parent
     roles = dict(pols.roles)
     for name, pol in pols.roles.items():
@@ -302,10 +310,17 @@ def load_policies(path: Path) -> RolePolicies:
     fixed = {}
     for name, up in pols.upstreams.items():
         upd: dict[str, str] = {}
+        field = f"upstreams.{name}"
         if up.script:
-            upd["script"] = str(resolve_path(up.script, base=base))
-            check_script(Path(upd["script"]), field=f"{path}: upstreams.{name}.script")
+            fix = "point to a scripted-provider YAML file"
+            script = checked_path(resolve_under(base, up.script, path=where,
+                                                field=f"{field}.script", fix=fix),
+                                  kind="file", path=where, field=f"{field}.script", fix=fix)
+            load_script(script, ref=(where, f"{field}.script"))
+            upd["script"] = str(script)
         if up.replay_from:
-            upd["replay_from"] = str(resolve_path(up.replay_from, base=base))
+            upd["replay_from"] = str(resolve_under(base, up.replay_from, path=where,
+                                                   field=f"{field}.replay_from",
+                                                   fix="point at a finished run directory"))
         fixed[name] = up.model_copy(update=upd)
     return pols.model_copy(update={"upstreams": fixed, "roles": roles})

@@ -13,8 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from runner.collect import Limits, collect
 from runner.docker_backend import DockerSandbox
 from runner.errors import ConfigError, IntegrityError, SandboxError
@@ -74,10 +72,10 @@ def make_tiny(out: Path, on_event: Events, *, seed: int = 0) -> dict[str, Any]:
 
 
 def load_persona(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read persona: {exc}", path=str(path)) from None
+    from runner.loading import load_data
+
+    data = load_data(path, fmt="yaml", what="persona", fix="a YAML mapping with name and "
+                     "exchanges (see examples/persona/captain.yaml)")
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         raise ConfigError("persona needs a name", path=str(path), field="name")
     ex = data.get("exchanges")

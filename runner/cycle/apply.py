@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from runner import gitops
-from runner.collect import Collected, Limits, collect, loads_strict
+from runner.collect import Collected, Limits, collect
+from runner.cycle.models import ProposalFile
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.hashing import write_json
 from runner.sandbox import RunRecord, StopReason
@@ -41,22 +42,14 @@ OPERATOR_FIELDS = ("paths", "allowlist")
 
 def invocation_for(proposal: Path, *, repo: Path | None, ref: str | None, subdir: str | None,
                    paths: list[str] | None, allowlist: list[str] | None, plan: Path | None,
-                   max_file_bytes: int) -> tuple[dict[str, Any], Path, str]:
+                   max_file_bytes: int) -> tuple[dict[str, Any], Path, str, bytes]:
     """The invocation (path set, allowlist, base hashes, size cap) for a standalone apply.
 
-    Returns (invocation, repository, base tree). ConfigError naming the field when the
-    operator gave no path set or allowlist, or when the proposal carries its own."""
-    try:
-        prop = loads_strict(proposal.read_bytes(), source=str(proposal))
-    except OSError as exc:
-        raise ConfigError(f"cannot read the proposal: {exc.strerror}", path=str(proposal),
-                          field="--proposal", fix="pass a proposal.json file") from None
-    except OutputRejected as exc:
-        raise ConfigError(str(exc), path=str(proposal), field="--proposal",
-                          fix="pass a proposal.json written by the worker") from None
-    if not isinstance(prop, dict):
-        raise ConfigError("expected a JSON object", path=str(proposal), field="(top level)",
-                          fix="pass a proposal.json written by the worker")
+    Returns (invocation, repository, base tree, the proposal's exact bytes). ConfigError
+    naming the field when the operator gave no path set or allowlist, or when the proposal
+    carries its own."""
+    _, raw = load_proposal(proposal)
+    prop: dict[str, Any] = json.loads(raw)  # checked by load_proposal's strict parser
     for name in OPERATOR_FIELDS:
         if name in prop:
             raise ConfigError(f"the proposal carries its own {name!r}; the edit's path set "
@@ -86,8 +79,11 @@ def invocation_for(proposal: Path, *, repo: Path | None, ref: str | None, subdir
             raise ConfigError("--repo and --ref are required without --plan",
                               field="--repo" if repo is None else "--ref",
                               fix="pass --repo R --ref REF, or --plan DIR/plan.json")
-        repo_path = repo.resolve()
-        tree = gitops.resolve_tree(repo_path, ref, subdir)
+        from runner.cycle.config import check_repo
+
+        repo_path = Path(os.path.abspath(repo))
+        tree = check_repo(repo_path, ref, subdir, path=None,
+                          fields=("--repo", "--ref", "--subdir"))
     if not paths or not allowlist:  # the plan's EditSpec requires both; checked for mypy
         raise ConfigError("empty path set or allowlist", field="edit", fix="freeze again")
     # Base hashes: the proposal's claim when it makes one (the apply container refuses a
@@ -99,7 +95,7 @@ def invocation_for(proposal: Path, *, repo: Path | None, ref: str | None, subdir
             data = gitops.read_blob(repo_path, tree, p)
             base[p] = None if data is None else hashlib.sha256(data).hexdigest()
     return ({"paths": list(paths), "allowlist": list(allowlist), "base": base,
-             "max_file_bytes": max_file_bytes}, repo_path, tree)
+             "max_file_bytes": max_file_bytes}, repo_path, tree, raw)
 
 
 def apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
@@ -191,3 +187,18 @@ def _verify_candidate(bare: Path, base: str, commit: str, proposal: dict[str, An
         if gitops.read_blob(bare, commit, c.path) != c.content.encode():
             return f"{c.path}: committed content differs from the proposal"
     return ""
+
+
+PROPOSAL_FIX = "a proposal.json as the worker writes it: {files: [{path, content}], ...}"
+
+
+def load_proposal(path: Path) -> tuple[ProposalFile, bytes]:
+    """A proposal file's shape (runner.loading rules) and its exact bytes, which are what
+    the apply container gets: the bytes checked are the bytes used."""
+    from runner.loading import decode_utf8, parse_json, read_capped, show, validate
+
+    raw = read_capped(path, what="proposal", fix=PROPOSAL_FIX)
+    where = show(str(path))
+    doc = validate(ProposalFile, parse_json(decode_utf8(raw, path=where), path=where),
+                   path=where, fix=PROPOSAL_FIX)
+    return doc, raw

@@ -21,12 +21,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
-import yaml
-from pydantic import ValidationError
-
-from runner.collect import loads_strict
 from runner.cycle.models import (
     CRITERIA,
     CaseChange,
@@ -36,7 +31,8 @@ from runner.cycle.models import (
     Record,
     Verdict,
 )
-from runner.errors import ConfigError, OutputRejected
+from runner.errors import ConfigError
+from runner.loading import decode_utf8, load_model, parse_json, read_capped, show, validate
 
 EXIT_CODES: dict[Verdict, int] = {"accept_for_review": 0, "reject": 1, "invalid_comparison": 2}
 POLICY_SCHEMA = 1
@@ -230,24 +226,16 @@ def _count(v: object) -> int | None:
 
 def load_records(path: Path) -> list[Record]:
     """Read JSON Lines records; a bad line raises ConfigError naming file, line and field."""
-    try:
-        lines = path.read_bytes().split(b"\n")
-    except OSError as exc:
-        raise ConfigError(f"cannot read records: {exc.strerror}", path=str(path),
-                          fix="pass a records.jsonl written by a cycle stage") from None
     fix = "one Record object per line (runner/cycle/models.py), no NaN/Infinity"
+    data = read_capped(path, what="records file", fix="pass a records.jsonl written by a "
+                       "cycle stage")
+    text = decode_utf8(data, path=show(str(path)))
     out: list[Record] = []
-    for n, line in enumerate(lines, start=1):
+    for n, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
-        where = f"{path}:{n}"
-        try:
-            out.append(Record.model_validate(loads_strict(line, source=where)))
-        except OutputRejected as exc:
-            raise ConfigError(str(exc).removeprefix(f"{where}: "), path=where, fix=fix) from None
-        except ValidationError as exc:
-            field, msg = _first_error(exc)
-            raise ConfigError(msg, path=where, field=field, fix=fix) from None
+        where = f"{show(str(path))}:{n}"
+        out.append(validate(Record, parse_json(line, path=where), path=where, fix=fix))
     return out
 
 
@@ -255,32 +243,11 @@ def load_policy(path: Path) -> ComparisonPolicy:
     """Read a comparison policy from .yaml/.yml or .json; ConfigError names file and field."""
     fix = "see ComparisonPolicy in runner/cycle/models.py for the accepted keys"
     if path.suffix not in (".yaml", ".yml", ".json"):
-        raise ConfigError(f"unsupported suffix {path.suffix!r}", path=str(path),
+        raise ConfigError(f"unsupported suffix {show(path.suffix)}", path=show(str(path)),
                           fix="name the policy *.yaml, *.yml or *.json")
-    try:
-        text = path.read_text(encoding="utf-8")
-        data: Any = loads_strict(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except OutputRejected as exc:
-        raise ConfigError(str(exc).removeprefix("<json>: "), path=str(path), fix=fix) from None
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read policy: {exc}", path=str(path), fix=fix) from None
-    if not isinstance(data, dict):
-        raise ConfigError("expected a mapping with schema, cases, trials", path=str(path), fix=fix)
-    if data.get("schema") != POLICY_SCHEMA:
-        raise ConfigError(f"schema must be {POLICY_SCHEMA}, got {data.get('schema')!r}",
-                          path=str(path), field="schema", fix=f"set schema: {POLICY_SCHEMA}")
-    try:
-        policy = ComparisonPolicy.model_validate(data)
-    except ValidationError as exc:
-        field, msg = _first_error(exc)
-        raise ConfigError(msg, path=str(path), field=field, fix=fix) from None
+    policy = load_model(path, ComparisonPolicy, what="comparison policy", schema=POLICY_SCHEMA,
+                        fix=fix)
     if problems := _policy_problems(policy):
         field, problem = problems[0]
-        raise ConfigError(problem, path=str(path), field=field, fix=fix)
+        raise ConfigError(problem, path=show(str(path)), field=field, fix=fix)
     return policy
-
-
-def _first_error(exc: ValidationError) -> tuple[str | None, str]:
-    errs = exc.errors()
-    more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
-    return ".".join(str(x) for x in errs[0]["loc"]) or None, errs[0]["msg"] + more

@@ -6,15 +6,16 @@ field and the fix. ``cyclebox cycle schema`` prints the JSON schema.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
 from runner.errors import ConfigError
 from runner.gateway.budget import BudgetPolicy
 from runner.gateway.config import UpstreamPolicy
+from runner.loading import checked_path, load_model, relative_inside, resolve_under, show
 from runner.sandbox import Frozen
 
 
@@ -25,7 +26,7 @@ class ProjectSpec(Frozen):
     """Branch, tag or commit whose tree is the baseline."""
     subdir: str | None = None
     """Directory inside the repository that is the agent's source tree."""
-    entry: tuple[str, ...]
+    entry: tuple[str, ...] = Field(min_length=1)
     """Command run in the analyst container; the source tree is mounted at /src."""
 
 
@@ -98,29 +99,124 @@ class CycleFile(Frozen):
         return self
 
 
+CYCLE_FIX = "see `cyclebox cycle schema` for the accepted keys"
+
+
 def load_cycle(path: Path) -> tuple[CycleFile, Path]:
     """(cycle, its directory) from a YAML file; ConfigError naming file and field."""
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"cannot read: {exc.strerror}", path=str(path),
-                          fix="pass an existing cycle.yaml") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"not valid YAML: {exc}", path=str(path)) from None
-    if not isinstance(data, dict):
-        raise ConfigError("expected a mapping", path=str(path))
-    if data.get("schema") != 1:
-        raise ConfigError(f"schema must be 1, got {data.get('schema')!r}", path=str(path),
-                          field="schema", fix="set schema: 1")
-    try:
-        cycle = CycleFile.model_validate(data)
-    except ValidationError as exc:
-        e = exc.errors()[0]
-        raise ConfigError(e["msg"], path=str(path), field=".".join(str(x) for x in e["loc"]),
-                          fix="see `cyclebox cycle schema` for the accepted keys") from None
+    cycle = load_model(path, CycleFile, fmt="yaml", what="cycle file", schema=1,
+                       fix=CYCLE_FIX)
     return cycle, path.resolve().parent
 
 
 def resolve(base: Path, value: str) -> Path:
     p = Path(value).expanduser()
     return p if p.is_absolute() else (base / p).resolve()
+
+
+@dataclass(frozen=True)
+class CycleInputs:
+    """Every path a cycle file names, resolved and checked to exist where it may."""
+
+    manifest: Path
+    data_dir: Path
+    policy: Path
+    roles: Path
+    repo: Path
+    brief: Path | None
+
+
+def check_inputs(cycle: CycleFile, path: Path, base: Path) -> CycleInputs:
+    """Resolve and check every file and directory the cycle names (no git, no writing)."""
+    from runner.policy import mount_violation
+
+    where = show(str(path))
+
+    def file_at(field: str, value: str, fix: str) -> Path:
+        p = resolve_under(base, value, path=where, field=field, fix=fix)
+        return checked_path(p, kind="file", path=where, field=field, fix=fix)
+
+    def dir_at(field: str, value: str, fix: str) -> Path:
+        p = resolve_under(base, value, path=where, field=field, fix=fix)
+        return checked_path(p, kind="dir", path=where, field=field, fix=fix)
+
+    manifest = file_at("scenarios", cycle.scenarios, "point scenarios at the scenario "
+                       "manifest (JSON), relative to the cycle file")
+    policy = file_at("policy", cycle.policy, "point policy at the comparison policy "
+                     "(*.yaml, *.yml or *.json)")
+    roles = file_at("roles", cycle.roles, "point roles at a role policy file "
+                    "(e.g. policies/roles.yaml)")
+    data_dir = dir_at("data_dir", cycle.data_dir,
+                      "point data_dir at the directory holding the data stores")
+    why = mount_violation(str(data_dir), read_only=True)
+    if why:
+        raise ConfigError(f"{why}; it would be mounted into the analyst at /data",
+                          path=where, field="data_dir",
+                          fix="use a directory holding only the data stores")
+    repo = dir_at("project.repo", cycle.project.repo, "point project.repo at a git repository "
+                        "(git init && git add -A && git commit -m base)")
+    brief = None
+    if cycle.brief.mode == "file":
+        if not cycle.brief.file:
+            raise ConfigError("brief.mode file needs brief.file", path=where,
+                              field="brief.file", fix="name a Markdown brief file")
+        brief = file_at("brief.file", cycle.brief.file, "name an existing brief file")
+    for name, up in sorted(cycle.upstreams.items()):
+        if up.script:
+            file_at(f"upstreams.{name}.script", up.script, "name a scripted-provider YAML "
+                    "file, relative to the cycle file")
+        if up.replay_from:
+            file_at(f"upstreams.{name}.replay_from", str(Path(up.replay_from) / "gateway" /
+                    "calls.jsonl"), "point at a finished run directory")
+    return CycleInputs(manifest=manifest, data_dir=data_dir, policy=policy, roles=roles,
+                       repo=repo, brief=brief)
+
+
+def check_repo(repo: Path, ref: str, subdir: str | None, *, path: str | None,
+               fields: tuple[str, str, str] = ("project.repo", "project.base_ref",
+                                               "project.subdir")) -> str:
+    """The base tree id; ConfigError naming the field and the fix on any git problem."""
+    from runner import gitops
+
+    f_repo, f_ref, f_subdir = fields
+    try:
+        usable = repo.is_dir()
+    except (OSError, ValueError):
+        usable = False
+    if not usable:
+        raise ConfigError(f"{show(str(repo))} does not exist or is not a directory", path=path,
+                          field=f_repo, fix="point at a git repository "
+                          "(git init && git add -A && git commit -m base)")
+    if not ref or ref.startswith("-") or not ref.isprintable() or any(c.isspace() for c in ref):
+        raise ConfigError(f"{show(ref)} is not a git ref", path=path, field=f_ref,
+                          fix="use a branch, tag or commit id")
+    if subdir is not None:
+        relative_inside(subdir.rstrip("/") or ".", path=path or "", field=f_subdir,
+                        fix="a directory inside the repository, relative to its root")
+
+    try:
+        gitops.git_dir_of(repo)
+    except (ConfigError, OSError):
+        raise ConfigError(f"{show(str(repo))} is not a git repository", path=path,
+                          field=f_repo,
+                          fix="git init && git add -A && git commit -m base") from None
+    try:
+        gitops.resolve_tree(repo, "HEAD")
+    except (ConfigError, OSError):
+        if ref == "HEAD":
+            raise ConfigError(f"{show(str(repo))} has no commit yet (HEAD does not resolve)",
+                              path=path, field=f_ref,
+                              fix="git add -A && git commit -m base") from None
+    try:
+        gitops.resolve_tree(repo, ref)
+    except (ConfigError, OSError):
+        raise ConfigError(f"ref {show(ref)} does not resolve to a commit in "
+                          f"{show(str(repo))}", path=path, field=f_ref,
+                          fix="use a branch, tag or commit id that exists "
+                          "(git -C REPO log --oneline)") from None
+    try:
+        return gitops.resolve_tree(repo, ref, subdir)
+    except (ConfigError, OSError):
+        raise ConfigError(f"{show(str(subdir))} is not a directory in {show(ref)} of "
+                          f"{show(str(repo))}", path=path, field=f_subdir,
+                          fix="a directory committed in the repository at base_ref") from None

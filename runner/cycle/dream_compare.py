@@ -16,7 +16,7 @@ from typing import Any
 
 from runner.cycle.config import DreamSpec, load_cycle
 from runner.cycle.models import Record
-from runner.cycle.plan import freeze
+from runner.cycle.plan import check_cycle, freeze, make_fresh_dir, refuse_existing
 from runner.cycle.receipt import build
 from runner.cycle.run import CycleRunner, Progress
 from runner.errors import ConfigError
@@ -64,9 +64,10 @@ def paired(cycle: Path, out: Path, *, images: dict[str, str],
     if parsed.dream.mode == "off":
         raise ConfigError("dream.mode is off; the paired run needs template or model",
                           path=str(cycle), field="dream.mode", fix="set dream: {mode: model}")
-    if out.exists():
-        raise ConfigError(f"{out} exists; evidence is never overwritten", field="--out")
-    out.mkdir(parents=True)
+    # every input checked before anything is written (the arms' freezes check again)
+    refuse_existing(out)
+    check_cycle(cycle)
+    make_fresh_dir(out)
     off = _arm(cycle, out / "off", images=images, spec=DreamSpec(mode="off"),
                progress=progress_for("off"))
     on = _arm(cycle, out / "on", images=images, spec=parsed.dream, progress=progress_for("on"))

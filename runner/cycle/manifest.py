@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import ValidationError
-
-from runner.collect import loads_strict
 from runner.cycle.models import Manifest, Scenario, Store
-from runner.errors import ConfigError, IntegrityError, OutputRejected
+from runner.errors import ConfigError, IntegrityError
 from runner.hashing import sha256_file, sha256_json
+from runner.loading import is_inside, load_model, show
 
 
 def reference_hash(scenarios: tuple[Scenario, ...] | list[Scenario]) -> str:
@@ -28,36 +26,44 @@ def store_entry(data_dir: Path, rel: str) -> Store:
     return Store(path=rel, sha256=sha256_file(p), size_bytes=p.stat().st_size)
 
 
-def load_manifest(path: Path, data_dir: Path) -> Manifest:
-    """Load and check: schema, identity hashes, unique ids, store bindings and store bytes."""
-    try:
-        raw = loads_strict(path.read_bytes(), source=str(path))
-    except OSError as exc:
-        raise ConfigError(f"cannot read: {exc.strerror}", path=str(path),
-                          field="scenarios") from None
-    except OutputRejected as exc:
-        raise ConfigError(str(exc), path=str(path)) from None
-    try:
-        m = Manifest.model_validate(raw)
-    except ValidationError as exc:
-        e = exc.errors()[0]
-        raise ConfigError(e["msg"], path=str(path),
-                          field=".".join(str(x) for x in e["loc"])) from None
-    if m.schema_ != 1:
-        raise ConfigError(f"schema must be 1, got {m.schema_}", path=str(path), field="schema")
+MANIFEST_FIX = ("see Manifest in runner/cycle/models.py; regenerate with the dataset's "
+                "builder (e.g. examples/shop-analyst/make_data.py)")
+
+
+def load_manifest(path: Path, data_dir: Path, *, ref: tuple[str, str] | None = None
+                  ) -> Manifest:
+    """Load and check: schema, identity hashes, unique ids, splits, store bindings, store
+    paths (relative, inside ``data_dir``) and store bytes."""
+    m = load_model(path, Manifest, fmt="json", what="scenario manifest", ref=ref, schema=1,
+                   fix=MANIFEST_FIX)
+    where = show(str(path))
     ids = [s.id for s in m.scenarios]
     dup = sorted({i for i in ids if ids.count(i) > 1})
     if dup:
-        raise ConfigError(f"duplicate scenario ids {dup}", path=str(path), field="scenarios")
-    for s in m.scenarios:
+        raise ConfigError(f"duplicate scenario ids {dup}", path=where, field="scenarios",
+                          fix="give every scenario its own id")
+    covered = set(m.split.split("+"))
+    for i, s in enumerate(m.scenarios):
         if s.store not in m.stores:
-            raise ConfigError(f"scenario {s.id} binds unknown store {s.store!r}", path=str(path),
-                              field=f"scenarios[{s.id}].store", fix=f"one of {sorted(m.stores)}")
+            raise ConfigError(f"scenario {s.id} binds unknown store {show(s.store)}",
+                              path=where, field=f"scenarios[{i}].store",
+                              fix=f"one of {sorted(m.stores)}")
+        if s.split not in covered:
+            raise ConfigError(f"scenario {s.id} has split {s.split!r}, which the manifest's "
+                              f"split {m.split!r} does not cover", path=where,
+                              field=f"scenarios[{i}].split",
+                              fix="list every split used in the top-level split, joined by +")
+    for sid, st in sorted(m.stores.items()):
+        if not is_inside(data_dir / st.path, data_dir):
+            raise ConfigError(f"store {show(sid)} path {show(st.path)} resolves outside "
+                              f"the data directory {data_dir} (through a symlink?)",
+                              path=where, field=f"stores.{show(sid)}.path",
+                              fix="keep every store inside data_dir, without symlinks out")
     if reference_hash(m.scenarios) != m.reference_hash:
-        raise IntegrityError(f"{path}: reference_hash does not match the scenarios' references "
+        raise IntegrityError(f"{where}: reference_hash does not match the scenarios' references "
                              "(edited without re-hashing?)")
     if data_hash(m.stores) != m.data_hash:
-        raise IntegrityError(f"{path}: data_hash does not match the stores table")
+        raise IntegrityError(f"{where}: data_hash does not match the stores table")
     verify_stores(m, data_dir)
     return m
 
@@ -66,10 +72,14 @@ def verify_stores(m: Manifest, data_dir: Path) -> None:
     """Exact bytes of every store; IntegrityError naming the store on any difference."""
     for sid, st in sorted(m.stores.items()):
         p = data_dir / st.path
-        if not p.is_file() or p.is_symlink():
+        try:
+            regular = p.is_file() and not p.is_symlink()
+            size = p.stat().st_size if regular else -1
+            digest = sha256_file(p) if regular else ""
+        except (OSError, ValueError):
+            regular = False
+        if not regular:
             raise IntegrityError(f"store {sid}: {p} is missing or not a regular file")
-        size = p.stat().st_size
-        digest = sha256_file(p)
         if size != st.size_bytes or digest != st.sha256:
             raise IntegrityError(f"store {sid}: {p} changed (sha256 {digest[:12]}…, "
                                  f"{size} bytes; manifest says {st.sha256[:12]}…, "

@@ -3,14 +3,26 @@ verdicts. All frozen, ``extra="forbid"``, versioned; hashed with runner.hashing.
 
 from __future__ import annotations
 
+import math
+from pathlib import PurePosixPath
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from runner.sandbox import Frozen
 
 Criterion = Literal["correctness", "evidence", "refusal"]
 CRITERIA: tuple[Criterion, ...] = ("correctness", "evidence", "refusal")
+SPLITS = ("development", "acceptance", "reserved", "train")
+"""The documented splits: development (briefed to the worker), acceptance and reserved
+(held out; never reach the worker), train (dream variants, generated)."""
+
+
+def check_split(value: str) -> str:
+    """A split name from :data:`SPLITS`; ValueError naming the accepted ones otherwise."""
+    if value not in SPLITS:
+        raise ValueError(f"unknown split {value[:60]!r}; use one of {', '.join(SPLITS)}")
+    return value
 
 
 class Store(Frozen):
@@ -18,8 +30,21 @@ class Store(Frozen):
 
     path: str
     """Path relative to the data directory."""
-    sha256: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     size_bytes: int = Field(ge=0)
+
+    @field_validator("path")
+    @classmethod
+    def _relative(cls, v: str) -> str:
+        if not v or "\0" in v or "\\" in v:
+            raise ValueError("store path must be a non-empty relative POSIX path")
+        p = PurePosixPath(v)
+        if p.is_absolute() or v.startswith("~"):
+            raise ValueError(f"store path {v[:80]!r} is absolute; it must be relative to "
+                             "data_dir")
+        if ".." in p.parts:
+            raise ValueError(f"store path {v[:80]!r} escapes data_dir (..)")
+        return v
 
 
 class Reference(Frozen):
@@ -34,11 +59,22 @@ class Reference(Frozen):
     evidence: tuple[str, ...] = ()
     """Strings the cited evidence must contain (e.g. table names)."""
 
+    @model_validator(mode="after")
+    def _value_fits_kind(self) -> Reference:
+        if not (math.isfinite(self.tolerance) and self.tolerance >= 0):
+            raise ValueError("tolerance must be a finite number >= 0")
+        if self.kind == "number" and (not isinstance(self.value, int | float)
+                                      or not math.isfinite(self.value)):
+            raise ValueError("a number reference needs a finite numeric value")
+        if self.kind == "text" and not (isinstance(self.value, str) and self.value):
+            raise ValueError("a text reference needs a non-empty string value")
+        return self
+
 
 class Scenario(Frozen):
     id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     split: str
-    """development (briefed), acceptance (held out), or train (dream variants)."""
+    """development (briefed), acceptance or reserved (held out), or train (dream variants)."""
     input: dict[str, object]
     """What the analyst receives as /case/input.json."""
     reference: Reference
@@ -50,6 +86,11 @@ class Scenario(Frozen):
     """dream for generated variants; None for real tasks."""
     derived_from: str | None = None
 
+    @field_validator("split")
+    @classmethod
+    def _split(cls, v: str) -> str:
+        return check_split(v)
+
 
 class Manifest(Frozen):
     """The scenario manifest (SPEC §3)."""
@@ -58,6 +99,13 @@ class Manifest(Frozen):
     dataset: str
     split: str
     """Which splits this manifest covers, e.g. 'development+acceptance'."""
+
+    @field_validator("split")
+    @classmethod
+    def _splits(cls, v: str) -> str:
+        for part in v.split("+"):
+            check_split(part)
+        return v
     scenarios: tuple[Scenario, ...]
     stores: dict[str, Store]
     reference_hash: str
@@ -149,3 +197,24 @@ class ComparisonResult(Frozen):
     """baseline / candidate totals per role."""
     statistics: dict[str, object] | None = None
     """Paired statistics (exact McNemar on pass/fail) when trials > 1; never the verdict."""
+
+
+class ProposedFile(Frozen):
+    path: str
+    """Path relative to the source tree (apply refuses bad ones by name)."""
+    content: str
+    """The file's whole new content."""
+
+
+class ProposalFile(Frozen):
+    """``proposal.json`` as the worker writes it and ``cyclebox apply`` reads it. Only the
+    shape is checked here; the apply container refuses bad paths with named reasons."""
+
+    schema_: int = Field(default=1, alias="schema")
+    files: tuple[ProposedFile, ...]
+    rationale: str = ""
+    base: dict[str, str | None] = Field(default_factory=dict)
+    """path -> sha256 of the file the proposal was made against (None: a new file)."""
+    paths: tuple[str, ...] | None = None
+    """The invocation's exact path set; defaults to the proposal's own paths."""
+    allowlist: tuple[str, ...] = ("*",)

@@ -8,8 +8,13 @@ re-hashed by every stage. A hash is a drift check, not authentication.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
 import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,22 +24,26 @@ from runner.cycle.compare import load_policy
 from runner.cycle.config import (
     BriefSpec,
     CycleFile,
+    CycleInputs,
     DreamSpec,
     EditSpec,
     JudgeSpec,
     ProjectSpec,
     WorkerSpec,
+    check_inputs,
+    check_repo,
     load_cycle,
     resolve,
 )
 from runner.cycle.manifest import load_manifest, verify_stores
 from runner.cycle.models import ComparisonPolicy, Identities, Manifest, Store
-from runner.errors import ConfigError, IntegrityError
+from runner.errors import ConfigError, IntegrityError, PrerequisiteError
 from runner.gateway.budget import BudgetPolicy
-from runner.gateway.config import UpstreamPolicy
+from runner.gateway.config import UpstreamPolicy, read_credential
 from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_json
+from runner.loading import is_inside, load_data, load_model, show, validate
 from runner.paths import sandbox_src
-from runner.policy import ROLE_UPSTREAM, RolePolicy, load_policies
+from runner.policy import ROLE_UPSTREAM, RolePolicies, RolePolicy, load_policies
 from runner.sandbox import Frozen
 from runner.seccomp import load_profile
 from sandbox.proposal import Refused, check_changes, check_path
@@ -95,38 +104,88 @@ def _copy_input(src: Path, inputs: Path, name: str, table: dict[str, str]) -> Pa
     return dest
 
 
-def freeze(cycle_path: Path, out: Path, *, images: dict[str, str],
-           upstream_override: dict[str, UpstreamPolicy] | None = None,
-           dream_override: DreamSpec | None = None) -> tuple[Plan, str]:
-    """Write ``out/plan.json`` (``out`` must not exist); return (plan, plan_hash)."""
-    from runner import gitops
+ImagesArg = dict[str, str] | Callable[[], dict[str, str]]
+"""Image ids, or a function giving them (called only once every input checked out)."""
 
-    if out.exists():
+
+def make_fresh_dir(out: Path) -> list[Path]:
+    """Create ``out`` exclusively (an existing one is refused, also when a racer made it a
+    moment ago); returns the directories created, ``out`` last, for :func:`remove_created`.
+
+    Missing parents are created and, on a refusal, left in place: removing them could pull
+    a directory from under a racer that is about to create its own ``out`` there."""
+    created: list[Path] = []
+    try:
+        for parent in reversed(out.parents):
+            if not parent.exists():
+                with contextlib.suppress(FileExistsError):
+                    parent.mkdir()
+                    created.append(parent)
+        out.mkdir()
+    except FileExistsError:
+        raise ConfigError(f"{out} already exists; prior evidence is never overwritten",
+                          field="--out", fix="choose a new output directory") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot create {out}: {exc.strerror}", field="--out",
+                          fix="choose an output directory you can write") from None
+    created.append(out)
+    return created
+
+
+def refuse_existing(out: Path) -> None:
+    """ConfigError when ``out`` exists (or cannot even be looked at): checked first, so a
+    rerun into used evidence fails before any work; :func:`make_fresh_dir` decides races."""
+    try:
+        taken = out.exists() or out.is_symlink()
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{out} is not a usable output directory ({exc})", field="--out",
+                          fix="choose a new output directory") from None
+    if taken:
         raise ConfigError(f"{out} already exists; prior evidence is never overwritten",
                           field="--out", fix="choose a new output directory")
-    cycle, base = load_cycle(cycle_path)
-    manifest_path = resolve(base, cycle.scenarios)
-    data_dir = resolve(base, cycle.data_dir)
-    manifest = load_manifest(manifest_path, data_dir)
-    policy = _policy(load_policy(resolve(base, cycle.policy)), manifest, cycle, cycle_path)
-    roles_path = resolve(base, cycle.roles)
-    pols = load_policies(roles_path)
-    _check_edit(cycle.edit, cycle_path)
-    repo = resolve(base, cycle.project.repo)
-    tree = gitops.resolve_tree(repo, cycle.project.base_ref, cycle.project.subdir)
-    missing = [r for r in CYCLE_ROLES if r not in images]
-    if missing:
-        raise ConfigError(f"no image for roles {missing}", fix="cyclebox images build")
 
-    out.mkdir(parents=True)
-    inputs_dir = out / "inputs"
-    table: dict[str, str] = {}
-    _copy_input(cycle_path, inputs_dir, "cycle.yaml", table)
-    _copy_input(manifest_path, inputs_dir, "manifest.json", table)
-    _copy_input(resolve(base, cycle.policy), inputs_dir, "policy" + resolve(
-        base, cycle.policy).suffix, table)
-    _copy_input(roles_path, inputs_dir, "roles.yaml", table)
-    roles = {r: _freeze_seccomp(r, pols.roles[r], inputs_dir, table) for r in CYCLE_ROLES}
+
+def remove_created(created: list[Path]) -> None:
+    """Undo :func:`make_fresh_dir` after a failure before the run started: the last
+    directory (ours, made exclusively) with its content, then parents we made if empty."""
+    if not created:
+        return
+    *parents, out = created
+    shutil.rmtree(out, ignore_errors=True)
+    for d in reversed(parents):
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """Everything freeze validated, before anything is written."""
+
+    cycle: CycleFile
+    inputs: CycleInputs
+    manifest: Manifest
+    policy: ComparisonPolicy
+    pols: RolePolicies
+    tree: str
+    upstreams: dict[str, UpstreamPolicy]
+    """Upstreams the roles use, scripts and replay paths resolved to the originals."""
+
+
+def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy] | None = None,
+                check_credentials: bool = True) -> _Checked:
+    """Every check freeze makes on its inputs; reads only, writes nothing."""
+    cycle, base = load_cycle(cycle_path)
+    where = show(str(cycle_path))
+    inputs = check_inputs(cycle, cycle_path, base)
+    manifest = load_manifest(inputs.manifest, inputs.data_dir, ref=(where, "scenarios"))
+    policy = _policy(load_policy(inputs.policy), manifest, cycle, cycle_path)
+    pols = load_policies(inputs.roles, ref=(where, "roles"))
+    missing_roles = [r for r in CYCLE_ROLES if r not in pols.roles]
+    if missing_roles:
+        raise ConfigError(f"no policy for roles {missing_roles}", path=show(str(inputs.roles)),
+                          field="roles", fix=f"define roles {', '.join(CYCLE_ROLES)}")
+    _check_edit(cycle.edit, cycle_path)
+    tree = check_repo(inputs.repo, cycle.project.base_ref, cycle.project.subdir, path=where)
 
     upstreams: dict[str, UpstreamPolicy] = {**pols.upstreams}
     for name, up in cycle.upstreams.items():
@@ -136,33 +195,98 @@ def freeze(cycle_path: Path, out: Path, *, images: dict[str, str],
     upstreams.update(upstream_override or {})
     used = {ROLE_UPSTREAM[r] for r in ROLE_UPSTREAM if pols.roles.get(r) and
             pols.roles[r].upstream}
-    frozen_ups: dict[str, UpstreamPolicy] = {}
-    up_ids: dict[str, str] = {}
+    frozen: dict[str, UpstreamPolicy] = {}
     for name in sorted(used):
         if name not in upstreams:
-            raise ConfigError(f"upstream {name!r} is not defined", path=str(cycle_path),
-                              field=f"upstreams.{name}")
-        up = upstreams[name]
-        extra = b""
+            raise ConfigError(f"upstream {name!r} is not defined", path=where,
+                              field=f"upstreams.{name}",
+                              fix=f"define upstreams.{name} in the cycle or the roles file")
+        frozen[name] = upstreams[name]
+    check_upstreams(frozen, path=where, check_credentials=check_credentials)
+    for field, model, up_name in (("worker.model", cycle.worker.model, "optimizer"),
+                                  ("judge.model", cycle.judge.model if cycle.judge else None,
+                                   "judge")):
+        allowed = frozen[up_name].models if up_name in frozen else None
+        if model is not None and allowed is not None and model not in allowed:
+            raise ConfigError(f"model {show(model)} is not in the {up_name} upstream's "
+                              f"allowlist {list(allowed)}", path=where, field=field,
+                              fix=f"use one of {list(allowed)} or add it to "
+                              f"upstreams.{up_name}.models")
+    return _Checked(cycle=cycle, inputs=inputs, manifest=manifest, policy=policy, pols=pols,
+                    tree=tree, upstreams=frozen)
+
+
+def check_upstreams(upstreams: dict[str, UpstreamPolicy], *, path: str,
+                    check_credentials: bool = True) -> None:
+    """Scripts load, replay logs exist and (optionally) credentials are readable on the
+    host; ConfigError / PrerequisiteError naming the upstream otherwise. Reads only."""
+    from runner.gateway.providers import load_script
+
+    for name, up in sorted(upstreams.items()):
         if up.script:
-            dest = _copy_input(Path(up.script), inputs_dir, f"scripts/{name}.yaml", table)
-            up = up.model_copy(update={"script": str(dest)})
-            extra = dest.read_bytes()
+            load_script(Path(up.script), ref=(path, f"upstreams.{name}.script"))
         if up.replay_from:
             log = Path(up.replay_from) / "gateway" / "calls.jsonl"
             if not log.is_file():
-                raise ConfigError(f"{log} not found", field=f"upstreams.{name}.replay_from",
+                raise ConfigError(f"{show(str(log))} not found", path=path,
+                                  field=f"upstreams.{name}.replay_from",
                                   fix="point at a finished run directory")
-            extra = log.read_bytes()
+        if check_credentials and up.provider == "openai" and up.credential is not None:
+            read_credential(name, up.credential)
+
+
+def freeze(cycle_path: Path, out: Path, *, images: ImagesArg,
+           upstream_override: dict[str, UpstreamPolicy] | None = None,
+           dream_override: DreamSpec | None = None,
+           check_credentials: bool = True) -> tuple[Plan, str]:
+    """Write ``out/plan.json``; return (plan, plan_hash).
+
+    Every input, credential and image is checked first; only then is ``out`` created, with
+    an exclusive mkdir (an existing directory is refused, and of two racers one wins and
+    the other gets that refusal). A failure while writing removes ``out`` again, so the
+    corrected rerun can use the same path.
+    """
+    refuse_existing(out)
+    c = check_cycle(cycle_path, upstream_override=upstream_override,
+                    check_credentials=check_credentials)
+    image_ids = images() if callable(images) else images
+    missing = [r for r in CYCLE_ROLES if r not in image_ids]
+    if missing:
+        raise PrerequisiteError(f"no image for roles {missing}. Fix: cyclebox images build")
+    created = make_fresh_dir(out)
+    try:
+        return _write_frozen(c, cycle_path, out, image_ids, dream_override)
+    except BaseException:
+        remove_created(created)
+        raise
+
+
+def _write_frozen(c: _Checked, cycle_path: Path, out: Path, images: dict[str, str],
+                  dream_override: DreamSpec | None) -> tuple[Plan, str]:
+    cycle, manifest, policy = c.cycle, c.manifest, c.policy
+    inputs_dir = out / "inputs"
+    table: dict[str, str] = {}
+    _copy_input(cycle_path, inputs_dir, "cycle.yaml", table)
+    _copy_input(c.inputs.manifest, inputs_dir, "manifest.json", table)
+    _copy_input(c.inputs.policy, inputs_dir, "policy" + c.inputs.policy.suffix, table)
+    _copy_input(c.inputs.roles, inputs_dir, "roles.yaml", table)
+    roles = {r: _freeze_seccomp(r, c.pols.roles[r], inputs_dir, table) for r in CYCLE_ROLES}
+    frozen_ups: dict[str, UpstreamPolicy] = {}
+    up_ids: dict[str, str] = {}
+    for name, orig in sorted(c.upstreams.items()):
+        up, extra = orig, b""
+        if orig.script:
+            dest = _copy_input(Path(orig.script), inputs_dir, f"scripts/{name}.yaml", table)
+            up = orig.model_copy(update={"script": str(dest)})
+            extra = dest.read_bytes()
+        if orig.replay_from:
+            extra = (Path(orig.replay_from) / "gateway" / "calls.jsonl").read_bytes()
         frozen_ups[name] = up
         up_ids[name] = sha256_bytes(canonical_bytes(
             up.model_dump(mode="json", exclude={"script", "replay_from"})) + extra)
     brief_sha = None
-    if cycle.brief.mode == "file":
-        if not cycle.brief.file:
-            raise ConfigError("brief.mode file needs brief.file", path=str(cycle_path),
-                              field="brief.file")
-        dest = _copy_input(resolve(base, cycle.brief.file), inputs_dir, "brief.md", table)
+    if c.inputs.brief is not None:
+        dest = _copy_input(c.inputs.brief, inputs_dir, "brief.md", table)
         brief_sha = sha256_file(dest)
     scorer = sha256_file(sandbox_src() / "evaluator.py")
     judge_id = None
@@ -176,10 +300,10 @@ def freeze(cycle_path: Path, out: Path, *, images: dict[str, str],
         judge=judge_id)})
     plan = Plan.model_validate({
         "schema": 1, "name": cycle.name,
-        "project": FrozenProject(spec=cycle.project, repo=str(repo), base_tree=tree),
+        "project": FrozenProject(spec=cycle.project, repo=str(c.inputs.repo), base_tree=c.tree),
         "manifest_sha256": table["manifest.json"], "dataset": manifest.dataset,
         "reference_hash": manifest.reference_hash, "data_hash": manifest.data_hash,
-        "data_dir": str(data_dir), "stores": manifest.stores, "policy": policy,
+        "data_dir": str(c.inputs.data_dir), "stores": manifest.stores, "policy": policy,
         "scorer": scorer, "judge": cycle.judge, "judge_id": judge_id,
         "images": {r: images[r] for r in CYCLE_ROLES},
         "roles": roles, "upstreams": frozen_ups,
@@ -213,7 +337,8 @@ def _policy(policy: ComparisonPolicy, manifest: Manifest, cycle: CycleFile,
     unknown = sorted(set(policy.cases) - ids)
     if unknown:
         raise ConfigError(f"policy names cases not in the manifest: {unknown}",
-                          path=str(cycle_path), field="policy.cases")
+                          path=str(cycle_path), field="policy.cases",
+                          fix="list only scenario ids of the manifest in the policy's cases")
     if policy.trials != cycle.trials:
         raise ConfigError(f"policy.trials {policy.trials} != cycle trials {cycle.trials}",
                           path=str(cycle_path), field="trials", fix="make them equal")
@@ -241,38 +366,80 @@ def write_plan(plan: Plan, path: Path) -> str:
     return plan_hash
 
 
+PLAN_FIX = "pass the plan.json that `cyclebox freeze` (or --prepare-only) wrote"
+
+
+class _PlanDoc(Frozen):
+    plan: dict[str, Any]
+    hashes: dict[str, str]
+    plan_hash: str
+
+
 def load_plan(path: Path) -> tuple[Plan, str]:
-    """Read plan.json and re-check every hash; IntegrityError on any difference."""
-    try:
-        doc: dict[str, Any] = json.loads(path.read_text())
-        body = doc["plan"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise IntegrityError(f"{path}: unreadable plan ({exc})") from None
-    if sha256_json(body) != doc.get("plan_hash"):
-        raise IntegrityError(f"{path}: plan_hash does not match the plan (tampered?); "
+    """Read plan.json and re-check every hash; IntegrityError on any difference.
+
+    A missing file or one that is not a plan document is bad input (ConfigError); a plan
+    whose hashes do not match is drift or tampering (IntegrityError)."""
+    where = show(str(path))
+    doc = validate(_PlanDoc, load_data(path, fmt="json", what="plan", fix=PLAN_FIX),
+                   path=where, fix=PLAN_FIX)
+    body = doc.plan
+    if sha256_json(body) != doc.plan_hash:
+        raise IntegrityError(f"{where}: plan_hash does not match the plan (tampered?); "
                              "refusing to run")
     for k, v in body.items():
-        if doc.get("hashes", {}).get(k) != sha256_json(v):
-            raise IntegrityError(f"{path}: section {k!r} hash mismatch")
-    plan = Plan.model_validate(body)
+        if doc.hashes.get(k) != sha256_json(v):
+            raise IntegrityError(f"{where}: section {show(k)!r} hash mismatch")
+    plan = validate(Plan, body, path=where, fix=PLAN_FIX, prefix="plan")
     inputs = path.parent / "inputs"
     for name, digest in plan.inputs.items():
         p = inputs / name
-        if not p.is_file() or sha256_file(p) != digest:
-            raise IntegrityError(f"frozen input {p} changed or missing since freeze")
-    return plan, str(doc["plan_hash"])
+        if not is_inside(p, inputs) or not p.is_file() or sha256_file(p) != digest:
+            raise IntegrityError(f"frozen input {show(str(p))} changed or missing since "
+                                 "freeze")
+    return plan, doc.plan_hash
+
+
+def load_frozen_manifest(run_dir: Path) -> Manifest:
+    """The manifest copy under ``run_dir/inputs`` (bound by the plan's input hashes)."""
+    p = run_dir / "inputs" / "manifest.json"
+    return load_model(p, Manifest, fmt="json", what="frozen manifest", fix=PLAN_FIX)
+
+
+@contextlib.contextmanager
+def plan_lock(plan_path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on a prepared plan for the duration of its run.
+
+    Two processes given the same plan: one runs it, the other is refused at once (exit 3,
+    naming the directory). The lock is ``flock`` on plan.json itself, so it adds no file to
+    the run directory and dies with the process."""
+    try:
+        fd = os.open(plan_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise ConfigError(f"cannot open {show(str(plan_path))}: {exc.strerror}",
+                          field="--plan", fix=PLAN_FIX) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"{show(str(plan_path.parent))} is being run by another "
+                              "process; a plan runs once", field="--plan",
+                              fix="wait for that run, or freeze again into a new "
+                              "directory") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def check_drift(plan_path: Path, expected_hash: str, plan: Plan) -> str | None:
     """None when plan and data are unchanged; otherwise the named drift."""
     try:
         _, h = load_plan(plan_path)
-    except IntegrityError as exc:
+        manifest = load_frozen_manifest(plan_path.parent)
+    except (IntegrityError, ConfigError) as exc:
         return f"plan drift: {exc}"
     if h != expected_hash:
         return "plan drift: plan_hash changed during the run"
-    manifest = Manifest.model_validate(json.loads(
-        (plan_path.parent / "inputs" / "manifest.json").read_text()))
     try:
         verify_stores(manifest, Path(plan.data_dir))
     except IntegrityError as exc:

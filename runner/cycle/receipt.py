@@ -17,12 +17,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from runner.collect import loads_strict
 from runner.cycle.run import Outcome
-from runner.errors import IntegrityError, OutputRejected
+from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.gateway.calllog import CallLog
 from runner.gateway.report import summarize
 from runner.hashing import canonical_bytes, sha256_file, sha256_json
+from runner.loading import MAX_BYTES, check_schema, decode_utf8, load_data, parse_json, validate
 from runner.signing import ENVELOPE
 
 SCHEMA = 1
@@ -113,6 +116,50 @@ def build(outcome: Outcome) -> dict[str, Any]:
     return receipt
 
 
+class _External(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    path: str
+    sha256: str
+
+
+class _ReceiptHead(BaseModel):
+    """The parts of receipt.json that verify and compare read; the rest is carried along."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    schema_: int = Field(alias="schema")
+    plan_hash: str
+    files: dict[str, str]
+    external: dict[str, _External] = Field(default_factory=dict)
+    outcome: dict[str, Any] = Field(default_factory=dict)
+    inputs: dict[str, Any] = Field(default_factory=dict)
+
+
+RECEIPT_FIX = "pass a cycle run directory holding the receipt.json a run wrote"
+
+
+def load_receipt(run_dir: Path) -> dict[str, Any]:
+    """receipt.json of a run directory, typed and bounded (runner.loading); ConfigError
+    (bad input) when it is missing or is not a receipt (a JSON list, ``{}``, ...)."""
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir} is not a directory", field="DIR", fix=RECEIPT_FIX)
+    path = run_dir / RECEIPT
+    data = load_data(path, fmt="json", what="receipt", fix=RECEIPT_FIX)
+    check_schema(data, SCHEMA, path=str(path))
+    validate(_ReceiptHead, data, path=str(path), fix=RECEIPT_FIX)
+    return dict(data)
+
+
+def _parse_receipt(raw: bytes, path: Path) -> dict[str, Any]:
+    """receipt.json's bytes, typed (runner.loading): a JSON list, ``{}`` or a wrong field
+    is bad input (ConfigError naming the field), not a verification failure."""
+    data = parse_json(decode_utf8(raw, path=str(path)), path=str(path))
+    check_schema(data, SCHEMA, path=str(path))
+    validate(_ReceiptHead, data, path=str(path), fix=RECEIPT_FIX)
+    return dict(data)
+
+
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _MAX_ENTRIES = 1_000_000
@@ -189,10 +236,13 @@ def _open_in(root_fd: int, rel: str) -> int:
         os.close(dfd)
 
 
-def _read_in(root_fd: int, rel: str) -> bytes:
+def _read_in(root_fd: int, rel: str, cap: int = MAX_BYTES) -> bytes:
     fd = _open_in(root_fd, rel)
     with os.fdopen(fd, "rb") as f:
-        return f.read()
+        data = f.read(cap + 1)
+    if len(data) > cap:
+        raise _Unreadable(f"larger than {cap} bytes; refused")
+    return data
 
 
 def _sha256_in(root_fd: int, rel: str) -> str:
@@ -246,6 +296,8 @@ def verify(run_dir: Path) -> list[str]:
     to the run directory with ``O_NOFOLLOW`` on every component; and the run directory's
     files must equal the receipt's list in both directions (only the receipt and its
     signature are left out, plus the git internals the writer binds by commit and tree)."""
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir} is not a directory", field="DIR", fix=RECEIPT_FIX)
     try:
         root_fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
@@ -258,13 +310,15 @@ def verify(run_dir: Path) -> list[str]:
 
 
 def _verify_at(root_fd: int, run_dir: Path) -> list[str]:
+    path = run_dir / RECEIPT
     try:
-        receipt = loads_strict(_read_in(root_fd, RECEIPT), source=str(run_dir / RECEIPT))
-    except (_Unreadable, OutputRejected) as exc:
-        raise IntegrityError(f"{run_dir / RECEIPT}: unreadable ({exc})") from None
-    files = receipt.get("files") if isinstance(receipt, dict) else None
-    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-        raise IntegrityError(f"{run_dir / RECEIPT}: 'files' must map names to sha256 strings")
+        raw = _read_in(root_fd, RECEIPT)
+    except _Unreadable as exc:
+        if str(exc) == "missing":
+            raise ConfigError(f"{path}: does not exist", fix=RECEIPT_FIX) from None
+        raise IntegrityError(f"{path}: unreadable ({exc})") from None
+    receipt = _parse_receipt(raw, path)
+    files: dict[str, str] = receipt["files"]
     problems = []
     for rel, digest in sorted(files.items()):
         why = _name_problem(rel)

@@ -25,8 +25,14 @@ from runner.collect import Limits, collect
 from runner.cycle.apply import apply_proposal
 from runner.cycle.brief import build_brief
 from runner.cycle.compare import compare
-from runner.cycle.models import ComparisonResult, Grades, Identities, Manifest, Record, Scenario
-from runner.cycle.plan import check_drift, load_plan
+from runner.cycle.models import ComparisonResult, Grades, Identities, Record, Scenario
+from runner.cycle.plan import (
+    check_drift,
+    check_upstreams,
+    load_frozen_manifest,
+    load_plan,
+    plan_lock,
+)
 from runner.docker_backend import DockerSandbox
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.gateway.budget import RunBudget
@@ -67,8 +73,7 @@ class CycleRunner:
         self.plan_path = plan_path.resolve()
         self.dir = self.plan_path.parent
         self.plan, self.plan_hash = load_plan(self.plan_path)
-        self.manifest = Manifest.model_validate(json.loads(
-            (self.dir / "inputs" / "manifest.json").read_text()))
+        self.manifest = load_frozen_manifest(self.dir)
         self.scenarios = {s.id: s for s in self.manifest.scenarios}
         self.run_id = f"{self.plan.name}-{self.plan_hash[:10]}"
         self.progress = progress or (lambda _s, _d, _t: None)
@@ -78,17 +83,29 @@ class CycleRunner:
 
     # -- entry -------------------------------------------------------------------
     def run(self) -> Outcome:
+        # One process per prepared plan: the loser of a race is refused by the lock (or,
+        # arriving after the winner started, by stages/ existing), never by a crash.
+        with plan_lock(self.plan_path):
+            return self._run_locked()
+
+    def _run_locked(self) -> Outcome:
         stages = self.dir / "stages"
         if stages.exists():
             raise ConfigError(f"{self.dir} was already executed (stages/ exists); every "
                               "attempt is kept", field="--plan",
                               fix="freeze again into a new directory")
+        check_upstreams(dict(self.plan.upstreams), path=str(self.plan_path))
         backend = DockerSandbox()
         for role, image in self.plan.images.items():
             if backend.image_id(image) is None:
                 raise IntegrityError(f"frozen image for {role} ({image}) is not present; "
                                      "rebuild the same inputs or freeze again")
-        stages.mkdir()
+        try:
+            stages.mkdir()
+        except FileExistsError:
+            raise ConfigError(f"{self.dir} was already executed (stages/ exists); every "
+                              "attempt is kept", field="--plan",
+                              fix="freeze again into a new directory") from None
         self.backend = backend
         self.containers = (self.dir / "containers.jsonl").open("a", encoding="utf-8")
         self._containers_lock = threading.Lock()

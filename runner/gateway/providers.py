@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
-import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from runner.collect import loads_strict
 from runner.errors import ConfigError, OutputRejected
@@ -188,38 +188,75 @@ class ScriptRule:
                      or re.search(self.last_user_regex, last_user) is not None))
 
 
-def _reply_text(entry: dict[str, Any], where: str) -> str:
-    if "reply" in entry:
-        return str(entry["reply"])
-    if "reply_json" in entry:
-        return json.dumps(entry["reply_json"], separators=(",", ":"), sort_keys=True)
-    raise ConfigError("each rule needs reply or reply_json", field=where)
+class _ScriptWhen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: str | None = None
+    model: str | None = None
+    contains: tuple[str, ...] = ()
+    not_contains: tuple[str, ...] = ()
+    last_user_contains: tuple[str, ...] = ()
+    last_user_regex: str | None = None
+
+    @field_validator("last_user_regex")
+    @classmethod
+    def _regex(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as exc:
+                raise ValueError(f"not a regular expression: {exc}") from None
+        return v
 
 
-def load_script(path: Path) -> tuple[list[ScriptRule], str | None]:
-    """Rules and the default reply of a scripted-provider file."""
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read script: {exc}", path=str(path)) from None
-    if not isinstance(data, dict) or data.get("schema") != 1:
-        raise ConfigError("expected a mapping with schema: 1", path=str(path), field="schema")
-    rules = []
-    for i, entry in enumerate(data.get("rules") or []):
-        when = entry.get("when") or {}
-        known = {"role", "model", "contains", "not_contains", "last_user_contains",
-                 "last_user_regex"}
-        if set(when) - known:
-            raise ConfigError(f"unknown conditions {sorted(set(when) - known)}", path=str(path),
-                              field=f"rules[{i}].when", fix=f"use {sorted(known)}")
-        rules.append(ScriptRule(
-            reply=_reply_text(entry, f"{path}: rules[{i}]"), role=when.get("role"),
-            model=when.get("model"), contains=tuple(when.get("contains") or ()),
-            not_contains=tuple(when.get("not_contains") or ()),
-            last_user_contains=tuple(when.get("last_user_contains") or ()),
-            last_user_regex=when.get("last_user_regex")))
-    default = data.get("default")
-    return rules, (_reply_text(default, f"{path}: default") if default else None)
+class _ScriptReply(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    reply: str | None = None
+    reply_json: Any = None
+
+    @model_validator(mode="after")
+    def _one(self) -> _ScriptReply:
+        if (self.reply is None) == (self.reply_json is None):
+            raise ValueError("give exactly one of reply or reply_json")
+        if self.reply_json is not None:
+            try:
+                json.dumps(self.reply_json, allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"reply_json must be plain JSON data: {exc}") from None
+        return self
+
+    def text(self) -> str:
+        if self.reply is not None:
+            return self.reply
+        return json.dumps(self.reply_json, separators=(",", ":"), sort_keys=True)
+
+
+class _ScriptRuleSpec(_ScriptReply):
+    when: _ScriptWhen = _ScriptWhen()
+
+
+class _ScriptFile(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_: int = Field(alias="schema")
+    rules: tuple[_ScriptRuleSpec, ...] = ()
+    default: _ScriptReply | None = None
+
+
+def load_script(path: Path, *, ref: tuple[str, str] | None = None
+                ) -> tuple[list[ScriptRule], str | None]:
+    """Rules and the default reply of a scripted-provider file (runner.loading rules)."""
+    from runner.loading import load_model
+
+    doc = load_model(path, _ScriptFile, fmt="yaml", what="script", ref=ref, schema=1,
+                     fix="a mapping with schema: 1, rules: [{when: {...}, reply: TEXT}], "
+                     "default: {reply: TEXT}")
+    rules = [ScriptRule(reply=r.text(), role=r.when.role, model=r.when.model,
+                        contains=r.when.contains, not_contains=r.when.not_contains,
+                        last_user_contains=r.when.last_user_contains,
+                        last_user_regex=r.when.last_user_regex) for r in doc.rules]
+    return rules, (doc.default.text() if doc.default else None)
 
 
 def _tokens(text: str) -> int:

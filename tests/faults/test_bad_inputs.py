@@ -1,0 +1,1020 @@
+"""An operator's bad day: every bad input through the real CLI (``runner.cli.main``).
+
+Each case builds one bad input from a copy of the bundled example, runs the command,
+and asserts: the exit code (3 bad input, 5 missing prerequisite), a first stderr line
+that names the file or field, no traceback, and that nothing was written (``--out``
+absent, a prepared plan not started, an existing directory untouched).
+
+The cases run in-process through ``main()`` (the console-script entry point) for speed;
+:func:`test_same_answers_from_the_installed_command` runs a sample through the
+installed ``cyclebox`` executable to show the two agree. ``bad_inputs_table.py`` prints
+the table as Markdown from the same cases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from runner.paths import PROJECT_ROOT
+
+EXAMPLE = PROJECT_ROOT / "examples" / "shop-analyst"
+ROLES = PROJECT_ROOT / "policies" / "roles.yaml"
+CLI = str(Path(sys.executable).with_name("cyclebox"))
+FAKE_IMAGES = {r: f"sha256:{'0' * 63}{i}" for i, r in
+               enumerate(("analyst", "worker", "evaluator", "apply", "trainer"))}
+BOMB = ('a: &a ["x","x","x","x","x","x","x","x","x"]\n'
+        + "".join(f'{c}: &{c} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]\n'
+                  for p, c in zip("abcdefgh", "bcdefghi", strict=True)))
+
+
+# -- the sandbox every case starts from --------------------------------------------------------
+@dataclass
+class Env:
+    """A private copy of the example (absolute paths), an output path that must stay absent,
+    and the environment the command runs with."""
+
+    root: Path
+    out: Path
+    vars: dict[str, str] = field(default_factory=dict)
+    untouched: list[Path] = field(default_factory=list)
+    """Paths whose bytes must not change (e.g. an existing --out)."""
+
+    @property
+    def ex(self) -> Path:
+        return self.root / "ex"
+
+    @property
+    def cycle(self) -> Path:
+        return self.ex / "cycle.yaml"
+
+    def cycle_doc(self) -> dict[str, Any]:
+        return dict(yaml.safe_load(self.cycle.read_text()))
+
+    def set_cycle(self, **changes: Any) -> Path:
+        doc = self.cycle_doc()
+        doc.update(changes)
+        self.cycle.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return self.cycle
+
+    def edit_cycle(self, fn: Callable[[dict[str, Any]], None]) -> Path:
+        doc = self.cycle_doc()
+        fn(doc)
+        self.cycle.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return self.cycle
+
+    def write(self, rel: str, data: bytes | str) -> Path:
+        p = self.root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data.encode() if isinstance(data, str) else data)
+        return p
+
+    def manifest(self) -> dict[str, Any]:
+        return dict(json.loads((self.ex / "manifest.json").read_text()))
+
+    def set_manifest(self, doc: dict[str, Any]) -> None:
+        (self.ex / "manifest.json").write_text(json.dumps(doc, indent=1))
+
+    def roles_yaml(self, edit: Callable[[dict[str, Any]], None]) -> None:
+        doc = yaml.safe_load(ROLES.read_text())
+        for up in doc["upstreams"].values():
+            up["script"] = str(ROLES.parent / up["script"])
+        edit(doc)
+        self.write("roles.yaml", yaml.safe_dump(doc))
+        self.set_cycle(roles=str(self.root / "roles.yaml"))
+
+    def run_args(self) -> list[str]:
+        return ["cycle", "run", str(self.cycle), "--out", str(self.out)]
+
+    def prepare(self) -> Path:
+        """A prepared plan (freeze succeeded) in ``root/prepared``; returns plan.json."""
+        code, _, err = run_cli(["cycle", "run", str(self.cycle), "--out",
+                                str(self.root / "prepared"), "--prepare-only"], self.vars)
+        assert code == 0, err
+        return self.root / "prepared" / "plan.json"
+
+
+def make_env(root: Path) -> Env:
+    shutil.copytree(EXAMPLE, root / "ex", ignore=shutil.ignore_patterns("project"))
+    env = Env(root=root, out=root / "out")
+    doc = env.cycle_doc()
+    doc["project"]["repo"] = str(PROJECT_ROOT)
+    doc["roles"] = str(ROLES)
+    doc["upstreams"]["judge"]["script"] = str(PROJECT_ROOT / "policies/scripts/default.yaml")
+    env.cycle.write_text(yaml.safe_dump(doc, sort_keys=False))
+    state = root / "state"
+    state.mkdir()
+    (state / "images.lock.json").write_text(json.dumps({r: {
+        "role": r, "tag": f"cyclebox/{r}:fake", "id": i, "input_hash": "0" * 64,
+        "size_bytes": 1, "built": False, "seconds": 0.0} for r, i in FAKE_IMAGES.items()}))
+    env.vars["CYCLEBOX_STATE_DIR"] = str(state)
+    return env
+
+
+@contextlib.contextmanager
+def _patched_env(extra: dict[str, str]) -> Iterator[None]:
+    saved = dict(os.environ)
+    os.environ.update(extra)
+    for k in [k for k, v in extra.items() if v == ""]:
+        del os.environ[k]
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def run_cli(args: list[str], env: dict[str, str]) -> tuple[int | str, str, str]:
+    """(exit code, stdout, stderr) of ``cyclebox ARGS`` through ``runner.cli.main``.
+
+    An exception escaping main() is returned as the code ``'traceback: <type>'`` (and its
+    traceback appended to stderr), so a case can never pass by crashing."""
+    import traceback
+
+    from runner.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code: int | str
+    saved_argv = sys.argv
+    sys.argv = ["cyclebox", *args]
+    try:
+        with _patched_env(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except BaseException as exc:  # the point is to catch any crash
+                code = f"traceback: {type(exc).__name__}"
+                err.write("Traceback (most recent call last):\n" + traceback.format_exc())
+    finally:
+        sys.argv = saved_argv
+    return code, out.getvalue(), err.getvalue()
+
+
+# -- the cases -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    id: str
+    build: Callable[[Env], list[str]]
+    """Makes the bad input in the env; returns the CLI arguments."""
+    code: int
+    expect: tuple[str, ...]
+    """Substrings the first line of stderr must hold (file and/or field)."""
+
+
+CASES: list[Case] = []
+
+
+def case(id_: str, code: int, *expect: str) -> Callable[[Callable[[Env], list[str]]],
+                                                         Callable[[Env], list[str]]]:
+    def deco(fn: Callable[[Env], list[str]]) -> Callable[[Env], list[str]]:
+        CASES.append(Case(id_, fn, code, expect))
+        return fn
+    return deco
+
+
+def _cycle_text(e: Env, text: str | bytes) -> list[str]:
+    e.cycle.write_bytes(text.encode() if isinstance(text, str) else text)
+    return e.run_args()
+
+
+def _nested_yaml(depth: int) -> str:
+    return "schema: 1\nname: " + "[" * depth + "]" * depth + "\n"
+
+
+# cycle file: reading and syntax
+@case("cycle-missing", 3, "nope.yaml", "does not exist")
+def _(e: Env) -> list[str]:
+    return ["cycle", "run", str(e.root / "nope.yaml"), "--out", str(e.out)]
+
+
+@case("cycle-is-directory", 3, "is a directory")
+def _(e: Env) -> list[str]:
+    return ["cycle", "run", str(e.ex), "--out", str(e.out)]
+
+
+@case("cycle-not-utf8", 3, "cycle.yaml", "not UTF-8: byte 9")
+def _(e: Env) -> list[str]:
+    return _cycle_text(e, b"schema: 1\xff\nname: x\n")
+
+
+@case("cycle-empty", 3, "cycle.yaml", "empty")
+def _(e: Env) -> list[str]:
+    return _cycle_text(e, "")
+
+
+@case("cycle-is-a-list", 3, "cycle.yaml", "expected a mapping")
+def _(e: Env) -> list[str]:
+    return _cycle_text(e, "- schema: 1\n")
+
+
+@case("cycle-yaml-syntax", 3, "cycle.yaml", "line 3, column 1")
+def _(e: Env) -> list[str]:
+    return _cycle_text(e, "schema: 1\nname: [unclosed\n")
+
+
+@case("cycle-alias-bomb", 3, "cycle.yaml", "anchors")
+def _(e: Env) -> list[str]:
+    # a billion laughs reaching edit.allowlist, a field the schema checks
+    text = e.cycle.read_text().replace("  allowlist:\n", "  allowlist: *i\n  old:\n")
+    assert "*i" in text
+    return _cycle_text(e, BOMB + text)
+
+
+@case("cycle-alias-in-field", 3, "cycle.yaml", "anchors")
+def _(e: Env) -> list[str]:
+    text = e.cycle.read_text().replace("name: shop-analyst", "name: &n shop-analyst")
+    return _cycle_text(e, text)
+
+
+@case("cycle-duplicate-key", 3, "cycle.yaml", "duplicate key")
+def _(e: Env) -> list[str]:
+    return _cycle_text(e, e.cycle.read_text() + "name: other\n")
+
+
+@case("cycle-merge-key", 3, "cycle.yaml", "merge")
+def _(e: Env) -> list[str]:
+    return _cycle_text(e, e.cycle.read_text() + "dream:\n  <<: {mode: template}\n")
+
+
+@case("cycle-python-tag", 3, "cycle.yaml", "not accepted as YAML")
+def _(e: Env) -> list[str]:
+    return _cycle_text(e, "schema: 1\nname: !!python/object/apply:os.system [true]\n")
+
+
+@case("cycle-deep-nesting", 3, "cycle.yaml", "deeper than 64")
+def _(e: Env) -> list[str]:
+    return _cycle_text(e, _nested_yaml(200))
+
+
+@case("cycle-huge-integer", 3, "cycle.yaml", "not accepted as YAML")
+def _(e: Env) -> list[str]:
+    return _cycle_text(e, e.cycle.read_text().replace("trials: 1", "trials: " + "9" * 5000))
+
+
+@case("cycle-oversize", 3, "cycle.yaml", "limit is")
+def _(e: Env) -> list[str]:
+    return _cycle_text(e, "schema: 1\n" + "#" * (5 * 1024 * 1024))
+
+
+# cycle file: fields
+@case("cycle-schema-missing", 3, "cycle.yaml", "schema")
+def _(e: Env) -> list[str]:
+    return _cycle_text(e, e.cycle.read_text().replace("schema: 1\n", ""))
+
+
+@case("cycle-schema-2", 3, "cycle.yaml", "schema must be 1")
+def _(e: Env) -> list[str]:
+    e.set_cycle(schema=2)
+    return e.run_args()
+
+
+@case("cycle-unknown-key", 3, "cycle.yaml", "retries")
+def _(e: Env) -> list[str]:
+    e.set_cycle(retries=3)
+    return e.run_args()
+
+
+@case("cycle-bad-name", 3, "cycle.yaml", "name")
+def _(e: Env) -> list[str]:
+    e.set_cycle(name="../../etc")
+    return e.run_args()
+
+
+@case("cycle-trials-zero", 3, "cycle.yaml", "trials")
+def _(e: Env) -> list[str]:
+    e.set_cycle(trials=0)
+    return e.run_args()
+
+
+@case("cycle-seeds-mismatch", 3, "cycle.yaml", "seeds")
+def _(e: Env) -> list[str]:
+    e.set_cycle(seeds=[1, 2])
+    return e.run_args()
+
+
+@case("cycle-budget-inf", 3, "cycle.yaml", "non-finite")
+def _(e: Env) -> list[str]:
+    return _cycle_text(e, e.cycle.read_text().replace("limit_usd: 1.0", "limit_usd: .inf"))
+
+
+@case("cycle-judge-nan", 3, "cycle.yaml", "non-finite")
+def _(e: Env) -> list[str]:
+    return _cycle_text(e, e.cycle.read_text() + "judge: {model: fixture-judge, threshold: .nan}\n")
+
+
+@case("cycle-quoted-inf", 3, "cycle.yaml", "budget.limit_usd")
+def _(e: Env) -> list[str]:
+    return _cycle_text(e, e.cycle.read_text().replace("limit_usd: 1.0", 'limit_usd: "inf"'))
+
+
+@case("cycle-upstream-timeout-inf", 3, "cycle.yaml", "non-finite")
+def _(e: Env) -> list[str]:
+    return _cycle_text(e, e.cycle.read_text().replace(
+        "max_tokens: 1024\n", "max_tokens: 1024\n    timeout_s: .inf\n", 1))
+
+
+@case("cycle-entry-empty", 3, "cycle.yaml", "project.entry")
+def _(e: Env) -> list[str]:
+    e.edit_cycle(lambda d: d["project"].update(entry=[]))
+    return e.run_args()
+
+
+# cycle file: what it refers to
+@case("repo-missing", 3, "cycle.yaml", "project.repo")
+def _(e: Env) -> list[str]:
+    e.edit_cycle(lambda d: d["project"].update(repo=str(e.root / "no-repo")))
+    return e.run_args()
+
+
+@case("repo-not-git", 3, "cycle.yaml", "project.repo", "not a git repository")
+def _(e: Env) -> list[str]:
+    (e.root / "plain").mkdir()
+    e.edit_cycle(lambda d: d["project"].update(repo=str(e.root / "plain"), subdir=None))
+    return e.run_args()
+
+
+@case("repo-without-commit", 3, "cycle.yaml", "project.base_ref", "no commit")
+def _(e: Env) -> list[str]:
+    (e.root / "fresh").mkdir()
+    subprocess.run(["git", "init", "-q", str(e.root / "fresh")], check=True)
+    e.edit_cycle(lambda d: d["project"].update(repo=str(e.root / "fresh"), subdir=None))
+    return e.run_args()
+
+
+@case("ref-unknown", 3, "cycle.yaml", "project.base_ref", "no-such-branch")
+def _(e: Env) -> list[str]:
+    e.edit_cycle(lambda d: d["project"].update(base_ref="no-such-branch"))
+    return e.run_args()
+
+
+@case("ref-option-injection", 3, "cycle.yaml", "project.base_ref", "not a git ref")
+def _(e: Env) -> list[str]:
+    e.edit_cycle(lambda d: d["project"].update(base_ref="--output=/tmp/x"))
+    return e.run_args()
+
+
+@case("subdir-escapes-repo", 3, "cycle.yaml", "project.subdir", "escapes")
+def _(e: Env) -> list[str]:
+    e.edit_cycle(lambda d: d["project"].update(subdir="../../etc"))
+    return e.run_args()
+
+
+@case("subdir-absolute", 3, "cycle.yaml", "project.subdir", "absolute")
+def _(e: Env) -> list[str]:
+    e.edit_cycle(lambda d: d["project"].update(subdir="/etc"))
+    return e.run_args()
+
+
+@case("subdir-not-in-tree", 3, "cycle.yaml", "project.subdir", "not a directory")
+def _(e: Env) -> list[str]:
+    e.edit_cycle(lambda d: d["project"].update(subdir="examples/no-such-dir"))
+    return e.run_args()
+
+
+@case("scenarios-missing", 3, "cycle.yaml", "scenarios", "does not exist")
+def _(e: Env) -> list[str]:
+    e.set_cycle(scenarios="nope.json")
+    return e.run_args()
+
+
+@case("data-dir-missing", 3, "cycle.yaml", "data_dir", "does not exist")
+def _(e: Env) -> list[str]:
+    e.set_cycle(data_dir="no-data")
+    return e.run_args()
+
+
+@case("data-dir-etc", 3, "cycle.yaml", "data_dir", "/etc")
+def _(e: Env) -> list[str]:
+    e.set_cycle(data_dir="/etc")
+    return e.run_args()
+
+
+@case("data-dir-is-file", 3, "cycle.yaml", "data_dir", "not a directory")
+def _(e: Env) -> list[str]:
+    e.set_cycle(data_dir="manifest.json")
+    return e.run_args()
+
+
+@case("policy-missing", 3, "cycle.yaml", "policy", "does not exist")
+def _(e: Env) -> list[str]:
+    e.set_cycle(policy="nope.yaml")
+    return e.run_args()
+
+
+@case("roles-missing", 3, "cycle.yaml", "roles", "does not exist")
+def _(e: Env) -> list[str]:
+    e.set_cycle(roles="nope.yaml")
+    return e.run_args()
+
+
+@case("brief-file-unset", 3, "cycle.yaml", "brief.file")
+def _(e: Env) -> list[str]:
+    e.set_cycle(brief={"mode": "file"})
+    return e.run_args()
+
+
+@case("brief-file-missing", 3, "cycle.yaml", "brief.file", "does not exist")
+def _(e: Env) -> list[str]:
+    e.set_cycle(brief={"mode": "file", "file": "brief.md"})
+    return e.run_args()
+
+
+@case("script-missing", 3, "cycle.yaml", "upstreams.target.script", "does not exist")
+def _(e: Env) -> list[str]:
+    e.edit_cycle(lambda d: d["upstreams"]["target"].update(script="scripts/nope.yaml"))
+    return e.run_args()
+
+
+@case("worker-model-not-allowed", 3, "cycle.yaml", "worker.model")
+def _(e: Env) -> list[str]:
+    e.set_cycle(worker={"model": "gpt-unlisted", "max_tokens": 4096})
+    return e.run_args()
+
+
+@case("edit-path-outside-allowlist", 3, "cycle.yaml", "edit.paths")
+def _(e: Env) -> list[str]:
+    e.set_cycle(edit={"allowlist": ["prompts/*.md"], "paths": ["agent.py"]})
+    return e.run_args()
+
+
+@case("credential-env-unset", 5, "CYCLEBOX_TEST_UNSET_KEY")
+def _(e: Env) -> list[str]:
+    e.vars["CYCLEBOX_TEST_UNSET_KEY"] = ""
+    e.edit_cycle(lambda d: d["upstreams"].update(target={
+        "provider": "openai", "base_url": "https://example.invalid/v1",
+        "credential": {"env": "CYCLEBOX_TEST_UNSET_KEY"}, "models": ["m"]}))
+    return e.run_args()
+
+
+@case("images-not-built", 5, "cyclebox images build")
+def _(e: Env) -> list[str]:
+    (e.root / "empty-state").mkdir()
+    e.vars["CYCLEBOX_STATE_DIR"] = str(e.root / "empty-state")
+    return e.run_args()
+
+
+# scenario manifest
+def _manifest_text(e: Env, text: str | bytes) -> list[str]:
+    (e.ex / "manifest.json").write_bytes(text.encode() if isinstance(text, str) else text)
+    return e.run_args()
+
+
+@case("manifest-not-utf8", 3, "manifest.json", "not UTF-8")
+def _(e: Env) -> list[str]:
+    return _manifest_text(e, b'{"schema": 1, "dataset": "\xc3\x28"}')
+
+
+@case("manifest-deep-json", 3, "manifest.json", "deeper than 64")
+def _(e: Env) -> list[str]:
+    return _manifest_text(e, '{"schema": 1, "x": ' + "[" * 5000 + "]" * 5000 + "}")
+
+
+@case("manifest-duplicate-key", 3, "manifest.json", "duplicate key")
+def _(e: Env) -> list[str]:
+    return _manifest_text(e, '{"schema": 1, "schema": 1}')
+
+
+@case("manifest-nan", 3, "manifest.json", "NaN")
+def _(e: Env) -> list[str]:
+    return _manifest_text(e, '{"schema": 1, "x": NaN}')
+
+
+@case("manifest-is-a-list", 3, "manifest.json", "expected a mapping")
+def _(e: Env) -> list[str]:
+    return _manifest_text(e, "[]")
+
+
+@case("manifest-schema-2", 3, "manifest.json", "schema must be 1")
+def _(e: Env) -> list[str]:
+    m = e.manifest()
+    m["schema"] = 2
+    e.set_manifest(m)
+    return e.run_args()
+
+
+@case("manifest-unknown-split", 3, "manifest.json", "scenarios[0].split", "unknown split")
+def _(e: Env) -> list[str]:
+    m = e.manifest()
+    m["scenarios"][0]["split"] = "developement"
+    e.set_manifest(m)
+    return e.run_args()
+
+
+@case("manifest-split-not-covered", 3, "manifest.json", "scenarios[6].split")
+def _(e: Env) -> list[str]:
+    m = e.manifest()
+    m["split"] = "development"
+    e.set_manifest(m)
+    return e.run_args()
+
+
+@case("manifest-absolute-store", 3, "manifest.json", "stores.shop.path", "absolute")
+def _(e: Env) -> list[str]:
+    m = e.manifest()
+    m["stores"]["shop"]["path"] = "/etc/passwd"
+    e.set_manifest(m)
+    return e.run_args()
+
+
+@case("manifest-store-dotdot", 3, "manifest.json", "stores.shop.path", "escapes")
+def _(e: Env) -> list[str]:
+    m = e.manifest()
+    m["stores"]["shop"]["path"] = "../../shop.sqlite"
+    e.set_manifest(m)
+    return e.run_args()
+
+
+@case("manifest-store-symlink-out", 3, "manifest.json", "stores.shop.path", "outside")
+def _(e: Env) -> list[str]:
+    m = e.manifest()
+    m["stores"]["shop"]["path"] = "link/shop.sqlite"
+    e.set_manifest(m)
+    (e.ex / "data" / "link").symlink_to(e.root / "ex")
+    return e.run_args()
+
+
+@case("manifest-unknown-store", 3, "manifest.json", "scenarios[0].store")
+def _(e: Env) -> list[str]:
+    m = e.manifest()
+    m["scenarios"][0]["store"] = "warehouse"
+    e.set_manifest(m)
+    return e.run_args()
+
+
+@case("manifest-duplicate-id", 3, "manifest.json", "duplicate scenario ids")
+def _(e: Env) -> list[str]:
+    m = e.manifest()
+    m["scenarios"][1]["id"] = m["scenarios"][0]["id"]
+    e.set_manifest(m)
+    return e.run_args()
+
+
+@case("manifest-number-reference-text", 3, "manifest.json", "scenarios[0].reference")
+def _(e: Env) -> list[str]:
+    m = e.manifest()
+    m["scenarios"][0]["reference"]["value"] = "lots"
+    e.set_manifest(m)
+    return e.run_args()
+
+
+# comparison policy
+@case("policy-not-utf8", 3, "policy.yaml", "not UTF-8")
+def _(e: Env) -> list[str]:
+    (e.ex / "policy.yaml").write_bytes(b"schema: 1\ncases: [\xe9]\n")
+    return e.run_args()
+
+
+@case("policy-duplicate-key", 3, "policy.yaml", "duplicate key")
+def _(e: Env) -> list[str]:
+    p = e.ex / "policy.yaml"
+    p.write_text(p.read_text() + "trials: 2\n")
+    return e.run_args()
+
+
+@case("policy-alias-bomb", 3, "policy.yaml", "anchors")
+def _(e: Env) -> list[str]:
+    p = e.ex / "policy.yaml"
+    p.write_text(BOMB + p.read_text())
+    return e.run_args()
+
+
+@case("policy-trials-differ", 3, "cycle.yaml", "trials")
+def _(e: Env) -> list[str]:
+    p = e.ex / "policy.yaml"
+    p.write_text(p.read_text().replace("trials: 1", "trials: 2"))
+    return e.run_args()
+
+
+@case("policy-unknown-case", 3, "cycle.yaml", "policy.cases", "zz-none")
+def _(e: Env) -> list[str]:
+    p = e.ex / "policy.yaml"
+    p.write_text(p.read_text().replace("cases: [", "cases: [zz-none, "))
+    return e.run_args()
+
+
+@case("policy-wrong-suffix", 3, "policy.txt", "suffix")
+def _(e: Env) -> list[str]:
+    shutil.copy(e.ex / "policy.yaml", e.ex / "policy.txt")
+    e.set_cycle(policy="policy.txt")
+    return e.run_args()
+
+
+@case("policy-json-deep", 3, "policy.json", "deeper than 64")
+def _(e: Env) -> list[str]:
+    (e.ex / "policy.json").write_text('{"schema": 1, "cases": ' + "[" * 100 + "]" * 100 + "}")
+    e.set_cycle(policy="policy.json")
+    return e.run_args()
+
+
+# role policies
+@case("roles-memory-zero", 3, "roles.yaml", "roles.analyst.memory", "positive")
+def _(e: Env) -> list[str]:
+    e.roles_yaml(lambda d: d["roles"]["analyst"].update(memory=0))
+    return e.run_args()
+
+
+@case("roles-memory-zero-string", 3, "roles.yaml", "roles.worker.memory")
+def _(e: Env) -> list[str]:
+    e.roles_yaml(lambda d: d["roles"]["worker"].update(memory="0m"))
+    return e.run_args()
+
+
+@case("roles-memory-float", 3, "roles.yaml", "roles.analyst.memory")
+def _(e: Env) -> list[str]:
+    e.roles_yaml(lambda d: d["roles"]["analyst"].update(memory=1.5))
+    return e.run_args()
+
+
+@case("roles-tmpfs-null", 3, "roles.yaml", "roles.analyst.tmpfs")
+def _(e: Env) -> list[str]:
+    e.roles_yaml(lambda d: d["roles"]["analyst"].update(tmpfs=None))
+    return e.run_args()
+
+
+@case("roles-timeout-inf", 3, "roles.yaml", "non-finite")
+def _(e: Env) -> list[str]:
+    text = ROLES.read_text().replace("timeout_s: 120", "timeout_s: .inf", 1)
+    e.write("roles.yaml", text)
+    e.set_cycle(roles=str(e.root / "roles.yaml"))
+    return e.run_args()
+
+
+@case("roles-timeout-string-inf", 3, "roles.yaml", "roles.analyst.timeout_s")
+def _(e: Env) -> list[str]:
+    e.roles_yaml(lambda d: d["roles"]["analyst"].update(timeout_s="inf"))
+    return e.run_args()
+
+
+@case("roles-alias-bomb", 3, "roles.yaml", "anchors")
+def _(e: Env) -> list[str]:
+    e.write("roles.yaml", BOMB + ROLES.read_text())
+    e.set_cycle(roles=str(e.root / "roles.yaml"))
+    return e.run_args()
+
+
+@case("roles-not-utf8", 3, "roles.yaml", "not UTF-8")
+def _(e: Env) -> list[str]:
+    e.write("roles.yaml", ROLES.read_bytes().replace(b"image: analyst", b"image: an\xffalyst"))
+    e.set_cycle(roles=str(e.root / "roles.yaml"))
+    return e.run_args()
+
+
+@case("roles-privileged", 3, "roles.yaml", "roles.analyst.privileged")
+def _(e: Env) -> list[str]:
+    e.roles_yaml(lambda d: d["roles"]["analyst"].update(privileged=True))
+    return e.run_args()
+
+
+@case("roles-missing-apply", 3, "roles.yaml", "roles", "apply")
+def _(e: Env) -> list[str]:
+    e.roles_yaml(lambda d: d["roles"].pop("apply"))
+    return e.run_args()
+
+
+# scripted-provider scripts
+def _script(e: Env, text: str | bytes) -> list[str]:
+    (e.ex / "scripts" / "target.yaml").write_bytes(
+        text.encode() if isinstance(text, str) else text)
+    return e.run_args()
+
+
+@case("script-not-utf8", 3, "target.yaml", "not UTF-8")
+def _(e: Env) -> list[str]:
+    return _script(e, b"schema: 1\nrules: []\ndefault: {reply: \"\xff\"}\n")
+
+
+@case("script-rules-not-mappings", 3, "target.yaml", "rules[0]")
+def _(e: Env) -> list[str]:
+    return _script(e, "schema: 1\nrules: [1, 2]\n")
+
+
+@case("script-rule-without-reply", 3, "target.yaml", "rules[0]", "reply")
+def _(e: Env) -> list[str]:
+    return _script(e, "schema: 1\nrules: [{when: {role: analyst}}]\n")
+
+
+@case("script-bad-regex", 3, "target.yaml", "rules[0].when.last_user_regex")
+def _(e: Env) -> list[str]:
+    return _script(e, "schema: 1\nrules: [{when: {last_user_regex: '(('}, reply: x}]\n")
+
+
+@case("script-unknown-condition", 3, "target.yaml", "rules[0].when.sometimes")
+def _(e: Env) -> list[str]:
+    return _script(e, "schema: 1\nrules: [{when: {sometimes: true}, reply: x}]\n")
+
+
+@case("script-schema-missing", 3, "target.yaml", "schema")
+def _(e: Env) -> list[str]:
+    return _script(e, "rules: []\n")
+
+
+# a prepared plan
+@case("plan-missing", 3, "plan.json", "does not exist")
+def _(e: Env) -> list[str]:
+    return ["cycle", "run", "--plan", str(e.root / "plan.json")]
+
+
+@case("plan-not-json", 3, "plan.json", "invalid JSON")
+def _(e: Env) -> list[str]:
+    return ["cycle", "run", "--plan", str(e.write("plan.json", "plan: yaml\n"))]
+
+
+@case("plan-is-a-list", 3, "plan.json", "expected a mapping")
+def _(e: Env) -> list[str]:
+    return ["cycle", "run", "--plan", str(e.write("plan.json", "[]"))]
+
+
+@case("plan-run-by-another-process", 3, "being run by another process")
+def _(e: Env) -> list[str]:
+    plan = e.prepare()
+    fd = os.open(plan, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as the racing process that got there first
+    e.vars["_LOCK_FD"] = str(fd)
+    e.untouched.append(plan.parent)
+    return ["cycle", "run", "--plan", str(plan)]
+
+
+@case("freeze-out-exists", 3, "already exists")
+def _(e: Env) -> list[str]:
+    e.write("out/keep.txt", "evidence")
+    e.untouched.append(e.out)
+    return ["freeze", str(e.cycle), "--out", str(e.out)]
+
+
+@case("freeze-bad-replay", 3, "cycle.yaml", "replay_from")
+def _(e: Env) -> list[str]:
+    (e.root / "not-a-run").mkdir()
+    return ["freeze", str(e.cycle), "--out", str(e.out), "--replay", str(e.root / "not-a-run")]
+
+
+# compare
+def _records(e: Env, text: str | bytes) -> list[str]:
+    bad = e.write("bad.jsonl", text)
+    return ["compare", "--baseline", str(bad), "--candidate", str(bad), "--policy",
+            str(e.ex / "policy.yaml"), "--out", str(e.out)]
+
+
+@case("compare-records-missing", 3, "nope.jsonl", "does not exist")
+def _(e: Env) -> list[str]:
+    return ["compare", "--baseline", str(e.root / "nope.jsonl"), "--candidate",
+            str(e.root / "nope.jsonl"), "--policy", str(e.ex / "policy.yaml"),
+            "--out", str(e.out)]
+
+
+@case("compare-records-deep", 3, "bad.jsonl:1", "deeper than 64")
+def _(e: Env) -> list[str]:
+    return _records(e, '{"case_id": ' + "[" * 3000 + "]" * 3000 + "}\n")
+
+
+@case("compare-records-not-utf8", 3, "bad.jsonl", "not UTF-8")
+def _(e: Env) -> list[str]:
+    return _records(e, b'{"case_id": "\xff"}\n')
+
+
+@case("compare-records-list-line", 3, "bad.jsonl:2", "expected a mapping")
+def _(e: Env) -> list[str]:
+    return _records(e, "\n[1, 2]\n")
+
+
+@case("compare-records-bad-field", 3, "bad.jsonl:1", "trial")
+def _(e: Env) -> list[str]:
+    return _records(e, json.dumps({"case_id": "a", "trial": -1, "split": "development",
+                                   "status": "ok", "identities": {
+                                       "data_hash": "x", "reference_hash": "y",
+                                       "scorer": "z"}}) + "\n")
+
+
+@case("compare-policy-missing", 3, "nope.yaml", "does not exist")
+def _(e: Env) -> list[str]:
+    good = e.write("empty.jsonl", "")
+    return ["compare", "--baseline", str(good), "--candidate", str(good), "--policy",
+            str(e.root / "nope.yaml"), "--out", str(e.out)]
+
+
+@case("compare-out-exists", 3, "exists")
+def _(e: Env) -> list[str]:
+    e.write("out/verdict.json", "{}")
+    e.untouched.append(e.out)
+    good = e.write("empty.jsonl", "")
+    return ["compare", "--baseline", str(good), "--candidate", str(good), "--policy",
+            str(e.ex / "policy.yaml"), "--out", str(e.out)]
+
+
+# receipts
+@case("receipt-missing", 3, "receipt.json", "does not exist")
+def _(e: Env) -> list[str]:
+    (e.root / "run").mkdir()
+    return ["receipt", "verify", str(e.root / "run")]
+
+
+@case("receipt-is-a-list", 3, "receipt.json", "expected a mapping")
+def _(e: Env) -> list[str]:
+    e.write("run/receipt.json", "[]")
+    return ["receipt", "verify", str(e.root / "run")]
+
+
+@case("receipt-empty-object", 3, "receipt.json", "schema")
+def _(e: Env) -> list[str]:
+    e.write("run/receipt.json", "{}")
+    return ["receipt", "verify", str(e.root / "run")]
+
+
+@case("receipt-files-not-mapping", 3, "receipt.json", "files")
+def _(e: Env) -> list[str]:
+    e.write("run/receipt.json", '{"schema": 1, "plan_hash": "x", "files": []}')
+    return ["receipt", "verify", str(e.root / "run")]
+
+
+@case("receipt-dir-missing", 3, "not a directory")
+def _(e: Env) -> list[str]:
+    return ["receipt", "verify", str(e.root / "no-run")]
+
+
+@case("receipt-compare-list", 3, "receipt.json", "expected a mapping")
+def _(e: Env) -> list[str]:
+    e.write("a/receipt.json", "[]")
+    e.write("b/receipt.json", "[]")
+    return ["receipt", "compare", str(e.root / "a"), str(e.root / "b")]
+
+
+# apply
+def _apply(e: Env, proposal: Path, *, repo: Path = PROJECT_ROOT, ref: str = "HEAD",
+           subdir: str | None = None) -> list[str]:
+    args = ["apply", "--proposal", str(proposal), "--repo", str(repo), "--ref", ref,
+            "--paths", "prompts/system.md", "--allowlist", "prompts/*", "--out", str(e.out)]
+    return [*args, "--subdir", subdir] if subdir is not None else args
+
+
+def _good_proposal(e: Env) -> Path:
+    return e.write("proposal.json", json.dumps({"files": [
+        {"path": "prompts/system.md", "content": "x\n"}], "rationale": "r"}))
+
+
+@case("apply-proposal-missing", 3, "proposal.json", "does not exist")
+def _(e: Env) -> list[str]:
+    return _apply(e, e.root / "proposal.json")
+
+
+@case("apply-proposal-not-json", 3, "proposal.json", "invalid JSON")
+def _(e: Env) -> list[str]:
+    return _apply(e, e.write("proposal.json", "files: []"))
+
+
+@case("apply-proposal-files-not-list", 3, "proposal.json", "files")
+def _(e: Env) -> list[str]:
+    return _apply(e, e.write("proposal.json", '{"files": {"a": 1}}'))
+
+
+@case("apply-repo-missing", 3, "--repo", "does not exist")
+def _(e: Env) -> list[str]:
+    return _apply(e, _good_proposal(e), repo=e.root / "nope")
+
+
+@case("apply-repo-not-git", 3, "--repo", "not a git repository")
+def _(e: Env) -> list[str]:
+    (e.root / "plain").mkdir()
+    return _apply(e, _good_proposal(e), repo=e.root / "plain")
+
+
+@case("apply-bad-ref", 3, "--ref", "nope-ref")
+def _(e: Env) -> list[str]:
+    return _apply(e, _good_proposal(e), ref="nope-ref")
+
+
+@case("apply-subdir-escapes", 3, "--subdir", "escapes")
+def _(e: Env) -> list[str]:
+    return _apply(e, _good_proposal(e), subdir="../x")
+
+
+# dream compare (two arms under one --out)
+@case("dream-compare-bad-manifest", 3, "manifest.json", "scenarios[0].split")
+def _(e: Env) -> list[str]:
+    e.set_cycle(dream={"mode": "template"})
+    m = e.manifest()
+    m["scenarios"][0]["split"] = "holdout"
+    e.set_manifest(m)
+    return ["dream", "compare", str(e.cycle), "--out", str(e.out)]
+
+
+# review packet and gateway
+@case("review-manifest-deep", 3, "manifest.json", "deeper than 64")
+def _(e: Env) -> list[str]:
+    good = e.write("empty.jsonl", "")
+    man = e.write("manifest.json", "[" * 100 + "]" * 100)
+    return ["review", "packet", "--records", str(good), "--manifest", str(man),
+            "--out", str(e.out)]
+
+
+@case("gateway-calls-not-a-run", 3, "calls.jsonl")
+def _(e: Env) -> list[str]:
+    return ["gateway", "calls", str(e.root)]
+
+
+# -- the test ------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    code: int | str
+    stderr: str
+    first_line: str
+    written: list[str]
+    seconds: float
+
+
+def _snapshot(p: Path) -> dict[str, bytes]:
+    if p.is_file():
+        return {"": p.read_bytes()}
+    return {str(q.relative_to(p)): (q.read_bytes() if q.is_file() else b"<dir>")
+            for q in sorted(p.rglob("*"))}
+
+
+def run_case(c: Case, root: Path) -> Outcome:
+    e = make_env(root)
+    args = c.build(e)
+    lock_fd = e.vars.pop("_LOCK_FD", None)
+    before = {str(p): _snapshot(p) for p in e.untouched}
+    t0 = time.monotonic()
+    try:
+        code, _, err = run_cli(args, e.vars)
+    finally:
+        if lock_fd is not None:
+            os.close(int(lock_fd))
+    seconds = time.monotonic() - t0
+    written = []
+    if e.out.exists() and str(e.out) not in before:
+        written.append(str(e.out.relative_to(root)))
+    for p, snap in before.items():
+        if _snapshot(Path(p)) != snap:
+            written.append(f"{Path(p).relative_to(root)} (changed)")
+    prepared = root / "prepared"
+    for extra in ("stages", "containers.jsonl", "gateway"):
+        if (prepared / extra).exists():
+            written.append(f"prepared/{extra}")
+    # the case's own directory is taken out, so that no expectation matches by the path
+    first = next((ln for ln in err.splitlines() if ln.strip()), "").replace(str(root), "…")
+    return Outcome(code, err, first, written, seconds)
+
+
+@pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
+def test_bad_input(c: Case, tmp_path: Path) -> None:
+    o = run_case(c, tmp_path)
+    assert "Traceback" not in o.stderr, o.stderr
+    assert o.code == c.code, o.stderr
+    for s in c.expect:
+        assert s in o.first_line, f"{s!r} not in first line {o.first_line!r}"
+    assert o.first_line.startswith("error:"), o.first_line
+    assert o.written == [], o.written
+
+
+def test_table_has_at_least_sixty_cases() -> None:
+    assert len(CASES) >= 60
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+SAMPLE = ("cycle-not-utf8", "roles-memory-zero", "receipt-is-a-list", "manifest-absolute-store")
+
+
+@pytest.mark.parametrize("name", SAMPLE)
+def test_same_answers_from_the_installed_command(name: str, tmp_path: Path) -> None:
+    """The in-process runs above answer exactly as the installed executable does."""
+    c = next(c for c in CASES if c.id == name)
+    e = make_env(tmp_path)
+    args = c.build(e)
+    res = subprocess.run([CLI, *args], capture_output=True, text=True, timeout=120,
+                         check=False, env={**os.environ, **e.vars})
+    assert "Traceback" not in res.stderr
+    assert res.returncode == c.code, res.stderr
+    first = next(ln for ln in res.stderr.splitlines() if ln.strip()).replace(str(tmp_path), "…")
+    assert all(s in first for s in c.expect), first
+    assert not e.out.exists()
+
+
+def test_racing_freezes_get_one_run_and_one_refusal(tmp_path: Path) -> None:
+    """Two processes freezing into the same --out: one plan, one clear refusal (exit 3)."""
+    e = make_env(tmp_path)
+    args = [CLI, "cycle", "run", str(e.cycle), "--out", str(e.out), "--prepare-only"]
+    env = {**os.environ, **e.vars}
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for _ in range(2)]
+    results = [(p.wait(timeout=120), p.stderr.read() if p.stderr else "") for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 3], results
+    loser = next(err for code, err in results if code == 3)
+    assert "Traceback" not in loser and "FileExistsError" not in loser
+    assert str(e.out) in loser and "already exists" in loser
+    assert (e.out / "plan.json").is_file()
