@@ -1,7 +1,8 @@
 """Training corpus export (SPEC §11) on a hand-built run directory: trajectories per
 (stage, case, trial) with turns in order and nothing lost, prompts that are the exact
-recorded bytes, r_format per trajectory, r_outcome null (never 0) where ungraded, labels
-joined by hash, and refusal without a calibration that meets the policy."""
+recorded bytes, r_format per trajectory, r_outcome from correctness, from refusal on a
+refuse case, null (never 0) where ungraded, labels joined by hash, verl parquet rows, and
+refusal without a calibration of this run that meets the policy."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from typing import Any
 import pytest
 
 from runner.cycle.models import Grades, Identities, Record
-from runner.cycle.review import calibrate, make_packet, write_calibration
+from runner.cycle.review import bind_run, calibrate, make_packet, write_calibration
 from runner.errors import ConfigError, IntegrityError
 from runner.export import ExportPolicy, export, join_key, reply_of
+from runner.hashing import sha256_bytes, sha256_file
 from runner.gateway.calllog import CallLog, CallRecord, CallStatus
 
 IDS = Identities(data_hash="d" * 64, reference_hash="r" * 64, scorer="scorer-1")
@@ -57,24 +59,29 @@ CALLS: list[Call] = [
     Call("baseline", "c1", 0, 1, "json"),
 ]
 
-# Graded records, deliberately not in trajectory order; baseline and candidate c1#0 differ,
-# so a join by (case, trial) or by position would be caught.
+# Graded records (case, trial, correctness, refusal), deliberately not in trajectory order;
+# baseline and candidate c1#0 differ, so a join by (case, trial) or by position is caught.
 BASELINE = [
-    ("c2", 0, None),   # refusal case: graded on refusal only, correctness not applicable
-    ("c1", 1, True),
-    ("c1", 0, True),
+    ("c2", 0, None, True),   # refuse case: graded on refusal, correctness not applicable
+    ("c1", 1, True, True),
+    ("c1", 0, True, True),
 ]
 CANDIDATE = [
-    ("c2", 0, False),
-    ("c9", 0, True),   # a record with no trajectory
-    ("c1", 0, False),
-]                      # candidate c3#0 has a trajectory and no record
+    ("c2", 0, None, False),  # refuse case answered: refusal wrong -> 0.0
+    ("c9", 0, True, True),   # a record with no trajectory
+    ("c1", 0, False, True),  # refusal right but the answer wrong -> 0.0 (graded on correctness)
+]                            # candidate c3#0 has a trajectory and no record
+
+# The frozen references: c2 must be declined, the rest have a number.
+REFERENCES = {"c1": {"kind": "number", "value": 4.0}, "c2": {"kind": "refuse", "value": None},
+              "c3": {"kind": "text", "value": "Product 22"}, "c4": {"kind": "number", "value": 1},
+              "c5": {"kind": "number", "value": 2}, "c9": {"kind": "number", "value": 3}}
 
 # Hand count per trajectory, sorted by (stage, case, trial): (turns, r_format, r_outcome).
 EXPECTED: dict[Key, tuple[int, int, float | None]] = {
     ("baseline", "c1", 0): (3, 1, 1.0),
     ("baseline", "c1", 1): (2, 0, 1.0),
-    ("baseline", "c2", 0): (1, 1, None),
+    ("baseline", "c2", 0): (1, 1, 1.0),
     ("candidate", "c1", 0): (2, 1, 0.0),
     ("candidate", "c2", 0): (1, 0, 0.0),
     ("candidate", "c3", 0): (2, 1, None),
@@ -100,18 +107,37 @@ def response_bytes(seq: int, c: Call) -> bytes | None:
                                  "total_tokens": 8}}).encode()
 
 
-def record(case: str, trial: int, correctness: bool | None) -> Record:
-    refusal = True if correctness is None else None
+def record(case: str, trial: int, correctness: bool | None,
+           refusal: bool | None = None) -> Record:
     return Record(case_id=case, trial=trial, split="acceptance", status="ok",
                   answer={"answer": f"{case}/{trial}", "evidence": ["t"], "refused": False},
                   grades=Grades(correctness=correctness, refusal=refusal), identities=IDS)
 
 
+def manifest_bytes() -> bytes:
+    return json.dumps({
+        "schema": 1, "dataset": "fx", "split": "acceptance", "stores": {},
+        "reference_hash": "r" * 64, "data_hash": "d" * 64,
+        "scenarios": [{"id": c, "split": "acceptance", "input": {"question": f"q {c}"},
+                       "reference": ref, "mandatory": c == "c2", "store": "s"}
+                      for c, ref in REFERENCES.items()]}).encode()
+
+
+def seal(run: Path, plan_hash: str = "p" * 64) -> Path:
+    """Write the run's receipt.json naming its records files (what a finished run has)."""
+    files = {p.relative_to(run).as_posix(): sha256_file(p)
+             for p in sorted((run / "stages").rglob("records.jsonl"))}
+    (run / "receipt.json").write_text(json.dumps({"plan_hash": plan_hash, "files": files}))
+    return run
+
+
 @pytest.fixture
 def run(tmp_path: Path) -> Path:
     d = tmp_path / "run"
-    d.mkdir()
-    (d / "plan.json").write_text(json.dumps({"plan": {"dataset": "fx"}}))
+    (d / "inputs").mkdir(parents=True)
+    (d / "inputs" / "manifest.json").write_bytes(manifest_bytes())
+    (d / "plan.json").write_text(json.dumps({"plan": {
+        "dataset": "fx", "manifest_sha256": sha256_bytes(manifest_bytes())}}))
     log = CallLog(d / "gateway")
     for c in CALLS:
         seq = log.next_seq()
@@ -130,14 +156,17 @@ def run(tmp_path: Path) -> Path:
         f = d / "stages" / side / "records.jsonl"
         f.parent.mkdir(parents=True)
         f.write_text("".join(record(*r).model_dump_json() + "\n" for r in rows))
-    return d
+    return seal(d)
 
 
-def _calibration(tmp_path: Path, name: str, relabel: Any) -> Path:
-    """A calibration result for the baseline records; relabel maps a model rating to the
-    human label (None leaves the cell unlabelled)."""
+def _calibration(tmp_path: Path, name: str, relabel: Any, run: Path | None = None) -> Path:
+    """A calibration result for the baseline records of ``run`` (default tmp_path/run),
+    bound to it; relabel maps a model rating to the human label (None leaves the cell
+    unlabelled)."""
+    run = run or tmp_path / "run"
+    binding = bind_run(run, run / "stages" / "baseline" / "records.jsonl")
     recs = [record(*r) for r in BASELINE] + [record("c5", 0, False)]
-    packet = make_packet(recs, tmp_path / f"packet-{name}", reviewer="rev")
+    packet = make_packet(recs, tmp_path / f"packet-{name}", reviewer="rev", run=binding)
     ratings = json.loads((packet / "judge-ratings.json").read_text())["ratings"]
     doc = json.loads((packet / "human-labels.json").read_text())
     for item, row in ratings.items():
@@ -312,11 +341,15 @@ def test_r_outcome_from_correctness_and_null_when_ungraded(run: Path, calibratio
             assert t["r_outcome"] is None and t["r_outcome"] != 0
         else:
             assert t["r_outcome"] == outcome and isinstance(t["r_outcome"], float)
-    # ungraded refusal case and the trajectory with no record: key present, JSON null
+    # the trajectory with no record: key present, JSON null
     for line in lines:
         t = json.loads(line)
-        if (t["stage"], t["case_id"]) in {("baseline", "c2"), ("candidate", "c3")}:
-            assert '"r_outcome": null' in line
+        if (t["stage"], t["case_id"]) == ("candidate", "c3"):
+            assert '"r_outcome": null' in line and t["r_outcome_basis"] is None
+    # the refuse case is graded on refusal, both ways; the others on correctness
+    assert trajs[("baseline", "c2", 0)]["r_outcome_basis"] == "refusal"
+    assert trajs[("candidate", "c2", 0)]["r_outcome_basis"] == "refusal"
+    assert trajs[("candidate", "c1", 0)]["r_outcome_basis"] == "correctness"
 
 
 # -- refusals ---------------------------------------------------------------------------
@@ -343,10 +376,20 @@ def test_refused_when_kappa_below_policy(run: Path, tmp_path: Path) -> None:
 
 
 def test_refused_when_kappa_undefined(run: Path, tmp_path: Path) -> None:
-    cal = _calibration(tmp_path, "unlabelled", lambda v: None)
-    assert json.loads(cal.read_text())["cohen_kappa"]["overall"] is None
+    cal = _calibration(tmp_path, "all-na", lambda v: "na")  # complete, but no pair to compare
+    doc = json.loads(cal.read_text())
+    assert doc["cohen_kappa"]["overall"] is None and doc["complete"] is True
     out = tmp_path / "out"
-    with pytest.raises(ConfigError, match="kappa None"):
+    with pytest.raises(ConfigError, match="kappa_below_policy: calibration kappa None"):
+        export(run, out, calibration=cal, policy=POLICY)
+    assert not out.exists()
+
+
+def test_refused_when_coverage_incomplete(run: Path, tmp_path: Path) -> None:
+    cal = _calibration(tmp_path, "unlabelled", lambda v: None)
+    assert json.loads(cal.read_text())["complete"] is False
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match="calibration_incomplete: coverage 0.0"):
         export(run, out, calibration=cal, policy=POLICY)
     assert not out.exists()
 
@@ -384,13 +427,16 @@ def test_summary_matches_hand_count(run: Path, calibration: Path, tmp_path: Path
     out = tmp_path / "out"
     summary = export(run, out, calibration=calibration, policy=POLICY)
     # 6 trajectories; turns 3+2+1+2+1+2; r_format 1: b/c1/0, b/c2/0, c/c1/0, c/c3/0;
-    # r_outcome 1.0: b/c1/0, b/c1/1; 0.0: c/c1/0, c/c2/0; null: b/c2/0, c/c3/0.
+    # r_outcome 1.0: b/c1/0, b/c1/1, b/c2/0 (refusal); 0.0: c/c1/0, c/c2/0 (refusal);
+    # null: c/c3/0. Parquet: all 6 in rl; sft only the 3 that passed.
     assert summary == {
         "trajectories": 6,
         "turns": 11,
         "r_format": {"1": 4, "0": 2},
-        "r_outcome": {"1": 2, "0": 2, "null": 2},
+        "r_outcome": {"1": 3, "0": 2, "null": 1},
+        "r_outcome_basis": {"correctness": 3, "refusal": 2},
         "format_pass_rate": 0.6667,
+        "rl_rows": 6, "sft_rows": 3, "not_in_parquet": {"sft_not_passed": 3},
         "fixture": False,  # the only fixture call is the worker's, which is not exported
     }
     assert json.loads((out / "summary.json").read_text()) == summary
