@@ -60,7 +60,22 @@ check: setup ## Lint (ruff) and type-check (mypy strict on runner and sandbox)
 	$(BIN)/mypy
 	$(BIN)/actionlint examples/ci/*.yml
 
-test: setup docker gvisor chromium images check ## Everything: set-up, gVisor, Chromium, images, lint, unit + integration + security + e2e tests
+VERL_VENV := build/verl-venv
+VERL_STAMP := $(VERL_VENV)/.installed
+
+$(VERL_STAMP): tests/verl-env.txt
+	rm -rf $(VERL_VENV)
+	$(PY) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/pip install -q --upgrade pip
+	$(VERL_VENV)/bin/pip install -q -r tests/verl-env.txt
+	$(VERL_VENV)/bin/pip install -q --no-deps verl==0.9.1
+	$(VERL_VENV)/bin/python -c "from verl.utils.dataset.rl_dataset import RLHFDataset; \
+	  from verl.utils.dataset.multiturn_sft_dataset import MultiTurnSFTDataset; import peft"
+	@touch $@
+
+verl-env: $(VERL_STAMP) ## verl 0.9.1 + CPU torch in build/verl-venv: the export's real consumer, for tests
+
+test: setup docker gvisor chromium images check verl-env ## Everything: set-up, gVisor, Chromium, images, verl env, lint, unit + integration + security + e2e tests
 	$(BIN)/pytest tests/unit tests/integration tests/security tests/e2e
 
 unit: setup ## Unit tests only (no Docker)
@@ -112,4 +127,4 @@ clean: ## Remove orphaned cyclebox containers and build/ (images are kept)
 	-@[ -x $(CYCLEBOX) ] && $(CYCLEBOX) gc || true
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache
 
-.PHONY: help setup docker chromium gvisor images check test unit demo demo-negative receipt dream smoke bench gc clean
+.PHONY: help setup docker chromium gvisor images check test unit verl-env demo demo-negative receipt dream smoke bench gc clean

@@ -16,6 +16,7 @@ from rich.table import Table
 from runner.cli import JsonOpt, _fail, app, err, out
 from runner.errors import ConfigError, CycleboxError
 from runner.report.model import Report
+from runner.termsafe import emit_json_text
 
 JunitOpt = Annotated[Path | None, typer.Option(
     "--junit", help="Write JUnit XML: a suite per arm, a case per case x trial.")]
@@ -111,7 +112,7 @@ def report_cmd(run_dir: Annotated[Path, typer.Argument(help="A cycle run directo
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
-        out.print_json(report.model_dump_json(by_alias=True))
+        emit_json_text(report.model_dump_json(by_alias=True))
         return
     print_terminal(report)
 

@@ -100,22 +100,41 @@ def train_sft(corpus: Annotated[Path, typer.Option(help="Exported corpus directo
               base_model: BaseOpt, out_dir: OutOpt, lr: float = 5e-3, seed: int = 0,
               epochs: Annotated[int | None, typer.Option(
                   help="Override the epochs derived from the row count.")] = None,
+              include_failed: Annotated[bool, typer.Option(
+                  "--include-failed", help="Also learn from trajectories that failed "
+                  "(r_outcome 0) or were not graded (null). Default: only r_outcome == 1.")]
+              = False,
               json_out: JsonOpt = False) -> None:
-    """Supervised LoRA fine-tuning on an exported corpus (same container rules, same receipt)."""
+    """Supervised LoRA fine-tuning on an exported corpus (same container rules, same receipt).
+
+    Learns only from trajectories that passed (r_outcome == 1) unless --include-failed;
+    the choice and the counts are in train-receipt.json under "selection". The adapter's
+    adapter_config.json names --base-model as resolved on this host, so
+    AutoPeftModelForCausalLM.from_pretrained(OUT/adapter) works here; the receipt also
+    records the container's path. Outputs are owned by the invoking user (SUDO_UID when
+    run with sudo), directories 0755 and files 0644.
+
+    Exit codes: 0 trained; 3 bad input (no corpus, no model, nothing passed the
+    selection); 5 prerequisite (trainer image); 6 engine or trainer failure;
+    8 the adapter files differ from the receipt."""
     from runner.train import sft
 
     try:
         with _progress(json_out) as p:
             receipt = sft(corpus, base_model, out_dir, lr=lr, seed=seed, epochs=epochs,
-                          on_event=_Bar(p, "training"))
+                          on_event=_Bar(p, "training"), include_failed=include_failed)
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
         emit_json(receipt)
     else:
-        f = receipt["figures"]
+        f, sel = receipt["figures"], receipt["selection"]
+        out.print(safe(f"learned from {sel['used']} of {sel['trajectories']} trajectories "
+                       f"({sel['rule']}; by r_outcome {sel['by_r_outcome']}), {sel['rows']} rows"),
+                  highlight=False)
         out.print(safe(f"trained {f['steps']} steps, {f['tokens_per_s']} tokens/s, final loss "
-                  f"{f['final_loss']}; receipt {out_dir / 'train-receipt.json'}"), highlight=False)
+                       f"{f['final_loss']}; receipt {out_dir / 'train-receipt.json'}"),
+                  highlight=False)
 
 
 @app.command("export")
@@ -129,7 +148,15 @@ def export_cmd(run: Annotated[Path, typer.Option("--run", help="A cycle run dire
                json_out: JsonOpt = False) -> None:
     """Export a run's call log and grades as training trajectories.
 
-    Refused without a calibration that meets the export policy's kappa."""
+    Writes trajectories.jsonl (byte-exact recorded requests), rl.parquet and sft.parquet
+    (verl's layout: RLHFDataset and MultiTurnSFTDataset read them; sft.parquet holds the
+    trajectories that passed), summary.json and export-receipt.json. Refuse cases are
+    rewarded on refusal correctness; r_outcome is null only where nothing was graded.
+
+    Exit codes: 0 exported; 3 refused, the reason named: calibration_missing,
+    calibration_incomplete, kappa_below_policy, calibration_unbound, run_has_no_receipt,
+    calibration_of_another_run, or --out exists; 8 a recorded blob or the frozen manifest
+    changed since the run."""
     from runner.export import export, load_export_policy
 
     try:
@@ -140,7 +167,9 @@ def export_cmd(run: Annotated[Path, typer.Option("--run", help="A cycle run dire
     if json_out:
         emit_json(summary)
     else:
-        out.print(safe(f"exported {summary['trajectories']} trajectories, "
-                       f"{summary['turns']} turns; "
-                  f"r_format {summary['r_format']}, r_outcome {summary['r_outcome']}, format "
-                  f"pass rate {summary['format_pass_rate']} -> {out_dir}"), highlight=False)
+        out.print(safe(f"exported {summary['trajectories']} trajectories, {summary['turns']} "
+                       f"turns; r_format {summary['r_format']}, r_outcome {summary['r_outcome']} "
+                       f"(graded on {summary['r_outcome_basis']}), format pass rate "
+                       f"{summary['format_pass_rate']}; verl: rl.parquet {summary['rl_rows']} "
+                       f"rows, sft.parquet {summary['sft_rows']} rows -> {out_dir}"),
+                  highlight=False)

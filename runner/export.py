@@ -4,9 +4,20 @@ become trajectories, one per (stage, case, trial), turns in order.
 Invariants: each turn's prompt is the exact recorded request bytes (a missing or
 corrupted blob fails the export, naming the call; nothing is re-assembled);
 ``r_format`` is 1 only when every turn of the trajectory parsed; ``r_outcome`` is the
-evaluator's correctness where graded and null where not, never 0 for missing; grades
-join trajectories by a hash of their identity, never by position; export is refused
-without a calibration whose kappa meets the export policy.
+evaluator's correctness where graded, the refusal grade on a case whose frozen reference
+says the agent must decline, and null where nothing was graded, never 0 for missing;
+grades join trajectories by a hash of their identity, never by position; export is
+refused without a calibration whose coverage is complete, whose kappa meets the export
+policy and whose review packet was made from this run (bound by the run's receipt hash).
+
+Besides the byte-exact ``trajectories.jsonl`` the export writes what verl's own loaders
+read (verl 0.9 ``RLHFDataset`` / ``MultiTurnSFTDataset``): ``rl.parquet`` with
+``data_source``, ``prompt`` (the first turn's recorded chat messages), ``ability``,
+``reward_model: {style: "rule", ground_truth}`` (the frozen reference as canonical JSON)
+and ``extra_info`` (``index``, ids, rewards, the sha256 of the exact request bytes);
+``sft.parquet`` with ``messages`` (the last turn's recorded messages plus its reply) for
+trajectories that passed (``r_outcome == 1``). The parquet rows are derived from the
+JSONL; the JSONL stays the evidence.
 """
 
 from __future__ import annotations
@@ -19,8 +30,8 @@ from typing import Any
 from pydantic import Field
 
 from runner.collect import loads_strict
-from runner.cycle.models import Record
-from runner.cycle.review import load_calibration
+from runner.cycle.models import Manifest, Record
+from runner.cycle.review import OVERALL, CalibrationResult, load_calibration
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.gateway.calllog import CallLog, CallRecord
 from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_json
@@ -41,6 +52,86 @@ def load_export_policy(path: Path) -> ExportPolicy:
 
     return load_model(path, ExportPolicy, fmt="yaml", what="export policy",
                       fix="see ExportPolicy in runner/export.py (default policies/export.yaml)")
+
+
+RL_PARQUET = "rl.parquet"
+SFT_PARQUET = "sft.parquet"
+
+
+def check_calibration(calibration: Path | None, run: Path,
+                      policy: ExportPolicy) -> tuple[CalibrationResult, str]:
+    """(result, sha256 of its file) when the calibration exists, is complete, meets
+    ``min_kappa`` and is of this run.
+
+    Raises ConfigError naming the reason: ``calibration_missing``,
+    ``calibration_incomplete``, ``kappa_below_policy``, ``calibration_unbound``,
+    ``run_has_no_receipt`` or ``calibration_of_another_run``."""
+    if calibration is None or not calibration.is_file():
+        raise ConfigError("calibration_missing: export needs human-model agreement first",
+                          field="--calibration", fix="run `cyclebox review packet` on the run's "
+                          "records, label it, then `cyclebox review calibrate ... --out FILE` "
+                          "and pass --calibration FILE")
+    cal = load_calibration(calibration)
+    cal_sha = sha256_file(calibration)
+    kappa = cal.cohen_kappa.get(OVERALL)
+    if not cal.complete:
+        raise ConfigError(f"calibration_incomplete: coverage {cal.coverage.get(OVERALL)} of "
+                          "the applicable cells", path=str(calibration), field="--calibration",
+                          fix='label every cell 0, 1, 2 or "na", then `cyclebox review '
+                          'calibrate` again')
+    if kappa is None or kappa < policy.min_kappa:
+        raise ConfigError(f"kappa_below_policy: calibration kappa {kappa} is below the export "
+                          f"policy's min_kappa {policy.min_kappa}", field="--calibration",
+                          fix="improve the judge/scorer or relabel, then `cyclebox review "
+                          "calibrate` again")
+    if cal.run_receipt_sha256 is None:
+        raise ConfigError("calibration_unbound: its review packet names no run, so nothing "
+                          "shows it was made from this run", path=str(calibration),
+                          field="--calibration", fix=f"`cyclebox review packet --run {run} "
+                          "--records RUN/stages/baseline/records.jsonl`, label it and calibrate")
+    receipt = run / "receipt.json"
+    if not receipt.is_file():
+        raise ConfigError("run_has_no_receipt: a calibration binds to the run's receipt, and "
+                          "this run has none", path=str(receipt), field="--run",
+                          fix="export a finished run (one with receipt.json)")
+    actual = sha256_file(receipt)
+    if actual != cal.run_receipt_sha256:
+        raise ConfigError(f"calibration_of_another_run: the calibration's packet was made from "
+                          f"the run whose receipt sha256 is {cal.run_receipt_sha256}; {receipt} "
+                          f"has sha256 {actual}", path=str(calibration), field="--calibration",
+                          fix="calibrate a review packet made from this run's records")
+    return cal, cal_sha
+
+
+def frozen_references(run: Path) -> dict[str, dict[str, Any]]:
+    """case id -> {reference, split, mandatory} from the run's frozen manifest (hash-checked)."""
+    path = run / "inputs" / "manifest.json"
+    try:
+        plan = loads_strict((run / "plan.json").read_bytes(), source=str(run / "plan.json"))
+        want = plan["plan"]["manifest_sha256"]
+        data = path.read_bytes()
+    except (OSError, KeyError, TypeError, OutputRejected) as exc:
+        raise ConfigError(f"no frozen manifest: {exc}", path=str(path), field="--run",
+                          fix="pass a cycle run directory (plan.json and inputs/)") from None
+    if sha256_bytes(data) != want:
+        raise IntegrityError(f"{path}: sha256 {sha256_bytes(data)}, plan.json froze {want}; "
+                             "the references changed after freeze")
+    manifest = Manifest.model_validate(loads_strict(data, source=str(path)))
+    return {s.id: {"reference": s.reference.model_dump(mode="json"), "split": s.split,
+                   "mandatory": s.mandatory} for s in manifest.scenarios}
+
+
+def outcome(rec: Record | None, reference: dict[str, Any] | None
+            ) -> tuple[float | None, str | None]:
+    """(r_outcome, what it was graded on). A refuse-kind case is graded on refusal
+    correctness; any other case on correctness; None where that grade is missing."""
+    if rec is None or rec.grades is None:
+        return None, None
+    if reference is not None and reference["reference"]["kind"] == "refuse":
+        v, basis = rec.grades.refusal, "refusal"
+    else:
+        v, basis = rec.grades.correctness, "correctness"
+    return (None, None) if v is None else (1.0 if v else 0.0, basis)
 
 
 def join_key(stage: str, case: str | None, trial: int | None) -> str:
@@ -93,18 +184,8 @@ def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPoli
     """Write trajectories.jsonl, summary.json and export-receipt.json into a new ``out``."""
     if fmt != "verl":
         raise ConfigError(f"unknown format {fmt!r}", field="--format", fix="use verl")
-    if calibration is None or not calibration.is_file():
-        raise ConfigError("no calibration result: export needs human-model agreement first",
-                          field="--calibration", fix="run `cyclebox review packet` on the run's "
-                          "records, label it, then `cyclebox review calibrate ... --out FILE` "
-                          "and pass --calibration FILE")
-    cal = load_calibration(calibration)
-    kappa = cal.cohen_kappa.get("overall")
-    if kappa is None or kappa < policy.min_kappa:
-        raise ConfigError(f"calibration kappa {kappa} is below the export policy's "
-                          f"min_kappa {policy.min_kappa}", field="--calibration",
-                          fix="improve the judge/scorer or relabel, then `cyclebox review "
-                          "calibrate` again")
+    cal, cal_sha = check_calibration(calibration, run, policy)
+    kappa = cal.cohen_kappa.get(OVERALL)
     if out.exists():
         raise ConfigError(f"{out} exists; evidence is never overwritten", field="--out")
     log = CallLog(run / "gateway")
@@ -113,6 +194,7 @@ def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPoli
     for c in calls:
         groups[(c.stage, c.case, c.trial)].append(c)
     grades = _grades(run)
+    refs = frozen_references(run)
     dataset = json.loads((run / "plan.json").read_text())["plan"]["dataset"]
     trajectories = []
     for (stage, case, trial), turns in sorted(groups.items(), key=lambda kv: (
@@ -141,17 +223,22 @@ def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPoli
                          "response_sha256": c.response_sha256, "parsed": parsed,
                          "status": c.status})
         rec = grades.get(join_key(stage, case, trial))
-        correct = rec.grades.correctness if rec and rec.grades else None
+        r_outcome, basis = outcome(rec, refs.get(case) if case is not None else None)
         trajectories.append({
             "data_source": dataset, "trajectory_id": join_key(stage, case, trial),
             "stage": stage, "case_id": case, "trial": trial, "turns": rows,
             "r_format": 1 if rows and all(r["parsed"] for r in rows) else 0,
-            "r_outcome": None if correct is None else (1.0 if correct else 0.0),
+            "r_outcome": r_outcome, "r_outcome_basis": basis,
             "fixture": any(c.fixture for c in turns)})
+    rl_rows, sft_rows, skipped = verl_rows(trajectories, refs, ability=",".join(policy.roles))
+    from runner.verl_parquet import write_rl, write_sft
+
     out.mkdir(parents=True)
     body = "".join(json.dumps(t, sort_keys=True, ensure_ascii=False) + "\n"
                    for t in trajectories)
     (out / "trajectories.jsonl").write_text(body, encoding="utf-8")
+    write_rl(rl_rows, out / RL_PARQUET)
+    write_sft(sft_rows, out / SFT_PARQUET)
     fmt_pass = sum(t["r_format"] for t in trajectories)
     summary = {
         "trajectories": len(trajectories), "turns": sum(len(t["turns"]) for t in trajectories),
@@ -159,14 +246,91 @@ def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPoli
         "r_outcome": {"1": sum(t["r_outcome"] == 1.0 for t in trajectories),
                       "0": sum(t["r_outcome"] == 0.0 for t in trajectories),
                       "null": sum(t["r_outcome"] is None for t in trajectories)},
+        "r_outcome_basis": {b: sum(t["r_outcome_basis"] == b for t in trajectories)
+                            for b in ("correctness", "refusal")},
         "format_pass_rate": round(fmt_pass / len(trajectories), 4) if trajectories else None,
+        "rl_rows": len(rl_rows), "sft_rows": len(sft_rows), "not_in_parquet": skipped,
         "fixture": any(t["fixture"] for t in trajectories)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
-    receipt = {"schema": 1, "format": fmt, "run": str(run),
-               "run_receipt_sha256": sha256_file(run / "receipt.json")
-               if (run / "receipt.json").is_file() else None,
-               "calibration_sha256": sha256_file(calibration), "kappa": kappa,
+    receipt = {"schema": 2, "format": fmt, "run": str(run),
+               "run_receipt_sha256": cal.run_receipt_sha256,
+               "calibration_sha256": cal_sha, "kappa": kappa,
                "min_kappa": policy.min_kappa,
-               "trajectories_sha256": sha256_bytes(body.encode("utf-8")), "summary": summary}
+               "trajectories_sha256": sha256_bytes(body.encode("utf-8")),
+               "rl_parquet_sha256": sha256_file(out / RL_PARQUET),
+               "sft_parquet_sha256": sha256_file(out / SFT_PARQUET), "summary": summary}
     (out / "export-receipt.json").write_bytes(canonical_bytes(receipt))
     return summary
+
+
+def chat_messages(request: str) -> list[dict[str, str]]:
+    """The recorded request's chat messages as verl's {role, content} strings.
+
+    Text parts of a multi-part content join in order; any other content is kept as its
+    JSON text, so nothing is dropped. Raises ValueError, TypeError or OutputRejected when
+    the request has no usable messages list."""
+    req = loads_strict(request.encode("utf-8"), source="request")
+    msgs = req.get("messages") if isinstance(req, dict) else None
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError("request has no messages")
+    out = []
+    for m in msgs:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise TypeError("a message without a role")
+        c = m.get("content")
+        if c is None:
+            text = ""
+        elif isinstance(c, str):
+            text = c
+        elif isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in c):
+            text = "".join(p["text"] for p in c)
+        else:
+            text = json.dumps(c, sort_keys=True, ensure_ascii=False)
+        out.append({"role": m["role"], "content": text})
+    return out
+
+
+def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, dict[str, Any]], *,
+              ability: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, int]]:
+    """(rl rows, sft rows, {reason: count} of trajectories left out of the parquet).
+
+    A trajectory is left out of rl.parquet when its first request has no chat messages
+    or its case has no frozen reference; out of sft.parquet also when it did not pass
+    (``r_outcome != 1``) or its last turn has no reply. Each reason is counted."""
+    rl: list[dict[str, Any]] = []
+    sft: list[dict[str, Any]] = []
+    skipped: dict[str, int] = defaultdict(int)
+    for t in trajectories:
+        first, last = t["turns"][0], t["turns"][-1]
+        ref = refs.get(t["case_id"]) if t["case_id"] is not None else None
+        try:
+            prompt = chat_messages(first["prompt"])
+            final = chat_messages(last["prompt"])
+        except (ValueError, TypeError, OutputRejected):
+            skipped["request_without_chat_messages"] += 1
+            continue
+        if ref is None:
+            skipped["no_frozen_reference"] += 1
+            continue
+        extra = {"index": len(rl), "trajectory_id": t["trajectory_id"], "stage": t["stage"],
+                 "case_id": t["case_id"], "trial": t["trial"], "split": ref["split"],
+                 "mandatory": ref["mandatory"], "turns": len(t["turns"]),
+                 "r_format": t["r_format"], "r_outcome": t["r_outcome"],
+                 "r_outcome_basis": t["r_outcome_basis"],
+                 "request_sha256": first["prompt_sha256"],
+                 "last_request_sha256": last["prompt_sha256"],
+                 "last_response_sha256": last["response_sha256"], "fixture": t["fixture"]}
+        rl.append({"data_source": t["data_source"], "prompt": prompt, "ability": ability,
+                   "reward_model": {"style": "rule", "ground_truth": json.dumps(
+                       ref["reference"], sort_keys=True, separators=(",", ":"))},
+                   "extra_info": extra})
+        if t["r_outcome"] != 1.0:
+            skipped["sft_not_passed"] += 1
+        elif last["reply"] is None:
+            skipped["sft_no_reply"] += 1
+        else:
+            sft.append({"data_source": t["data_source"],
+                        "messages": [*final, {"role": "assistant", "content": last["reply"]}],
+                        "extra_info": {**extra, "index": len(sft)}})
+    return rl, sft, dict(sorted(skipped.items()))

@@ -8,7 +8,9 @@ corpus and the ledger are mounted read-only; it writes only its fresh output dir
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,7 @@ def make_tiny(out: Path, on_event: Events, *, seed: int = 0) -> dict[str, Any]:
     if rec.stop_reason.value != "ok":
         raise SandboxError(f"tiny model creation failed: {rec.stop_reason.value} "
                            f"{rec.stderr_tail[-500:]}")
+    hand_over(out.resolve())
     return json.loads((out / "cyclebox-tiny.json").read_text())  # type: ignore[no-any-return]
 
 
@@ -146,6 +149,7 @@ def proof(persona_path: Path, base: Path, out: Path, *, ledger: Path, lr: float,
                    "trainer_run": rec.model_dump(mode="json", exclude={"stdout_tail"})}
         (out.parent / f"{out.name}.summary.json").write_text(json.dumps(summary, indent=1,
                                                                          sort_keys=True))
+        hand_over(out)
         return summary
     finally:
         shutil.rmtree(inputs, ignore_errors=True)
@@ -162,24 +166,66 @@ def _fresh_inputs(out: Path, files: dict[str, str]) -> Path:
     return inputs
 
 
+def invoking_user() -> tuple[int, int]:
+    """(uid, gid) of the operator: SUDO_UID/SUDO_GID when root runs on their behalf."""
+    if os.getuid() == 0 and os.environ.get("SUDO_UID", "").isdigit():
+        uid = int(os.environ["SUDO_UID"])
+        gid = int(os.environ["SUDO_GID"]) if os.environ.get("SUDO_GID", "").isdigit() else uid
+        return uid, gid
+    return os.getuid(), os.getgid()
+
+
+def hand_over(out: Path) -> None:
+    """Give the trainer's outputs to the operator: owned by the invoking user (when we are
+    root), directories 0755 and files 0644, so a non-root operator can read and load them.
+
+    Never follows a symlink (lchown; symlinks are left alone, never chmod-ed through) and
+    never sets setuid/setgid/sticky bits: the modes are absolute."""
+    uid, gid = invoking_user()
+    root = os.getuid() == 0
+    for dirpath, dirnames, filenames in os.walk(out, followlinks=False):
+        for name in [*dirnames, *filenames, None]:
+            p = Path(dirpath) if name is None else Path(dirpath) / name
+            st = p.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            if root:
+                os.chown(p, uid, gid, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                p.chmod(0o755)
+            elif stat.S_ISREG(st.st_mode):
+                p.chmod(0o644)
+
+
 def sft(corpus: Path, base: Path, out: Path, *, lr: float, seed: int, epochs: int | None,
-        on_event: Events) -> dict[str, Any]:
+        on_event: Events, include_failed: bool = False) -> dict[str, Any]:
+    """LoRA SFT on the corpus's trajectories that passed (all with ``include_failed``).
+
+    The adapter names ``base`` (resolved on the host) as its base model; the receipt keeps
+    the container path too. Outputs are handed to the invoking user (:func:`hand_over`)."""
     if not (corpus / "trajectories.jsonl").is_file():
         raise ConfigError(f"{corpus}/trajectories.jsonl not found", field="--corpus",
                           fix="cyclebox export --run RUN --format verl --out CORPUS")
     _check_model_dir(base)
     out = out.resolve()
     fresh_output_dir(out, uid=_trainer_uid())
-    inputs = _fresh_inputs(out, {"config.json": json.dumps({"lr": lr, "seed": seed,
-                                                           "epochs": epochs})})
+    inputs = _fresh_inputs(out, {"config.json": json.dumps({
+        "lr": lr, "seed": seed, "epochs": epochs, "include_failed": include_failed,
+        "base_model_host": str(base.resolve())})})
     try:
         rec = run_trainer("sandbox.train.sft", out=out, run_id="train-sft", on_event=on_event,
                           mounts=[Mount(source=inputs, target="/in"),
                                   Mount(source=corpus.resolve(), target="/corpus"),
                                   Mount(source=base.resolve(), target="/model")])
+        if rec.exit_code == 3 and rec.stop_reason.value == "process_failed":
+            raise ConfigError("nothing to train on: no trajectory with a reply passed the "
+                              "selection (r_outcome == 1)", path=str(corpus), field="--corpus",
+                              fix="export a run where some cases passed, or pass "
+                              "--include-failed to learn from every trajectory")
         if rec.stop_reason.value != "ok":
             raise SandboxError(f"sft failed: {rec.stop_reason.value} {rec.detail} "
                                f"{rec.stderr_tail[-800:]}")
         return verify_receipt(out)
     finally:
         shutil.rmtree(inputs, ignore_errors=True)
+        hand_over(out)  # the evidence of a failed run too

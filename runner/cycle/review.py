@@ -11,7 +11,14 @@ Invariants:
   pins the sha256 of ``review.md``, and the labels and ratings files name their packet_id.
   :func:`calibrate` re-checks all of it and raises IntegrityError naming the file at fault.
 - A missing label stays missing: it lowers coverage and is left out of every agreement
-  statistic. Nothing is imputed.
+  statistic. Nothing is imputed. A criterion that does not apply (the reviewer wrote
+  ``"na"``, or left it null where the scorer graded it not applicable) is not missing: it
+  leaves the coverage denominator and every statistic.
+- A packet made from a run's records is bound to that run: ``packet.json`` records the
+  sha256 of the run's ``receipt.json`` and of the records file (which the receipt must
+  name with the same hash), and the binding is part of ``packet_id``, so the labels and
+  ratings files, and the calibration result, belong to one run. Export refuses a
+  calibration bound to another run.
 - Calibration reports numbers only. It sets no pass threshold; a consumer (corpus export)
   takes its threshold from its own policy.
 """
@@ -71,7 +78,10 @@ ANCHORS: dict[Criterion, tuple[str, str, str, str]] = {
                 "declined if and only if the data cannot answer the question"),
 }
 
-Rating = int | None
+NA = "na"
+"""Label meaning "this criterion does not apply to this item"; not missing coverage."""
+
+Rating = int | str | None
 Grid = dict[str, dict[str, Rating]]
 M = TypeVar("M", bound=Frozen)
 
@@ -88,16 +98,31 @@ class PacketItem(Frozen):
     """sha256 of the canonical JSON of the record's answer."""
 
 
+class RunBinding(Frozen):
+    """The run whose records a packet shows, pinned by hash."""
+
+    receipt_sha256: str
+    """sha256 of the run's ``receipt.json`` when the packet was made."""
+    plan_hash: str
+    """The run's plan hash, as its receipt records it."""
+    records: str
+    """Path of the records file inside the run directory, e.g. stages/baseline/records.jsonl."""
+    records_sha256: str
+    """sha256 of that records file; the run's receipt names it with this hash."""
+
+
 class Packet(Frozen):
     """``packet.json``: what the reviewer was shown, pinned by hash."""
 
     schema_: Literal[1] = Field(default=1, alias="schema")
     packet_id: str
-    """sha256 of canonical ``{"items": ..., "criteria": ...}``."""
+    """sha256 of canonical ``{"items": ..., "criteria": ...}``, plus ``"run"`` when bound."""
     items: tuple[PacketItem, ...] = Field(min_length=1)
     criteria: tuple[Criterion, ...]
     review_md_sha256: str
     """sha256 of ``review.md`` as written."""
+    run: RunBinding | None = None
+    """The run the records came from; None for records given without their run."""
 
 
 class _LabelsFile(Frozen):
@@ -128,10 +153,18 @@ class CalibrationResult(Frozen):
     ratings_sha256: str
     """sha256 of the judge-ratings file assessed."""
     reviewer: str
+    packet_json_sha256: str | None = None
+    """sha256 of the ``packet.json`` assessed."""
+    run_receipt_sha256: str | None = None
+    """sha256 of the receipt of the run the packet is bound to; None for an unbound packet
+    (export refuses it)."""
     items: int
     criteria: tuple[Criterion, ...]
+    not_applicable: dict[str, int] = Field(default_factory=dict)
+    """Cells that do not apply (labelled "na", or null where the scorer graded n/a)."""
     coverage: dict[str, float]
-    """Labelled items / items; overall: labelled cells / (items x criteria)."""
+    """Labelled items / applicable items; overall: labelled cells / applicable cells.
+    1.0 when nothing applies."""
     pairs: dict[str, int]
     """Items where both a human label and a model rating exist."""
     disagreements: dict[str, tuple[str, ...]]
@@ -141,15 +174,49 @@ class CalibrationResult(Frozen):
     cohen_kappa: dict[str, float | None]
     """Unweighted kappa on the 0/1/2 categories; None under 2 pairs or when undefined."""
     complete: bool
-    """Every item is labelled on every criterion (overall coverage is 1.0)."""
+    """Every applicable cell is labelled (overall coverage is 1.0)."""
+
+
+def bind_run(run: Path, records_file: Path) -> RunBinding:
+    """Pin ``records_file`` to the run ``run``: its receipt must name the file by that hash.
+
+    Raises ConfigError when the records are not the run's (or the run has no receipt),
+    IntegrityError when the receipt's hash of the records file differs from the file."""
+    receipt_path = run / "receipt.json"
+    try:
+        data = receipt_path.read_bytes()
+        receipt = loads_strict(data, source=str(receipt_path))
+        rel = records_file.resolve().relative_to(run.resolve()).as_posix()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the run's receipt: {exc}", path=str(receipt_path),
+                          field="--run", fix="pass a finished cycle run directory") from None
+    except OutputRejected as exc:
+        raise ConfigError(f"the run's receipt is not valid JSON: {exc}", path=str(receipt_path),
+                          field="--run", fix="pass a finished cycle run directory") from None
+    except ValueError:
+        raise ConfigError(f"{records_file} is not inside the run directory {run}",
+                          field="--records", fix="pass RUN/stages/<side>/records.jsonl of "
+                          "the run given as --run") from None
+    files = receipt.get("files") if isinstance(receipt, dict) else None
+    if not isinstance(files, dict) or rel not in files:
+        raise ConfigError(f"the run's receipt does not name {rel}", path=str(receipt_path),
+                          field="--records", fix="pass a records file the run wrote")
+    actual = sha256_file(records_file)
+    if files[rel] != actual:
+        raise IntegrityError(f"{records_file}: sha256 {actual}, the run's receipt recorded "
+                             f"{files[rel]}; the records changed after the run")
+    return RunBinding(receipt_sha256=sha256_bytes(data), plan_hash=str(receipt.get("plan_hash")),
+                      records=rel, records_sha256=actual)
 
 
 def make_packet(records: Sequence[Record], out_dir: Path, *, reviewer: str = "",
-                questions: Mapping[str, str] | None = None) -> Path:
+                questions: Mapping[str, str] | None = None,
+                run: RunBinding | None = None) -> Path:
     """Write a review packet for the ok records into the new directory ``out_dir``.
 
     ``questions`` (case id -> the task as the agent received it) lets the reviewer
-    judge correctness; it comes from the scenario manifest, never from a model."""
+    judge correctness; it comes from the scenario manifest, never from a model.
+    ``run`` (from :func:`bind_run`) binds the packet, and so its calibration, to a run."""
     ok = sorted((r for r in records if r.status == "ok"), key=lambda r: (r.case_id, r.trial))
     if not ok:
         raise ConfigError("no record with status ok to review", path=str(out_dir),
@@ -160,10 +227,10 @@ def make_packet(records: Sequence[Record], out_dir: Path, *, reviewer: str = "",
     if dups:
         raise ConfigError(f"duplicate (case, trial) items {dups}", field="records",
                           fix="pass each (case, trial) once")
-    pid = _packet_id(items, CRITERIA)
+    pid = _packet_id(items, CRITERIA, run)
     review = _render_review(ok, pid, reviewer, questions or {}).encode("utf-8")
     packet = Packet(packet_id=pid, items=items, criteria=CRITERIA,
-                    review_md_sha256=sha256_bytes(review))
+                    review_md_sha256=sha256_bytes(review), run=run)
     labels = {"schema": 1, "packet_id": pid, "reviewer": reviewer, "labeled_at": None,
               "labels": {i.item_id: dict.fromkeys(CRITERIA) for i in items}}
     ratings = {"schema": 1, "packet_id": pid,
@@ -184,7 +251,7 @@ def make_packet(records: Sequence[Record], out_dir: Path, *, reviewer: str = "",
 
 def calibrate(packet_dir: Path, labels_path: Path, judges_path: Path) -> CalibrationResult:
     """Check the packet's identity, then compare human labels with model ratings."""
-    packet = _load_packet(packet_dir)
+    packet, packet_sha = _load_packet(packet_dir)
     # Hash the bytes that were parsed, so the recorded sha is of what was assessed.
     lab, lab_sha = _read_model(labels_path, _LabelsFile, "human-labels file")
     rat, rat_sha = _read_model(judges_path, _RatingsFile, "judge-ratings file")
@@ -193,22 +260,37 @@ def calibrate(packet_dir: Path, labels_path: Path, judges_path: Path) -> Calibra
     ids = [i.item_id for i in packet.items]
     by: dict[str, list[tuple[str, int, int]]] = {
         c: [(i, h, j) for i in ids
-            if (h := human[i].get(c)) is not None and (j := model[i].get(c)) is not None]
+            if isinstance(h := human[i].get(c), int) and isinstance(j := model[i].get(c), int)]
         for c in packet.criteria}
     by[OVERALL] = [p for c in packet.criteria for p in by[c]]
-    labelled = {c: sum(human[i].get(c) is not None for i in ids) for c in packet.criteria}
-    cells = len(ids) * len(packet.criteria)
+    labelled = {c: sum(isinstance(human[i].get(c), int) for i in ids) for c in packet.criteria}
+    na = {c: sum(_not_applicable(human[i].get(c), model[i].get(c)) for i in ids)
+          for c in packet.criteria}
+    applicable = {c: len(ids) - na[c] for c in packet.criteria}
+    cells = sum(applicable.values())
     return CalibrationResult(
         packet_id=packet.packet_id, labels_sha256=lab_sha, ratings_sha256=rat_sha,
-        reviewer=lab.reviewer, items=len(ids), criteria=packet.criteria,
-        coverage={c: n / len(ids) for c, n in labelled.items()}
-        | {OVERALL: sum(labelled.values()) / cells},
+        reviewer=lab.reviewer, packet_json_sha256=packet_sha,
+        run_receipt_sha256=packet.run.receipt_sha256 if packet.run else None,
+        items=len(ids), criteria=packet.criteria,
+        not_applicable=na | {OVERALL: sum(na.values())},
+        coverage={c: _ratio(n, applicable[c]) for c, n in labelled.items()}
+        | {OVERALL: _ratio(sum(labelled.values()), cells)},
         pairs={k: len(v) for k, v in by.items()},
         disagreements={c: tuple(i for i, h, j in by[c] if h != j) for c in packet.criteria},
         exact_agreement={k: _mean([float(h == j) for _, h, j in v]) for k, v in by.items()},
         mean_abs_diff={k: _mean([abs(h - j) for _, h, j in v]) for k, v in by.items()},
         cohen_kappa={k: cohen_kappa([(h, j) for _, h, j in v]) for k, v in by.items()},
         complete=sum(labelled.values()) == cells)
+
+
+def _not_applicable(human: Rating, model: Rating) -> bool:
+    """The reviewer said n/a, or left blank a cell the scorer graded not applicable."""
+    return human == NA or (human is None and model is None)
+
+
+def _ratio(n: int, d: int) -> float:
+    return n / d if d else 1.0
 
 
 def write_calibration(result: CalibrationResult, out_file: Path) -> Path:
@@ -252,9 +334,13 @@ def _item_id(r: Record) -> str:
     return f"{r.case_id}#{r.trial}"
 
 
-def _packet_id(items: Sequence[PacketItem], criteria: Sequence[str]) -> str:
-    return sha256_json({"items": [i.model_dump(mode="json") for i in items],
-                        "criteria": list(criteria)})
+def _packet_id(items: Sequence[PacketItem], criteria: Sequence[str],
+               run: RunBinding | None = None) -> str:
+    body: dict[str, Any] = {"items": [i.model_dump(mode="json") for i in items],
+                            "criteria": list(criteria)}
+    if run is not None:
+        body["run"] = run.model_dump(mode="json")
+    return sha256_json(body)
 
 
 def _model_ratings(r: Record) -> dict[str, Rating]:
@@ -285,21 +371,22 @@ def _read_model(path: Path, model: type[M], what: str) -> tuple[M, str]:
                           fix=f"pass the {what} cyclebox wrote") from None
 
 
-def _load_packet(packet_dir: Path) -> Packet:
+def _load_packet(packet_dir: Path) -> tuple[Packet, str]:
     pj, md = packet_dir / PACKET_JSON, packet_dir / REVIEW_MD
     try:
-        packet = Packet.model_validate(loads_strict(pj.read_bytes(), source=str(pj)))
+        raw = pj.read_bytes()
+        packet = Packet.model_validate(loads_strict(raw, source=str(pj)))
         md_sha = sha256_file(md)
     except (OSError, OutputRejected, ValidationError) as exc:
         raise IntegrityError(f"{packet_dir}: packet unreadable: {exc}") from None
-    want = _packet_id(packet.items, packet.criteria)
+    want = _packet_id(packet.items, packet.criteria, packet.run)
     if packet.packet_id != want:
-        raise IntegrityError(f"{pj}: packet_id {packet.packet_id} does not match its items "
-                             f"and criteria ({want}); the packet was edited")
+        raise IntegrityError(f"{pj}: packet_id {packet.packet_id} does not match its items, "
+                             f"criteria and run ({want}); the packet was edited")
     if md_sha != packet.review_md_sha256:
         raise IntegrityError(f"{md}: sha256 {md_sha}, packet.json recorded "
                              f"{packet.review_md_sha256}; review.md changed after packing")
-    return packet
+    return packet, sha256_bytes(raw)
 
 
 def _grid(path: Path, packet: Packet, packet_id: str, table: Mapping[str, Mapping[str, Any]],
@@ -320,9 +407,11 @@ def _grid(path: Path, packet: Packet, packet_id: str, table: Mapping[str, Mappin
                 raise ConfigError("unknown criterion", path=str(path), field=where,
                                   fix=f"use only {list(packet.criteria)}")
             # type() is int, not isinstance: JSON true/false must not pass as 1/0.
-            if v is not None and not (type(v) is int and v in SCALE):
-                raise ConfigError(f"rating must be 0, 1, 2 or null, got {v!r}", path=str(path),
-                                  field=where, fix="rate 0, 1 or 2, or leave null")
+            if v is not None and v != NA and not (type(v) is int and v in SCALE):
+                raise ConfigError(f"rating must be 0, 1, 2, \"na\" or null, got {v!r}",
+                                  path=str(path), field=where,
+                                  fix='rate 0, 1 or 2, "na" if the criterion does not apply, '
+                                  "or leave null")
         grid[item_id] = dict(row)
     return grid
 

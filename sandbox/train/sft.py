@@ -2,7 +2,12 @@
 
 Mounts: /corpus (trajectories.jsonl from ``cyclebox export``), /model, /in/config.json,
 /out. Each turn becomes one chat row: the recorded request's messages, then the
-recorded reply as the assistant message.
+recorded reply as the assistant message. By default only trajectories that passed
+(``r_outcome == 1``) are learned from; ``include_failed`` in the config takes every graded
+and ungraded one. The selection and its counts go in the receipt. The adapter's
+``adapter_config.json`` names the base model by the host path the operator passed
+(``base_model_host``), so it loads outside the container; the container path is kept
+in the receipt.
 """
 
 from __future__ import annotations
@@ -15,10 +20,29 @@ from typing import Any
 from sandbox.train import plan
 
 
-def rows_from_corpus(path: Path) -> list[dict[str, Any]]:
+def outcome_key(value: Any) -> str:
+    return "null" if value is None else "1" if value == 1 else "0"
+
+
+def select(path: Path, *, include_failed: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(trajectories to learn from, selection record with counts by r_outcome)."""
+    trajs = [json.loads(line) for line in path.read_text().splitlines()]
+    counts = {"1": 0, "0": 0, "null": 0}
+    for t in trajs:
+        counts[outcome_key(t.get("r_outcome"))] += 1
+    used = trajs if include_failed else [t for t in trajs if t.get("r_outcome") == 1]
+    return used, {"include_failed": include_failed, "rule": "every trajectory" if include_failed
+                  else "r_outcome == 1", "trajectories": len(trajs), "by_r_outcome": counts,
+                  "used": len(used), "left_out": len(trajs) - len(used)}
+
+
+def rows_from_corpus(path: Path, *, include_failed: bool = True) -> list[dict[str, Any]]:
+    return rows_from_trajectories(select(path, include_failed=include_failed)[0])
+
+
+def rows_from_trajectories(trajs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
-    for line in path.read_text().splitlines():
-        traj = json.loads(line)
+    for traj in trajs:
         for turn in traj["turns"]:
             req = json.loads(turn["prompt"])
             reply = turn.get("reply")
@@ -35,9 +59,14 @@ def main(corpus: Path = Path("/corpus"), model_dir: Path = Path("/model"),
     from sandbox.train import lora, receipt
 
     cfg: dict[str, Any] = json.loads((in_dir / "config.json").read_text())
-    rows = rows_from_corpus(corpus / "trajectories.jsonl")
+    used, selection = select(corpus / "trajectories.jsonl",
+                             include_failed=bool(cfg.get("include_failed")))
+    rows = rows_from_trajectories(used)
+    selection["rows"] = len(rows)
     if not rows:
-        print(json.dumps({"event": "error", "message": "corpus has no replies to train on"}))
+        print(json.dumps({"event": "error", "selection": selection,
+                          "message": "no trajectory with a reply passed the selection "
+                          "(r_outcome == 1); nothing to train on"}))
         return 3
     dataset = out / "dataset.jsonl"
     dataset.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
@@ -52,13 +81,27 @@ def main(corpus: Path = Path("/corpus"), model_dir: Path = Path("/model"),
                          lr=float(cfg["lr"]), seed=int(cfg["seed"]))
     adapter = out / "adapter"
     peft_model.save_pretrained(adapter)
+    host_base = cfg.get("base_model_host")
+    if host_base:
+        point_adapter_at(adapter, str(host_base))
     receipt.write(out, kind="sft", config={**cfg, "epochs": epochs,
                                            "grad_accum": sched.grad_accum},
                   dataset=dataset, adapter=adapter, base_model=model_dir,
-                  extra={"figures": figures, "corpus_sha256": receipt.file_sha(
-                      corpus / "trajectories.jsonl")})
+                  extra={"figures": figures, "selection": selection,
+                         "base_model": {"host_path": host_base,
+                                        "container_path": str(model_dir)},
+                         "corpus_sha256": receipt.file_sha(corpus / "trajectories.jsonl")})
     lora.emit({"event": "done", **figures})
     return 0
+
+
+def point_adapter_at(adapter: Path, base: str) -> None:
+    """Name ``base`` (the host's model directory) as the adapter's base model, so
+    ``AutoPeftModelForCausalLM.from_pretrained(adapter)`` works where the operator is."""
+    cfg_file = adapter / "adapter_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["base_model_name_or_path"] = base
+    cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Training corpus export (SPEC §11) on a hand-built run directory: trajectories per
 (stage, case, trial) with turns in order and nothing lost, prompts that are the exact
-recorded bytes, r_format per trajectory, r_outcome null (never 0) where ungraded, labels
-joined by hash, and refusal without a calibration that meets the policy."""
+recorded bytes, r_format per trajectory, r_outcome from correctness, from refusal on a
+refuse case, null (never 0) where ungraded, labels joined by hash, verl parquet rows, and
+refusal without a calibration of this run that meets the policy."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from typing import Any
 import pytest
 
 from runner.cycle.models import Grades, Identities, Record
-from runner.cycle.review import calibrate, make_packet, write_calibration
+from runner.cycle.review import bind_run, calibrate, make_packet, write_calibration
 from runner.errors import ConfigError, IntegrityError
 from runner.export import ExportPolicy, export, join_key, reply_of
 from runner.gateway.calllog import CallLog, CallRecord, CallStatus
+from runner.hashing import sha256_bytes, sha256_file
 
 IDS = Identities(data_hash="d" * 64, reference_hash="r" * 64, scorer="scorer-1")
 POLICY = ExportPolicy.model_validate({"schema": 1, "min_kappa": 0.6})
@@ -57,24 +59,29 @@ CALLS: list[Call] = [
     Call("baseline", "c1", 0, 1, "json"),
 ]
 
-# Graded records, deliberately not in trajectory order; baseline and candidate c1#0 differ,
-# so a join by (case, trial) or by position would be caught.
+# Graded records (case, trial, correctness, refusal), deliberately not in trajectory order;
+# baseline and candidate c1#0 differ, so a join by (case, trial) or by position is caught.
 BASELINE = [
-    ("c2", 0, None),   # refusal case: graded on refusal only, correctness not applicable
-    ("c1", 1, True),
-    ("c1", 0, True),
+    ("c2", 0, None, True),   # refuse case: graded on refusal, correctness not applicable
+    ("c1", 1, True, True),
+    ("c1", 0, True, True),
 ]
 CANDIDATE = [
-    ("c2", 0, False),
-    ("c9", 0, True),   # a record with no trajectory
-    ("c1", 0, False),
-]                      # candidate c3#0 has a trajectory and no record
+    ("c2", 0, None, False),  # refuse case answered: refusal wrong -> 0.0
+    ("c9", 0, True, True),   # a record with no trajectory
+    ("c1", 0, False, True),  # refusal right but the answer wrong -> 0.0 (graded on correctness)
+]                            # candidate c3#0 has a trajectory and no record
+
+# The frozen references: c2 must be declined, the rest have a number.
+REFERENCES = {"c1": {"kind": "number", "value": 4.0}, "c2": {"kind": "refuse", "value": None},
+              "c3": {"kind": "text", "value": "Product 22"}, "c4": {"kind": "number", "value": 1},
+              "c5": {"kind": "number", "value": 2}, "c9": {"kind": "number", "value": 3}}
 
 # Hand count per trajectory, sorted by (stage, case, trial): (turns, r_format, r_outcome).
 EXPECTED: dict[Key, tuple[int, int, float | None]] = {
     ("baseline", "c1", 0): (3, 1, 1.0),
     ("baseline", "c1", 1): (2, 0, 1.0),
-    ("baseline", "c2", 0): (1, 1, None),
+    ("baseline", "c2", 0): (1, 1, 1.0),
     ("candidate", "c1", 0): (2, 1, 0.0),
     ("candidate", "c2", 0): (1, 0, 0.0),
     ("candidate", "c3", 0): (2, 1, None),
@@ -100,18 +107,37 @@ def response_bytes(seq: int, c: Call) -> bytes | None:
                                  "total_tokens": 8}}).encode()
 
 
-def record(case: str, trial: int, correctness: bool | None) -> Record:
-    refusal = True if correctness is None else None
+def record(case: str, trial: int, correctness: bool | None,
+           refusal: bool | None = None) -> Record:
     return Record(case_id=case, trial=trial, split="acceptance", status="ok",
                   answer={"answer": f"{case}/{trial}", "evidence": ["t"], "refused": False},
                   grades=Grades(correctness=correctness, refusal=refusal), identities=IDS)
 
 
+def manifest_bytes() -> bytes:
+    return json.dumps({
+        "schema": 1, "dataset": "fx", "split": "acceptance", "stores": {},
+        "reference_hash": "r" * 64, "data_hash": "d" * 64,
+        "scenarios": [{"id": c, "split": "acceptance", "input": {"question": f"q {c}"},
+                       "reference": ref, "mandatory": c == "c2", "store": "s"}
+                      for c, ref in REFERENCES.items()]}).encode()
+
+
+def seal(run: Path, plan_hash: str = "p" * 64) -> Path:
+    """Write the run's receipt.json naming its records files (what a finished run has)."""
+    files = {p.relative_to(run).as_posix(): sha256_file(p)
+             for p in sorted((run / "stages").rglob("records.jsonl"))}
+    (run / "receipt.json").write_text(json.dumps({"plan_hash": plan_hash, "files": files}))
+    return run
+
+
 @pytest.fixture
 def run(tmp_path: Path) -> Path:
     d = tmp_path / "run"
-    d.mkdir()
-    (d / "plan.json").write_text(json.dumps({"plan": {"dataset": "fx"}}))
+    (d / "inputs").mkdir(parents=True)
+    (d / "inputs" / "manifest.json").write_bytes(manifest_bytes())
+    (d / "plan.json").write_text(json.dumps({"plan": {
+        "dataset": "fx", "manifest_sha256": sha256_bytes(manifest_bytes())}}))
     log = CallLog(d / "gateway")
     for c in CALLS:
         seq = log.next_seq()
@@ -130,14 +156,17 @@ def run(tmp_path: Path) -> Path:
         f = d / "stages" / side / "records.jsonl"
         f.parent.mkdir(parents=True)
         f.write_text("".join(record(*r).model_dump_json() + "\n" for r in rows))
-    return d
+    return seal(d)
 
 
-def _calibration(tmp_path: Path, name: str, relabel: Any) -> Path:
-    """A calibration result for the baseline records; relabel maps a model rating to the
-    human label (None leaves the cell unlabelled)."""
+def _calibration(tmp_path: Path, name: str, relabel: Any, run: Path | None = None) -> Path:
+    """A calibration result for the baseline records of ``run`` (default tmp_path/run),
+    bound to it; relabel maps a model rating to the human label (None leaves the cell
+    unlabelled)."""
+    run = run or tmp_path / "run"
+    binding = bind_run(run, run / "stages" / "baseline" / "records.jsonl")
     recs = [record(*r) for r in BASELINE] + [record("c5", 0, False)]
-    packet = make_packet(recs, tmp_path / f"packet-{name}", reviewer="rev")
+    packet = make_packet(recs, tmp_path / f"packet-{name}", reviewer="rev", run=binding)
     ratings = json.loads((packet / "judge-ratings.json").read_text())["ratings"]
     doc = json.loads((packet / "human-labels.json").read_text())
     for item, row in ratings.items():
@@ -312,11 +341,15 @@ def test_r_outcome_from_correctness_and_null_when_ungraded(run: Path, calibratio
             assert t["r_outcome"] is None and t["r_outcome"] != 0
         else:
             assert t["r_outcome"] == outcome and isinstance(t["r_outcome"], float)
-    # ungraded refusal case and the trajectory with no record: key present, JSON null
+    # the trajectory with no record: key present, JSON null
     for line in lines:
         t = json.loads(line)
-        if (t["stage"], t["case_id"]) in {("baseline", "c2"), ("candidate", "c3")}:
-            assert '"r_outcome": null' in line
+        if (t["stage"], t["case_id"]) == ("candidate", "c3"):
+            assert '"r_outcome": null' in line and t["r_outcome_basis"] is None
+    # the refuse case is graded on refusal, both ways; the others on correctness
+    assert trajs[("baseline", "c2", 0)]["r_outcome_basis"] == "refusal"
+    assert trajs[("candidate", "c2", 0)]["r_outcome_basis"] == "refusal"
+    assert trajs[("candidate", "c1", 0)]["r_outcome_basis"] == "correctness"
 
 
 # -- refusals ---------------------------------------------------------------------------
@@ -343,10 +376,20 @@ def test_refused_when_kappa_below_policy(run: Path, tmp_path: Path) -> None:
 
 
 def test_refused_when_kappa_undefined(run: Path, tmp_path: Path) -> None:
-    cal = _calibration(tmp_path, "unlabelled", lambda v: None)
-    assert json.loads(cal.read_text())["cohen_kappa"]["overall"] is None
+    cal = _calibration(tmp_path, "all-na", lambda v: "na")  # complete, but no pair to compare
+    doc = json.loads(cal.read_text())
+    assert doc["cohen_kappa"]["overall"] is None and doc["complete"] is True
     out = tmp_path / "out"
-    with pytest.raises(ConfigError, match="kappa None"):
+    with pytest.raises(ConfigError, match="kappa_below_policy: calibration kappa None"):
+        export(run, out, calibration=cal, policy=POLICY)
+    assert not out.exists()
+
+
+def test_refused_when_coverage_incomplete(run: Path, tmp_path: Path) -> None:
+    cal = _calibration(tmp_path, "unlabelled", lambda v: None)
+    assert json.loads(cal.read_text())["complete"] is False
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=r"calibration_incomplete: coverage 0\.0"):
         export(run, out, calibration=cal, policy=POLICY)
     assert not out.exists()
 
@@ -384,13 +427,16 @@ def test_summary_matches_hand_count(run: Path, calibration: Path, tmp_path: Path
     out = tmp_path / "out"
     summary = export(run, out, calibration=calibration, policy=POLICY)
     # 6 trajectories; turns 3+2+1+2+1+2; r_format 1: b/c1/0, b/c2/0, c/c1/0, c/c3/0;
-    # r_outcome 1.0: b/c1/0, b/c1/1; 0.0: c/c1/0, c/c2/0; null: b/c2/0, c/c3/0.
+    # r_outcome 1.0: b/c1/0, b/c1/1, b/c2/0 (refusal); 0.0: c/c1/0, c/c2/0 (refusal);
+    # null: c/c3/0. Parquet: all 6 in rl; sft only the 3 that passed.
     assert summary == {
         "trajectories": 6,
         "turns": 11,
         "r_format": {"1": 4, "0": 2},
-        "r_outcome": {"1": 2, "0": 2, "null": 2},
+        "r_outcome": {"1": 3, "0": 2, "null": 1},
+        "r_outcome_basis": {"correctness": 3, "refusal": 2},
         "format_pass_rate": 0.6667,
+        "rl_rows": 6, "sft_rows": 3, "not_in_parquet": {"sft_not_passed": 3},
         "fixture": False,  # the only fixture call is the worker's, which is not exported
     }
     assert json.loads((out / "summary.json").read_text()) == summary
@@ -400,3 +446,258 @@ def test_summary_matches_hand_count(run: Path, calibration: Path, tmp_path: Path
     assert receipt["trajectories_sha256"] == hashlib.sha256(
         (out / "trajectories.jsonl").read_bytes()).hexdigest()
     assert receipt["calibration_sha256"] == hashlib.sha256(calibration.read_bytes()).hexdigest()
+
+
+# -- calibration bound to its run -------------------------------------------------------
+
+
+def other_run(run: Path, tmp_path: Path, name: str = "run-b") -> Path:
+    """A second run: the same calls and records, but its own receipt (another plan)."""
+    import shutil
+
+    b = tmp_path / name
+    shutil.copytree(run, b)
+    return seal(b, plan_hash="q" * 64)
+
+
+def test_calibration_of_run_a_refused_for_run_b(run: Path, calibration: Path,
+                                                 tmp_path: Path) -> None:
+    run_b = other_run(run, tmp_path)
+    out = tmp_path / "out-b"
+    with pytest.raises(ConfigError, match="calibration_of_another_run") as exc:
+        export(run_b, out, calibration=calibration, policy=POLICY)
+    assert sha256_file(run / "receipt.json") in str(exc.value)
+    assert sha256_file(run_b / "receipt.json") in str(exc.value)
+    assert not out.exists()
+    # the same calibration exports its own run, and run B exports with its own calibration
+    assert export(run, tmp_path / "out-a", calibration=calibration,
+                  policy=POLICY)["trajectories"] == 6
+    cal_b = _calibration(tmp_path, "b", lambda v: v, run=run_b)
+    assert export(run_b, out, calibration=cal_b, policy=POLICY)["trajectories"] == 6
+    receipt = json.loads((out / "export-receipt.json").read_text())
+    assert receipt["run_receipt_sha256"] == sha256_file(run_b / "receipt.json")
+
+
+def test_calibration_of_a_changed_receipt_refused(run: Path, calibration: Path,
+                                                  tmp_path: Path) -> None:
+    seal(run, plan_hash="e" * 64)  # the run's receipt rewritten after calibration
+    with pytest.raises(ConfigError, match="calibration_of_another_run"):
+        export(run, tmp_path / "out", calibration=calibration, policy=POLICY)
+
+
+def test_unbound_calibration_and_run_without_receipt_refused(run: Path, calibration: Path,
+                                                             tmp_path: Path) -> None:
+    recs = [record(*r) for r in BASELINE]
+    packet = make_packet(recs, tmp_path / "packet-unbound")
+    labels = json.loads((packet / "human-labels.json").read_text())
+    labels["labels"] = {i: {c: "na" if v is None else v for c, v in row.items()}
+                        for i, row in json.loads((packet / "judge-ratings.json").read_text())[
+                            "ratings"].items()}
+    for row in labels["labels"].values():
+        row.pop("judge")
+    (tmp_path / "l.json").write_text(json.dumps(labels))
+    unbound = write_calibration(calibrate(packet, tmp_path / "l.json",
+                                          packet / "judge-ratings.json"), tmp_path / "u.json")
+    assert json.loads(unbound.read_text())["run_receipt_sha256"] is None
+    with pytest.raises(ConfigError, match="calibration_unbound"):
+        export(run, tmp_path / "out", calibration=unbound, policy=POLICY)
+    (run / "receipt.json").unlink()
+    with pytest.raises(ConfigError, match="run_has_no_receipt"):
+        export(run, tmp_path / "out", calibration=calibration, policy=POLICY)
+    assert not (tmp_path / "out").exists()
+
+
+def test_packet_binding_checks_the_records_and_is_part_of_the_packet_id(
+        run: Path, tmp_path: Path) -> None:
+    records = run / "stages" / "baseline" / "records.jsonl"
+    binding = bind_run(run, records)
+    assert binding.receipt_sha256 == sha256_file(run / "receipt.json")
+    assert binding.records == "stages/baseline/records.jsonl"
+    stray = tmp_path / "stray.jsonl"
+    stray.write_bytes(records.read_bytes())
+    with pytest.raises(ConfigError, match="not inside the run directory"):
+        bind_run(run, stray)
+    (run / "stages" / "extra.jsonl").write_bytes(records.read_bytes())
+    with pytest.raises(ConfigError, match=r"does not name stages/extra\.jsonl"):
+        bind_run(run, run / "stages" / "extra.jsonl")
+    records.write_bytes(records.read_bytes() + b"\n")
+    with pytest.raises(IntegrityError, match="changed after the run"):
+        bind_run(run, records)
+    # rebinding a packet to another run by editing packet.json breaks its identity
+    other = other_run(run, tmp_path)
+    cal = _calibration(tmp_path, "bound", lambda v: v, run=other)
+    packet = tmp_path / "packet-bound"
+    doc = json.loads((packet / "packet.json").read_text())
+    doc["run"]["receipt_sha256"] = sha256_file(run / "receipt.json")
+    (packet / "packet.json").write_text(json.dumps(doc))
+    with pytest.raises(IntegrityError, match="packet was edited"):
+        calibrate(packet, tmp_path / "labels-bound.json", packet / "judge-ratings.json")
+    assert json.loads(cal.read_text())["run_receipt_sha256"] == sha256_file(
+        other / "receipt.json")
+
+
+# -- not applicable is not missing ------------------------------------------------------
+
+
+def test_not_applicable_cells_are_not_missing_coverage(run: Path, tmp_path: Path) -> None:
+    """38 applicable ratings, one honest disagreement: complete, and kappa passes."""
+    recs = [record(f"k{i:02d}", 0, i % 3 != 0, True) for i in range(19)]
+    recs += [record("r1", 0, None, i == 0) for i in range(1)]
+    packet = make_packet(recs, tmp_path / "packet-na")
+    ratings = json.loads((packet / "judge-ratings.json").read_text())["ratings"]
+    doc = json.loads((packet / "human-labels.json").read_text())
+    for item, row in ratings.items():
+        # the reviewer leaves blank what the scorer graded n/a (evidence everywhere,
+        # correctness of the refuse case), and says "na" explicitly for one cell
+        doc["labels"][item] = {c: row[c] for c in ("correctness", "evidence", "refusal")}
+    doc["labels"]["r1#0"]["correctness"] = "na"
+    doc["labels"]["k01#0"]["correctness"] = 0  # the one honest disagreement (model: 2)
+    (tmp_path / "labels-na.json").write_text(json.dumps(doc))
+    got = calibrate(packet, tmp_path / "labels-na.json", packet / "judge-ratings.json")
+    assert got.pairs["overall"] == 39 and len(got.disagreements["correctness"]) == 1
+    assert got.not_applicable == {"correctness": 1, "evidence": 20, "refusal": 0,
+                                  "overall": 21}
+    assert got.coverage["overall"] == 1.0 and got.complete is True
+    assert got.cohen_kappa["overall"] is not None
+    assert got.cohen_kappa["overall"] >= POLICY.min_kappa
+    # a cell the scorer graded but the reviewer left blank is still missing
+    doc["labels"]["k02#0"]["refusal"] = None
+    (tmp_path / "labels-gap.json").write_text(json.dumps(doc))
+    gap = calibrate(packet, tmp_path / "labels-gap.json", packet / "judge-ratings.json")
+    assert gap.complete is False and gap.coverage["refusal"] == pytest.approx(19 / 20)
+
+
+# -- verl parquet -----------------------------------------------------------------------
+
+
+def test_verl_parquet_rows(run: Path, calibration: Path, tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "out"
+    export(run, out, calibration=calibration, policy=POLICY)
+    trajs = read_out(out)
+    rl = pq.read_table(out / "rl.parquet").to_pylist()
+    assert [r["extra_info"]["index"] for r in rl] == list(range(6))
+    assert [r["extra_info"]["trajectory_id"] for r in rl] == [t["trajectory_id"] for t in trajs]
+    for row, t in zip(rl, trajs, strict=True):
+        first = t["turns"][0]
+        assert row["data_source"] == "fx" and row["ability"] == "analyst"
+        assert row["prompt"] == json.loads(first["prompt"])["messages"]
+        assert row["prompt"][0]["role"] == "system" and row["prompt"][-1]["role"] == "user"
+        info = row["extra_info"]
+        assert info["request_sha256"] == first["prompt_sha256"] == hashlib.sha256(
+            first["prompt"].encode()).hexdigest()
+        assert (info["stage"], info["case_id"], info["trial"]) == (
+            t["stage"], t["case_id"], t["trial"])
+        assert info["r_outcome"] == t["r_outcome"] and info["r_format"] == t["r_format"]
+        ref = json.loads(row["reward_model"]["ground_truth"])
+        assert row["reward_model"]["style"] == "rule"
+        assert ref["kind"] == REFERENCES[t["case_id"]]["kind"]
+        assert ref["value"] == REFERENCES[t["case_id"]]["value"]
+    assert {r["extra_info"]["case_id"]: r["extra_info"]["mandatory"] for r in rl}["c2"] is True
+    sft = pq.read_table(out / "sft.parquet").to_pylist()
+    passed = [t for t in trajs if t["r_outcome"] == 1.0]
+    assert len(sft) == len(passed) == 3
+    for row, t in zip(sft, passed, strict=True):
+        last = t["turns"][-1]
+        assert row["messages"][:-1] == json.loads(last["prompt"])["messages"]
+        assert row["messages"][-1] == {"role": "assistant", "content": last["reply"]}
+        assert row["extra_info"]["r_outcome"] == 1.0
+    assert [r["extra_info"]["index"] for r in sft] == [0, 1, 2]
+    receipt = json.loads((out / "export-receipt.json").read_text())
+    assert receipt["rl_parquet_sha256"] == sha256_file(out / "rl.parquet")
+    assert receipt["sft_parquet_sha256"] == sha256_file(out / "sft.parquet")
+
+
+@pytest.mark.parametrize(("content", "text"), [
+    pytest.param("plain", "plain", id="string"),
+    pytest.param(None, "", id="null"),
+    pytest.param([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "ab",
+                 id="text-parts"),
+    pytest.param([{"type": "image_url", "image_url": {"url": "x"}}],
+                 '[{"image_url": {"url": "x"}, "type": "image_url"}]', id="other-kept-as-json"),
+])
+def test_chat_messages_content(content: Any, text: str) -> None:
+    from runner.export import chat_messages
+
+    req = json.dumps({"messages": [{"role": "user", "content": content}]})
+    assert chat_messages(req) == [{"role": "user", "content": text}]
+
+
+@pytest.mark.parametrize("req", ['{"model": "m"}', '{"messages": []}', "[1]",
+                                 '{"messages": [{"content": "no role"}]}', "not json"])
+def test_chat_messages_refuses_requests_without_messages(req: str) -> None:
+    from runner.errors import OutputRejected
+    from runner.export import chat_messages
+
+    with pytest.raises((ValueError, TypeError, OutputRejected)):
+        chat_messages(req)
+
+
+def test_changed_frozen_manifest_fails_export(run: Path, calibration: Path,
+                                              tmp_path: Path) -> None:
+    m = run / "inputs" / "manifest.json"
+    m.write_bytes(m.read_bytes().replace(b'"value": 4.0', b'"value": 5.0'))
+    with pytest.raises(IntegrityError, match="references changed after freeze"):
+        export(run, tmp_path / "out", calibration=calibration, policy=POLICY)
+    assert not (tmp_path / "out").exists()
+
+
+# -- train sft selection and hand-over (host side, no Docker) ------------------------------
+
+
+def test_sft_selection_learns_from_passed_only(run: Path, calibration: Path,
+                                               tmp_path: Path) -> None:
+    from sandbox.train.sft import rows_from_trajectories, select
+
+    out = tmp_path / "out"
+    export(run, out, calibration=calibration, policy=POLICY)
+    used, sel = select(out / "trajectories.jsonl", include_failed=False)
+    assert sel == {"include_failed": False, "rule": "r_outcome == 1", "trajectories": 6,
+                   "by_r_outcome": {"1": 3, "0": 2, "null": 1}, "used": 3, "left_out": 3}
+    assert all(t["r_outcome"] == 1.0 for t in used)
+    assert len(rows_from_trajectories(used)) == 6  # turns 3 + 2 + 1
+    everything, sel_all = select(out / "trajectories.jsonl", include_failed=True)
+    assert len(everything) == 6 and sel_all["used"] == 6 and sel_all["left_out"] == 0
+
+
+def test_point_adapter_at_host_model(tmp_path: Path) -> None:
+    from sandbox.train.sft import point_adapter_at
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"base_model_name_or_path": "/model", "r": 16}))
+    point_adapter_at(tmp_path, "/home/op/models/tiny")
+    assert json.loads((tmp_path / "adapter_config.json").read_text()) == {
+        "base_model_name_or_path": "/home/op/models/tiny", "r": 16}
+
+
+def test_hand_over_makes_outputs_readable_by_the_invoking_user(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import stat
+
+    from runner.train import hand_over, invoking_user
+
+    out = tmp_path / "out"
+    (out / "adapter").mkdir(parents=True)
+    (out / "adapter" / "a.bin").write_bytes(b"x")
+    (out / "r.json").write_text("{}")
+    outside = tmp_path / "outside"
+    outside.write_text("not ours")
+    outside.chmod(0o600)
+    (out / "link").symlink_to(outside)
+    for p in (out, out / "adapter"):
+        p.chmod(0o700)
+    (out / "adapter" / "a.bin").chmod(0o4700)  # setuid must not survive
+    monkeypatch.setenv("SUDO_UID", "4242")
+    monkeypatch.setenv("SUDO_GID", "4343")
+    hand_over(out)
+    modes = {p.relative_to(out).as_posix(): stat.S_IMODE(p.lstat().st_mode)
+             for p in [out, *out.rglob("*")] if not p.is_symlink()}
+    assert modes == {".": 0o755, "adapter": 0o755, "adapter/a.bin": 0o644, "r.json": 0o644}
+    assert stat.S_IMODE(outside.stat().st_mode) == 0o600  # the symlink was not followed
+    if os.getuid() == 0:
+        assert invoking_user() == (4242, 4343)
+        assert {(p.lstat().st_uid, p.lstat().st_gid) for p in [out, *out.rglob("*")]
+                if not p.is_symlink()} == {(4242, 4343)}
+        assert outside.stat().st_uid == 0
