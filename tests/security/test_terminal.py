@@ -147,9 +147,9 @@ def test_error_message_names_hostile_directory(tmp_path: Path) -> None:
     run = tmp_path / HOSTILE.replace("/", "_")
     run.mkdir()
     res = run_cli("receipt", "verify", str(run))
-    assert res.returncode == 8, res.stdout.decode() + res.stderr.decode()
+    assert res.returncode == 3, res.stdout.decode() + res.stderr.decode()
     text = assert_clean(res)
-    assert "error:" in text and "receipt.json: unreadable" in text
+    assert "error:" in text and "receipt.json: does not exist" in text
     assert "\\x1b]0;pwned-title\\x07" in text and "\\u202eevil" in text
     assert "[bold]bold[_bold]" in text
 
@@ -161,7 +161,7 @@ def _run_dir(tmp_path: Path) -> Path:
     run.mkdir()
     plan = {"plan": {}, "plan_hash": sha256_json({})}
     (run / "plan.json").write_text(json.dumps(plan))
-    receipt = {"plan_hash": sha256_json({}),
+    receipt = {"schema": 1, "plan_hash": sha256_json({}),
                "files": {"plan.json": sha256_bytes((run / "plan.json").read_bytes())}}
     (run / "receipt.json").write_text(json.dumps(receipt))
     return run
