@@ -1,6 +1,9 @@
-"""Runs a cyclebox Gateway in its own process for bench/gateway.py.
+"""Runs a cyclebox Gateway in its own process (bench/gateway.py, tests/security).
 
-Prints {"dir": ..., "token": ...} once the socket is up; exits when stdin closes.
+``_gateway_proc.py PORT``: forward to an openai-compatible upstream on 127.0.0.1:PORT.
+``_gateway_proc.py '{upstream policy JSON}'``: any upstream policy (role analyst).
+Prints {"dir": ..., "token": ..., "run_dir": ..., "pid": ...} once the socket is up;
+exits when stdin closes.
 """
 
 from __future__ import annotations
@@ -15,16 +18,20 @@ from runner.gateway.budget import BudgetPolicy, RunBudget
 from runner.gateway.config import UpstreamPolicy
 from runner.gateway.server import Gateway
 
-port = int(sys.argv[1])
-os.environ["CBX_BENCH_KEY"] = "sk-bench"
-up = UpstreamPolicy.model_validate({
-    "provider": "openai", "base_url": f"http://127.0.0.1:{port}/v1",
-    "credential": {"env": "CBX_BENCH_KEY"}, "models": ["bench"],
-    "prices": {"bench": {"input_per_mtok": 1, "output_per_mtok": 1}}})
+if sys.argv[1].startswith("{"):
+    up = UpstreamPolicy.model_validate_json(sys.argv[1])
+else:
+    os.environ["CBX_BENCH_KEY"] = "sk-bench"
+    up = UpstreamPolicy.model_validate({
+        "provider": "openai", "base_url": f"http://127.0.0.1:{int(sys.argv[1])}/v1",
+        "credential": {"env": "CBX_BENCH_KEY"}, "models": ["bench"],
+        "prices": {"bench": {"input_per_mtok": 1, "output_per_mtok": 1}},
+        # Every limit on, at its default, except the rate: the bench itself is a flood.
+        "limits": {"rate_per_s": 1e6, "burst": 1_000_000}})
 run_dir = Path(tempfile.mkdtemp(prefix="cbx-bench-gw-"))
 with Gateway(run_dir, "bench", {"target": up}, {"analyst": "target"},
              RunBudget(BudgetPolicy(reservation_usd=0.01))) as gw, \
         gw.bound("analyst", stage="bench", uid=os.getuid()) as b:
     print(json.dumps({"dir": str(b.directory), "token": gw.token_for("analyst"),
-                      "run_dir": str(run_dir)}), flush=True)
+                      "run_dir": str(run_dir), "pid": os.getpid()}), flush=True)
     sys.stdin.read()

@@ -86,7 +86,7 @@ class RequestRules(Frozen):
     extra_fields: tuple[str, ...] = ()
     """Extra top-level fields forwarded verbatim, e.g. ``service_tier``, ``store``,
     ``web_search_options``, ``metadata``. Their cost effects are not bounded."""
-    token_limit_key: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"
+    token_limit_key: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"  # noqa: S105
     """Which key the gateway sets to the cap when the request names none."""
 
 

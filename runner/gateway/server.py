@@ -375,7 +375,7 @@ class _Handler:
             self.gw._record(self.b, turn, t0, status="infra_error", error="interrupted",
                             **common)
             raise
-        except Exception as exc:  # noqa: BLE001 - recorded as an infra error, cost unknown
+        except Exception as exc:
             result = ProviderResult(None, None, f"internal_error: {type(exc).__name__}")
         if not result.upstream_reached:
             cost: float | None = 0.0
