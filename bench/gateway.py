@@ -123,7 +123,8 @@ def main() -> None:
     summary = {
         "bench": "gateway", "requests_per_setting": a.requests, **result,
         "calls_recorded": calls,
-        "ratios": {"c1_p50_gateway_over_direct": p50_ratio, "c8_rps_gateway_over_direct": rps_ratio},
+        "ratios": {"c1_p50_gateway_over_direct": p50_ratio,
+                   "c8_rps_gateway_over_direct": rps_ratio},
         "targets": {"c1_p50_gateway_over_direct_max": 2.5, "c8_rps_gateway_over_direct_min": 0.5},
         "meets_targets": p50_ratio <= 2.5 and rps_ratio >= 0.5,
         "note": "every gateway request is recorded (request/response blobs + fsynced index line)",
