@@ -365,9 +365,9 @@ class _Handler:
         common: dict[str, Any] = {"upstream": name, "provider": provider.name, "model": model,
                                   "stream": stream, "sent": sent}
         try:
-            result = await asyncio.wait_for(
-                provider.call(sent, vetted.body, role=self.b.role, stream=stream),
-                up.call_deadline_s)
+            async with asyncio.timeout(up.call_deadline_s):
+                result = await provider.call(sent, vetted.body, role=self.b.role,
+                                             stream=stream)
         except TimeoutError:
             result = ProviderResult(None, None, "upstream_deadline")
         except asyncio.CancelledError:
