@@ -2,7 +2,8 @@
 
 ``_gateway_proc.py PORT``: forward to an openai-compatible upstream on 127.0.0.1:PORT.
 ``_gateway_proc.py '{upstream policy JSON}'``: any upstream policy (role analyst).
-Prints {"dir": ..., "token": ..., "run_dir": ..., "pid": ...} once the socket is up;
+A second socket (``flood_dir``, stage ``flooded``) is there to be flooded.
+Prints {"dir", "token", "flood_dir", "run_dir", "pid"} once the sockets are up;
 exits when stdin closes.
 """
 
@@ -31,7 +32,9 @@ else:
 run_dir = Path(tempfile.mkdtemp(prefix="cbx-bench-gw-"))
 with Gateway(run_dir, "bench", {"target": up}, {"analyst": "target"},
              RunBudget(BudgetPolicy(reservation_usd=0.01))) as gw, \
-        gw.bound("analyst", stage="bench", uid=os.getuid()) as b:
+        gw.bound("analyst", stage="bench", uid=os.getuid()) as b, \
+        gw.bound("analyst", stage="flooded", uid=os.getuid()) as flooded:
     print(json.dumps({"dir": str(b.directory), "token": gw.token_for("analyst"),
-                      "run_dir": str(run_dir), "pid": os.getpid()}), flush=True)
+                      "flood_dir": str(flooded.directory), "run_dir": str(run_dir),
+                      "pid": os.getpid()}), flush=True)
     sys.stdin.read()

@@ -65,6 +65,11 @@ class GatewayLimits(Frozen):
     """Sustained requests per second (token bucket; 429 ``rate_limited``)."""
     burst: int = Field(default=100, gt=0)
     """Requests allowed at once before the rate applies."""
+    body_bytes_per_s: int = Field(default=8 * 1024 * 1024, gt=0)
+    """Sustained request-body bytes per second (429 ``byte_rate_limited``): parsing is
+    CPU the whole controller shares, so one container cannot starve the others."""
+    body_bytes_burst: int = Field(default=16 * 1024 * 1024, gt=0)
+    """Body bytes allowed at once; at least max_request_bytes."""
     max_refusal_records: int = Field(default=1000, ge=1)
     """Refusals itemized in the call log per binding; further ones are counted in one
     ``refusals_not_itemized`` record when the socket closes (bounds log growth)."""
@@ -130,6 +135,9 @@ class UpstreamPolicy(Frozen):
         missing = [f for f in need if getattr(self, f) is None]
         if missing:
             raise ValueError(f"provider {self.provider} needs {', '.join(missing)}")
+        if self.limits.body_bytes_burst < self.max_request_bytes:
+            raise ValueError(f"limits.body_bytes_burst ({self.limits.body_bytes_burst}) "
+                             f"must be at least max_request_bytes ({self.max_request_bytes})")
         if self.limits.max_inflight_bytes < self.max_request_bytes:
             raise ValueError(f"limits.max_inflight_bytes ({self.limits.max_inflight_bytes}) "
                              f"must be at least max_request_bytes ({self.max_request_bytes})")

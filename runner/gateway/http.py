@@ -10,7 +10,8 @@ Invariants, per binding (one listener):
 - a body larger than the handler's limit is refused as soon as its length is known,
   and the bodies being read or held never sum to more than ``max_inflight_bytes``;
 - the body must arrive within ``body_timeout_s``; requests beyond ``rate_per_s`` /
-  ``burst`` are refused (429);
+  ``burst`` and body bytes beyond ``body_bytes_per_s`` / ``body_bytes_burst`` are
+  refused (429) before they are parsed;
 - while a request is handled the connection is not read, so a container cannot queue
   more data in the controller than the kernel's socket buffer;
 - every refusal goes through ``Handler.refuse`` (which records it) with a named code.
@@ -84,13 +85,13 @@ class TokenBucket:
         self.tokens = float(burst)
         self.at = time.monotonic()
 
-    def take(self) -> bool:
+    def take(self, n: float = 1) -> bool:
         now = time.monotonic()
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
         self.at = now
-        if self.tokens < 1:
+        if self.tokens < n:
             return False
-        self.tokens -= 1
+        self.tokens -= n
         return True
 
 
@@ -108,6 +109,7 @@ class Listener:
 
     def __post_init__(self) -> None:
         self.bucket = TokenBucket(self.limits.rate_per_s, self.limits.burst)
+        self.bytes = TokenBucket(self.limits.body_bytes_per_s, self.limits.body_bytes_burst)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -264,6 +266,10 @@ class Connection(asyncio.Protocol):
                 self._refuse(413, "request_too_large",
                              f"request body of {length} bytes is over {self.l.handler.max_body}")
                 return
+            if not self.l.bytes.take(length):
+                self._refuse(429, "byte_rate_limited",
+                             f"over {self.l.limits.body_bytes_per_s} body bytes/s on this socket")
+                return
             if not self._reserve(length):
                 self._refuse(503, "inflight_bytes",
                              f"bodies held on this socket would pass "
@@ -279,6 +285,11 @@ class Connection(asyncio.Protocol):
             self.parts.append(chunk)
             self._refuse(413, "request_too_large",
                          f"request body over {self.l.handler.max_body} bytes")
+            return
+        if self.head is not None and self.head.content_length is None \
+                and not self.l.bytes.take(len(chunk)):
+            self._refuse(429, "byte_rate_limited",
+                         f"over {self.l.limits.body_bytes_per_s} body bytes/s on this socket")
             return
         if self.head is not None and self.head.content_length is None \
                 and not self._reserve(len(chunk)):

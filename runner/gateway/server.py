@@ -46,7 +46,7 @@ from runner.gateway.providers import (
     ScriptedProvider,
 )
 from runner.gateway.redact import Redactor
-from runner.gateway.vet import Refusal, vet, worst_case_usd
+from runner.gateway.vet import Refusal, Vetted, vet, worst_case_usd
 from runner.owner import current_owner
 from runner.sandbox import Mount
 
@@ -347,13 +347,16 @@ class _Handler:
                                f"model {model!r} is not allowed for {self.b.role}; allowed: "
                                f"{list(up.models)}", body, model=str(model), t0=t0, turn=turn)
         stream = obj.get("stream") is True
+        def prepare() -> tuple[Vetted, bytes]:
+            v = vet(obj, rules=up.rules, cap=up.max_tokens)
+            return v, json.dumps(v.body, separators=(",", ":"), sort_keys=True,
+                                 ensure_ascii=False).encode()
+
         try:
-            vetted = vet(obj, rules=up.rules, cap=up.max_tokens)
+            vetted, sent = await self.gw.offload(self.b, len(body), prepare)
         except Refusal as r:
             return self.refuse(head, r.status, r.code, r.message, body, model=model,
                                stream=stream, t0=t0, turn=turn)
-        sent = json.dumps(vetted.body, separators=(",", ":"), sort_keys=True,
-                          ensure_ascii=False).encode()
         price = up.prices.get(model)
         worst = worst_case_usd(len(sent), vetted, price, up.rules) if price else None
         try:

@@ -197,6 +197,22 @@ def test_request_rate_is_capped(gw_factory: Any) -> None:
     assert sum(r.error == "rate_limited" for r in recs) == outcomes.count("429") >= 30 - allowed
 
 
+def test_body_byte_rate_is_capped(gw_factory: Any) -> None:
+    gw, b = gw_factory(scripted(max_request_bytes=MiB, limits={
+        "body_bytes_per_s": MiB, "body_bytes_burst": 2 * MiB}))
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 900_000}]
+                       }).encode()
+    statuses = []
+    for _ in range(6):
+        s = raw(b.directory)
+        with contextlib.suppress(OSError):
+            s.sendall(head(gw.token_for("analyst"), len(body)) + body)
+        statuses.append(status_of(s))
+        s.close()
+    assert statuses.count(429) >= 3, statuses
+    assert sum(r.error == "byte_rate_limited" for r in records(gw)) == statuses.count(429)
+
+
 def _vm(pid: int, key: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key + ":"):
@@ -207,7 +223,9 @@ def _vm(pid: int, key: str) -> int:
 def test_500_hostile_connections_with_4mib_bodies_keep_rss_bounded(tmp_path: Path) -> None:
     """The figure for the report: controller peak RSS growth while 500 connections each
     try to hold a nearly complete 4 MiB body (target <= 64 MiB; it grew 2.1 GiB before)."""
-    policy = scripted(limits={"rate_per_s": 1e6, "burst": 10**6}).model_dump_json()
+    # Rates wide open: what must hold here is the connection and in-flight caps.
+    policy = scripted(limits={"rate_per_s": 1e6, "burst": 10**6, "body_bytes_per_s": 1 << 40,
+                              "body_bytes_burst": 1 << 40}).model_dump_json()
     proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "_gateway_proc.py"), policy],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
