@@ -316,6 +316,11 @@ class Connection(asyncio.Protocol):
     async def _run(self, head: Head, body: bytes) -> None:
         try:
             reply = await _guard(self.l.handler, head, body, self.l.handler.handle(head, body))
+        except asyncio.CancelledError:
+            self._send(Reply(503, b'{"error":{"code":"interrupted","message":"the gateway '
+                                  b'is shutting down; the call was recorded as interrupted"}}'),
+                       keep_alive=False)
+            raise
         finally:
             self.busy = False
             self._release()

@@ -157,9 +157,24 @@ class Gateway:
         self._thread.start()
         return self
 
+    def interrupt(self) -> None:
+        """Cancel every in-flight upstream call now (each is recorded as ``interrupted``);
+        safe from any thread, e.g. a SIGTERM/SIGINT handler. Sockets stay bound."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+
+        def cancel() -> None:
+            for b in self._bindings:
+                if b.listener is not None:
+                    for t in list(b.listener.tasks):
+                        t.cancel()
+
+        loop.call_soon_threadsafe(cancel)
+
     def close(self) -> None:
         """Stop every socket; in-flight upstream calls are cancelled at once and recorded
-        as ``interrupted`` (the controller calls this on SIGTERM/SIGINT too)."""
+        as ``interrupted`` (the controller's unwinding on SIGTERM/SIGINT ends here)."""
         for b in list(self._bindings):
             self.unbind(b, grace_s=CLOSE_GRACE_S)
         if self._loop is not None:
@@ -215,9 +230,10 @@ class Gateway:
         assert b.listener is not None  # noqa: S101
         await b.listener.start()
 
-    def unbind(self, b: Binding, *, grace_s: float = UNBIND_GRACE_S) -> None:
-        """Close the socket; calls still running after ``grace_s`` are cancelled and
-        recorded as interrupted."""
+    def unbind(self, b: Binding, *, grace_s: float | None = None) -> None:
+        """Close the socket; calls still running after ``grace_s`` (default
+        UNBIND_GRACE_S) are cancelled and recorded as interrupted."""
+        grace_s = UNBIND_GRACE_S if grace_s is None else grace_s
         if b in self._bindings:
             self._bindings.remove(b)
         if b.listener is not None and self._loop is not None:
@@ -234,11 +250,16 @@ class Gateway:
     @contextmanager
     def bound(self, role: str, *, stage: str, uid: int, case: str | None = None,
               trial: int | None = None) -> Iterator[Binding]:
+        """A bound socket for the duration of the block; when the block is left by an
+        exception (Interrupted, KeyboardInterrupt, an engine error) in-flight calls are
+        cancelled at once and recorded as interrupted, without the normal grace."""
         b = self.bind(role, stage=stage, uid=uid, case=case, trial=trial)
         try:
             yield b
-        finally:
-            self.unbind(b)
+        except BaseException:
+            self.unbind(b, grace_s=0)
+            raise
+        self.unbind(b)
 
     def calls(self, stage: str, case: str | None = None,
               trial: int | None = None) -> list[CallRecord]:

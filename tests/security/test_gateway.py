@@ -391,6 +391,8 @@ def test_trickling_upstream_ends_at_the_call_deadline(gw_factory: Any,
 def test_close_cancels_inflight_calls_and_records_them(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CBX_SEC_KEY", "sk-hang")
+    # A normal unbind would now wait out the whole hang; only an immediate cancel passes.
+    monkeypatch.setattr(gw_server, "UNBIND_GRACE_S", 120.0)
     with upstream() as (url, srv):
         up = UpstreamPolicy.model_validate({
             "provider": "openai", "base_url": url, "credential": {"env": "CBX_SEC_KEY"},
@@ -422,3 +424,41 @@ def test_close_cancels_inflight_calls_and_records_them(tmp_path: Path,
     assert [(r.status, r.error) for r in recs] == [("infra_error", "interrupted")] * 3
     assert all(r.request_stored and r.cost_usd is None for r in recs)
     assert len(errors) == 3
+
+
+def test_unwinding_through_bound_cancels_without_grace(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while a container's call hangs: leaving ``bound`` by an exception cancels
+    the call at once (no unbind grace) and records it as interrupted."""
+    monkeypatch.setenv("CBX_SEC_KEY", "sk-hang")
+    # A normal unbind would now wait out the whole hang; only an immediate cancel passes.
+    monkeypatch.setattr(gw_server, "UNBIND_GRACE_S", 120.0)
+    with upstream() as (url, srv):
+        up = UpstreamPolicy.model_validate({
+            "provider": "openai", "base_url": url, "credential": {"env": "CBX_SEC_KEY"},
+            "models": ["hang"], "prices": {"hang": {"input_per_mtok": 1, "output_per_mtok": 1}}})
+        statuses: list[int] = []
+        with Gateway(tmp_path, "sec", {"target": up}, {"analyst": "target"}) as gw:
+            t0 = 0.0
+            with pytest.raises(KeyboardInterrupt), \
+                    gw.bound("analyst", stage="s", uid=os.getuid()) as b:
+                def call() -> None:
+                    with httpx2.Client(transport=httpx2.HTTPTransport(
+                            uds=str(b.directory / "gateway.sock")), timeout=30) as c:
+                        statuses.append(c.post("http://gw/v1/chat/completions", content=(
+                            b'{"model":"hang","messages":[{"role":"user","content":"x"}]}'),
+                            headers={"Authorization": f"Bearer {gw.token_for('analyst')}"}
+                        ).status_code)
+
+                caller = threading.Thread(target=call)
+                caller.start()
+                while not srv.requests:
+                    time.sleep(0.05)
+                t0 = time.monotonic()
+                raise KeyboardInterrupt
+            print(f"unwinding with a hung call took {time.monotonic() - t0:.2f} s")
+            caller.join(timeout=30)
+            assert srv.served == 0
+    assert statuses == [503]
+    recs = CallLog(tmp_path / "gateway").records()
+    assert [(r.status, r.error) for r in recs] == [("infra_error", "interrupted")]
