@@ -462,3 +462,27 @@ def test_unwinding_through_bound_cancels_without_grace(tmp_path: Path,
     assert statuses == [503]
     recs = CallLog(tmp_path / "gateway").records()
     assert [(r.status, r.error) for r in recs] == [("infra_error", "interrupted")]
+
+
+def test_refusal_flood_is_counted_not_itemized_past_the_cap(gw_factory: Any) -> None:
+    gw, b = gw_factory(scripted(limits={"max_refusal_records": 3}))
+    for _ in range(10):
+        s = raw(b.directory)
+        s.sendall(head("wrong", 2) + b"{}")
+        assert status_of(s) == 401
+        s.close()
+    assert len(records(gw)) == 3
+    gw.unbind(b)
+    recs = records(gw)
+    assert [r.error for r in recs] == ["bad_token"] * 3 + ["refusals_not_itemized"]
+    assert recs[-1].not_itemized == 7
+
+
+def test_model_listing_needs_the_token_and_is_not_a_call(gw_factory: Any) -> None:
+    gw, b = gw_factory(scripted())
+    assert [m.id for m in client(gateway_dir=b.directory).models.list()] == ["m"]
+    with httpx2.Client(transport=httpx2.HTTPTransport(uds=str(b.directory / "gateway.sock"))
+                       ) as c:
+        assert c.get("http://gw/v1/models").status_code == 401
+        assert c.get("http://gw/v1/files").status_code == 404
+    assert [r.error for r in records(gw)] == ["bad_token", "not_found"]
