@@ -364,9 +364,10 @@ class _Handler:
                                t0=t0, turn=turn)
         model = obj.get("model")
         if not isinstance(model, str) or model not in up.models:
+            shown = ascii(model)[:120]  # hostile: bounded and escaped before it is stored
             return self.refuse(head, 403, "model_not_allowed",
-                               f"model {model!r} is not allowed for {self.b.role}; allowed: "
-                               f"{list(up.models)}", body, model=str(model), t0=t0, turn=turn)
+                               f"model {shown} is not allowed for {self.b.role}; allowed: "
+                               f"{list(up.models)}", body, model=shown, t0=t0, turn=turn)
         stream = obj.get("stream") is True
         def prepare() -> tuple[Vetted, bytes]:
             v = vet(obj, rules=up.rules, cap=up.max_tokens)
