@@ -19,7 +19,7 @@ import yaml
 from runner.collect import loads_strict
 from runner.errors import ConfigError, OutputRejected
 from runner.gateway.calllog import CallLog, Usage, sha256
-from runner.gateway.upstream_http import HttpClient, UpstreamError
+from runner.gateway.upstream_http import UpstreamError, client_for
 
 
 @dataclass(frozen=True)
@@ -105,14 +105,14 @@ def inspect(data: bytes, *, stream: bool) -> tuple[Usage | None, str | None]:
 class OpenAIProvider:
     """Forwards the exact request bytes to an OpenAI-compatible server with the real key.
 
-    :class:`HttpClient` sends the bytes unchanged, so the recorded request is
-    byte-for-byte what the upstream received; no retries, no redirects.
+    The client (:mod:`upstream_http`) sends the bytes unchanged, so the recorded request
+    is byte-for-byte what the upstream received; no retries, no redirects.
     """
 
     name = "openai"
 
     def __init__(self, base_url: str, key: str, *, timeout_s: float, max_response: int) -> None:
-        self._client = HttpClient(base_url, read_timeout=timeout_s, max_response=max_response)
+        self._client = client_for(base_url, read_timeout=timeout_s, max_response=max_response)
         self._key = key
 
     async def call(self, request: bytes, body: dict[str, Any], *, role: str,

@@ -5,6 +5,8 @@ pool and anyio layers (per request several times the cost of parsing with httpto
 This client sends the exact request bytes, keeps idle connections for reuse, reads the
 response with a per-read timeout and a size cap, never follows redirects and never
 retries: a reused connection is only taken if the server has not closed it.
+When the host environment names an HTTP proxy for the upstream, httpx is used instead
+(it honours the proxy variables; this client does not speak to proxies).
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ from __future__ import annotations
 import asyncio
 import ssl
 import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import httptools
+import httpx
 
 
 class UpstreamError(Exception):
@@ -88,7 +93,7 @@ class HttpClient:
                 return reader, writer
             writer.close()
         if self.tls and self._ssl is None:
-            self._ssl = ssl.create_default_context()
+            self._ssl = _tls_context()
         try:
             async with asyncio.timeout(self.read_timeout):
                 return await asyncio.open_connection(
@@ -143,3 +148,61 @@ class HttpClient:
         for _, writer in self._idle:
             writer.close()
         self._idle.clear()
+
+
+def _tls_context() -> ssl.SSLContext:
+    try:
+        import certifi  # the CA bundle httpx used, when present
+    except ImportError:
+        return ssl.create_default_context()
+    return ssl.create_default_context(cafile=certifi.where())
+
+
+class Poster(Protocol):
+    async def post(self, path: str, body: bytes,
+                   headers: dict[str, str]) -> tuple[int, bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class HttpxClient:
+    """The same interface over httpx, for upstreams reached through a proxy."""
+
+    def __init__(self, base_url: str, *, read_timeout: float, max_response: int) -> None:
+        self._client = httpx.AsyncClient(
+            base_url=base_url.rstrip("/") + "/", timeout=httpx.Timeout(read_timeout),
+            transport=httpx.AsyncHTTPTransport(retries=0), follow_redirects=False)
+        self._max = max_response
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        try:
+            async with self._client.stream("POST", path, content=body,
+                                           headers=headers) as resp:
+                chunks: list[bytes] = []
+                got = 0
+                async for chunk in resp.aiter_raw():
+                    got += len(chunk)
+                    if got > self._max:
+                        raise UpstreamError("response_too_large", resp.status_code,
+                                            b"".join(chunks))
+                    chunks.append(chunk)
+                return resp.status_code, b"".join(chunks)
+        except httpx.TimeoutException:
+            raise UpstreamError("upstream_timeout") from None
+        except (httpx.RemoteProtocolError, httpx.ReadError):
+            raise UpstreamError("upstream_disconnected") from None
+        except httpx.HTTPError as exc:
+            raise UpstreamError(f"upstream_unreachable: {type(exc).__name__}") from None
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def client_for(base_url: str, *, read_timeout: float, max_response: int) -> Poster:
+    """HttpClient, or HttpxClient when a proxy variable applies to ``base_url``."""
+    u = urllib.parse.urlsplit(base_url)
+    proxies = urllib.request.getproxies()
+    if (u.scheme in proxies or "all" in proxies) and not urllib.request.proxy_bypass(
+            u.hostname or ""):
+        return HttpxClient(base_url, read_timeout=read_timeout, max_response=max_response)
+    return HttpClient(base_url, read_timeout=read_timeout, max_response=max_response)

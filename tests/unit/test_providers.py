@@ -120,3 +120,17 @@ def test_vet_worst_case_bounds_every_choice_and_byte() -> None:
     s = vet({"model": "m", "stream": True, "stream_options": {"include_usage": False},
              "messages": [{"role": "user", "content": "x"}]}, rules=rules, cap=100)
     assert s.body["stream_options"] == {"include_usage": True}
+
+
+def test_upstream_client_uses_httpx_only_behind_a_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from runner.gateway.upstream_http import HttpClient, HttpxClient, client_for
+
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
+                "all_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    kw = {"read_timeout": 1.0, "max_response": 10}
+    assert isinstance(client_for("https://api.example.com/v1", **kw), HttpClient)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    assert isinstance(client_for("https://api.example.com/v1", **kw), HttpxClient)
+    monkeypatch.setenv("NO_PROXY", "api.example.com")
+    assert isinstance(client_for("https://api.example.com/v1", **kw), HttpClient)
