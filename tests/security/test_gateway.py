@@ -486,3 +486,79 @@ def test_model_listing_needs_the_token_and_is_not_a_call(gw_factory: Any) -> Non
         assert c.get("http://gw/v1/models").status_code == 401
         assert c.get("http://gw/v1/files").status_code == 404
     assert [r.error for r in records(gw)] == ["bad_token", "not_found"]
+
+
+CONTAINER_ATTACK = r"""
+import json, socket, time
+from sandbox.gateway_client import client
+SOCK = "/run/cyclebox/gateway/gateway.sock"
+out = {}
+def conn():
+    s = socket.socket(socket.AF_UNIX); s.settimeout(20); s.connect(SOCK); return s
+def status(s):
+    data = b""
+    while b"\r\n" not in data:
+        c = s.recv(4096)
+        if not c: break
+        data += c
+    return int(data.split(b" ")[1]) if data.startswith(b"HTTP/1.1") else -1
+s = conn(); s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nX-Pad: "); sent = 0
+try:
+    while sent < 48 << 20:
+        s.sendall(b"a" * 65536); sent += 65536
+except OSError: pass
+out["header"] = [status(s), sent]; s.close()
+held = [conn() for _ in range(16)]
+time.sleep(0.3)
+extra = conn(); out["extra_conn"] = status(extra); extra.close()
+for h in held: h.close()
+body = b"A" * (1 << 20); codes = []
+for _ in range(20):
+    s = conn()
+    try:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nAuthorization: Bearer x\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    except OSError: pass
+    codes.append(status(s)); s.close()
+out["bad_token"] = sorted(set(codes))
+c = client()
+msgs = [{"role": "user", "content": "ping"}]
+for name, kw in (("n", {"n": 128}), ("tier", {"service_tier": "priority"})):
+    try:
+        c.chat.completions.create(model="fixture-target", messages=msgs, **kw)
+        out[name] = "accepted"
+    except Exception as e:
+        out[name] = getattr(e, "status_code", type(e).__name__)
+out["ok"] = c.chat.completions.create(model="fixture-target",
+                                      messages=msgs).choices[0].message.content
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.docker
+def test_attacks_from_inside_a_hardened_container(tmp_path: Path, policies: Any,
+                                                  backend: Any) -> None:
+    """The same attacks from a real analyst container through its read-only socket mount."""
+    from runner.images import resolve_image
+    from runner.roles import role_spec
+    from runner.sandbox import StopReason
+
+    with Gateway(tmp_path, "sec", dict(policies.upstreams), {"analyst": "target"}) as gw, \
+            gw.bound("analyst", stage="attack", uid=10001) as b:
+        spec = role_spec(policies.roles["analyst"], role="analyst", run_id="sec-gw",
+                         image=resolve_image("analyst"),
+                         command=["python", "-c", CONTAINER_ATTACK], mounts=[b.mount()])
+        rec = backend.run(spec)
+    assert rec.stop_reason is StopReason.OK, rec.stderr_tail
+    out = json.loads(rec.stdout_tail)
+    assert out["header"][0] == 431 and out["header"][1] < 4 * MiB
+    assert out["extra_conn"] == 503
+    assert out["bad_token"] == [401]
+    assert out["n"] == 400 and out["tier"] == 400 and out["ok"] == "pong"
+    recs = CallLog(tmp_path / "gateway").records()
+    errors = [r.error for r in recs]
+    assert errors.count("header_too_large") == 1 and errors.count("too_many_connections") == 1
+    assert errors.count("bad_token") == 20 and "n_not_allowed" in errors
+    assert "field_not_allowed" in errors and errors[-1] is None
+    assert not any(r.request_stored for r in recs if r.status == "refused")
+    assert dir_bytes(tmp_path / "gateway" / "blobs") < 64 * 1024
