@@ -15,9 +15,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from runner.gateway import server
 from runner.gateway.budget import BudgetPolicy, RunBudget
 from runner.gateway.config import UpstreamPolicy
 from runner.gateway.server import Gateway
+
+# Ablations for the flooded-socket figure: CBX_BENCH_OFFLOAD_BYTES (parse/write on the
+# loop below this size), CBX_BENCH_BYTE_RATE (per-socket body bytes/s).
+server.OFFLOAD_BYTES = int(os.environ.get("CBX_BENCH_OFFLOAD_BYTES", server.OFFLOAD_BYTES))
 
 if sys.argv[1].startswith("{"):
     up = UpstreamPolicy.model_validate_json(sys.argv[1])
@@ -28,7 +33,10 @@ else:
         "credential": {"env": "CBX_BENCH_KEY"}, "models": ["bench"],
         "prices": {"bench": {"input_per_mtok": 1, "output_per_mtok": 1}},
         # Every limit on, at its default, except the rate: the bench itself is a flood.
-        "limits": {"rate_per_s": 1e6, "burst": 1_000_000}})
+        "limits": {"rate_per_s": 1e6, "burst": 1_000_000, **({
+            "body_bytes_per_s": int(os.environ["CBX_BENCH_BYTE_RATE"]),
+            "body_bytes_burst": max(int(os.environ["CBX_BENCH_BYTE_RATE"]), 4 << 20)}
+            if "CBX_BENCH_BYTE_RATE" in os.environ else {})}})
 run_dir = Path(tempfile.mkdtemp(prefix="cbx-bench-gw-"))
 with Gateway(run_dir, "bench", {"target": up}, {"analyst": "target"},
              RunBudget(BudgetPolicy(reservation_usd=0.01))) as gw, \
