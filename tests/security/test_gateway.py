@@ -562,3 +562,33 @@ def test_attacks_from_inside_a_hardened_container(tmp_path: Path, policies: Any,
     assert "field_not_allowed" in errors and errors[-1] is None
     assert not any(r.request_stored for r in recs if r.status == "refused")
     assert dir_bytes(tmp_path / "gateway" / "blobs") < 64 * 1024
+
+
+def test_interrupt_from_a_signal_handler_cancels_and_records(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CBX_SEC_KEY", "sk-hang")
+    with upstream() as (url, srv):
+        up = UpstreamPolicy.model_validate({
+            "provider": "openai", "base_url": url, "credential": {"env": "CBX_SEC_KEY"},
+            "models": ["hang"], "prices": {"hang": {"input_per_mtok": 1, "output_per_mtok": 1}}})
+        with Gateway(tmp_path, "sec", {"target": up}, {"analyst": "target"}) as gw, \
+                gw.bound("analyst", stage="s", uid=os.getuid()) as b:
+            statuses: list[int] = []
+
+            def call() -> None:
+                with httpx2.Client(transport=httpx2.HTTPTransport(
+                        uds=str(b.directory / "gateway.sock")), timeout=30) as c:
+                    statuses.append(c.post("http://gw/v1/chat/completions", content=(
+                        b'{"model":"hang","messages":[{"role":"user","content":"x"}]}'),
+                        headers={"Authorization": f"Bearer {gw.token_for('analyst')}"}
+                    ).status_code)
+
+            caller = threading.Thread(target=call)
+            caller.start()
+            while not srv.requests:
+                time.sleep(0.05)
+            gw.interrupt()
+            caller.join(timeout=30)
+            assert statuses == [503] and srv.served == 0
+            recs = gw.calls("s")
+    assert [(r.status, r.error) for r in recs] == [("infra_error", "interrupted")]
