@@ -1,6 +1,10 @@
-"""Runs a cyclebox Gateway in its own process for bench/gateway.py.
+"""Runs a cyclebox Gateway in its own process (bench/gateway.py, tests/security).
 
-Prints {"dir": ..., "token": ...} once the socket is up; exits when stdin closes.
+``_gateway_proc.py PORT``: forward to an openai-compatible upstream on 127.0.0.1:PORT.
+``_gateway_proc.py '{upstream policy JSON}'``: any upstream policy (role analyst).
+A second socket (``flood_dir``, stage ``flooded``) is there to be flooded.
+Prints {"dir", "token", "flood_dir", "run_dir", "pid"} once the sockets are up;
+exits when stdin closes.
 """
 
 from __future__ import annotations
@@ -11,20 +15,34 @@ import sys
 import tempfile
 from pathlib import Path
 
+from runner.gateway import server
 from runner.gateway.budget import BudgetPolicy, RunBudget
 from runner.gateway.config import UpstreamPolicy
 from runner.gateway.server import Gateway
 
-port = int(sys.argv[1])
-os.environ["CBX_BENCH_KEY"] = "sk-bench"
-up = UpstreamPolicy.model_validate({
-    "provider": "openai", "base_url": f"http://127.0.0.1:{port}/v1",
-    "credential": {"env": "CBX_BENCH_KEY"}, "models": ["bench"],
-    "prices": {"bench": {"input_per_mtok": 1, "output_per_mtok": 1}}})
+# Ablations for the flooded-socket figure: CBX_BENCH_OFFLOAD_BYTES (parse/write on the
+# loop below this size), CBX_BENCH_BYTE_RATE (per-socket body bytes/s).
+server.OFFLOAD_BYTES = int(os.environ.get("CBX_BENCH_OFFLOAD_BYTES", server.OFFLOAD_BYTES))
+
+if sys.argv[1].startswith("{"):
+    up = UpstreamPolicy.model_validate_json(sys.argv[1])
+else:
+    os.environ["CBX_BENCH_KEY"] = "sk-bench"
+    up = UpstreamPolicy.model_validate({
+        "provider": "openai", "base_url": f"http://127.0.0.1:{int(sys.argv[1])}/v1",
+        "credential": {"env": "CBX_BENCH_KEY"}, "models": ["bench"],
+        "prices": {"bench": {"input_per_mtok": 1, "output_per_mtok": 1}},
+        # Every limit on, at its default, except the rate: the bench itself is a flood.
+        "limits": {"rate_per_s": 1e6, "burst": 1_000_000, **({
+            "body_bytes_per_s": int(os.environ["CBX_BENCH_BYTE_RATE"]),
+            "body_bytes_burst": max(int(os.environ["CBX_BENCH_BYTE_RATE"]), 4 << 20)}
+            if "CBX_BENCH_BYTE_RATE" in os.environ else {})}})
 run_dir = Path(tempfile.mkdtemp(prefix="cbx-bench-gw-"))
 with Gateway(run_dir, "bench", {"target": up}, {"analyst": "target"},
              RunBudget(BudgetPolicy(reservation_usd=0.01))) as gw, \
-        gw.bound("analyst", stage="bench", uid=os.getuid()) as b:
+        gw.bound("analyst", stage="bench", uid=os.getuid()) as b, \
+        gw.bound("analyst", stage="flooded", uid=os.getuid()) as flooded:
     print(json.dumps({"dir": str(b.directory), "token": gw.token_for("analyst"),
-                      "run_dir": str(run_dir)}), flush=True)
+                      "flood_dir": str(flooded.directory), "run_dir": str(run_dir),
+                      "pid": os.getpid()}), flush=True)
     sys.stdin.read()

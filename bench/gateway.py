@@ -3,7 +3,8 @@
 Three processes: a uvicorn upstream on 127.0.0.1, the cyclebox gateway (its own process,
 forwarding to that upstream with the openai provider and recording every call), and this
 client. Gateway and direct requests carry the same body; concurrency 1 and 8; one run.
-Targets (issue 3): added p50 <= 3 ms; >= 300 requests/s through the gateway.
+Targets (issue 10, as ratios within one run, all gateway limits on): concurrency 1
+gateway p50 <= 2.5x direct p50; concurrency 8 gateway requests/s >= 0.5x direct.
 """
 
 from __future__ import annotations
@@ -47,6 +48,40 @@ async def load(client: httpx2.AsyncClient, url: str, headers: dict[str, str], n:
     t0 = time.perf_counter()
     await asyncio.gather(*(one() for _ in range(n)))
     return lat, time.perf_counter() - t0
+
+
+FLOOD = """
+import sys, threading, httpx2
+d, token = sys.argv[1], sys.argv[2]
+body = b'{"model":"not-allowed","messages":[{"role":"user","content":"' + b"x" * (1 << 20) + b'"}]}'
+def run():
+    with httpx2.Client(transport=httpx2.HTTPTransport(uds=d + "/gateway.sock"), timeout=60) as c:
+        while True:
+            c.post("http://gw/v1/chat/completions", content=body,
+                   headers={"Authorization": "Bearer " + token})
+for _ in range(4):
+    threading.Thread(target=run, daemon=True).start()
+sys.stdin.read()
+"""
+
+
+async def victim(info: dict[str, str], n: int) -> dict[str, float]:
+    """Concurrency-1 latency on one socket while another process floods a second socket
+    with 1 MiB requests the gateway must parse and refuse (model not allowed)."""
+    flood = subprocess.Popen([sys.executable, "-c", FLOOD, info["flood_dir"], info["token"]],
+                             stdin=subprocess.PIPE)
+    try:
+        await asyncio.sleep(1.0)
+        gw = httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(
+            uds=str(Path(info["dir"]) / "gateway.sock")), timeout=30)
+        h = {"Authorization": f"Bearer {info['token']}", "Content-Type": "application/json"}
+        lat, _ = await load(gw, "http://gw/v1/chat/completions", h, n, 1)
+        await gw.aclose()
+    finally:
+        flood.kill()
+        flood.wait()
+    return {"p50_ms": round(1000 * statistics.median(lat), 3),
+            "p99_ms": round(1000 * pct(lat, 0.99), 3)}
 
 
 def pct(v: list[float], q: float) -> float:
@@ -108,7 +143,9 @@ def main() -> None:
         assert gateway.stdout is not None
         info = json.loads(gateway.stdout.readline())
         result = asyncio.run(measure(info, port, a.requests))
-        calls = sum(1 for _ in (Path(info["run_dir"]) / "gateway" / "calls.jsonl").open())
+        flooded = asyncio.run(victim(info, 200))
+        calls = sum(1 for line in (Path(info["run_dir"]) / "gateway" / "calls.jsonl").open()
+                    if '"stage":"bench"' in line)
     finally:
         if gateway is not None and gateway.stdin is not None:
             gateway.stdin.close()
@@ -116,13 +153,19 @@ def main() -> None:
         upstream.terminate()
         upstream.wait(timeout=10)
     c1, c8 = result["concurrency_1"], result["concurrency_8"]
+    p50_ratio = round(c1["gateway"]["p50_ms"] / c1["direct"]["p50_ms"], 3)  # type: ignore[index]
+    rps_ratio = round(c8["gateway"]["requests_per_s"]  # type: ignore[index]
+                      / c8["direct"]["requests_per_s"], 3)  # type: ignore[index]
     summary = {
         "bench": "gateway", "requests_per_setting": a.requests, **result,
         "calls_recorded": calls,
-        "targets": {"added_p50_ms": 3.0, "gateway_requests_per_s": 300},
-        "meets_targets": (c1["added_p50_ms"] <= 3.0  # type: ignore[index]
-                          and max(c1["gateway"]["requests_per_s"],  # type: ignore[index]
-                                  c8["gateway"]["requests_per_s"]) >= 300),  # type: ignore[index]
+        "victim_while_other_socket_flooded": {
+            **flooded, "p50_over_unflooded_c1_p50": round(
+                flooded["p50_ms"] / c1["gateway"]["p50_ms"], 3)},  # type: ignore[index]
+        "ratios": {"c1_p50_gateway_over_direct": p50_ratio,
+                   "c8_rps_gateway_over_direct": rps_ratio},
+        "targets": {"c1_p50_gateway_over_direct_max": 2.5, "c8_rps_gateway_over_direct_min": 0.5},
+        "meets_targets": p50_ratio <= 2.5 and rps_ratio >= 0.5,
         "note": "every gateway request is recorded (request/response blobs + fsynced index line)",
     }
     report(summary, a.out)

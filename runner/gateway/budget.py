@@ -1,7 +1,9 @@
 """Run budget shared by all roles of a cycle (SPEC §4).
 
-Admission happens before every call under a lock: a reservation is held until the
-call settles with its reported cost. An unknown charge (no usage, no price) or a
+Admission happens before every call under a lock: a reservation of the call's worst
+case (never less than ``reservation_usd``) is held until the call settles with its
+reported cost, so the sum of spend and open reservations never passes a limit, however
+many calls run at once. An unknown charge (no usage, no price) or a
 charge above its reservation stops all further admission, and totals are then
 marked incomplete or halted. Nothing here does IO.
 """
@@ -25,7 +27,9 @@ class BudgetPolicy(Frozen):
     max_calls: int | None = Field(default=None, ge=0)
     """Total model calls allowed for the run."""
     reservation_usd: float = Field(default=0.05, ge=0)
-    """Held per call until it settles; a call costing more than this halts admission."""
+    """Floor of the amount held per call until it settles; the gateway reserves the
+    call's worst case when that is larger. A call costing more than its reservation
+    halts admission."""
     per_role_usd: dict[str, float] = Field(default_factory=dict)
     """Optional per-role spend caps."""
     per_role_calls: dict[str, int] = Field(default_factory=dict)
@@ -68,8 +72,12 @@ class RunBudget:
     halted: str | None = None
     """Why admission stopped for good, if it did."""
 
-    def admit(self, role: str) -> Reservation:
-        """Reserve for one call of ``role`` or raise BudgetRefused."""
+    def admit(self, role: str, worst_case_usd: float | None = 0.0) -> Reservation:
+        """Reserve the call's worst case (at least ``reservation_usd``) or raise BudgetRefused.
+
+        ``worst_case_usd`` None means the worst case is unknown (no price): refused
+        whenever a USD limit applies, since nothing would bound the charge.
+        """
         p = self.policy
         with self._lock:
             acct = self._roles.setdefault(role, _Account())
@@ -80,21 +88,28 @@ class RunBudget:
             role_calls = p.per_role_calls.get(role)
             if role_calls is not None and acct.calls + 1 > role_calls:
                 raise BudgetRefused(f"per-role max_calls {role_calls} reached for {role}")
-            amount = p.reservation_usd
-            if p.limit_usd is not None and (
-                    self._total.spent + self._total.reserved + amount > p.limit_usd + 1e-12):
-                raise BudgetRefused(f"limit_usd {p.limit_usd} would be exceeded "
-                                    f"(spent {self._total.spent:.6f}, reserved "
-                                    f"{self._total.reserved:.6f})")
             role_cap = p.per_role_usd.get(role)
-            if role_cap is not None and acct.spent + acct.reserved + amount > role_cap + 1e-12:
-                raise BudgetRefused(f"per-role limit_usd {role_cap} would be exceeded for {role}")
+            if worst_case_usd is None and (p.limit_usd is not None or role_cap is not None):
+                raise BudgetRefused("worst case unknown (no price for the model) under a "
+                                    "USD limit; add the model to the upstream's prices")
+            amount = max(p.reservation_usd, worst_case_usd or 0.0)
+            self._check(self._total, amount, p.limit_usd, "limit_usd")
+            if role_cap is not None:
+                self._check(acct, amount, role_cap, "per-role limit_usd", f" for {role}")
             res = Reservation(id=next(self._ids), role=role, amount=amount)
             for a in (self._total, acct):
                 a.calls += 1
                 a.reserved += amount
             self._open[res.id] = res
             return res
+
+    @staticmethod
+    def _check(acct: _Account, amount: float, limit: float | None, what: str,
+               who: str = "") -> None:
+        if limit is not None and acct.spent + acct.reserved + amount > limit + 1e-12:
+            raise BudgetRefused(f"{what} {limit} would be exceeded{who} by this call's worst case "
+                                f"{amount:.6f} (spent {acct.spent:.6f}, reserved "
+                                f"{acct.reserved:.6f})")
 
     def settle(self, res: Reservation, cost_usd: float | None) -> None:
         """Release the reservation and charge the cost; None means the cost is unknown."""

@@ -26,6 +26,8 @@ from runner.errors import IntegrityError
 from runner.sandbox import Frozen
 
 CallStatus = Literal["ok", "refused", "infra_error"]
+PREFIX_BYTES = 256
+"""How much of a refused request's body the log keeps."""
 
 
 class Usage(Frozen):
@@ -68,7 +70,19 @@ class CallRecord(Frozen):
     request_sha256: str
     """sha256 of the request bytes: as sent upstream, or as received when refused."""
     response_sha256: str | None = None
-    """sha256 of the response bytes as received from upstream."""
+    """sha256 of the response bytes as received from upstream (after redaction)."""
+    request_stored: bool = True
+    """False for refused calls: only hash, length and prefix are kept, never the body
+    (a container must not be able to fill the disk with refused requests)."""
+    request_bytes: int | None = None
+    """Length of the request bytes the hash covers."""
+    request_prefix: str | None = None
+    """Refused calls: the first bytes of the body (UTF-8, invalid bytes escaped)."""
+    redactions: int = 0
+    """Occurrences of an upstream credential replaced in the response before storing."""
+    not_itemized: int | None = None
+    """Set on the one ``refusals_not_itemized`` record: refusals of this socket that were
+    counted, not recorded one by one, after ``limits.max_refusal_records``."""
 
 
 def sha256(data: bytes) -> str:
@@ -85,6 +99,7 @@ class CallLog:
         self.blobs.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._dirty = False
+        self._fd: int | None = None
         self._seq = 0
         if self.index.exists():
             with self.index.open("rb") as f:
@@ -108,10 +123,19 @@ class CallLog:
             return s
 
     def append(self, rec: CallRecord) -> None:
-        line = rec.model_dump_json() + "\n"
-        with self._lock, self.index.open("a", encoding="utf-8") as f:
-            f.write(line)
+        line = (rec.model_dump_json() + "\n").encode()
+        with self._lock:
+            if self._fd is None:
+                self._fd = os.open(self.index, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.write(self._fd, line)
             self._dirty = True
+
+    def close(self) -> None:
+        self.sync()
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
     def sync(self) -> None:
         """fsync the index and the blob directory (cheap when nothing changed)."""

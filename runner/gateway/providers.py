@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from runner.collect import loads_strict
 from runner.errors import ConfigError, OutputRejected
 from runner.gateway.calllog import CallLog, Usage, sha256
+from runner.gateway.upstream_http import UpstreamError, client_for
 
 
 @dataclass(frozen=True)
@@ -105,43 +105,28 @@ def inspect(data: bytes, *, stream: bool) -> tuple[Usage | None, str | None]:
 class OpenAIProvider:
     """Forwards the exact request bytes to an OpenAI-compatible server with the real key.
 
-    httpx (the transport the openai SDK uses) sends the bytes unchanged, so the
-    recorded request is byte-for-byte what the upstream received; retries are off.
+    The client (:mod:`upstream_http`) sends the bytes unchanged, so the recorded request
+    is byte-for-byte what the upstream received; no retries, no redirects.
     """
 
     name = "openai"
 
     def __init__(self, base_url: str, key: str, *, timeout_s: float, max_response: int) -> None:
-        self._client = httpx.AsyncClient(
-            base_url=base_url.rstrip("/") + "/", timeout=httpx.Timeout(timeout_s),
-            transport=httpx.AsyncHTTPTransport(retries=0), follow_redirects=False)
+        self._client = client_for(base_url, read_timeout=timeout_s, max_response=max_response)
         self._key = key
-        self._max = max_response
 
     async def call(self, request: bytes, body: dict[str, Any], *, role: str,
                    stream: bool) -> ProviderResult:
         headers = {"Authorization": f"Bearer {self._key}", "Content-Type": "application/json",
                    "Accept": "text/event-stream" if stream else "application/json"}
         try:
-            async with self._client.stream("POST", "chat/completions", content=request,
-                                           headers=headers) as resp:
-                chunks: list[bytes] = []
-                got = 0
-                async for chunk in resp.aiter_raw():
-                    got += len(chunk)
-                    if got > self._max:
-                        return ProviderResult(resp.status_code, b"".join(chunks),
-                                              "response_too_large")
-                    chunks.append(chunk)
-                data = b"".join(chunks)
-                status = resp.status_code
-        except httpx.TimeoutException:
-            return ProviderResult(None, None, "upstream_timeout")
-        except (httpx.RemoteProtocolError, httpx.ReadError):
-            return ProviderResult(None, None, "truncated_stream" if stream else
-                                  "upstream_disconnected")
-        except httpx.HTTPError as exc:
-            return ProviderResult(None, None, f"upstream_unreachable: {type(exc).__name__}")
+            status, data = await self._client.post("chat/completions", request, headers)
+        except UpstreamError as exc:
+            if exc.kind == "response_too_large":
+                return ProviderResult(exc.status, exc.partial, exc.kind)
+            kind = "truncated_stream" if stream and exc.kind == "upstream_disconnected" \
+                else exc.kind
+            return ProviderResult(None, None, kind)
         if status != 200:
             return ProviderResult(status, data, f"upstream_status_{status}")
         usage, error = inspect(data, stream=stream)

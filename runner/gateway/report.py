@@ -16,9 +16,10 @@ def summarize(records: list[CallRecord]) -> dict[str, Any]:
     per_role: dict[str, dict[str, Any]] = {}
     total = empty()
     for r in records:
+        n = r.not_itemized or 1  # one record standing for refusals counted, not itemized
         for row in (per_role.setdefault(r.role, empty()), total):
-            row["calls"] += 1
-            row[r.status] += 1
+            row["calls"] += n
+            row[r.status] += n
             row["fixture_calls"] += int(r.fixture)
             if r.usage:
                 row["tokens"] += r.usage.total_tokens

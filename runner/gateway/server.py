@@ -1,10 +1,17 @@
-"""The gateway process side: one uvicorn server per role container, on its own unix socket.
+"""The gateway process side: one listener per role container, on its own unix socket.
 
 A :class:`Gateway` runs an asyncio loop in a background thread. ``bind()`` creates a
 private directory holding ``gateway.sock`` and ``token`` for one container; the
 controller mounts that directory read-only at :data:`CONTAINER_DIR`. The socket
 identifies the caller's role, stage, case and trial (a container cannot claim to be
-someone else); the token, per run and role, is checked in constant time.
+someone else); the token, per run and role, is checked in constant time from the
+request head, before any body byte is kept.
+
+Every request is recorded (ok, refused with a named reason, infra error, interrupted,
+internal error), except a successful model listing, which is not a model call. Large
+bodies are parsed and large blobs written on a thread pool, a few at a time per
+socket, so one container's traffic does not stall another's. Socket limits are in
+:mod:`runner.gateway.http`; request vetting and the worst case in :mod:`vet`.
 """
 
 from __future__ import annotations
@@ -18,24 +25,28 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
-
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from typing import Any, TypeVar
 
 from runner.collect import loads_strict
 from runner.errors import ConfigError, OutputRejected
 from runner.gateway.budget import BudgetPolicy, BudgetRefused, RunBudget
-from runner.gateway.calllog import CallLog, CallRecord, Usage
+from runner.gateway.calllog import PREFIX_BYTES, CallLog, CallRecord, Usage, sha256
 from runner.gateway.config import Price, UpstreamPolicy, read_credential
-from runner.gateway.providers import OpenAIProvider, Provider, ReplayProvider, ScriptedProvider
+from runner.gateway.http import Head, Listener, Reply
+from runner.gateway.providers import (
+    OpenAIProvider,
+    Provider,
+    ProviderResult,
+    ReplayProvider,
+    ScriptedProvider,
+)
+from runner.gateway.redact import Redactor
+from runner.gateway.vet import Refusal, Vetted, vet, worst_case_usd
 from runner.owner import current_owner
 from runner.sandbox import Mount
 
@@ -45,6 +56,16 @@ SOCKET_NAME = "gateway.sock"
 TOKEN_NAME = "token"  # noqa: S105 - a file name, not a secret
 OWNER_NAME = "owner.json"
 SOCKET_DIR_PREFIX = "cbx-gw-"
+OFFLOAD_BYTES = 64 * 1024
+"""Bodies and blobs above this are parsed / written on the thread pool; below it the
+hop to a thread costs more than the work."""
+WRITERS_PER_SOCKET = 2
+"""Pool jobs one socket may have queued at once, so a flood queues behind itself."""
+UNBIND_GRACE_S = 5.0
+CLOSE_GRACE_S = 0.0
+"""On close (SIGTERM/SIGINT) in-flight calls are cancelled at once and recorded."""
+DEFAULT_LIMIT = 1 << 20
+T = TypeVar("T")
 
 
 def cost_usd(usage: Usage | None, price: Price | None) -> float | None:
@@ -55,17 +76,22 @@ def cost_usd(usage: Usage | None, price: Price | None) -> float | None:
             + usage.completion_tokens * price.output_per_mtok) / 1e6
 
 
-def make_provider(name: str, up: UpstreamPolicy) -> Provider:
+def make_provider(name: str, up: UpstreamPolicy) -> tuple[Provider, str | None]:
+    """The upstream's provider and, for openai, the key (for redaction)."""
     if up.provider == "openai":
         assert up.base_url is not None and up.credential is not None  # noqa: S101
         key = read_credential(name, up.credential)
         return OpenAIProvider(up.base_url, key, timeout_s=up.timeout_s,
-                              max_response=up.max_response_bytes)
+                              max_response=up.max_response_bytes), key
     if up.provider == "scripted":
         assert up.script is not None  # noqa: S101
-        return ScriptedProvider(Path(up.script))
+        return ScriptedProvider(Path(up.script)), None
     assert up.replay_from is not None  # noqa: S101
-    return ReplayProvider(Path(up.replay_from))
+    return ReplayProvider(Path(up.replay_from)), None
+
+
+def _prefix(data: bytes) -> str:
+    return data[:PREFIX_BYTES].decode("utf-8", errors="backslashreplace")
 
 
 @dataclass
@@ -79,7 +105,10 @@ class Binding:
     directory: Path
     """Host directory to mount read-only at CONTAINER_DIR."""
     turns: int = 0
-    server: uvicorn.Server | None = field(default=None, repr=False)
+    refusals: int = 0
+    not_itemized: int = 0
+    listener: Listener | None = field(default=None, repr=False)
+    writers: asyncio.Semaphore | None = field(default=None, repr=False)
 
     def mount(self) -> Mount:
         """The read-only mount that gives a container this socket and token."""
@@ -103,8 +132,10 @@ class Gateway:
         self.log = CallLog(run_dir / "gateway")
         self._tokens: dict[str, str] = {}
         self._providers: dict[str, Provider] = {}
+        self._redactor = Redactor([])
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self._bindings: list[Binding] = []
         self._by_key: dict[tuple[str, str | None, int | None], list[CallRecord]] = {}
         self._index_lock = threading.Lock()
@@ -112,20 +143,40 @@ class Gateway:
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> Gateway:
         used = {u for u in self.role_upstream.values() if u}
+        keys = []
         for name in sorted(used):
             if name not in self.upstreams:
                 raise ConfigError(f"upstream {name!r} is not defined", field="upstreams")
-            self._providers[name] = make_provider(name, self.upstreams[name])
+            self._providers[name], key = make_provider(name, self.upstreams[name])
+            keys.append(key or "")
+        self._redactor = Redactor(keys)
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="cyclebox-gw-io")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="cyclebox-gateway",
                                         daemon=True)
         self._thread.start()
         return self
 
+    def interrupt(self) -> None:
+        """Cancel every in-flight upstream call now (each is recorded as ``interrupted``);
+        safe from any thread, e.g. a SIGTERM/SIGINT handler. Sockets stay bound."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+
+        def cancel() -> None:
+            for b in self._bindings:
+                if b.listener is not None:
+                    for t in list(b.listener.tasks):
+                        t.cancel()
+
+        loop.call_soon_threadsafe(cancel)
+
     def close(self) -> None:
+        """Stop every socket; in-flight upstream calls are cancelled at once and recorded
+        as ``interrupted`` (the controller's unwinding on SIGTERM/SIGINT ends here)."""
         for b in list(self._bindings):
-            self.unbind(b)
-        self.log.sync()
+            self.unbind(b, grace_s=CLOSE_GRACE_S)
         if self._loop is not None:
             for p in self._providers.values():
                 asyncio.run_coroutine_threadsafe(p.aclose(), self._loop).result(timeout=10)
@@ -134,6 +185,10 @@ class Gateway:
                 self._thread.join(timeout=10)
             self._loop.close()
             self._loop = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.log.close()
 
     def __enter__(self) -> Gateway:
         return self.start()
@@ -161,145 +216,50 @@ class Gateway:
             os.chown(directory, uid, uid)
             os.chown(token_file, uid, uid)
         binding = Binding(role=role, stage=stage, case=case, trial=trial, directory=directory)
-        app = self._app(binding)
-        config = uvicorn.Config(app, uds=str(directory / SOCKET_NAME), log_level="warning",
-                                access_log=False, lifespan="off", timeout_keep_alive=30)
-        binding.server = uvicorn.Server(config)
-        fut = asyncio.run_coroutine_threadsafe(self._serve(binding), self._loop)
-        fut.result(timeout=30)
+        name = self.role_upstream.get(role)
+        up = self.upstreams.get(name) if name else None
+        limits = up.limits if up else UpstreamPolicy.model_fields["limits"].default
+        binding.listener = Listener(str(directory / SOCKET_NAME), limits,
+                                    _Handler(self, binding, name, up))
+        asyncio.run_coroutine_threadsafe(self._start(binding), self._loop).result(timeout=30)
         self._bindings.append(binding)
         return binding
 
-    async def _serve(self, b: Binding) -> None:
-        # uvicorn's startup()/shutdown() without its main loop: Server.serve() polls
-        # should_exit every 100 ms, which made every bind+unbind cost ~200 ms.
-        assert b.server is not None  # noqa: S101
-        config = b.server.config
-        if not config.loaded:
-            config.load()
-        b.server.lifespan = config.lifespan_class(config)
-        await b.server.startup()
+    async def _start(self, b: Binding) -> None:
+        b.writers = asyncio.Semaphore(WRITERS_PER_SOCKET)
+        assert b.listener is not None  # noqa: S101
+        await b.listener.start()
 
-    def unbind(self, b: Binding) -> None:
+    def unbind(self, b: Binding, *, grace_s: float | None = None) -> None:
+        """Close the socket; calls still running after ``grace_s`` (default
+        UNBIND_GRACE_S) are cancelled and recorded as interrupted."""
+        grace_s = UNBIND_GRACE_S if grace_s is None else grace_s
         if b in self._bindings:
             self._bindings.remove(b)
-        if b.server is not None and self._loop is not None and b.server.started:
-            asyncio.run_coroutine_threadsafe(_stop(b.server), self._loop).result(timeout=30)
+        if b.listener is not None and self._loop is not None:
+            asyncio.run_coroutine_threadsafe(b.listener.close(grace_s),
+                                             self._loop).result(timeout=grace_s + 10)
+        if b.not_itemized:
+            self._record(b, b.next_turn(), time.perf_counter(), status="refused",
+                         error="refusals_not_itemized", upstream=self.role_upstream.get(b.role),
+                         received=b"", not_itemized=b.not_itemized)
+            b.not_itemized = 0
         shutil.rmtree(b.directory, ignore_errors=True)
         self.log.sync()
 
     @contextmanager
     def bound(self, role: str, *, stage: str, uid: int, case: str | None = None,
               trial: int | None = None) -> Iterator[Binding]:
+        """A bound socket for the duration of the block; when the block is left by an
+        exception (Interrupted, KeyboardInterrupt, an engine error) in-flight calls are
+        cancelled at once and recorded as interrupted, without the normal grace."""
         b = self.bind(role, stage=stage, uid=uid, case=case, trial=trial)
         try:
             yield b
-        finally:
-            self.unbind(b)
-
-    # -- the API -----------------------------------------------------------------
-    def _app(self, b: Binding) -> Starlette:
-        async def chat(request: Request) -> Response:
-            return await self._chat(b, request)
-
-        async def models(request: Request) -> Response:
-            if not self._authorized(b, request):
-                return _error(401, "bad_token", "missing or wrong gateway token for this role")
-            name = self.role_upstream.get(b.role)
-            ids = list(self.upstreams[name].models) if name else []
-            return JSONResponse({"object": "list", "data": [
-                {"id": m, "object": "model", "created": 0, "owned_by": name} for m in ids]})
-
-        return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
-                                 Route("/v1/models", models, methods=["GET"])])
-
-    def _authorized(self, b: Binding, request: Request) -> bool:
-        auth = request.headers.get("authorization", "")
-        given = auth[7:].encode() if auth.startswith("Bearer ") else b""
-        return hmac.compare_digest(given, self.token_for(b.role).encode())
-
-    async def _chat(self, b: Binding, request: Request) -> Response:
-        t0 = time.perf_counter()
-        turn = b.next_turn()
-        name = self.role_upstream.get(b.role)
-        up = self.upstreams.get(name) if name else None
-        limit = up.max_request_bytes if up else 1 << 20
-        parts: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            parts.append(chunk)
-            size += len(chunk)
-            if size > limit:
-                return self._refuse(b, turn, t0, b"".join(parts), 413, "request_too_large",
-                                    f"request body over {limit} bytes", name)
-        raw = b"".join(parts)
-        if not self._authorized(b, request):
-            return self._refuse(b, turn, t0, raw, 401, "bad_token",
-                                f"missing or wrong gateway token for role {b.role}", name)
-        if up is None or name is None:
-            return self._refuse(b, turn, t0, raw, 403, "no_model_access",
-                                f"role {b.role} has no model upstream", None)
-        try:
-            body = loads_strict(raw, source="request")
-        except OutputRejected as exc:
-            return self._refuse(b, turn, t0, raw, 400, "bad_request", str(exc), name)
-        if not isinstance(body, dict):
-            return self._refuse(b, turn, t0, raw, 400, "bad_request", "body must be an object",
-                                name)
-        model = body.get("model")
-        if model not in up.models:
-            return self._refuse(b, turn, t0, raw, 403, "model_not_allowed",
-                                f"model {model!r} is not allowed for {b.role}; allowed: "
-                                f"{list(up.models)}", name, model=str(model))
-        key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        requested = body.get(key)
-        if requested is None:
-            body["max_tokens"] = up.max_tokens
-        elif not isinstance(requested, int) or requested > up.max_tokens or requested < 1:
-            return self._refuse(b, turn, t0, raw, 400, "max_tokens_over_cap",
-                                f"{key}={requested!r} exceeds the cap {up.max_tokens}", name,
-                                model=str(model))
-        stream = bool(body.get("stream"))
-        if stream:
-            body["stream_options"] = {**(body.get("stream_options") or {}),
-                                      "include_usage": True}
-        upstream_bytes = json.dumps(body, separators=(",", ":"), sort_keys=True,
-                                    ensure_ascii=False).encode()
-        try:
-            reservation = self.budget.admit(b.role)
-        except BudgetRefused as exc:
-            return self._refuse(b, turn, t0, upstream_bytes, 429, "budget", exc.reason, name,
-                                model=str(model), stream=stream)
-        provider = self._providers[name]
-        result = await provider.call(upstream_bytes, body, role=b.role, stream=stream)
-        if not result.upstream_reached:
-            cost: float | None = 0.0
-        elif result.error is None:
-            cost = cost_usd(result.usage, up.prices.get(str(model)))
-        else:
-            cost = None
-        self.budget.settle(reservation, cost)
-        req_sha = self.log.put_blob(upstream_bytes)
-        resp_sha = self.log.put_blob(result.response) if result.response is not None else None
-        self._record(b, turn, t0, status="infra_error" if result.error else "ok",
-                     error=result.error, upstream=name, provider=provider.name,
-                     model=str(model), fixture=result.fixture, stream=stream,
-                     http_status=result.http_status, usage=result.usage, cost=cost,
-                     req_sha=req_sha, resp_sha=resp_sha)
-        if result.error or result.response is None:
-            return _error(502, result.error or "no_response",
-                          f"upstream {name} failed: {result.error}; recorded, not retried")
-        return Response(result.response, status_code=200,
-                        media_type="text/event-stream" if stream else "application/json")
-
-    def _refuse(self, b: Binding, turn: int, t0: float, raw: bytes, status: int, code: str,
-                message: str, upstream: str | None, *, model: str | None = None,
-                stream: bool = False) -> Response:
-        req_sha = self.log.put_blob(raw)
-        self._record(b, turn, t0, status="refused", error=code, upstream=upstream,
-                     provider=None, model=model, fixture=False, stream=stream, http_status=None,
-                     usage=None, cost=None, req_sha=req_sha, resp_sha=None)
-        return _error(status, code, message)
+        except BaseException:
+            self.unbind(b, grace_s=0)
+            raise
+        self.unbind(b)
 
     def calls(self, stage: str, case: str | None = None,
               trial: int | None = None) -> list[CallRecord]:
@@ -307,43 +267,166 @@ class Gateway:
         with self._index_lock:
             return list(self._by_key.get((stage, case, trial), ()))
 
+    # -- recording -----------------------------------------------------------------
+    async def offload(self, b: Binding, size: int, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the pool when ``size`` is large (a few jobs per socket at once)."""
+        if size < OFFLOAD_BYTES or self._pool is None or b.writers is None:
+            return fn()
+        async with b.writers:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
     def _record(self, b: Binding, turn: int, t0: float, *, status: Any, error: str | None,
-                upstream: str | None, provider: str | None, model: str | None, fixture: bool,
-                stream: bool, http_status: int | None, usage: Usage | None,
-                cost: float | None, req_sha: str, resp_sha: str | None) -> None:
+                upstream: str | None, received: bytes | None = None,
+                provider: str | None = None, model: str | None = None, fixture: bool = False,
+                stream: bool = False, http_status: int | None = None,
+                usage: Usage | None = None, cost: float | None = None,
+                sent: bytes | None = None, response: bytes | None = None,
+                redactions: int = 0, not_itemized: int | None = None) -> None:
+        """Write one record (blobs first). ``sent``: bytes sent upstream, stored whole;
+        ``received``: a refused request's bytes, of which only hash, length and prefix
+        are kept."""
+        if sent is not None:
+            req_sha, stored, nbytes, prefix = self.log.put_blob(sent), True, len(sent), None
+        else:
+            data = received or b""
+            req_sha, stored, nbytes, prefix = sha256(data), False, len(data), _prefix(data)
+        resp_sha = self.log.put_blob(response) if response is not None else None
         rec = CallRecord(
             seq=self.log.next_seq(), ts=CallLog.now(), run_id=self.run_id, role=b.role,
             upstream=upstream, stage=b.stage, case=b.case, trial=b.trial, turn=turn,
             provider=provider, model=model, fixture=fixture, stream=stream, status=status,
             error=error, http_status=http_status,
             latency_s=round(time.perf_counter() - t0, 6), usage=usage, cost_usd=cost,
-            request_sha256=req_sha, response_sha256=resp_sha)
+            request_sha256=req_sha, response_sha256=resp_sha, request_stored=stored,
+            request_bytes=nbytes, request_prefix=prefix, redactions=redactions,
+            not_itemized=not_itemized)
         self.log.append(rec)
         with self._index_lock:
             self._by_key.setdefault((b.stage, b.case, b.trial), []).append(rec)
 
 
-async def _stop(server: uvicorn.Server, grace_s: float = 5.0) -> None:
-    """Close one socket's server; like uvicorn's shutdown() without its fixed 100 ms sleeps.
+class _Handler:
+    """The API of one binding, called by its listener."""
 
-    By the time a binding is released its container is gone, so connections are
-    normally closed already; anything still running after the grace period is cancelled.
-    """
-    loop = asyncio.get_running_loop()
-    for srv in server.servers:
-        srv.close()
-    for conn in list(server.server_state.connections):
-        conn.shutdown()
-    deadline = loop.time() + grace_s
-    while (server.server_state.connections or server.server_state.tasks) and \
-            loop.time() < deadline:
-        await asyncio.sleep(0.002)
-    for task in list(server.server_state.tasks):
-        task.cancel()
-    for srv in server.servers:
-        await srv.wait_closed()
+    def __init__(self, gw: Gateway, b: Binding, name: str | None,
+                 up: UpstreamPolicy | None) -> None:
+        self.gw, self.b, self.name, self.up = gw, b, name, up
+        self.max_body = up.max_request_bytes if up else DEFAULT_LIMIT
+        self.token = gw.token_for(b.role).encode()
+
+    def head(self, head: Head) -> Reply | None:
+        routes = {"/v1/chat/completions": "POST", "/v1/models": "GET"}
+        if head.path not in routes:
+            return self.refuse(head, 404, "not_found", f"no route {head.path[:200]!r}", b"")
+        if head.method != routes[head.path]:
+            return self.refuse(head, 405, "method_not_allowed",
+                               f"{head.path} takes {routes[head.path]}", b"")
+        auth = head.headers.get("authorization", "")
+        given = auth[7:].encode("latin-1") if auth.startswith("Bearer ") else b""
+        if not hmac.compare_digest(given, self.token):
+            return self.refuse(head, 401, "bad_token",
+                               f"missing or wrong gateway token for role {self.b.role}", b"")
+        if self.up is None or self.name is None:
+            return self.refuse(head, 403, "no_model_access",
+                               f"role {self.b.role} has no model upstream", b"")
+        return None
+
+    def refuse(self, head: Head | None, status: int, code: str, message: str,
+               received: bytes, *, model: str | None = None, stream: bool = False,
+               t0: float | None = None, turn: int | None = None) -> Reply:
+        b = self.b
+        turn = b.next_turn() if turn is None else turn
+        if b.refusals < (self.up.limits.max_refusal_records if self.up else 1000):
+            b.refusals += 1
+            self.gw._record(b, turn, t0 or time.perf_counter(), status="refused", error=code,
+                            upstream=self.name, received=received, model=model, stream=stream)
+        else:
+            b.not_itemized += 1
+        return _error(status, code, message)
+
+    async def handle(self, head: Head, body: bytes) -> Reply:
+        if head.path == "/v1/models":
+            ids = list(self.up.models) if self.up else []
+            return _json(200, {"object": "list", "data": [
+                {"id": m, "object": "model", "created": 0, "owned_by": self.name}
+                for m in ids]})
+        t0 = time.perf_counter()
+        turn = self.b.next_turn()
+        up, name = self.up, self.name
+        assert up is not None and name is not None  # noqa: S101 - checked in head()
+        try:
+            obj = await self.gw.offload(self.b, len(body),
+                                        lambda: loads_strict(body, source="request"))
+        except OutputRejected as exc:
+            return self.refuse(head, 400, "bad_request", str(exc), body, t0=t0, turn=turn)
+        if not isinstance(obj, dict):
+            return self.refuse(head, 400, "bad_request", "body must be an object", body,
+                               t0=t0, turn=turn)
+        model = obj.get("model")
+        if not isinstance(model, str) or model not in up.models:
+            shown = ascii(model)[:120]  # hostile: bounded and escaped before it is stored
+            return self.refuse(head, 403, "model_not_allowed",
+                               f"model {shown} is not allowed for {self.b.role}; allowed: "
+                               f"{list(up.models)}", body, model=shown, t0=t0, turn=turn)
+        stream = obj.get("stream") is True
+        def prepare() -> tuple[Vetted, bytes]:
+            v = vet(obj, rules=up.rules, cap=up.max_tokens)
+            return v, json.dumps(v.body, separators=(",", ":"), sort_keys=True,
+                                 ensure_ascii=False).encode()
+
+        try:
+            vetted, sent = await self.gw.offload(self.b, len(body), prepare)
+        except Refusal as r:
+            return self.refuse(head, r.status, r.code, r.message, body, model=model,
+                               stream=stream, t0=t0, turn=turn)
+        price = up.prices.get(model)
+        worst = worst_case_usd(len(sent), vetted, price, up.rules) if price else None
+        try:
+            reservation = self.gw.budget.admit(self.b.role, worst)
+        except BudgetRefused as exc:
+            return self.refuse(head, 429, "budget", exc.reason, body, model=model,
+                               stream=stream, t0=t0, turn=turn)
+        provider = self.gw._providers[name]
+        common: dict[str, Any] = {"upstream": name, "provider": provider.name, "model": model,
+                                  "stream": stream, "sent": sent}
+        try:
+            async with asyncio.timeout(up.call_deadline_s):
+                result = await provider.call(sent, vetted.body, role=self.b.role,
+                                             stream=stream)
+        except TimeoutError:
+            result = ProviderResult(None, None, "upstream_deadline")
+        except asyncio.CancelledError:
+            self.gw.budget.settle(reservation, None)
+            self.gw._record(self.b, turn, t0, status="infra_error", error="interrupted",
+                            **common)
+            raise
+        except Exception as exc:
+            result = ProviderResult(None, None, f"internal_error: {type(exc).__name__}")
+        if not result.upstream_reached:
+            cost: float | None = 0.0
+        elif result.error is None:
+            cost = cost_usd(result.usage, price)
+        else:
+            cost = None
+        self.gw.budget.settle(reservation, cost)
+        response, redactions = result.response, 0
+        if response is not None:
+            response, redactions = self.gw._redactor.redact(response)
+        size = len(sent) + len(response or b"")
+        await self.gw.offload(self.b, size, lambda: self.gw._record(
+            self.b, turn, t0, status="infra_error" if result.error else "ok",
+            error=result.error, fixture=result.fixture, http_status=result.http_status,
+            usage=result.usage, cost=cost, response=response, redactions=redactions, **common))
+        if result.error or response is None:
+            return _error(502, result.error or "no_response",
+                          f"upstream {name} failed: {result.error}; recorded, not retried")
+        return Reply(200, response, "text/event-stream" if stream else "application/json")
 
 
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "cyclebox_gateway",
-                                   "code": code}}, status_code=status)
+def _json(status: int, obj: object) -> Reply:
+    return Reply(status, json.dumps(obj, separators=(",", ":")).encode())
+
+
+def _error(status: int, code: str, message: str) -> Reply:
+    return _json(status, {"error": {"message": message, "type": "cyclebox_gateway",
+                                    "code": code}})

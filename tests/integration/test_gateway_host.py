@@ -144,3 +144,30 @@ def test_max_tokens_cap_and_bad_requests(tmp_path: Path) -> None:
     assert [r.error for r in recs] == ["max_tokens_over_cap", None, "bad_request"]
     sent = CallLog(tmp_path / "gateway").blob(recs[1].request_sha256)
     assert b'"max_tokens":100' in sent  # the cap is filled in when the role sets none
+
+
+def test_chunked_stream_from_a_real_upstream_is_recorded_dechunked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.fixtures.gateway_upstreams import upstream as hostile_upstream
+
+    monkeypatch.setenv("CBX_KEY_CHUNKED", "sk-chunked")
+    with hostile_upstream() as (url, _srv):
+        up = UpstreamPolicy.model_validate({
+            "provider": "openai", "base_url": url, "credential": {"env": "CBX_KEY_CHUNKED"},
+            "models": ["chunked-m"], "prices": {"chunked-m": {"input_per_mtok": 1,
+                                                              "output_per_mtok": 1}}})
+        with Gateway(tmp_path, "ch", {"target": up}, {"analyst": "target"}) as gw, \
+                gw.bound("analyst", stage="s", uid=10001) as b:
+            c = client(gateway_dir=b.directory)
+            for _ in range(2):  # the second call reuses the kept-alive upstream connection
+                text = "".join(ch.choices[0].delta.content or "" for ch in
+                               c.chat.completions.create(model="chunked-m", stream=True,
+                                                         messages=[{"role": "user",
+                                                                    "content": "hi"}])
+                               if ch.choices)
+                assert text == "hello"
+    recs = CallLog(tmp_path / "gateway").records()
+    assert [(r.status, r.usage.total_tokens if r.usage else None) for r in recs] == [
+        ("ok", 5), ("ok", 5)]
+    body = CallLog(tmp_path / "gateway").blob(recs[0].response_sha256 or "")
+    assert body.startswith(b"data: {") and body.endswith(b"data: [DONE]\n\n")

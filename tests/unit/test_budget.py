@@ -91,3 +91,50 @@ def test_reservation_counts_while_open() -> None:
     b.release(r2)
     with pytest.raises(ValueError, match="settled twice"):
         b.settle(r1, 0.0)
+
+
+@pytest.mark.parametrize("locked", [True, False])
+def test_budget_race_is_caught_without_the_lock(locked: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight threads race for a limit that fits two worst cases. The check is slowed so
+    threads interleave between check and reservation; with the lock no overshoot, and
+    without it the same test sees one (so the assertion can fail)."""
+    import contextlib
+    import time
+
+    b = RunBudget(BudgetPolicy(limit_usd=1.0, reservation_usd=0.0))
+    if not locked:
+        monkeypatch.setattr(b, "_lock", contextlib.nullcontext())
+    check = RunBudget._check
+
+    def slow_check(*a: object) -> None:
+        check(*a)  # type: ignore[arg-type]
+        time.sleep(0.01)  # let the other threads run between check and reserve
+
+    monkeypatch.setattr(RunBudget, "_check", staticmethod(slow_check))
+    admitted: list[float] = []
+    barrier = threading.Barrier(8)
+
+    def racer() -> None:
+        barrier.wait()
+        with contextlib.suppress(BudgetRefused):
+            admitted.append(b.admit("analyst", 0.5).amount)
+
+    threads = [threading.Thread(target=racer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    overshoot = sum(admitted) > 1.0 + 1e-12
+    assert overshoot is not locked
+
+
+def test_worst_case_reservation_and_unknown_price() -> None:
+    b = RunBudget(BudgetPolicy(limit_usd=1.0, reservation_usd=0.01))
+    assert b.admit("a", 0.001).amount == 0.01  # the floor
+    assert b.admit("a", 0.6).amount == 0.6
+    with pytest.raises(BudgetRefused, match="worst case"):
+        b.admit("a", 0.6)
+    with pytest.raises(BudgetRefused, match="no price"):
+        b.admit("a", None)
+    assert RunBudget(BudgetPolicy()).admit("a", None).amount == 0.05  # no limit: counted only

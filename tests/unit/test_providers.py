@@ -82,3 +82,55 @@ def test_script_errors_name_field(tmp_path: Path) -> None:
                                             "    reply: y\n"))
     with pytest.raises(ConfigError, match="schema"):
         ScriptedProvider(_script(tmp_path, "rules: []\n"))
+
+
+def test_redactor_catches_raw_escaped_and_encoded_keys() -> None:
+    import base64
+    import urllib.parse
+
+    from runner.gateway.redact import MARK, Redactor
+
+    key = "sk-proj-Ab/c+d=e_0123456789"
+    r = Redactor([key])
+    for lead in ("", "u", "us", "user:"):
+        for enc in (base64.b64encode, base64.urlsafe_b64encode):
+            data, n = r.redact(b"x" + enc((lead + key + "!").encode()) + b"y")
+            assert n >= 1 and MARK in data, (lead, enc)
+    for form in (key, json.dumps(key)[1:-1], urllib.parse.quote(key, safe=""),
+                 key.encode().hex(), f"Bearer {key}"):
+        data, n = r.redact(form.encode())
+        assert n == 1 and key.encode() not in data
+    assert r.redact(b"nothing here") == (b"nothing here", 0)
+
+
+def test_vet_worst_case_bounds_every_choice_and_byte() -> None:
+    from runner.gateway.config import RequestRules
+    from runner.gateway.vet import Refusal, vet, worst_case_usd
+
+    rules = RequestRules(max_n=4)
+    v = vet({"model": "m", "n": 3, "messages": [{"role": "user", "content": "hi"}]},
+            rules=rules, cap=100)
+    assert v.body["max_tokens"] == 100 and v.choices == 3
+    price = Price(input_per_mtok=1.0, output_per_mtok=2.0)
+    assert worst_case_usd(1000, v, price, rules) == pytest.approx(
+        ((1000 + 64) * 1.0 + 3 * 100 * 2.0) / 1e6)
+    with pytest.raises(Refusal, match="n=5"):
+        vet({"model": "m", "n": 5, "messages": [{"role": "user", "content": "x"}]},
+            rules=rules, cap=100)
+    s = vet({"model": "m", "stream": True, "stream_options": {"include_usage": False},
+             "messages": [{"role": "user", "content": "x"}]}, rules=rules, cap=100)
+    assert s.body["stream_options"] == {"include_usage": True}
+
+
+def test_upstream_client_uses_httpx_only_behind_a_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from runner.gateway.upstream_http import HttpClient, HttpxClient, client_for
+
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
+                "all_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    kw = {"read_timeout": 1.0, "max_response": 10}
+    assert isinstance(client_for("https://api.example.com/v1", **kw), HttpClient)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    assert isinstance(client_for("https://api.example.com/v1", **kw), HttpxClient)
+    monkeypatch.setenv("NO_PROXY", "api.example.com")
+    assert isinstance(client_for("https://api.example.com/v1", **kw), HttpClient)
