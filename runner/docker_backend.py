@@ -1,16 +1,26 @@
 """Docker implementation of :class:`runner.sandbox.Sandbox`; the only module importing docker.
 
 Invariants: a container is created from an image id or local tag and never pulled;
-its arguments come only from :func:`runner.hardening.create_kwargs`; output is
-streamed from an attach made before start (the engine keeps no log copy) and
-counted against the cap; every container is removed in ``finally`` and removal
-is confirmed by asking the engine, not assumed.
+its arguments come only from :func:`runner.hardening.create_kwargs` (the container)
+and :func:`runner.hardening.exec_kwargs` (the role command, run by exec under the
+holder PID 1 of :mod:`sandbox.holder`); stdout/stderr are streamed from the exec (the
+engine keeps no log copy) and counted against the cap; the output directory is a
+kernel-capped tmpfs copied out through :mod:`runner.copyout` before removal; input
+mounts are staged under opaque names; every container is removed in ``finally`` and
+removal is confirmed by asking the engine, not assumed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import os
 import secrets
+import shutil
+import socket
+import stat
+import tarfile
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -22,14 +32,145 @@ import docker
 import docker.errors
 import requests.exceptions
 
-from runner.collect import dir_usage
-from runner.errors import PrerequisiteError, SandboxError
-from runner.hardening import MANAGED_LABEL, create_kwargs
+from runner.collect import loads_strict
+from runner.copyout import CopyLimits, CopyRefused, Extracted, extract
+from runner.errors import OutputRejected, PrerequisiteError, SandboxError
+from runner.hardening import MANAGED_LABEL, create_kwargs, exec_kwargs, holder_argv
 from runner.owner import Owner, current_owner
 from runner.sandbox import OutputCallback, RunFlags, RunRecord, RunSpec, classify_stop
 
 TAIL_BYTES = 64 * 1024
-WATCH_INTERVAL_S = 0.2
+STOP_GRACE_S = 5.0
+"""How long role processes get to die after the holder's SIGUSR1 before we kill all."""
+STATUS_CAP = 64 * 1024
+SEED_REPLY_CAP = 64
+FINISH_BASE_S = 30.0
+FINISH_BYTES_PER_S = 32 * 1024 * 1024
+STAGING_ENV = "CYCLEBOX_STAGING_DIR"
+
+
+@dataclass
+class _Finish:
+    """What the copy-out found."""
+
+    oom_kills: int = 0
+    no_status: bool = False
+    limit: bool = False
+    invalid: bool = False
+    detail: str = ""
+
+
+def _status(text: str) -> dict[str, Any]:
+    """The holder's status line (last line of its stderr), or {} if unreadable."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return {}
+    try:
+        got = loads_strict(lines[-1][:STATUS_CAP], source="copy-out status")
+    except OutputRejected:
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def _clear(root: Path) -> None:
+    """Empty a host output directory that held host-made seed content."""
+    for entry in os.scandir(root):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+
+
+def _seed_tar(spec: RunSpec) -> bytes | None:
+    """The host output directory's content as a tar for the output tmpfs, or None.
+
+    Only host-made content is ever here (a stage's fresh directory, e.g. the apply
+    stage's throwaway repository). Symlinks are refused: they could not come back."""
+    root = spec.output_dir
+    if root is None or not any(root.iterdir()):
+        return None
+    uid, gid = (int(x) for x in spec.user.split(":"))
+    buf = io.BytesIO()
+    total = 0
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for path in sorted(root.rglob("*")):
+            ti = tf.gettarinfo(str(path), arcname=path.relative_to(root).as_posix())
+            if not (ti.isreg() or ti.isdir()):
+                raise SandboxError(f"{path}: only regular files and directories can seed "
+                                   "an output directory")
+            ti.uid, ti.gid, ti.uname, ti.gname = uid, gid, "", ""
+            total += ti.size
+            if total > spec.output_cap_bytes:
+                raise SandboxError(f"{root}: seed content exceeds the output cap of "
+                                   f"{spec.output_cap_bytes} bytes")
+            if ti.isreg():
+                with path.open("rb") as f:
+                    tf.addfile(ti, f)
+            else:
+                tf.addfile(ti)
+    return buf.getvalue()
+
+
+class _Staging:
+    """Bind sources the container cannot map back to the operator's paths.
+
+    Each input mount is hard-linked (copied across file systems) into
+    ``$CYCLEBOX_STAGING_DIR`` or ``<tmp>/cyclebox-staging-<uid>``, under an opaque
+    per-run name, so ``/proc/self/mountinfo`` inside shows only that. The gateway
+    socket directory is mounted as is (already an opaque temp directory)."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        self.dir: Path | None = None
+        mounts = []
+        for i, m in enumerate(spec.mounts):
+            if m.gateway:
+                mounts.append(m)
+                continue
+            if self.dir is None:
+                base = Path(os.environ.get(STAGING_ENV)
+                            or Path(tempfile.gettempdir()) / f"cyclebox-staging-{os.getuid()}")
+                base.mkdir(mode=0o711, exist_ok=True)
+                if base.is_symlink() or base.stat().st_uid != os.getuid():
+                    raise SandboxError(f"staging directory {base} is not ours; "
+                                       f"Fix: set {STAGING_ENV} to a private directory")
+                self.dir = Path(tempfile.mkdtemp(prefix="", dir=base))
+                os.chmod(self.dir, 0o711)
+            dest = self.dir / f"m{i}"
+            _link_tree(Path(m.source), dest)
+            mounts.append(m.model_copy(update={"source": dest}))
+        self.spec = spec.model_copy(update={"mounts": tuple(mounts)})
+
+    def cleanup(self) -> None:
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _link_tree(src: Path, dest: Path) -> None:
+    """Hard-link ``src`` (file or tree) to ``dest``; copy where a link is impossible.
+
+    Symlinks inside are recreated as symlinks (a read-only bind shows them as before)."""
+    def one(s: Path, d: Path) -> None:
+        try:
+            os.link(s, d, follow_symlinks=False)
+        except OSError:
+            shutil.copy2(s, d, follow_symlinks=False)
+
+    if src.is_dir() and not src.is_symlink():
+        dest.mkdir(mode=0o755)
+        os.chmod(dest, stat.S_IMODE(src.stat().st_mode))
+        for dirpath, dirnames, filenames in os.walk(src):
+            rel = Path(dirpath).relative_to(src)
+            for d in dirnames:
+                sp = Path(dirpath) / d
+                if sp.is_symlink():
+                    os.symlink(os.readlink(sp), dest / rel / d)
+                else:
+                    (dest / rel / d).mkdir()
+                    os.chmod(dest / rel / d, stat.S_IMODE(sp.stat().st_mode))
+            for f in filenames:
+                one(Path(dirpath) / f, dest / rel / f)
+    else:
+        one(src, dest)
 
 
 def connect(timeout: int = 60) -> docker.DockerClient:
@@ -99,20 +240,31 @@ class DockerSandbox:
 
     # -- running ---------------------------------------------------------------
     def run(self, spec: RunSpec, *, on_output: OutputCallback | None = None) -> RunRecord:
-        """Run one container to completion or limit; always remove it."""
+        """Run one role command to completion or limit, copy its output out; always remove.
+
+        PID 1 is :mod:`sandbox.holder`; the role command runs through exec, so its exit
+        code is the engine's exec record; its output directory is a capped tmpfs read
+        out by :meth:`_finish` while the container still runs (see :mod:`runner.copyout`).
+        """
+        staged = _Staging(spec)
+        spec = staged.spec
         kwargs = create_kwargs(spec, self.owner, secrets.token_hex(4))
         api = self.client.api
         started = time.monotonic()
+        deadline = started + spec.timeout_s
         out, err = _Tail(), _Tail()
-        stop = threading.Event()
         stream_exceeded = threading.Event()
-        dir_exceeded = threading.Event()
+        stopping = threading.Event()
+        role_done = threading.Event()
+        kill_lock = threading.Lock()
         timed_out = False
         exit_code: int | None = None
         oom = False
+        fin = _Finish()
         image_id = spec.image
         cid: str | None = None
         try:
+            seed = _seed_tar(spec)
             try:
                 container = self.client.containers.create(**kwargs)
             except docker.errors.ImageNotFound:
@@ -122,20 +274,39 @@ class DockerSandbox:
                 raise SandboxError(f"engine refused to create the {spec.role} container: "
                                    f"{exc.explanation or exc}") from None
             cid = container.id
-            stream = api.attach(cid, stdout=True, stderr=True, stream=True, logs=False,
-                                demux=True)
+            try:
+                api.start(cid)
+                if seed is not None:
+                    self._seed(cid, spec, seed)
+                exec_id = api.exec_create(cid, **exec_kwargs(spec))["Id"]
+                stream = api.exec_start(exec_id, stream=True, demux=True)
+            except docker.errors.APIError as exc:
+                raise SandboxError(f"engine could not start the {spec.role} command: "
+                                   f"{exc.explanation or exc}") from None
 
-            def kill(flag: threading.Event) -> None:
-                # Never kill from the pump thread itself: the engine's kill waits for
-                # the container to stop, which waits for its output to be drained.
-                flag.set()
+            def stop_role(flag: threading.Event | None) -> None:
+                # Never block the pump thread on the engine. SIGUSR1 makes the holder
+                # kill every role process; the container (and its tmpfs) stays.
+                if flag is not None:
+                    flag.set()
+                if stopping.is_set():
+                    return
+                stopping.set()
 
-                def _kill() -> None:
-                    with contextlib.suppress(docker.errors.APIError,
-                                             requests.exceptions.RequestException):
-                        api.kill(cid)
+                def _stop() -> None:
+                    # Repeated: a signal that reaches the holder before it has set up
+                    # its handlers (the first few ms of the container) is dropped.
+                    for _ in range(int(STOP_GRACE_S / 0.1)):
+                        with kill_lock:
+                            if role_done.is_set():
+                                return
+                            with contextlib.suppress(docker.errors.APIError,
+                                                     requests.exceptions.RequestException):
+                                api.kill(cid, signal="SIGUSR1")
+                        if role_done.wait(0.1):
+                            return
 
-                threading.Thread(target=_kill, daemon=True).start()
+                threading.Thread(target=_stop, daemon=True).start()
 
             def pump() -> None:
                 cap = spec.stdout_cap_bytes
@@ -151,49 +322,46 @@ class DockerSandbox:
                             if live:
                                 on_output("stderr", e)  # type: ignore[misc]
                         if out.total + err.total > cap and not stream_exceeded.is_set():
-                            kill(stream_exceeded)
+                            stop_role(stream_exceeded)
                 except (requests.exceptions.RequestException, OSError, ValueError):
                     pass  # stream closed under us (kill/remove); counts stand as read
 
-            def watch(root: Path) -> None:
-                while not stop.wait(WATCH_INTERVAL_S):
-                    used, _ = dir_usage(root)
-                    if used > spec.output_cap_bytes:
-                        kill(dir_exceeded)
-                        return
-
-            threads = [threading.Thread(target=pump, daemon=True)]
-            if spec.output_dir is not None:
-                threads.append(threading.Thread(target=watch, args=(spec.output_dir,), daemon=True))
-            try:
-                api.start(cid)
-            except docker.errors.APIError as exc:
-                raise SandboxError(f"engine could not start the {spec.role} container: "
-                                   f"{exc.explanation or exc}") from None
-            for t in threads:
-                t.start()
-            remaining = max(0.1, spec.timeout_s - (time.monotonic() - started))
-            try:
-                result = api.wait(cid, timeout=remaining)
-                exit_code = int(result.get("StatusCode", -1))
-            except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError):
+            pumper = threading.Thread(target=pump, daemon=True)
+            pumper.start()
+            exit_code, running = self._wait_exec(exec_id, pumper, deadline)
+            if running:
                 timed_out = True
-                with contextlib.suppress(docker.errors.APIError):
-                    api.kill(cid)
-                with contextlib.suppress(Exception):
-                    exit_code = int(api.wait(cid, timeout=10).get("StatusCode", -1))
-            stop.set()
-            threads[0].join(timeout=5)
+                stop_role(None)
+                exit_code, running = self._wait_exec(exec_id, pumper,
+                                                      time.monotonic() + STOP_GRACE_S)
+            if not stopping.is_set():
+                stop_role(None)  # background processes die with the role command
+            pumper.join(timeout=STOP_GRACE_S)
+            with kill_lock:  # no SIGUSR1 is sent from here on
+                role_done.set()
             state = api.inspect_container(cid)
-            oom = bool(state.get("State", {}).get("OOMKilled"))
+            alive = bool(state.get("State", {}).get("Running"))
+            if running or pumper.is_alive() or not alive:
+                fin.detail = ("container stopped before its output could be copied out"
+                              if not alive else "role processes could not be stopped")
+                fin.invalid = spec.output_dir is not None
+            elif spec.output_dir is not None or exit_code == 137:
+                fin = self._finish(cid, spec)
+                if fin.no_status:
+                    # A SIGUSR1 still in flight when the role ended can reach the holder
+                    # after our copy-out began and kill it; nothing is sent any more.
+                    fin = self._finish(cid, spec)
+            state = api.inspect_container(cid)
+            oom = bool(state.get("State", {}).get("OOMKilled")) or fin.oom_kills > 0
             image_id = str(state.get("Image", spec.image))
         finally:
-            stop.set()
+            role_done.set()
             confirmed = self._remove(cid) if cid else True
+            staged.cleanup()
         flags = RunFlags(exit_code=exit_code, oom_killed=oom, timed_out=timed_out,
                          stream_exceeded=stream_exceeded.is_set(),
-                         output_dir_exceeded=dir_exceeded.is_set(),
-                         cleanup_confirmed=confirmed)
+                         output_dir_exceeded=fin.limit, output_invalid=fin.invalid,
+                         output_detail=fin.detail, cleanup_confirmed=confirmed)
         reason, detail = classify_stop(flags)
         return RunRecord(
             run_id=spec.run_id, role=spec.role, image_id=image_id,
@@ -203,6 +371,119 @@ class DockerSandbox:
             stdout_tail=out.text(), stderr_tail=err.text(), cleanup_confirmed=confirmed,
             labels=dict(kwargs["labels"]),
         )
+
+    def _wait_exec(self, exec_id: str, pumper: threading.Thread,
+                   deadline: float) -> tuple[int | None, bool]:
+        """(exit code, still running) of an exec, polled until it ends or ``deadline``.
+
+        The output stream usually ends with the process, so the poll waits on it first;
+        a process that closed its stdio is still caught by the exec record."""
+        step = 0.01
+        while True:
+            info = self.client.api.exec_inspect(exec_id)
+            if not info.get("Running"):
+                code = info.get("ExitCode")
+                return (int(code) if code is not None else None), False
+            now = time.monotonic()
+            if now >= deadline:
+                return None, True
+            wait = min(step, deadline - now)
+            if pumper.is_alive():
+                pumper.join(timeout=wait)
+            else:
+                time.sleep(wait)
+            step = min(step * 2, 0.25)
+
+    def _seed(self, cid: str, spec: RunSpec, data: bytes) -> None:
+        """Copy the host output directory's content into the output tmpfs (exec, stdin)."""
+        api = self.client.api
+        eid = api.exec_create(cid, holder_argv("seed", spec.output_target), user=spec.user,
+                              stdin=True, stdout=True, stderr=True, workdir="/")["Id"]
+        sock = api.exec_start(eid, socket=True)
+        raw = getattr(sock, "_sock", sock)
+        try:
+            raw.sendall(data)
+            with contextlib.suppress(OSError):
+                raw.shutdown(socket.SHUT_WR)
+            seen = 0
+            while seen < SEED_REPLY_CAP and raw.recv(65536):
+                seen += 1
+        finally:
+            raw.close()
+        code, running = self._wait_exec(eid, threading.Thread(), time.monotonic() + 30)
+        if running or code != 0:
+            raise SandboxError(f"could not seed the {spec.role} output directory "
+                               f"(exit {code})")
+
+    def _finish(self, cid: str, spec: RunSpec) -> _Finish:
+        """Kill what is left of the role, read OOM and tmpfs usage, copy the output out."""
+        api = self.client.api
+        fin = _Finish()
+        target = spec.output_target if spec.output_dir is not None else "-"
+        eid = api.exec_create(cid, holder_argv("finish", target), user=spec.user,
+                              stdout=True, stderr=True, workdir="/")["Id"]
+        gen = api.exec_start(eid, stream=True, demux=True)
+        errs = _Tail()
+        lim = CopyLimits(max_bytes=spec.output_cap_bytes,
+                         max_entries=spec.output_max_entries)
+        result: list[Extracted | BaseException] = []
+
+        def stdout_chunks() -> Iterator[bytes]:
+            for o, e in gen:
+                if e and errs.total < STATUS_CAP:
+                    errs.add(e)
+                if o:
+                    yield o
+
+        def consume() -> None:
+            try:
+                chunks = stdout_chunks()
+                if spec.output_dir is not None:
+                    _clear(spec.output_dir)
+                    result.append(extract(chunks, spec.output_dir, lim))
+                # drain the tail (tar padding, the status line), bounded
+                extra = 0
+                for c in chunks:
+                    extra += len(c)
+                    if extra > 1 << 20:
+                        break
+            except BaseException as exc:  # noqa: BLE001 - reported as a refusal below
+                result.append(exc)
+
+        t = threading.Thread(target=consume, daemon=True)
+        t.start()
+        t.join(timeout=FINISH_BASE_S + spec.output_cap_bytes / FINISH_BYTES_PER_S)
+        if t.is_alive():
+            with contextlib.suppress(docker.errors.APIError):
+                api.kill(cid)
+            t.join(timeout=10)
+            fin.invalid, fin.detail = True, "copy-out did not finish in time"
+            return fin
+        status = _status(errs.text())
+        if not status:
+            fin.no_status = fin.invalid = True
+            fin.detail = "copy-out ended without its status line"
+            return fin
+        with contextlib.suppress(TypeError, ValueError):
+            fin.oom_kills = int(status.get("oom_kill") or 0)
+        got = result[0] if result else None
+        if isinstance(got, CopyRefused):
+            fin.limit, fin.invalid, fin.detail = got.limit, not got.limit, str(got)
+        elif isinstance(got, BaseException):
+            fin.invalid, fin.detail = True, f"copy-out failed: {type(got).__name__}: {got}"
+        elif spec.output_dir is not None:
+            code, _ = self._wait_exec(eid, threading.Thread(), time.monotonic() + 10)
+            df = status.get("df") if isinstance(status.get("df"), dict) else None
+            if df is not None and (df.get("bfree") == 0 or df.get("ffree") == 0):
+                fin.limit = True
+                fin.detail = (f"output tmpfs full ({spec.output_cap_bytes} bytes, "
+                              f"{spec.output_max_entries} entries); further writes got ENOSPC")
+            elif code != 0 or status.get("errors") or status.get("others_left"):
+                fin.invalid = True
+                fin.detail = ("copy-out reported: "
+                              + "; ".join(map(str, status.get("errors") or []))[:500]
+                              or f"exit {code}")
+        return fin
 
     def _remove(self, cid: str) -> bool:
         """Force-remove and confirm the engine no longer knows the container."""
