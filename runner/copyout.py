@@ -25,6 +25,7 @@ The existing :func:`runner.collect.collect` then reads the extracted tree as bef
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from collections.abc import Iterable, Iterator
@@ -191,18 +192,16 @@ def _open_parent(root_fd: int, parts: list[str]) -> int:
     fd = os.dup(root_fd)
     try:
         for p in parts[:-1]:
-            try:
+            with contextlib.suppress(FileExistsError):
                 os.mkdir(p, DIR_MODE, dir_fd=fd)
-            except FileExistsError:
-                pass
             nfd = os.open(p, _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = nfd
-        return fd
     except OSError as exc:
         os.close(fd)
         raise CopyRefused(f"output entry {'/'.join(parts)!r}: parent cannot be created "
                           f"({exc.strerror})") from None
+    return fd
 
 
 def extract(chunks: Iterable[bytes], dest: Path, lim: CopyLimits) -> Extracted:

@@ -60,16 +60,17 @@ class _Finish:
     detail: str = ""
 
 
-def _status(text: str) -> dict[str, Any]:
-    """The holder's status line (last line of its stderr), or {} if unreadable."""
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    if not lines:
-        return {}
-    try:
-        got = loads_strict(lines[-1][:STATUS_CAP], source="copy-out status")
-    except OutputRejected:
-        return {}
-    return got if isinstance(got, dict) else {}
+def _status(text: str) -> dict[str, dict[str, Any]]:
+    """The holder's status lines by phase ("pre" before the tar, "post" after it)."""
+    out: dict[str, dict[str, Any]] = {}
+    for line in text.splitlines()[:8]:
+        try:
+            got = loads_strict(line[:STATUS_CAP], source="copy-out status")
+        except OutputRejected:
+            continue
+        if isinstance(got, dict) and got.get("phase") in ("pre", "post"):
+            out.setdefault(str(got["phase"]), got)
+    return out
 
 
 def _clear(root: Path) -> None:
@@ -134,7 +135,8 @@ class _Staging:
                     raise SandboxError(f"staging directory {base} is not ours; "
                                        f"Fix: set {STAGING_ENV} to a private directory")
                 self.dir = Path(tempfile.mkdtemp(prefix="", dir=base))
-                os.chmod(self.dir, 0o711)
+                # traversable (not listable) by the role uid, which may differ from ours
+                os.chmod(self.dir, 0o711)  # noqa: S103
             dest = self.dir / f"m{i}"
             _link_tree(Path(m.source), dest)
             mounts.append(m.model_copy(update={"source": dest}))
@@ -447,7 +449,7 @@ class DockerSandbox:
                     extra += len(c)
                     if extra > 1 << 20:
                         break
-            except BaseException as exc:  # noqa: BLE001 - reported as a refusal below
+            except BaseException as exc:
                 result.append(exc)
 
         t = threading.Thread(target=consume, daemon=True)
@@ -460,29 +462,33 @@ class DockerSandbox:
             fin.invalid, fin.detail = True, "copy-out did not finish in time"
             return fin
         status = _status(errs.text())
-        if not status:
+        pre, post = status.get("pre"), status.get("post")
+        got = result[0] if result else None
+        if pre is None or (post is None and not isinstance(got, CopyRefused)):
             fin.no_status = fin.invalid = True
             fin.detail = "copy-out ended without its status line"
             return fin
         with contextlib.suppress(TypeError, ValueError):
-            fin.oom_kills = int(status.get("oom_kill") or 0)
-        got = result[0] if result else None
+            fin.oom_kills = int(pre.get("oom_kill") or 0)
+        df = pre.get("df") if isinstance(pre.get("df"), dict) else None
+        full = df is not None and (df.get("bfree") == 0 or df.get("ffree") == 0)
+        if full:
+            fin.limit = True
+            fin.detail = (f"output tmpfs full ({spec.output_cap_bytes} bytes, "
+                          f"{spec.output_max_entries} entries); further writes got ENOSPC")
         if isinstance(got, CopyRefused):
-            fin.limit, fin.invalid, fin.detail = got.limit, not got.limit, str(got)
+            fin.limit = fin.limit or got.limit
+            fin.invalid = not fin.limit
+            fin.detail = "; ".join(x for x in (fin.detail, str(got)) if x)
         elif isinstance(got, BaseException):
             fin.invalid, fin.detail = True, f"copy-out failed: {type(got).__name__}: {got}"
-        elif spec.output_dir is not None:
+        elif spec.output_dir is not None and not full:
             code, _ = self._wait_exec(eid, threading.Thread(), time.monotonic() + 10)
-            df = status.get("df") if isinstance(status.get("df"), dict) else None
-            if df is not None and (df.get("bfree") == 0 or df.get("ffree") == 0):
-                fin.limit = True
-                fin.detail = (f"output tmpfs full ({spec.output_cap_bytes} bytes, "
-                              f"{spec.output_max_entries} entries); further writes got ENOSPC")
-            elif code != 0 or status.get("errors") or status.get("others_left"):
+            errors = post.get("errors") if post is not None else None
+            if code != 0 or errors or pre.get("others_left"):
                 fin.invalid = True
                 fin.detail = ("copy-out reported: "
-                              + "; ".join(map(str, status.get("errors") or []))[:500]
-                              or f"exit {code}")
+                              + "; ".join(map(str, errors or []))[:500] or f"exit {code}")
         return fin
 
     def _remove(self, cid: str) -> bool:

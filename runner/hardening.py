@@ -29,12 +29,11 @@ CIS    recommendation                             how
 5.29   not on the default bridge                  ``network_mode=none``
 5.30   no host user namespace                     ``userns_mode`` unset
 5.31   no Docker socket mounted                   no unix socket but the gateway's, by type
+5.22/3 exec not privileged, not as root      ``exec_kwargs``: unprivileged, role uid
 =====  =========================================  =======================================
 
-5.22/3 exec not privileged / not as root     :func:`exec_kwargs`: ``privileged=False``,
-                                                 the role's non-root user
-Not applicable: 5.13 (no ports), 5.24 (default cgroup parent), 5.26 (health checks are for services), 5.27
-(images are pinned by id and never pulled on purpose).
+Not applicable: 5.13 (no ports), 5.24 (default cgroup parent), 5.26 (health checks
+are for services), 5.27 (images are pinned by id and never pulled on purpose).
 """
 
 from __future__ import annotations
@@ -43,12 +42,11 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from sandbox import holder
-
 from runner.errors import PolicyViolation
 from runner.owner import Owner
 from runner.policy import mount_violation
 from runner.sandbox import RunSpec
+from sandbox import holder
 
 LABEL_PREFIX = "io.cyclebox"
 MANAGED_LABEL = f"{LABEL_PREFIX}.managed"

@@ -24,9 +24,9 @@ Modes:
     (sent by the host through the engine), kill every other process in the
     container. As PID 1 of the namespace it cannot be killed from inside.
 ``finish DIR|-``
-    ``kill(-1, SIGKILL)`` until no other process is left, then write one JSON status
-    line to stderr (OOM kills, tmpfs blocks/inodes used and free) and, unless ``-``,
-    a PAX tar of ``DIR`` to stdout. The walk is relative to directory fds, so no
+    ``kill(-1, SIGKILL)`` until no other process is left, then write a JSON status
+    line to stderr (OOM kills, tmpfs blocks/inodes used and free), unless ``-`` a PAX
+    tar of ``DIR`` to stdout, and a last status line with the walk's errors. The walk is relative to directory fds, so no
     path length limit applies; symlinks, hard links and FIFOs are written as such so
     the host can name its refusal; sockets and devices are reported as errors.
 ``seed DIR``
@@ -36,6 +36,7 @@ Modes:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -68,10 +69,8 @@ def _reap() -> None:
 
 
 def _kill_others() -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(-1, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _others() -> list[int]:
@@ -111,9 +110,9 @@ def finish(root: str) -> int:
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.01)
-    status: dict[str, object] = {"others_left": len(left), "oom_kill": _oom_kills(),
-                                 "errors": []}
-    errors: list[str] = status["errors"]  # type: ignore[assignment]
+    status: dict[str, object] = {"phase": "pre", "others_left": len(left),
+                                 "oom_kill": _oom_kills()}
+    errors: list[str] = []
     if root != "-":
         try:
             st = os.statvfs(root)
@@ -121,6 +120,10 @@ def finish(root: str) -> int:
                             "files": st.f_files, "ffree": st.f_ffree}
         except OSError as exc:
             errors.append(f"statvfs: {exc.strerror}")
+    # before the tar: the host may stop reading the tar early, never this line
+    sys.stderr.write(json.dumps(status) + "\n")
+    sys.stderr.flush()
+    if root != "-":
         out = os.fdopen(1, "wb", buffering=1 << 16, closefd=False)
         with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tf:
             try:
@@ -130,7 +133,7 @@ def finish(root: str) -> int:
             else:
                 _add_dir(tf, fd, "", errors)
         out.flush()
-    sys.stderr.write(json.dumps(status) + "\n")
+    sys.stderr.write(json.dumps({"phase": "post", "errors": errors}) + "\n")
     sys.stderr.flush()
     return 3 if errors or left else 0
 

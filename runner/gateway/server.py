@@ -45,6 +45,8 @@ SOCKET_NAME = "gateway.sock"
 TOKEN_NAME = "token"  # noqa: S105 - a file name, not a secret
 OWNER_NAME = "owner.json"
 SOCKET_DIR_PREFIX = "cbx-gw-"
+MOUNTED_NAME = "g"
+"""Subdirectory of a socket directory that is mounted (socket and token only)."""
 
 
 def cost_usd(usage: Usage | None, price: Price | None) -> float | None:
@@ -151,8 +153,12 @@ class Gateway:
         """Start a socket for one container of ``role``; mount ``binding.directory`` read-only."""
         assert self._loop is not None, "gateway not started"  # noqa: S101
         # Short path under the temp dir: unix socket paths are limited to 108 bytes.
-        directory = Path(tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX))
-        (directory / OWNER_NAME).write_text(json.dumps(asdict(current_owner())))
+        # The owner record (pid, boot id, for `cyclebox gc`) stays beside the mounted
+        # directory, never in it: a container learns nothing about the controller.
+        outer = Path(tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX))
+        (outer / OWNER_NAME).write_text(json.dumps(asdict(current_owner())))
+        directory = outer / MOUNTED_NAME
+        directory.mkdir(mode=0o700)
         token_file = directory / TOKEN_NAME
         fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
         with os.fdopen(fd, "w") as f:
@@ -185,7 +191,7 @@ class Gateway:
             self._bindings.remove(b)
         if b.server is not None and self._loop is not None and b.server.started:
             asyncio.run_coroutine_threadsafe(_stop(b.server), self._loop).result(timeout=30)
-        shutil.rmtree(b.directory, ignore_errors=True)
+        shutil.rmtree(b.directory.parent, ignore_errors=True)
         self.log.sync()
 
     @contextmanager

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from runner.collect import collect
-from runner.errors import OutputRejected
 from runner.sandbox import Mount, StopReason
 from tests.conftest import RunFn
 
