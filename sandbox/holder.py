@@ -26,9 +26,10 @@ Modes:
 ``finish DIR|-``
     ``kill(-1, SIGKILL)`` until no other process is left, then write a JSON status
     line to stderr (OOM kills, tmpfs blocks/inodes used and free), unless ``-`` a PAX
-    tar of ``DIR`` to stdout, and a last status line with the walk's errors. The walk is relative to directory fds, so no
-    path length limit applies; symlinks, hard links and FIFOs are written as such so
-    the host can name its refusal; sockets and devices are reported as errors.
+    tar of ``DIR`` to stdout, and a last status line with the walk's errors. The walk
+    is relative to directory fds, so no path length limit applies; symlinks, hard
+    links and FIFOs are written as such so the host can name its refusal; sockets
+    and devices are reported as errors.
 ``seed DIR``
     Extract the host-made tar on stdin into ``DIR`` (used only for stages whose
     output directory starts with host content, e.g. the apply stage's repository).
