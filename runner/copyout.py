@@ -9,7 +9,8 @@ only reader of that stream and never uses :func:`tarfile.extractall`:
 * its own parser of 512-byte ustar/PAX/GNU headers (checksums verified, PAX and GNU
   long-name records capped at :data:`MAX_META_BYTES` before they are read);
 * only regular files and directories are written; symlinks, hard links, devices,
-  FIFOs, sparse and unknown entries are refused by name;
+  FIFOs, sparse and unknown entries are refused by name (the one exception: a
+  symlink the host itself seeded, returned unchanged, is recreated as it was);
 * names are relative UTF-8 without control characters, ``.``/``..``/empty parts or a
   leading ``/``, and are bounded in length, part length and depth;
 * every byte read counts against a stream cap (the tmpfs size plus tar overhead for
@@ -28,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,20 +205,26 @@ def _open_parent(root_fd: int, parts: list[str]) -> int:
     return fd
 
 
-def extract(chunks: Iterable[bytes], dest: Path, lim: CopyLimits) -> Extracted:
-    """Extract a tar stream into the existing directory ``dest``; raise CopyRefused."""
+def extract(chunks: Iterable[bytes], dest: Path, lim: CopyLimits, *,
+            seed_links: Mapping[str, str] | None = None) -> Extracted:
+    """Extract a tar stream into the existing directory ``dest``; raise CopyRefused.
+
+    ``seed_links`` maps relative paths to symlink targets that the *host* put into
+    the output directory before the run (a repository checkout's own symlinks): a
+    symlink entry equal to one of them is recreated as it was; any other is refused."""
     st = _Stream(chunks, lim.stream_cap)
     got = Extracted()
     root_fd = os.open(dest, _DIR_FLAGS)
     try:
-        _extract(st, root_fd, lim, got)
+        _extract(st, root_fd, lim, got, dict(seed_links or {}))
     finally:
         os.close(root_fd)
         got.stream_bytes = st.taken
     return got
 
 
-def _extract(st: _Stream, root_fd: int, lim: CopyLimits, got: Extracted) -> None:
+def _extract(st: _Stream, root_fd: int, lim: CopyLimits, got: Extracted,
+             seed_links: dict[str, str]) -> None:
     long_name: bytes | None = None
     pax: dict[bytes, bytes] = {}
     while True:
@@ -254,9 +261,25 @@ def _extract(st: _Stream, root_fd: int, lim: CopyLimits, got: Extracted) -> None
                 size = int(pax[b"size"])
             except ValueError:
                 raise CopyRefused("output stream: bad PAX size") from None
+        link = pax.get(b"linkpath", h[157:257].split(b"\0", 1)[0])
         long_name, pax = None, {}
         parts = _parts(raw, lim)
         shown = "/".join(parts)
+        if kind == b"2" and shown in seed_links and \
+                link == seed_links[shown].encode("utf-8", "surrogateescape"):
+            if got.files + got.dirs + 1 > lim.max_entries:
+                raise CopyRefused(f"output has more than {lim.max_entries} entries",
+                                  limit=True)
+            pfd = _open_parent(root_fd, parts)
+            try:
+                os.symlink(seed_links.pop(shown), parts[-1], dir_fd=pfd)
+            except FileExistsError:
+                raise CopyRefused(f"output entry {shown!r}: duplicate name") from None
+            finally:
+                os.close(pfd)
+            got.files += 1
+            st.read(size + (-size % BLOCK), what="link data")
+            continue
         if kind in _REFUSED_TYPES:
             raise CopyRefused(f"output entry {shown!r}: {_REFUSED_TYPES[kind]} refused "
                               "(only regular files and directories are copied out)")

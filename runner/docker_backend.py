@@ -82,11 +82,12 @@ def _clear(root: Path) -> None:
             os.unlink(entry.path)
 
 
-def _seed_tar(spec: RunSpec) -> bytes | None:
+def _seed_tar(spec: RunSpec, links: dict[str, str]) -> bytes | None:
     """The host output directory's content as a tar for the output tmpfs, or None.
 
     Only host-made content is ever here (a stage's fresh directory, e.g. the apply
-    stage's throwaway repository). Symlinks are refused: they could not come back."""
+    stage's throwaway repository). Its symlinks go into ``links``: only those exact
+    links may come back out (:func:`runner.copyout.extract`)."""
     root = spec.output_dir
     if root is None or not any(root.iterdir()):
         return None
@@ -96,9 +97,11 @@ def _seed_tar(spec: RunSpec) -> bytes | None:
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
         for path in sorted(root.rglob("*")):
             ti = tf.gettarinfo(str(path), arcname=path.relative_to(root).as_posix())
-            if not (ti.isreg() or ti.isdir()):
-                raise SandboxError(f"{path}: only regular files and directories can seed "
-                                   "an output directory")
+            if ti.issym():
+                links[ti.name] = ti.linkname
+            elif not (ti.isreg() or ti.isdir()):
+                raise SandboxError(f"{path}: only regular files, directories and symlinks "
+                                   "can seed an output directory")
             ti.uid, ti.gid, ti.uname, ti.gname = uid, gid, "", ""
             total += ti.size
             if total > spec.output_cap_bytes:
@@ -266,7 +269,8 @@ class DockerSandbox:
         image_id = spec.image
         cid: str | None = None
         try:
-            seed = _seed_tar(spec)
+            seed_links: dict[str, str] = {}
+            seed = _seed_tar(spec, seed_links)
             try:
                 container = self.client.containers.create(**kwargs)
             except docker.errors.ImageNotFound:
@@ -348,11 +352,11 @@ class DockerSandbox:
                               if not alive else "role processes could not be stopped")
                 fin.invalid = spec.output_dir is not None
             elif spec.output_dir is not None or exit_code == 137:
-                fin = self._finish(cid, spec)
+                fin = self._finish(cid, spec, seed_links)
                 if fin.no_status:
                     # A SIGUSR1 still in flight when the role ended can reach the holder
                     # after our copy-out began and kill it; nothing is sent any more.
-                    fin = self._finish(cid, spec)
+                    fin = self._finish(cid, spec, seed_links)
             state = api.inspect_container(cid)
             oom = bool(state.get("State", {}).get("OOMKilled")) or fin.oom_kills > 0
             image_id = str(state.get("Image", spec.image))
@@ -417,7 +421,7 @@ class DockerSandbox:
             raise SandboxError(f"could not seed the {spec.role} output directory "
                                f"(exit {code})")
 
-    def _finish(self, cid: str, spec: RunSpec) -> _Finish:
+    def _finish(self, cid: str, spec: RunSpec, seed_links: dict[str, str]) -> _Finish:
         """Kill what is left of the role, read OOM and tmpfs usage, copy the output out."""
         api = self.client.api
         fin = _Finish()
@@ -442,7 +446,8 @@ class DockerSandbox:
                 chunks = stdout_chunks()
                 if spec.output_dir is not None:
                     _clear(spec.output_dir)
-                    result.append(extract(chunks, spec.output_dir, lim))
+                    result.append(extract(chunks, spec.output_dir, lim,
+                                          seed_links=seed_links))
                 # drain the tail (tar padding, the status line), bounded
                 extra = 0
                 for c in chunks:

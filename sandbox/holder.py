@@ -32,7 +32,8 @@ Modes:
     and devices are reported as errors.
 ``seed DIR``
     Extract the host-made tar on stdin into ``DIR`` (used only for stages whose
-    output directory starts with host content, e.g. the apply stage's repository).
+    output directory starts with host content, e.g. the apply stage's repository,
+    whose checkout may hold symlinks; only those exact symlinks may come back).
 """
 
 from __future__ import annotations
@@ -187,7 +188,10 @@ def _add_dir(tf: tarfile.TarFile, dfd: int, prefix: str, errors: list[str]) -> N
                 tf.addfile(ti, f)
         elif stat.S_ISLNK(mode):
             ti = _info(rel, st, tarfile.SYMTYPE)
-            ti.linkname = "(symlink)"
+            try:
+                ti.linkname = os.readlink(name, dir_fd=fd)
+            except OSError:
+                ti.linkname = "(unreadable)"
             tf.addfile(ti)
         elif stat.S_ISFIFO(mode):
             tf.addfile(_info(rel, st, tarfile.FIFOTYPE))
@@ -203,10 +207,13 @@ def _err(errors: list[str], msg: str) -> None:
 def seed(root: str) -> int:
     with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tf:
         for m in tf:
-            if not (m.isreg() or m.isdir()) or m.name.startswith("/") or ".." in m.name.split("/"):
+            ok = m.isreg() or m.isdir() or m.issym()
+            if not ok or m.name.startswith("/") or ".." in m.name.split("/"):
                 sys.stderr.write(f"seed: refused {m.name!r}\n")
                 return 3
             tf.extract(m, root, set_attrs=False)
+            if m.issym():
+                continue
             keep_x = m.isdir() or m.mode & 0o100
             os.chmod(os.path.join(root, m.name), 0o700 if keep_x else 0o600)
     return 0

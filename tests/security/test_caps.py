@@ -275,3 +275,20 @@ def test_stream_file_size_lie_refused_before_write(tmp_path: Path) -> None:
     with pytest.raises(CopyRefused, match="output cap"):
         extract(forged(), tmp_path, LIM)
     assert not (tmp_path / "huge").exists()
+
+
+def test_stream_only_seeded_symlinks_come_back(tmp_path: Path) -> None:
+    seeded = {"repo/link": "prompts"}
+    same = _tar(_member("repo/", tarfile.DIRTYPE),
+                _member("repo/link", tarfile.SYMTYPE, link="prompts"))
+    a = tmp_path / "a"
+    a.mkdir()
+    extract(_chunks(same), a, LIM, seed_links=seeded)
+    assert os.readlink(a / "repo" / "link") == "prompts"
+    for changed in (_member("repo/link", tarfile.SYMTYPE, link="/etc/shadow"),
+                    _member("repo/other", tarfile.SYMTYPE, link="prompts")):
+        b = tmp_path / f"b{changed[0].name[-4:]}"
+        b.mkdir()
+        with pytest.raises(CopyRefused, match="symlink refused"):
+            extract(_chunks(_tar(changed)), b, LIM, seed_links=seeded)
+        assert not any(p.is_symlink() for p in b.rglob("*"))
