@@ -18,8 +18,8 @@ only reader of that stream and never uses :func:`tarfile.extractall`:
   it is written, every entry against the entry cap, so a forged stream exhausts
   neither memory nor disk; a refused file is never partly left behind;
 * everything is created relative to directory fds with ``O_NOFOLLOW|O_EXCL`` and gets
-  modes we choose: files 0600, directories 0700, owned by the operator (no setuid,
-  nothing world-writable, whatever the container set).
+  modes we choose: files 0644, directories 0755, owned by the operator (no setuid,
+  nothing group- or world-writable, whatever the container set).
 
 The existing :func:`runner.collect.collect` then reads the extracted tree as before.
 """
@@ -38,8 +38,11 @@ from runner.errors import OutputRejected
 BLOCK = 512
 MAX_META_BYTES = 64 * 1024
 PAGE = 4096
-FILE_MODE = 0o600
-DIR_MODE = 0o700
+FILE_MODE = 0o644
+DIR_MODE = 0o755
+"""Readable by a later role container running as another uid (an output that becomes an
+input, e.g. a model); writable only by the operator. The fresh output directory itself
+stays 0700."""
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _NEW_FILE = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
              | getattr(os, "O_CLOEXEC", 0))
@@ -189,7 +192,7 @@ def _parts(raw: bytes, lim: CopyLimits) -> list[str]:
 
 
 def _open_parent(root_fd: int, parts: list[str]) -> int:
-    """fd of the directory holding ``parts[-1]``, creating missing parents (0700)."""
+    """fd of the directory holding ``parts[-1]``, creating missing parents."""
     fd = os.dup(root_fd)
     try:
         for p in parts[:-1]:

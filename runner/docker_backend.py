@@ -18,7 +18,6 @@ import os
 import secrets
 import shutil
 import socket
-import stat
 import tarfile
 import tempfile
 import threading
@@ -47,6 +46,7 @@ SEED_REPLY_CAP = 64
 FINISH_BASE_S = 30.0
 FINISH_BYTES_PER_S = 32 * 1024 * 1024
 STAGING_ENV = "CYCLEBOX_STAGING_DIR"
+STAGED_DIR_MODE = 0o755
 
 
 @dataclass
@@ -161,8 +161,10 @@ def _link_tree(src: Path, dest: Path) -> None:
             shutil.copy2(s, d, follow_symlinks=False)
 
     if src.is_dir() and not src.is_symlink():
-        dest.mkdir(mode=0o755)
-        os.chmod(dest, stat.S_IMODE(src.stat().st_mode))
+        # Staged directories are new inodes: readable by the role uid (which differs
+        # from ours when we run as root), as an input must be; files keep their modes.
+        dest.mkdir()
+        os.chmod(dest, STAGED_DIR_MODE)
         for dirpath, dirnames, filenames in os.walk(src):
             rel = Path(dirpath).relative_to(src)
             for d in dirnames:
@@ -171,7 +173,7 @@ def _link_tree(src: Path, dest: Path) -> None:
                     os.symlink(os.readlink(sp), dest / rel / d)
                 else:
                     (dest / rel / d).mkdir()
-                    os.chmod(dest / rel / d, stat.S_IMODE(sp.stat().st_mode))
+                    os.chmod(dest / rel / d, STAGED_DIR_MODE)
             for f in filenames:
                 one(Path(dirpath) / f, dest / rel / f)
     else:

@@ -179,8 +179,8 @@ def test_stream_regular_files_and_dirs(tmp_path: Path) -> None:
                                _member("d/f", data=b"abc", mode=0o6777))), tmp_path, LIM)
     assert (got.files, got.dirs, got.bytes) == (1, 1, 3)
     assert (tmp_path / "d" / "f").read_bytes() == b"abc"
-    assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o700
-    assert stat.S_IMODE((tmp_path / "d" / "f").stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o755
+    assert stat.S_IMODE((tmp_path / "d" / "f").stat().st_mode) == 0o644
 
 
 @pytest.mark.parametrize(("member", "why"), [
