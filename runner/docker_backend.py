@@ -30,6 +30,7 @@ from typing import Any
 import docker
 import docker.errors
 import requests.exceptions
+from docker.models.containers import _create_container_args
 
 from runner.collect import loads_strict
 from runner.copyout import CopyLimits, CopyRefused, Extracted, extract
@@ -274,14 +275,15 @@ class DockerSandbox:
             seed_links: dict[str, str] = {}
             seed = _seed_tar(spec, seed_links)
             try:
-                container = self.client.containers.create(**kwargs)
+                # the model layer's create() also inspects the new container: skip that
+                args = _create_container_args({**kwargs, "version": api._version})
+                cid = str(api.create_container(**args)["Id"])
             except docker.errors.ImageNotFound:
                 raise SandboxError(f"image {spec.image} for role {spec.role} is not present "
                                    "locally. Fix: cyclebox images build") from None
             except docker.errors.APIError as exc:
                 raise SandboxError(f"engine refused to create the {spec.role} container: "
                                    f"{exc.explanation or exc}") from None
-            cid = container.id
             try:
                 api.start(cid)
                 if seed is not None:

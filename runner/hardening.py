@@ -156,9 +156,9 @@ def _holder_source() -> str:
 
 
 def holder_argv(*args: str) -> list[str]:
-    """``python3 -I -c <sandbox/holder.py> ARGS``: host-supplied code, isolated from the
+    """``python3 -I -S -c <sandbox/holder.py> ARGS``: host-supplied code, isolated from the
     image's packages and from anything the role wrote."""
-    return ["python3", "-I", "-c", _holder_source(), *args]
+    return ["python3", "-I", "-S", "-c", _holder_source(), *args]
 
 
 def exec_kwargs(spec: RunSpec) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """PID 1 of every role container, and the in-container half of the output copy-out.
 
 Stdlib only, and never imported from the image: the host reads this file and runs it
-with ``python3 -I -c <source> MODE`` so that neither the image's ``sandbox`` package
-nor anything the role wrote can change it (``-I``: no environment, no cwd on
-``sys.path``).
+with ``python3 -I -S -c <source> MODE`` so that neither the image's ``sandbox``
+package nor anything the role wrote can change it (``-I``: no environment, no cwd on
+``sys.path``; ``-S``: no site-packages, and ~100 ms less start-up per exec).
 
 Why a holder (the design, see also :mod:`runner.copyout`): a role's output directory
 is a size- and inode-capped tmpfs *inside* the container, so the kernel, not a host
@@ -44,8 +44,8 @@ import os
 import signal
 import stat
 import sys
-import tarfile
 import time
+from typing import BinaryIO
 
 _BLOCK = {s for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)}
 MAX_ERRORS = 8
@@ -127,30 +127,66 @@ def finish(root: str) -> int:
     sys.stderr.flush()
     if root != "-":
         out = os.fdopen(1, "wb", buffering=1 << 16, closefd=False)
-        with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tf:
-            try:
-                fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-            except OSError as exc:
-                errors.append(f"open {root}: {exc.strerror}")
-            else:
-                _add_dir(tf, fd, "", errors)
+        try:
+            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError as exc:
+            errors.append(f"open {root}: {exc.strerror}")
+        else:
+            _add_dir(out, fd, b"", errors)
+        out.write(bytes(2 * BLOCK))
         out.flush()
     sys.stderr.write(json.dumps({"phase": "post", "errors": errors}) + "\n")
     sys.stderr.flush()
     return 3 if errors or left else 0
 
 
-def _info(name: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:
-    ti = tarfile.TarInfo(name)
-    ti.type = kind
-    ti.mode = stat.S_IMODE(st.st_mode)
-    ti.mtime = int(st.st_mtime)
-    return ti
+# A minimal PAX tar writer (tarfile costs ~60 ms of imports in every copy-out).
+BLOCK = 512
 
 
-def _add_dir(tf: tarfile.TarFile, dfd: int, prefix: str, errors: list[str]) -> None:
+def _pax_record(key: bytes, value: bytes) -> bytes:
+    body = b" " + key + b"=" + value + b"\n"
+    n = len(body) + 1
+    while len(str(n)) + len(body) != n:
+        n = len(str(n)) + len(body)
+    return str(n).encode() + body
+
+
+def _block(name: bytes, kind: bytes, size: int, mode: int, mtime: int,
+           link: bytes = b"") -> bytes:
+    h = bytearray(BLOCK)
+    h[0:len(name[:100])] = name[:100]
+    h[100:108] = b"%07o\0" % (mode & 0o7777)
+    h[108:116] = b"%07o\0" % 0
+    h[116:124] = b"%07o\0" % 0
+    h[124:136] = b"%011o\0" % size
+    h[136:148] = b"%011o\0" % max(0, min(mtime, 0o77777777777))
+    h[148:156] = b" " * 8
+    h[156:157] = kind
+    h[157:157 + len(link[:100])] = link[:100]
+    h[257:265] = b"ustar\x0000"
+    h[148:156] = b"%06o\0 " % sum(h)
+    return bytes(h)
+
+
+def _header(name: bytes, kind: bytes, size: int, st: os.stat_result,
+            link: bytes = b"") -> bytes:
+    mtime = int(st.st_mtime)
+    recs = b""
+    if len(name) > 100:
+        recs += _pax_record(b"path", name)
+    if len(link) > 100:
+        recs += _pax_record(b"linkpath", link)
+    pax = b""
+    if recs:
+        pax = (_block(b"././@PaxHeader", b"x", len(recs), 0o644, mtime) + recs
+               + bytes(-len(recs) % BLOCK))
+    return pax + _block(name, kind, size, stat.S_IMODE(st.st_mode), mtime, link)
+
+
+def _add_dir(out: BinaryIO, dfd: int, prefix: bytes, errors: list[str]) -> None:
     # Iterative over an explicit stack of directory fds: no recursion limit, no PATH_MAX.
-    stack: list[tuple[int, str, list[str]]] = [(dfd, prefix, sorted(os.listdir(dfd)))]
+    stack: list[tuple[int, bytes, list[bytes]]] = [(dfd, prefix, sorted(_names(dfd)))]
     while stack:
         fd, pre, names = stack[-1]
         if not names:
@@ -159,44 +195,62 @@ def _add_dir(tf: tarfile.TarFile, dfd: int, prefix: str, errors: list[str]) -> N
             continue
         name = names.pop(0)
         rel = pre + name
+        shown = rel.decode("utf-8", "replace")
         try:
             st = os.lstat(name, dir_fd=fd)
         except OSError as exc:
-            _err(errors, f"{rel}: {exc.strerror}")
+            _err(errors, f"{shown}: {exc.strerror}")
             continue
         mode = st.st_mode
         if stat.S_ISDIR(mode):
-            tf.addfile(_info(rel + "/", st, tarfile.DIRTYPE))
+            out.write(_header(rel + b"/", b"5", 0, st))
             try:
                 sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-                stack.append((sub, rel + "/", sorted(os.listdir(sub))))
+                stack.append((sub, rel + b"/", sorted(_names(sub))))
             except OSError as exc:
-                _err(errors, f"{rel}: {exc.strerror}")
+                _err(errors, f"{shown}: {exc.strerror}")
         elif stat.S_ISREG(mode) and st.st_nlink > 1:
-            ti = _info(rel, st, tarfile.LNKTYPE)
-            ti.linkname = "(hard link)"
-            tf.addfile(ti)
+            out.write(_header(rel, b"1", 0, st, b"(hard link)"))
         elif stat.S_ISREG(mode):
-            ti = _info(rel, st, tarfile.REGTYPE)
-            ti.size = st.st_size
-            try:
-                ffd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
-            except OSError as exc:
-                _err(errors, f"{rel}: {exc.strerror}")
-                continue
-            with os.fdopen(ffd, "rb") as f:
-                tf.addfile(ti, f)
+            _add_file(out, fd, name, rel, st, errors)
         elif stat.S_ISLNK(mode):
-            ti = _info(rel, st, tarfile.SYMTYPE)
             try:
-                ti.linkname = os.readlink(name, dir_fd=fd)
+                link = os.readlink(name, dir_fd=fd)
             except OSError:
-                ti.linkname = "(unreadable)"
-            tf.addfile(ti)
+                link = b"(unreadable)"
+            out.write(_header(rel, b"2", 0, st, link))
         elif stat.S_ISFIFO(mode):
-            tf.addfile(_info(rel, st, tarfile.FIFOTYPE))
+            out.write(_header(rel, b"6", 0, st))
         else:
-            _err(errors, f"{rel}: not a regular file, directory, link or fifo")
+            _err(errors, f"{shown}: not a regular file, directory, link or fifo")
+
+
+def _names(fd: int) -> list[bytes]:
+    return [os.fsencode(n) for n in os.listdir(fd)]
+
+
+def _add_file(out: BinaryIO, dfd: int, name: bytes, rel: bytes,
+              st: os.stat_result, errors: list[str]) -> None:
+    try:
+        ffd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+    except OSError as exc:
+        _err(errors, f"{rel.decode('utf-8', 'replace')}: {exc.strerror}")
+        return
+    size = st.st_size
+    out.write(_header(rel, b"0", size, st))
+    left = size
+    try:
+        while left:
+            chunk = os.read(ffd, min(left, 1 << 16))
+            if not chunk:
+                _err(errors, f"{rel.decode('utf-8', 'replace')}: shrank while read")
+                out.write(bytes(left))
+                break
+            out.write(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(ffd)
+    out.write(bytes(-size % BLOCK))
 
 
 def _err(errors: list[str], msg: str) -> None:
@@ -205,6 +259,8 @@ def _err(errors: list[str], msg: str) -> None:
 
 
 def seed(root: str) -> int:
+    import tarfile  # only here: seeding is rare, and the input is the host's own tar
+
     with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tf:
         for m in tf:
             ok = m.isreg() or m.isdir() or m.issym()
