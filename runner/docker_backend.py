@@ -55,10 +55,107 @@ class _Finish:
     """What the copy-out found."""
 
     oom_kills: int = 0
-    no_status: bool = False
     limit: bool = False
     invalid: bool = False
     detail: str = ""
+
+
+class _CopyOut:
+    """Reads the holder's own stdout/stderr (attached before start): its status lines
+    and the output tar, extracted as it streams by :func:`runner.copyout.extract`."""
+
+    def __init__(self, spec: RunSpec, seed_links: dict[str, str],
+                 stream: Iterator[tuple[bytes | None, bytes | None]]) -> None:
+        self.spec = spec
+        self.seed_links = seed_links
+        self.stream = stream
+        self.announced = threading.Event()
+        """Set when the holder's first status line arrived (it got our SIGUSR1)."""
+        self.done = threading.Event()
+        self.errs = _Tail()
+        self.got: Extracted | BaseException | None = None
+        self._thread = threading.Thread(target=self._consume, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _chunks(self) -> Iterator[bytes]:
+        cleared = False
+        for o, e in self.stream:
+            if e and self.errs.total < STATUS_CAP:
+                self.errs.add(e)
+                if b"\n" in e:
+                    self.announced.set()
+            if o:
+                if not cleared and self.spec.output_dir is not None:
+                    _clear(self.spec.output_dir)  # host-made seed content, if any
+                    cleared = True
+                yield o
+
+    def _consume(self) -> None:
+        spec = self.spec
+        chunks = self._chunks()
+        try:
+            if spec.output_dir is not None:
+                lim = CopyLimits(max_bytes=spec.output_cap_bytes,
+                                 max_entries=spec.output_max_entries)
+                self.got = extract(chunks, spec.output_dir, lim, seed_links=self.seed_links)
+        except BaseException as exc:
+            self.got = exc
+            self.done.set()  # refused: decided now; the rest is drained and dropped
+        try:
+            # Keep reading to the end (the status line follows the tar), dropping any
+            # bytes: a writer blocked on an unread pipe would also block the engine's
+            # kill and removal of the container.
+            for _ in chunks:
+                pass
+        except (requests.exceptions.RequestException, OSError, ValueError):
+            pass
+        finally:
+            self.done.set()
+
+    def result(self) -> _Finish:
+        fin = _Finish()
+        spec = self.spec
+        if not self.done.is_set():
+            fin.invalid, fin.detail = True, "copy-out did not finish in time"
+            return fin
+        got = self.got
+        if isinstance(got, CopyRefused):
+            # decided before the end of the stream: the status line, written before
+            # the tar but on the other pipe, may still be on its way
+            self.announced.wait(STOP_GRACE_S)
+        status = _status(self.errs.text())
+        pre, post = status.get("pre"), status.get("post")
+        if pre is None or (post is None and not isinstance(got, CopyRefused)):
+            fin.invalid = True
+            fin.detail = "container stopped before its output could be copied out"
+            return fin
+        with contextlib.suppress(TypeError, ValueError):
+            fin.oom_kills = int(pre.get("oom_kill") or 0)
+        if pre.get("dumpable") != 0:
+            fin.invalid = True
+            fin.detail = "the holder could not protect its output stream (dumpable)"
+            return fin
+        df = pre.get("df") if isinstance(pre.get("df"), dict) else None
+        full = df is not None and (df.get("bfree") == 0 or df.get("ffree") == 0)
+        if full:
+            fin.limit = True
+            fin.detail = (f"output tmpfs full ({spec.output_cap_bytes} bytes, "
+                          f"{spec.output_max_entries} entries); further writes got ENOSPC")
+        if isinstance(got, CopyRefused):
+            fin.limit = fin.limit or got.limit
+            fin.invalid = not fin.limit
+            fin.detail = "; ".join(x for x in (fin.detail, str(got)) if x)
+        elif isinstance(got, BaseException):
+            fin.invalid, fin.detail = True, f"copy-out failed: {type(got).__name__}: {got}"
+        elif spec.output_dir is not None and not full:
+            errors = post.get("errors") if post is not None else None
+            if errors or pre.get("others_left"):
+                fin.invalid = True
+                fin.detail = ("copy-out reported: "
+                              + ("; ".join(map(str, errors or [])) or "processes left"))[:500]
+        return fin
 
 
 def _status(text: str) -> dict[str, dict[str, Any]]:
@@ -251,8 +348,9 @@ class DockerSandbox:
         """Run one role command to completion or limit, copy its output out; always remove.
 
         PID 1 is :mod:`sandbox.holder`; the role command runs through exec, so its exit
-        code is the engine's exec record; its output directory is a capped tmpfs read
-        out by :meth:`_finish` while the container still runs (see :mod:`runner.copyout`).
+        code is the engine's exec record. Its output directory is a capped tmpfs that
+        the holder writes as a tar to its own stdout when we send SIGUSR1, read here from
+        an attach made before start (see :mod:`runner.copyout`).
         """
         staged = _Staging(spec)
         spec = staged.spec
@@ -263,8 +361,6 @@ class DockerSandbox:
         out, err = _Tail(), _Tail()
         stream_exceeded = threading.Event()
         stopping = threading.Event()
-        role_done = threading.Event()
-        kill_lock = threading.Lock()
         timed_out = False
         exit_code: int | None = None
         oom = False
@@ -284,8 +380,11 @@ class DockerSandbox:
             except docker.errors.APIError as exc:
                 raise SandboxError(f"engine refused to create the {spec.role} container: "
                                    f"{exc.explanation or exc}") from None
+            copy = _CopyOut(spec, seed_links, api.attach(
+                cid, stdout=True, stderr=True, stream=True, logs=False, demux=True))
             try:
                 api.start(cid)
+                copy.start()
                 if seed is not None:
                     self._seed(cid, spec, seed)
                 exec_id = api.exec_create(cid, **exec_kwargs(spec))["Id"]
@@ -296,7 +395,9 @@ class DockerSandbox:
 
             def stop_role(flag: threading.Event | None) -> None:
                 # Never block the pump thread on the engine. SIGUSR1 makes the holder
-                # kill every role process; the container (and its tmpfs) stays.
+                # kill every role process and copy the output out; repeated until it
+                # says so, since a signal that arrives before the holder has set up its
+                # signal mask (its first few ms) is dropped.
                 if flag is not None:
                     flag.set()
                 if stopping.is_set():
@@ -304,16 +405,11 @@ class DockerSandbox:
                 stopping.set()
 
                 def _stop() -> None:
-                    # Repeated: a signal that reaches the holder before it has set up
-                    # its handlers (the first few ms of the container) is dropped.
-                    for _ in range(int(STOP_GRACE_S / 0.1)):
-                        with kill_lock:
-                            if role_done.is_set():
-                                return
-                            with contextlib.suppress(docker.errors.APIError,
-                                                     requests.exceptions.RequestException):
-                                api.kill(cid, signal="SIGUSR1")
-                        if role_done.wait(0.1):
+                    for _ in range(int(STOP_GRACE_S / 0.05)):
+                        with contextlib.suppress(docker.errors.APIError,
+                                                 requests.exceptions.RequestException):
+                            api.kill(cid, signal="SIGUSR1")
+                        if copy.announced.wait(0.05) or copy.done.is_set():
                             return
 
                 threading.Thread(target=_stop, daemon=True).start()
@@ -341,31 +437,22 @@ class DockerSandbox:
             exit_code, running = self._wait_exec(exec_id, pumper, deadline)
             if running:
                 timed_out = True
-                stop_role(None)
+            stop_role(None)  # also stops what the command left running in the background
+            if running:
                 exit_code, running = self._wait_exec(exec_id, pumper,
                                                       time.monotonic() + STOP_GRACE_S)
-            if not stopping.is_set():
-                stop_role(None)  # background processes die with the role command
+            copy.done.wait(STOP_GRACE_S + FINISH_BASE_S
+                           + spec.output_cap_bytes / FINISH_BYTES_PER_S)
+            if not copy.done.is_set():
+                with contextlib.suppress(docker.errors.APIError):
+                    api.kill(cid)
+                copy.done.wait(10)
             pumper.join(timeout=STOP_GRACE_S)
-            with kill_lock:  # no SIGUSR1 is sent from here on
-                role_done.set()
-            state = api.inspect_container(cid)
-            alive = bool(state.get("State", {}).get("Running"))
-            if running or pumper.is_alive() or not alive:
-                fin.detail = ("container stopped before its output could be copied out"
-                              if not alive else "role processes could not be stopped")
-                fin.invalid = spec.output_dir is not None
-            elif spec.output_dir is not None or exit_code == 137:
-                fin = self._finish(cid, spec, seed_links)
-                if fin.no_status:
-                    # A SIGUSR1 still in flight when the role ended can reach the holder
-                    # after our copy-out began and kill it; nothing is sent any more.
-                    fin = self._finish(cid, spec, seed_links)
+            fin = copy.result()
             state = api.inspect_container(cid)
             oom = bool(state.get("State", {}).get("OOMKilled")) or fin.oom_kills > 0
             image_id = str(state.get("Image", spec.image))
         finally:
-            role_done.set()
             confirmed = self._remove(cid) if cid else True
             staged.cleanup()
         flags = RunFlags(exit_code=exit_code, oom_killed=oom, timed_out=timed_out,
@@ -424,81 +511,6 @@ class DockerSandbox:
         if running or code != 0:
             raise SandboxError(f"could not seed the {spec.role} output directory "
                                f"(exit {code})")
-
-    def _finish(self, cid: str, spec: RunSpec, seed_links: dict[str, str]) -> _Finish:
-        """Kill what is left of the role, read OOM and tmpfs usage, copy the output out."""
-        api = self.client.api
-        fin = _Finish()
-        target = spec.output_target if spec.output_dir is not None else "-"
-        eid = api.exec_create(cid, holder_argv("finish", target), user=spec.user,
-                              stdout=True, stderr=True, workdir="/")["Id"]
-        gen = api.exec_start(eid, stream=True, demux=True)
-        errs = _Tail()
-        lim = CopyLimits(max_bytes=spec.output_cap_bytes,
-                         max_entries=spec.output_max_entries)
-        result: list[Extracted | BaseException] = []
-
-        def stdout_chunks() -> Iterator[bytes]:
-            for o, e in gen:
-                if e and errs.total < STATUS_CAP:
-                    errs.add(e)
-                if o:
-                    yield o
-
-        def consume() -> None:
-            try:
-                chunks = stdout_chunks()
-                if spec.output_dir is not None:
-                    _clear(spec.output_dir)
-                    result.append(extract(chunks, spec.output_dir, lim,
-                                          seed_links=seed_links))
-                # drain the tail (tar padding, the status line), bounded
-                extra = 0
-                for c in chunks:
-                    extra += len(c)
-                    if extra > 1 << 20:
-                        break
-            except BaseException as exc:
-                result.append(exc)
-
-        t = threading.Thread(target=consume, daemon=True)
-        t.start()
-        t.join(timeout=FINISH_BASE_S + spec.output_cap_bytes / FINISH_BYTES_PER_S)
-        if t.is_alive():
-            with contextlib.suppress(docker.errors.APIError):
-                api.kill(cid)
-            t.join(timeout=10)
-            fin.invalid, fin.detail = True, "copy-out did not finish in time"
-            return fin
-        status = _status(errs.text())
-        pre, post = status.get("pre"), status.get("post")
-        got = result[0] if result else None
-        if pre is None or (post is None and not isinstance(got, CopyRefused)):
-            fin.no_status = fin.invalid = True
-            fin.detail = "copy-out ended without its status line"
-            return fin
-        with contextlib.suppress(TypeError, ValueError):
-            fin.oom_kills = int(pre.get("oom_kill") or 0)
-        df = pre.get("df") if isinstance(pre.get("df"), dict) else None
-        full = df is not None and (df.get("bfree") == 0 or df.get("ffree") == 0)
-        if full:
-            fin.limit = True
-            fin.detail = (f"output tmpfs full ({spec.output_cap_bytes} bytes, "
-                          f"{spec.output_max_entries} entries); further writes got ENOSPC")
-        if isinstance(got, CopyRefused):
-            fin.limit = fin.limit or got.limit
-            fin.invalid = not fin.limit
-            fin.detail = "; ".join(x for x in (fin.detail, str(got)) if x)
-        elif isinstance(got, BaseException):
-            fin.invalid, fin.detail = True, f"copy-out failed: {type(got).__name__}: {got}"
-        elif spec.output_dir is not None and not full:
-            code, _ = self._wait_exec(eid, threading.Thread(), time.monotonic() + 10)
-            errors = post.get("errors") if post is not None else None
-            if code != 0 or errors or pre.get("others_left"):
-                fin.invalid = True
-                fin.detail = ("copy-out reported: "
-                              + "; ".join(map(str, errors or []))[:500] or f"exit {code}")
-        return fin
 
     def _remove(self, cid: str) -> bool:
         """Force-remove and confirm the engine no longer knows the container."""

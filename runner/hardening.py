@@ -103,7 +103,7 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str) -> dict[str, Any]:
         "image": spec.image,
         # PID 1 is the holder; the role command runs through exec (exec_kwargs).
         "entrypoint": holder_argv(),
-        "command": ["hold"],
+        "command": ["hold", spec.output_target if spec.output_dir is not None else "-"],
         "name": container_name(spec, nonce),
         "user": spec.user,
         "working_dir": spec.workdir,

@@ -11,25 +11,27 @@ poll, stops a writer at the cap (``ENOSPC``). A tmpfs dies with its container, a
 the engine's archive API does not see tmpfs mounts at all on the engines we support
 (Docker 20.10 reads the container's root filesystem on the host, below the tmpfs), so
 the output must be read out from inside while the container still runs. PID 1 is
-therefore this holder, the role command runs through ``exec`` (its exit code comes
-from the engine's exec record, which the role cannot forge), and afterwards the host
-runs ``finish``, which kills every role process, reports the kernel's OOM counter and
-the tmpfs usage, and writes the output directory as a tar stream to stdout for the
-host's hostile-input extractor.
+therefore this holder and the role command runs through ``exec``: its exit code comes
+from the engine's exec record, which the role cannot forge. When the host sends
+``SIGUSR1`` (the command ended, or a limit was hit), the holder kills every role
+process, then writes its status and the output tar to *its own* stdout/stderr, which
+the host attached to before start, and exits. It makes itself non-dumpable first, so
+a role process (same uid) cannot reach those pipes through ``/proc/1/fd`` nor ptrace
+it, and as PID 1 of the namespace it cannot be killed from inside. Doing the copy-out
+here rather than in a second exec saves an exec (~150 ms) per container.
 
 Modes:
 
-``hold``
-    Block every catchable signal, reap orphans on ``SIGCHLD`` and, on ``SIGUSR1``
-    (sent by the host through the engine), kill every other process in the
-    container. As PID 1 of the namespace it cannot be killed from inside.
+``hold DIR|-``
+    Block every catchable signal, reap orphans on ``SIGCHLD``; on ``SIGUSR1`` run
+    ``finish DIR`` on its own stdout/stderr and exit.
 ``finish DIR|-``
     ``kill(-1, SIGKILL)`` until no other process is left, then write a JSON status
-    line to stderr (OOM kills, tmpfs blocks/inodes used and free), unless ``-`` a PAX
-    tar of ``DIR`` to stdout, and a last status line with the walk's errors. The walk
-    is relative to directory fds, so no path length limit applies; symlinks, hard
-    links and FIFOs are written as such so the host can name its refusal; sockets
-    and devices are reported as errors.
+    line to stderr (OOM kills, tmpfs blocks/inodes used and free, dumpable flag),
+    unless ``-`` a PAX tar of ``DIR`` to stdout, and a last status line with the
+    walk's errors. The walk is relative to directory fds, so no path length limit
+    applies; symlinks, hard links and FIFOs are written as such so the host can name
+    its refusal; sockets and devices are reported as errors.
 ``seed DIR``
     Extract the host-made tar on stdin into ``DIR`` (used only for stages whose
     output directory starts with host content, e.g. the apply stage's repository,
@@ -51,13 +53,29 @@ _BLOCK = {s for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)
 MAX_ERRORS = 8
 
 
-def hold() -> None:
+def hold(root: str) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCK)
+    dumpable = _undumpable()
     while True:
         sig = signal.sigwait({signal.SIGCHLD, signal.SIGUSR1})
         if sig == signal.SIGUSR1:
-            _kill_others()
+            sys.stdout.flush()
+            os._exit(finish(root, dumpable=dumpable))
         _reap()
+
+
+def _undumpable() -> int:
+    """Make this process non-dumpable, so that a role process (same uid) can neither
+    open ``/proc/1/fd/1`` to write into the stream the host reads, nor ptrace it.
+    Returns the dumpable flag afterwards (0 when protected), reported to the host."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+        return int(libc.prctl(3, 0, 0, 0, 0))  # PR_GET_DUMPABLE
+    except (OSError, AttributeError, ImportError):
+        return -1
 
 
 def _reap() -> None:
@@ -104,7 +122,7 @@ def _oom_kills() -> int | None:
     return None
 
 
-def finish(root: str) -> int:
+def finish(root: str, *, dumpable: int | None = None) -> int:
     deadline = time.monotonic() + 5
     while True:
         _kill_others()
@@ -113,7 +131,7 @@ def finish(root: str) -> int:
             break
         time.sleep(0.01)
     status: dict[str, object] = {"phase": "pre", "others_left": len(left),
-                                 "oom_kill": _oom_kills()}
+                                 "oom_kill": _oom_kills(), "dumpable": dumpable}
     errors: list[str] = []
     if root != "-":
         try:
@@ -276,13 +294,13 @@ def seed(root: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["hold"]:
-        hold()
+    if argv[:1] == ["hold"] and len(argv) == 2:
+        hold(argv[1])
     if argv[:1] == ["finish"] and len(argv) == 2:
         return finish(argv[1])
     if argv[:1] == ["seed"] and len(argv) == 2:
         return seed(argv[1])
-    sys.stderr.write("usage: hold | finish DIR|- | seed DIR\n")
+    sys.stderr.write("usage: hold DIR|- | finish DIR|- | seed DIR\n")
     return 2
 
 

@@ -55,7 +55,8 @@ def test_every_control_is_set(tmp_path: Path) -> None:
     out = kw["tmpfs"]["/out"]
     assert out.startswith("rw,nosuid,nodev,noexec,size=67108864,nr_inodes=10001,")
     assert out.endswith("mode=0700,uid=10001,gid=10001")
-    assert kw["entrypoint"][:4] == ["python3", "-I", "-S", "-c"] and kw["command"] == ["hold"]
+    assert kw["entrypoint"][:4] == ["python3", "-I", "-S", "-c"]
+    assert kw["command"] == ["hold", "/out"]
     ex = exec_kwargs(_spec())
     assert ex["privileged"] is False and ex["user"] == "10001:10001"
     assert ex["cmd"] == ["true"] and ex["stdin"] is False and ex["tty"] is False
