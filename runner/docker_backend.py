@@ -474,13 +474,15 @@ class DockerSandbox:
         """(exit code, still running) of an exec, polled until it ends or ``deadline``.
 
         The output stream usually ends with the process, so the poll waits on it first;
-        a process that closed its stdio is still caught by the exec record."""
+        a process that closed its stdio is still caught by the exec record. An exec the
+        engine has not started yet reports neither running nor an exit code."""
         step = 0.01
         while True:
             info = self.client.api.exec_inspect(exec_id)
-            if not info.get("Running"):
-                code = info.get("ExitCode")
-                return (int(code) if code is not None else None), False
+            code = info.get("ExitCode")
+            # not running *and* an exit code: an exec not yet started shows neither
+            if not info.get("Running") and code is not None:
+                return int(code), False
             now = time.monotonic()
             if now >= deadline:
                 return None, True
