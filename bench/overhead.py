@@ -99,10 +99,10 @@ def main() -> None:
             med["backend_no_output"] / med["raw_docker"], 3),
         "ratio_raw_docker_over_bare": round(med["raw_docker"] / med["bare"], 1),
         "target_backend_over_raw_docker": 1.15,
-        "backend_includes": "stage inputs, create, start holder, exec the command, poll "
-                            "the exec, SIGUSR1 the holder, exec the copy-out (tar of the "
-                            "output tmpfs, extracted on the host), inspect, remove, "
-                            "confirm removal",
+        "backend_includes": "stage inputs, create, attach, start the holder, exec the "
+                            "command, poll the exec, SIGUSR1 the holder (it writes the "
+                            "output tmpfs as a tar on its attached stdout, extracted on "
+                            "the host), inspect, remove, confirm removal",
         "raw_docker_includes": "docker run --rm with the same flags and tmpfs mounts",
     }
     result["meets_target"] = result["ratio_backend_over_raw_docker"] <= 1.15
