@@ -1,16 +1,25 @@
 """Docker implementation of :class:`runner.sandbox.Sandbox`; the only module importing docker.
 
 Invariants: a container is created from an image id or local tag and never pulled;
-its arguments come only from :func:`runner.hardening.create_kwargs`; output is
-streamed from an attach made before start (the engine keeps no log copy) and
-counted against the cap; every container is removed in ``finally`` and removal
-is confirmed by asking the engine, not assumed.
+its arguments come only from :func:`runner.hardening.create_kwargs` (the container)
+and :func:`runner.hardening.exec_kwargs` (the role command, run by exec under the
+holder PID 1 of :mod:`sandbox.holder`); stdout/stderr are streamed from the exec (the
+engine keeps no log copy) and counted against the cap; the output directory is a
+kernel-capped tmpfs copied out through :mod:`runner.copyout` before removal; input
+mounts are staged under opaque names; every container is removed in ``finally`` and
+removal is confirmed by asking the engine, not assumed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import os
 import secrets
+import shutil
+import socket
+import tarfile
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -21,15 +30,252 @@ from typing import Any
 import docker
 import docker.errors
 import requests.exceptions
+from docker.models.containers import _create_container_args
 
-from runner.collect import dir_usage
-from runner.errors import PrerequisiteError, SandboxError
-from runner.hardening import MANAGED_LABEL, create_kwargs
+from runner.collect import loads_strict
+from runner.copyout import CopyLimits, CopyRefused, Extracted, extract
+from runner.errors import OutputRejected, PrerequisiteError, SandboxError
+from runner.hardening import MANAGED_LABEL, create_kwargs, exec_kwargs, holder_argv
 from runner.owner import Owner, current_owner
 from runner.sandbox import OutputCallback, RunFlags, RunRecord, RunSpec, classify_stop
 
 TAIL_BYTES = 64 * 1024
-WATCH_INTERVAL_S = 0.2
+STOP_GRACE_S = 5.0
+"""How long role processes get to die after the holder's SIGUSR1 before we kill all."""
+STATUS_CAP = 64 * 1024
+SEED_REPLY_CAP = 64
+FINISH_BASE_S = 30.0
+FINISH_BYTES_PER_S = 32 * 1024 * 1024
+STAGING_ENV = "CYCLEBOX_STAGING_DIR"
+STAGED_DIR_MODE = 0o755
+
+
+@dataclass
+class _Finish:
+    """What the copy-out found."""
+
+    oom_kills: int = 0
+    limit: bool = False
+    invalid: bool = False
+    detail: str = ""
+
+
+class _CopyOut:
+    """Reads the holder's own stdout/stderr (attached before start): its status lines
+    and the output tar, extracted as it streams by :func:`runner.copyout.extract`."""
+
+    def __init__(self, spec: RunSpec, seed_links: dict[str, str],
+                 stream: Iterator[tuple[bytes | None, bytes | None]]) -> None:
+        self.spec = spec
+        self.seed_links = seed_links
+        self.stream = stream
+        self.announced = threading.Event()
+        """Set when the holder's first status line arrived (it got our SIGUSR1)."""
+        self.done = threading.Event()
+        self.errs = _Tail()
+        self.got: Extracted | BaseException | None = None
+        self._thread = threading.Thread(target=self._consume, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _chunks(self) -> Iterator[bytes]:
+        cleared = False
+        for o, e in self.stream:
+            if e and self.errs.total < STATUS_CAP:
+                self.errs.add(e)
+                if b"\n" in e:
+                    self.announced.set()
+            if o:
+                if not cleared and self.spec.output_dir is not None:
+                    _clear(self.spec.output_dir)  # host-made seed content, if any
+                    cleared = True
+                yield o
+
+    def _consume(self) -> None:
+        spec = self.spec
+        chunks = self._chunks()
+        try:
+            if spec.output_dir is not None:
+                lim = CopyLimits(max_bytes=spec.output_cap_bytes,
+                                 max_entries=spec.output_max_entries)
+                self.got = extract(chunks, spec.output_dir, lim, seed_links=self.seed_links)
+        except BaseException as exc:
+            self.got = exc
+            self.done.set()  # refused: decided now; the rest is drained and dropped
+        try:
+            # Keep reading to the end (the status line follows the tar), dropping any
+            # bytes: a writer blocked on an unread pipe would also block the engine's
+            # kill and removal of the container.
+            for _ in chunks:
+                pass
+        except (requests.exceptions.RequestException, OSError, ValueError):
+            pass
+        finally:
+            self.done.set()
+
+    def result(self) -> _Finish:
+        fin = _Finish()
+        spec = self.spec
+        if not self.done.is_set():
+            fin.invalid, fin.detail = True, "copy-out did not finish in time"
+            return fin
+        got = self.got
+        if isinstance(got, CopyRefused):
+            # decided before the end of the stream: the status line, written before
+            # the tar but on the other pipe, may still be on its way
+            self.announced.wait(STOP_GRACE_S)
+        status = _status(self.errs.text())
+        pre, post = status.get("pre"), status.get("post")
+        if pre is None or (post is None and not isinstance(got, CopyRefused)):
+            fin.invalid = True
+            fin.detail = "container stopped before its output could be copied out"
+            return fin
+        with contextlib.suppress(TypeError, ValueError):
+            fin.oom_kills = int(pre.get("oom_kill") or 0)
+        if pre.get("dumpable") != 0:
+            fin.invalid = True
+            fin.detail = "the holder could not protect its output stream (dumpable)"
+            return fin
+        df = pre.get("df") if isinstance(pre.get("df"), dict) else None
+        full = df is not None and (df.get("bfree") == 0 or df.get("ffree") == 0)
+        if full:
+            fin.limit = True
+            fin.detail = (f"output tmpfs full ({spec.output_cap_bytes} bytes, "
+                          f"{spec.output_max_entries} entries); further writes got ENOSPC")
+        if isinstance(got, CopyRefused):
+            fin.limit = fin.limit or got.limit
+            fin.invalid = not fin.limit
+            fin.detail = "; ".join(x for x in (fin.detail, str(got)) if x)
+        elif isinstance(got, BaseException):
+            fin.invalid, fin.detail = True, f"copy-out failed: {type(got).__name__}: {got}"
+        elif spec.output_dir is not None and not full:
+            errors = post.get("errors") if post is not None else None
+            if errors or pre.get("others_left"):
+                fin.invalid = True
+                fin.detail = ("copy-out reported: "
+                              + ("; ".join(map(str, errors or [])) or "processes left"))[:500]
+        return fin
+
+
+def _status(text: str) -> dict[str, dict[str, Any]]:
+    """The holder's status lines by phase ("pre" before the tar, "post" after it)."""
+    out: dict[str, dict[str, Any]] = {}
+    for line in text.splitlines()[:8]:
+        try:
+            got = loads_strict(line[:STATUS_CAP], source="copy-out status")
+        except OutputRejected:
+            continue
+        if isinstance(got, dict) and got.get("phase") in ("pre", "post"):
+            out.setdefault(str(got["phase"]), got)
+    return out
+
+
+def _clear(root: Path) -> None:
+    """Empty a host output directory that held host-made seed content."""
+    for entry in os.scandir(root):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+
+
+def _seed_tar(spec: RunSpec, links: dict[str, str]) -> bytes | None:
+    """The host output directory's content as a tar for the output tmpfs, or None.
+
+    Only host-made content is ever here (a stage's fresh directory, e.g. the apply
+    stage's throwaway repository). Its symlinks go into ``links``: only those exact
+    links may come back out (:func:`runner.copyout.extract`)."""
+    root = spec.output_dir
+    if root is None or not any(root.iterdir()):
+        return None
+    uid, gid = (int(x) for x in spec.user.split(":"))
+    buf = io.BytesIO()
+    total = 0
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for path in sorted(root.rglob("*")):
+            ti = tf.gettarinfo(str(path), arcname=path.relative_to(root).as_posix())
+            if ti.issym():
+                links[ti.name] = ti.linkname
+            elif not (ti.isreg() or ti.isdir()):
+                raise SandboxError(f"{path}: only regular files, directories and symlinks "
+                                   "can seed an output directory")
+            ti.uid, ti.gid, ti.uname, ti.gname = uid, gid, "", ""
+            total += ti.size
+            if total > spec.output_cap_bytes:
+                raise SandboxError(f"{root}: seed content exceeds the output cap of "
+                                   f"{spec.output_cap_bytes} bytes")
+            if ti.isreg():
+                with path.open("rb") as f:
+                    tf.addfile(ti, f)
+            else:
+                tf.addfile(ti)
+    return buf.getvalue()
+
+
+class _Staging:
+    """Bind sources the container cannot map back to the operator's paths.
+
+    Each input mount is hard-linked (copied across file systems) into
+    ``$CYCLEBOX_STAGING_DIR`` or ``<tmp>/cyclebox-staging-<uid>``, under an opaque
+    per-run name, so ``/proc/self/mountinfo`` inside shows only that. The gateway
+    socket directory is mounted as is (already an opaque temp directory)."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        self.dir: Path | None = None
+        mounts = []
+        for i, m in enumerate(spec.mounts):
+            if m.gateway:
+                mounts.append(m)
+                continue
+            if self.dir is None:
+                base = Path(os.environ.get(STAGING_ENV)
+                            or Path(tempfile.gettempdir()) / f"cyclebox-staging-{os.getuid()}")
+                base.mkdir(mode=0o711, exist_ok=True)
+                if base.is_symlink() or base.stat().st_uid != os.getuid():
+                    raise SandboxError(f"staging directory {base} is not ours; "
+                                       f"Fix: set {STAGING_ENV} to a private directory")
+                self.dir = Path(tempfile.mkdtemp(prefix="", dir=base))
+                # traversable (not listable) by the role uid, which may differ from ours
+                os.chmod(self.dir, 0o711)  # noqa: S103
+            dest = self.dir / f"m{i}"
+            _link_tree(Path(m.source), dest)
+            mounts.append(m.model_copy(update={"source": dest}))
+        self.spec = spec.model_copy(update={"mounts": tuple(mounts)})
+
+    def cleanup(self) -> None:
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _link_tree(src: Path, dest: Path) -> None:
+    """Hard-link ``src`` (file or tree) to ``dest``; copy where a link is impossible.
+
+    Symlinks inside are recreated as symlinks (a read-only bind shows them as before)."""
+    def one(s: Path, d: Path) -> None:
+        try:
+            os.link(s, d, follow_symlinks=False)
+        except OSError:
+            shutil.copy2(s, d, follow_symlinks=False)
+
+    if src.is_dir() and not src.is_symlink():
+        # Staged directories are new inodes: readable by the role uid (which differs
+        # from ours when we run as root), as an input must be; files keep their modes.
+        dest.mkdir()
+        os.chmod(dest, STAGED_DIR_MODE)
+        for dirpath, dirnames, filenames in os.walk(src):
+            rel = Path(dirpath).relative_to(src)
+            for d in dirnames:
+                sp = Path(dirpath) / d
+                if sp.is_symlink():
+                    os.symlink(os.readlink(sp), dest / rel / d)
+                else:
+                    (dest / rel / d).mkdir()
+                    os.chmod(dest / rel / d, STAGED_DIR_MODE)
+            for f in filenames:
+                one(Path(dirpath) / f, dest / rel / f)
+    else:
+        one(src, dest)
 
 
 def connect(timeout: int = 60) -> docker.DockerClient:
@@ -99,43 +345,74 @@ class DockerSandbox:
 
     # -- running ---------------------------------------------------------------
     def run(self, spec: RunSpec, *, on_output: OutputCallback | None = None) -> RunRecord:
-        """Run one container to completion or limit; always remove it."""
+        """Run one role command to completion or limit, copy its output out; always remove.
+
+        PID 1 is :mod:`sandbox.holder`; the role command runs through exec, so its exit
+        code is the engine's exec record. Its output directory is a capped tmpfs that
+        the holder writes as a tar to its own stdout when we send SIGUSR1, read here from
+        an attach made before start (see :mod:`runner.copyout`).
+        """
+        staged = _Staging(spec)
+        spec = staged.spec
         kwargs = create_kwargs(spec, self.owner, secrets.token_hex(4))
         api = self.client.api
         started = time.monotonic()
+        deadline = started + spec.timeout_s
         out, err = _Tail(), _Tail()
-        stop = threading.Event()
         stream_exceeded = threading.Event()
-        dir_exceeded = threading.Event()
+        stopping = threading.Event()
         timed_out = False
         exit_code: int | None = None
         oom = False
+        fin = _Finish()
         image_id = spec.image
         cid: str | None = None
         try:
+            seed_links: dict[str, str] = {}
+            seed = _seed_tar(spec, seed_links)
             try:
-                container = self.client.containers.create(**kwargs)
+                # the model layer's create() also inspects the new container: skip that
+                args = _create_container_args({**kwargs, "version": api._version})
+                cid = str(api.create_container(**args)["Id"])
             except docker.errors.ImageNotFound:
                 raise SandboxError(f"image {spec.image} for role {spec.role} is not present "
                                    "locally. Fix: cyclebox images build") from None
             except docker.errors.APIError as exc:
                 raise SandboxError(f"engine refused to create the {spec.role} container: "
                                    f"{exc.explanation or exc}") from None
-            cid = container.id
-            stream = api.attach(cid, stdout=True, stderr=True, stream=True, logs=False,
-                                demux=True)
+            copy = _CopyOut(spec, seed_links, api.attach(
+                cid, stdout=True, stderr=True, stream=True, logs=False, demux=True))
+            try:
+                api.start(cid)
+                copy.start()
+                if seed is not None:
+                    self._seed(cid, spec, seed)
+                exec_id = api.exec_create(cid, **exec_kwargs(spec))["Id"]
+                stream = api.exec_start(exec_id, stream=True, demux=True)
+            except docker.errors.APIError as exc:
+                raise SandboxError(f"engine could not start the {spec.role} command: "
+                                   f"{exc.explanation or exc}") from None
 
-            def kill(flag: threading.Event) -> None:
-                # Never kill from the pump thread itself: the engine's kill waits for
-                # the container to stop, which waits for its output to be drained.
-                flag.set()
+            def stop_role(flag: threading.Event | None) -> None:
+                # Never block the pump thread on the engine. SIGUSR1 makes the holder
+                # kill every role process and copy the output out; repeated until it
+                # says so, since a signal that arrives before the holder has set up its
+                # signal mask (its first few ms) is dropped.
+                if flag is not None:
+                    flag.set()
+                if stopping.is_set():
+                    return
+                stopping.set()
 
-                def _kill() -> None:
-                    with contextlib.suppress(docker.errors.APIError,
-                                             requests.exceptions.RequestException):
-                        api.kill(cid)
+                def _stop() -> None:
+                    for _ in range(int(STOP_GRACE_S / 0.05)):
+                        with contextlib.suppress(docker.errors.APIError,
+                                                 requests.exceptions.RequestException):
+                            api.kill(cid, signal="SIGUSR1")
+                        if copy.announced.wait(0.05) or copy.done.is_set():
+                            return
 
-                threading.Thread(target=_kill, daemon=True).start()
+                threading.Thread(target=_stop, daemon=True).start()
 
             def pump() -> None:
                 cap = spec.stdout_cap_bytes
@@ -151,49 +428,37 @@ class DockerSandbox:
                             if live:
                                 on_output("stderr", e)  # type: ignore[misc]
                         if out.total + err.total > cap and not stream_exceeded.is_set():
-                            kill(stream_exceeded)
+                            stop_role(stream_exceeded)
                 except (requests.exceptions.RequestException, OSError, ValueError):
                     pass  # stream closed under us (kill/remove); counts stand as read
 
-            def watch(root: Path) -> None:
-                while not stop.wait(WATCH_INTERVAL_S):
-                    used, _ = dir_usage(root)
-                    if used > spec.output_cap_bytes:
-                        kill(dir_exceeded)
-                        return
-
-            threads = [threading.Thread(target=pump, daemon=True)]
-            if spec.output_dir is not None:
-                threads.append(threading.Thread(target=watch, args=(spec.output_dir,), daemon=True))
-            try:
-                api.start(cid)
-            except docker.errors.APIError as exc:
-                raise SandboxError(f"engine could not start the {spec.role} container: "
-                                   f"{exc.explanation or exc}") from None
-            for t in threads:
-                t.start()
-            remaining = max(0.1, spec.timeout_s - (time.monotonic() - started))
-            try:
-                result = api.wait(cid, timeout=remaining)
-                exit_code = int(result.get("StatusCode", -1))
-            except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError):
+            pumper = threading.Thread(target=pump, daemon=True)
+            pumper.start()
+            exit_code, running = self._wait_exec(exec_id, pumper, deadline)
+            if running:
                 timed_out = True
+            stop_role(None)  # also stops what the command left running in the background
+            if running:
+                exit_code, running = self._wait_exec(exec_id, pumper,
+                                                      time.monotonic() + STOP_GRACE_S)
+            copy.done.wait(STOP_GRACE_S + FINISH_BASE_S
+                           + spec.output_cap_bytes / FINISH_BYTES_PER_S)
+            if not copy.done.is_set():
                 with contextlib.suppress(docker.errors.APIError):
                     api.kill(cid)
-                with contextlib.suppress(Exception):
-                    exit_code = int(api.wait(cid, timeout=10).get("StatusCode", -1))
-            stop.set()
-            threads[0].join(timeout=5)
+                copy.done.wait(10)
+            pumper.join(timeout=STOP_GRACE_S)
+            fin = copy.result()
             state = api.inspect_container(cid)
-            oom = bool(state.get("State", {}).get("OOMKilled"))
+            oom = bool(state.get("State", {}).get("OOMKilled")) or fin.oom_kills > 0
             image_id = str(state.get("Image", spec.image))
         finally:
-            stop.set()
             confirmed = self._remove(cid) if cid else True
+            staged.cleanup()
         flags = RunFlags(exit_code=exit_code, oom_killed=oom, timed_out=timed_out,
                          stream_exceeded=stream_exceeded.is_set(),
-                         output_dir_exceeded=dir_exceeded.is_set(),
-                         cleanup_confirmed=confirmed)
+                         output_dir_exceeded=fin.limit, output_invalid=fin.invalid,
+                         output_detail=fin.detail, cleanup_confirmed=confirmed)
         reason, detail = classify_stop(flags)
         return RunRecord(
             run_id=spec.run_id, role=spec.role, image_id=image_id,
@@ -203,6 +468,51 @@ class DockerSandbox:
             stdout_tail=out.text(), stderr_tail=err.text(), cleanup_confirmed=confirmed,
             labels=dict(kwargs["labels"]),
         )
+
+    def _wait_exec(self, exec_id: str, pumper: threading.Thread,
+                   deadline: float) -> tuple[int | None, bool]:
+        """(exit code, still running) of an exec, polled until it ends or ``deadline``.
+
+        The output stream usually ends with the process, so the poll waits on it first;
+        a process that closed its stdio is still caught by the exec record. An exec the
+        engine has not started yet reports neither running nor an exit code."""
+        step = 0.01
+        while True:
+            info = self.client.api.exec_inspect(exec_id)
+            code = info.get("ExitCode")
+            # not running *and* an exit code: an exec not yet started shows neither
+            if not info.get("Running") and code is not None:
+                return int(code), False
+            now = time.monotonic()
+            if now >= deadline:
+                return None, True
+            wait = min(step, deadline - now)
+            if pumper.is_alive():
+                pumper.join(timeout=wait)
+            else:
+                time.sleep(wait)
+            step = min(step * 2, 0.25)
+
+    def _seed(self, cid: str, spec: RunSpec, data: bytes) -> None:
+        """Copy the host output directory's content into the output tmpfs (exec, stdin)."""
+        api = self.client.api
+        eid = api.exec_create(cid, holder_argv("seed", spec.output_target), user=spec.user,
+                              stdin=True, stdout=True, stderr=True, workdir="/")["Id"]
+        sock = api.exec_start(eid, socket=True)
+        raw = getattr(sock, "_sock", sock)
+        try:
+            raw.sendall(data)
+            with contextlib.suppress(OSError):
+                raw.shutdown(socket.SHUT_WR)
+            seen = 0
+            while seen < SEED_REPLY_CAP and raw.recv(65536):
+                seen += 1
+        finally:
+            raw.close()
+        code, running = self._wait_exec(eid, threading.Thread(), time.monotonic() + 30)
+        if running or code != 0:
+            raise SandboxError(f"could not seed the {spec.role} output directory "
+                               f"(exit {code})")
 
     def _remove(self, cid: str) -> bool:
         """Force-remove and confirm the engine no longer knows the container."""

@@ -29,15 +29,17 @@ CIS    recommendation                             how
 5.29   not on the default bridge                  ``network_mode=none``
 5.30   no host user namespace                     ``userns_mode`` unset
 5.31   no Docker socket mounted                   no unix socket but the gateway's, by type
+5.22/3 exec not privileged, not as root      ``exec_kwargs``: unprivileged, role uid
 =====  =========================================  =======================================
 
-Not applicable: 5.13 (no ports), 5.22/5.23 (cyclebox never uses ``docker exec``),
-5.24 (default cgroup parent), 5.26 (health checks are for services), 5.27
-(images are pinned by id and never pulled on purpose).
+Not applicable: 5.13 (no ports), 5.24 (default cgroup parent), 5.26 (health checks
+are for services), 5.27 (images are pinned by id and never pulled on purpose).
 """
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
 from typing import Any
 
 from runner.errors import PolicyViolation
@@ -45,6 +47,7 @@ from runner.owner import Owner
 from runner.policy import mount_violation
 from runner.sandbox import RunSpec
 from runner.seccomp import load_profile
+from sandbox import holder
 
 LABEL_PREFIX = "io.cyclebox"
 MANAGED_LABEL = f"{LABEL_PREFIX}.managed"
@@ -84,15 +87,24 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str) -> dict[str, Any]:
             raise PolicyViolation(why, field=f"mount {m.source}:{m.target}",
                                   fix="mount data directories read-only")
         mounts.append(_bind(str(m.source), m.target, read_only=m.read_only))
+    tmpfs = {path: _tmpfs_opts(size) for path, size in spec.tmpfs}
     if spec.output_dir is not None:
+        # Not a mount of the host directory: the output is a tmpfs capped by the kernel
+        # in bytes and inodes, copied out by runner.copyout (see sandbox/holder.py).
         why = mount_violation(str(spec.output_dir), read_only=False, allow_writable=True)
         if why:
             raise PolicyViolation(why, field="output_dir", fix="use a fresh run directory")
-        mounts.append(_bind(str(spec.output_dir), spec.output_target, read_only=False))
+        if spec.output_target in tmpfs or any(m.target == spec.output_target
+                                              for m in spec.mounts):
+            raise PolicyViolation(f"output target {spec.output_target} is also mounted",
+                                  field="output_target", fix="use a distinct path")
+        tmpfs[spec.output_target] = output_tmpfs_opts(spec)
     r = spec.resources
     kwargs: dict[str, Any] = {
         "image": spec.image,
-        "command": list(spec.command),
+        # PID 1 is the holder; the role command runs through exec (exec_kwargs).
+        "entrypoint": holder_argv(),
+        "command": ["hold", spec.output_target if spec.output_dir is not None else "-"],
         "name": container_name(spec, nonce),
         "user": spec.user,
         "working_dir": spec.workdir,
@@ -101,7 +113,7 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str) -> dict[str, Any]:
         "labels": labels_for(spec, owner),
         "network_mode": "none",
         "read_only": True,
-        "tmpfs": {path: _tmpfs_opts(size) for path, size in spec.tmpfs},
+        "tmpfs": tmpfs,
         "mounts": mounts,
         "cap_drop": ["ALL"],
         # Never the engine default (it allows io_uring); see runner/seccomp.py.
@@ -131,6 +143,33 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str) -> dict[str, Any]:
     if spec.runtime:
         kwargs["runtime"] = spec.runtime
     return kwargs
+
+
+def output_tmpfs_opts(spec: RunSpec) -> str:
+    """The output tmpfs: ``output_cap_bytes`` of pages and ``output_max_entries`` files
+    (plus its root), owned by the role user and private to it."""
+    uid, gid = spec.user.split(":")
+    return (f"rw,nosuid,nodev,noexec,size={spec.output_cap_bytes},"
+            f"nr_inodes={spec.output_max_entries + 1},mode=0700,uid={uid},gid={gid}")
+
+
+@functools.cache
+def _holder_source() -> str:
+    return Path(holder.__file__).read_text(encoding="utf-8")
+
+
+def holder_argv(*args: str) -> list[str]:
+    """``python3 -I -S -c <sandbox/holder.py> ARGS``: host-supplied code, isolated from the
+    image's packages and from anything the role wrote."""
+    return ["python3", "-I", "-S", "-c", _holder_source(), *args]
+
+
+def exec_kwargs(spec: RunSpec) -> dict[str, Any]:
+    """Keyword arguments for ``exec_create`` of the role command: the container's user,
+    environment and limits apply; never privileged, never root, no stdin, no tty."""
+    return {"cmd": list(spec.command), "user": spec.user, "workdir": spec.workdir,
+            "privileged": False, "stdout": True, "stderr": True, "stdin": False,
+            "tty": False}
 
 
 def _bind(source: str, target: str, *, read_only: bool) -> dict[str, Any]:

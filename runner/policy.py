@@ -259,10 +259,31 @@ def policy_violations(role: str, p: RolePolicy) -> list[tuple[str, str, str]]:
     for path in p.tmpfs:
         if not path.startswith("/"):
             out.append((f"{f}.tmpfs", f"tmpfs path {path!r} must be absolute", "e.g. /tmp"))
+    need = memory_needed(p)
+    if p.memory < need:
+        out.append((f"{f}.memory", f"memory {p.memory} leaves no room for the tmpfs mounts: "
+                    f"tmpfs {sum(p.tmpfs.values())} + output_cap {p.output_cap} + /dev/shm "
+                    f"{SHM_BYTES} are charged to the memory limit, plus {MEMORY_HEADROOM} "
+                    "for the processes", f"raise memory to at least {need} or lower "
+                    "output_cap/tmpfs"))
     return out
 
 
 POLICIES_FIX = "see policies/roles.yaml for the accepted keys"
+
+
+SHM_BYTES = 16 * 1024 * 1024
+"""Size of /dev/shm in every role container (``runner.hardening.SHM_BYTES``)."""
+MEMORY_HEADROOM = 64 * 1024 * 1024
+"""Least memory left for a role's processes when every tmpfs is full."""
+
+
+def memory_needed(p: RolePolicy) -> int:
+    """Smallest memory limit for a role: tmpfs pages (``/tmp``, the output tmpfs of
+    ``output_cap`` bytes, ``/dev/shm``) are charged to the container's memory cgroup and
+    cannot be swapped (swap is off), so a role that fills them all must still have
+    ``MEMORY_HEADROOM`` to run in; otherwise filling its output would end ``oom``."""
+    return sum(p.tmpfs.values()) + p.output_cap + SHM_BYTES + MEMORY_HEADROOM
 
 
 def parse_policies(data: Any, *, path: str) -> RolePolicies:

@@ -79,12 +79,15 @@ def role_spec(policy: RolePolicy, *, role: str, run_id: str, image: str,
     )
 
 
-def fresh_output_dir(path: Path, *, uid: int) -> Path:
-    """Create an empty output directory the role user can write; refuse an existing one."""
+def fresh_output_dir(path: Path, *, uid: int | None = None) -> Path:
+    """Create an empty output directory (0700, the operator's); refuse an existing one.
+
+    The role never writes it: its output is a tmpfs inside the container that the host
+    copies here (see :mod:`runner.copyout`), so it stays the operator's and ``uid`` (the
+    role user, kept for callers) is not given it."""
+    del uid
     if path.exists():
         raise ConfigError(f"{path} already exists; evidence is never overwritten",
                           field="output directory", fix="choose a new directory")
     path.mkdir(parents=True, mode=0o700)
-    if os.getuid() == 0 and uid != 0:
-        os.chown(path, uid, uid)
     return path

@@ -78,7 +78,9 @@ class RunSpec(Frozen):
     mounts: tuple[Mount, ...] = ()
     """Read-only inputs, plus at most the writable output directory."""
     output_dir: Path | None = None
-    """Fresh host directory mounted writable at ``output_target``; watched for size."""
+    """Host directory where the output appears after the run. The container never sees
+    it: ``output_target`` is a capped tmpfs inside the container, seeded from this
+    directory's content (if any) and copied back out by the host's safe extractor."""
     output_target: str = "/out"
     """Where the output directory appears inside the container."""
     tmpfs: tuple[tuple[str, int], ...] = (("/tmp", 64 * 1024 * 1024),)  # noqa: S108
@@ -90,7 +92,10 @@ class RunSpec(Frozen):
     stdout_cap_bytes: int = Field(default=1024 * 1024, gt=0)
     """stdout+stderr bytes allowed before the container is killed (``output_limit``)."""
     output_cap_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
-    """Total bytes allowed in the output directory before the container is killed."""
+    """Size of the output tmpfs: a writer past it gets ENOSPC from the kernel, the run
+    ends ``output_limit``, and the host never holds more than this many file bytes."""
+    output_max_entries: int = Field(default=10_000, gt=0)
+    """Files plus directories the output tmpfs can hold (its ``nr_inodes``)."""
     env: tuple[tuple[str, str], ...] = ()
     """Non-secret environment; nothing from the host environment is passed through."""
     workdir: str = "/"
@@ -137,6 +142,10 @@ class RunFlags(Frozen):
     timed_out: bool = False
     stream_exceeded: bool = False
     output_dir_exceeded: bool = False
+    output_detail: str = ""
+    """Why the output directory hit its cap, or why its copy-out was refused."""
+    output_invalid: bool = False
+    """The copy-out refused an entry (link, device, bad name) or failed."""
     cleanup_confirmed: bool = True
 
 
@@ -155,7 +164,8 @@ def classify_stop(flags: RunFlags) -> tuple[StopReason, str]:
     if flags.stream_exceeded:
         return StopReason.OUTPUT_LIMIT, "stdout/stderr exceeded the cap; container killed"
     if flags.output_dir_exceeded:
-        return StopReason.OUTPUT_LIMIT, "output directory exceeded the cap; container killed"
+        return StopReason.OUTPUT_LIMIT, ("output directory exceeded the cap: "
+                                         + (flags.output_detail or "container killed"))
     if flags.oom_killed:
         return StopReason.OOM, "killed by the kernel OOM killer at the memory limit"
     if flags.exit_code is None:
@@ -166,6 +176,8 @@ def classify_stop(flags: RunFlags) -> tuple[StopReason, str]:
         return StopReason.PROCESS_FAILED, "exit 137 (SIGKILL) without an OOM flag"
     if flags.exit_code != 0:
         return StopReason.PROCESS_FAILED, f"exit code {flags.exit_code}"
+    if flags.output_invalid:
+        return StopReason.INVALID_OUTPUT, f"output refused: {flags.output_detail}"
     return StopReason.OK, ""
 
 

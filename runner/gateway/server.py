@@ -66,6 +66,8 @@ CLOSE_GRACE_S = 0.0
 """On close (SIGTERM/SIGINT) in-flight calls are cancelled at once and recorded."""
 DEFAULT_LIMIT = 1 << 20
 T = TypeVar("T")
+MOUNTED_NAME = "g"
+"""Subdirectory of a socket directory that is mounted (socket and token only)."""
 
 
 def cost_usd(usage: Usage | None, price: Price | None) -> float | None:
@@ -206,8 +208,12 @@ class Gateway:
         """Start a socket for one container of ``role``; mount ``binding.directory`` read-only."""
         assert self._loop is not None, "gateway not started"  # noqa: S101
         # Short path under the temp dir: unix socket paths are limited to 108 bytes.
-        directory = Path(tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX))
-        (directory / OWNER_NAME).write_text(json.dumps(asdict(current_owner())))
+        # The owner record (pid, boot id, for `cyclebox gc`) stays beside the mounted
+        # directory, never in it: a container learns nothing about the controller.
+        outer = Path(tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX))
+        (outer / OWNER_NAME).write_text(json.dumps(asdict(current_owner())))
+        directory = outer / MOUNTED_NAME
+        directory.mkdir(mode=0o700)
         token_file = directory / TOKEN_NAME
         fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
         with os.fdopen(fd, "w") as f:
@@ -244,7 +250,7 @@ class Gateway:
                          error="refusals_not_itemized", upstream=self.role_upstream.get(b.role),
                          received=b"", not_itemized=b.not_itemized)
             b.not_itemized = 0
-        shutil.rmtree(b.directory, ignore_errors=True)
+        shutil.rmtree(b.directory.parent, ignore_errors=True)
         self.log.sync()
 
     @contextmanager

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from runner.errors import PolicyViolation
-from runner.hardening import MANAGED_LABEL, create_kwargs
+from runner.hardening import MANAGED_LABEL, create_kwargs, exec_kwargs
 from runner.owner import Owner
 from runner.paths import default_policies
 from runner.policy import load_policies
@@ -53,10 +53,36 @@ def test_every_control_is_set(tmp_path: Path) -> None:
     for forbidden in ("pid_mode", "uts_mode", "userns_mode", "devices", "ports",
                       "volumes", "network", "dns"):
         assert forbidden not in kw
-    ro, rw = kw["mounts"]
+    (ro,) = kw["mounts"]  # the output directory is never a bind mount of a host path
     assert ro["ReadOnly"] is True and ro["Target"] == "/in"
-    assert rw["ReadOnly"] is False and rw["Target"] == "/out"
     assert ro["BindOptions"]["Propagation"] == "rprivate"
+    out = kw["tmpfs"]["/out"]
+    assert out.startswith("rw,nosuid,nodev,noexec,size=67108864,nr_inodes=10001,")
+    assert out.endswith("mode=0700,uid=10001,gid=10001")
+    assert kw["entrypoint"][:4] == ["python3", "-I", "-S", "-c"]
+    assert kw["command"] == ["hold", "/out"]
+    ex = exec_kwargs(_spec())
+    assert ex["privileged"] is False and ex["user"] == "10001:10001"
+    assert ex["cmd"] == ["true"] and ex["stdin"] is False and ex["tty"] is False
+
+
+def test_output_target_collision_refused(tmp_path: Path) -> None:
+    with pytest.raises(PolicyViolation, match="also mounted"):
+        create_kwargs(_spec(output_dir=tmp_path, output_target="/tmp"), OWNER, "n")
+
+
+def test_memory_must_cover_every_tmpfs() -> None:
+    from runner.hardening import SHM_BYTES
+    from runner.policy import SHM_BYTES as POLICY_SHM
+    from runner.policy import memory_needed, policy_violations
+
+    assert SHM_BYTES == POLICY_SHM
+    for role, pol in load_policies(default_policies()).roles.items():
+        assert pol.memory >= memory_needed(pol), role
+    pol = load_policies(default_policies()).roles["analyst"]
+    small = pol.model_copy(update={"memory": memory_needed(pol) - 1})
+    assert any(f == "roles.analyst.memory" or f.endswith(".memory")
+               for f, _, _ in policy_violations("analyst", small))
 
 
 def test_labels_carry_run_role_owner() -> None:

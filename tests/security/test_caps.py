@@ -1,0 +1,294 @@
+"""Output caps enforced by the kernel and a hostile-stream extractor, not by polling.
+
+Container tests (real engine): fast writers, many-file writers, deep-path and sparse
+writers against a 1 MiB output tmpfs. Each fails if the host ever holds more than
+the cap or the run ends ``ok`` although the writer hit it. Each prints one JSON
+line of figures (host bytes, stop reason, wall time) for the report (``-s``).
+
+Stream tests (no engine): forged tar streams fed straight to the extractor, each
+failing if a link, device, traversal, oversize or endless stream gets through.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import stat
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runner.copyout import CopyLimits, CopyRefused, extract
+from runner.sandbox import RunRecord, StopReason
+from tests.conftest import RunFn
+
+CAP = 1 << 20
+ENTRIES = 1000
+
+
+def _host_usage(root: Path) -> tuple[int, int, int]:
+    """(file bytes, allocated bytes, entries) under root, never following links."""
+    size = blocks = entries = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            st = os.lstat(os.path.join(dirpath, n))
+            entries += 1
+            if not stat.S_ISDIR(st.st_mode):
+                size += st.st_size
+                blocks += st.st_blocks * 512
+    return size, blocks, entries
+
+
+def _run_writer(run_role: RunFn, script: str, name: str, **kw: object) -> tuple[RunRecord, int]:
+    rec = run_role(["sh", "-c", script], output_cap=CAP, timeout_s=kw.pop("timeout_s", 60),
+                   **kw)
+    out = rec.__dict__["output_dir"]
+    size, blocks, entries = _host_usage(out)
+    print(json.dumps({"attack": name, "host_bytes": size, "host_allocated": blocks,
+                      "host_entries": entries, "stop_reason": rec.stop_reason.value,
+                      "detail": rec.detail, "wall_s": rec.wall_s}))
+    assert size <= CAP, f"{name}: {size} bytes on the host, cap {CAP}"
+    assert blocks <= CAP + 64 * 4096, f"{name}: {blocks} bytes allocated on the host"
+    assert rec.cleanup_confirmed
+    return rec, entries
+
+
+@pytest.mark.docker
+def test_fallocate_10g_never_reaches_host(run_role: RunFn) -> None:
+    # file_size raised so that the tmpfs, not RLIMIT_FSIZE, refuses the reservation
+    rec, _ = _run_writer(run_role, "fallocate -l 10G /out/big", "fallocate",
+                         file_size="16g")
+    assert "No space left on device" in rec.stderr_tail, rec
+    assert rec.stop_reason is StopReason.PROCESS_FAILED, rec
+
+
+@pytest.mark.docker
+def test_fallocate_10g_hits_file_size_limit(run_role: RunFn) -> None:
+    rec, _ = _run_writer(run_role, "fallocate -l 10G /out/big", "fallocate (fsize)")
+    assert rec.stop_reason is StopReason.PROCESS_FAILED, rec
+    assert rec.exit_code == 128 + 25  # SIGXFSZ
+
+
+@pytest.mark.docker
+def test_fallocate_then_fill_ends_output_limit(run_role: RunFn) -> None:
+    rec, _ = _run_writer(run_role, "fallocate -l 10G /out/big; "
+                         "head -c 100000000 /dev/zero > /out/fill; exit 0", "fallocate+fill")
+    assert rec.stop_reason is StopReason.OUTPUT_LIMIT, rec
+    assert "output tmpfs full" in rec.detail
+
+
+@pytest.mark.docker
+def test_parallel_dd_writers(run_role: RunFn) -> None:
+    rec, _ = _run_writer(run_role, "for i in 1 2 3 4; do dd if=/dev/zero of=/out/d$i bs=1M "
+                         "count=256 2>/dev/null & done; wait; exit 0", "4x dd")
+    assert rec.stop_reason is StopReason.OUTPUT_LIMIT, rec
+
+
+@pytest.mark.docker
+def test_200k_empty_files(run_role: RunFn) -> None:
+    rec, entries = _run_writer(
+        run_role, "python3 -c \"\nimport os\nn=0\ntry:\n    for i in range(200000):\n"
+        "        os.close(os.open(f'/out/f{i}', os.O_CREAT|os.O_WRONLY)); n+=1\n"
+        "except OSError as e: print('stopped', n, e.strerror)\n\"", "200k files")
+    assert rec.stop_reason is StopReason.OUTPUT_LIMIT, rec
+    assert "stopped" in rec.stdout_tail and "No space left" in rec.stdout_tail
+    assert entries <= 10_000  # the tmpfs inode cap (output_max_entries)
+
+
+@pytest.mark.docker
+def test_path_longer_than_path_max(run_role: RunFn) -> None:
+    # 30 levels of 200-byte names: 6 KB paths, past PATH_MAX (4096), written via chdir
+    rec, _ = _run_writer(
+        run_role, "python3 -c \"\nimport os\nos.chdir('/out')\nfor i in range(30):\n"
+        "    os.mkdir('d'*200); os.chdir('d'*200)\n"
+        "open('deep', 'wb').write(b'x'*(1<<19))\n\"", "deep path")
+    assert rec.stop_reason is StopReason.OUTPUT_LIMIT, rec
+    assert "longer than 4096" in rec.detail
+
+
+@pytest.mark.docker
+def test_sparse_file_bigger_than_cap(run_role: RunFn) -> None:
+    # 200 MB apparent size in no pages: the tmpfs holds it; the copy refuses it unwritten
+    rec, _ = _run_writer(run_role, "truncate -s 200M /out/sparse", "sparse 200M")
+    assert rec.stop_reason is StopReason.OUTPUT_LIMIT, rec
+    assert "output cap" in rec.detail
+
+
+@pytest.mark.docker
+def test_writes_within_cap_arrive_intact(run_role: RunFn) -> None:
+    rec, entries = _run_writer(run_role, "mkdir -p /out/a/b && printf hello > /out/a/b/x && "
+                               "head -c 500000 /dev/urandom > /out/r", "ok writer")
+    assert rec.stop_reason is StopReason.OK, rec
+    out = rec.__dict__["output_dir"]
+    assert (out / "a" / "b" / "x").read_bytes() == b"hello"
+    assert (out / "r").stat().st_size == 500000
+    assert entries == 4
+
+
+@pytest.mark.docker
+def test_background_writer_stopped_before_copy(run_role: RunFn) -> None:
+    # the role command exits at once; a child it left keeps writing: it is killed first
+    rec, _ = _run_writer(run_role, "(sleep 0.5; while :; do echo x >> /out/late; done) "
+                         ">/dev/null 2>&1 </dev/null & echo started", "background writer")
+    assert rec.stop_reason is StopReason.OK, rec
+    assert rec.wall_s < 30
+
+
+@pytest.mark.docker
+def test_oom_by_exec_is_oom(run_role: RunFn) -> None:
+    # the role command is not PID 1: the engine's OOMKilled flag does not see it; the
+    # kernel's oom_kill counter of the container's memory cgroup does
+    rec = run_role(["python", "-c", "x=[]\nwhile True: x.append(bytearray(16<<20))"],
+                   memory="128m")
+    assert rec.stop_reason is StopReason.OOM, rec
+    assert rec.exit_code == 137
+
+
+# -- forged streams --------------------------------------------------------------------
+LIM = CopyLimits(max_bytes=CAP, max_entries=ENTRIES)
+
+
+def _tar(*members: tuple[tarfile.TarInfo, bytes | None]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for ti, data in members:
+            tf.addfile(ti, io.BytesIO(data) if data is not None else None)
+    return buf.getvalue()
+
+
+def _member(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", mode: int = 0o644,
+            link: str = "") -> tuple[tarfile.TarInfo, bytes | None]:
+    ti = tarfile.TarInfo(name)
+    ti.type, ti.mode, ti.linkname = kind, mode, link
+    if kind == tarfile.REGTYPE:
+        ti.size = len(data)
+        return ti, data
+    return ti, None
+
+
+def _chunks(data: bytes, n: int = 4096) -> Iterator[bytes]:
+    for i in range(0, len(data), n):
+        yield data[i:i + n]
+
+
+def test_stream_regular_files_and_dirs(tmp_path: Path) -> None:
+    got = extract(_chunks(_tar(_member("d/", tarfile.DIRTYPE, mode=0o7777),
+                               _member("d/f", data=b"abc", mode=0o6777))), tmp_path, LIM)
+    assert (got.files, got.dirs, got.bytes) == (1, 1, 3)
+    assert (tmp_path / "d" / "f").read_bytes() == b"abc"
+    assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o755
+    assert stat.S_IMODE((tmp_path / "d" / "f").stat().st_mode) == 0o644
+
+
+@pytest.mark.parametrize(("member", "why"), [
+    (_member("evil", tarfile.SYMTYPE, link="/etc/passwd"), "symlink refused"),
+    (_member("hl", tarfile.LNKTYPE, link="/etc/shadow"), "hard link refused"),
+    (_member("dev", tarfile.CHRTYPE), "character device refused"),
+    (_member("blk", tarfile.BLKTYPE), "block device refused"),
+    (_member("fifo", tarfile.FIFOTYPE), "fifo refused"),
+    (_member("../escape", data=b"x"), "'..' path part refused"),
+    (_member("a/../../escape", data=b"x"), "'..' path part refused"),
+    (_member("/abs", data=b"x"), "absolute name refused"),
+    (_member("ctl\x1b[31m", data=b"x"), "control character"),
+    (_member("x" * 300, data=b"x"), "longer than 255"),
+    (_member("/".join(["d"] * 40), data=b"x"), "deeper than 32"),
+    (_member("big", data=b"x" * (CAP + 1)), "output cap"),
+])
+def test_stream_refusals(tmp_path: Path, member: tuple[tarfile.TarInfo, bytes | None],
+                         why: str) -> None:
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    with pytest.raises(CopyRefused, match=why.replace("(", r"\(").replace(")", r"\)")):
+        extract(_chunks(_tar(_member("ok", data=b"fine"), member)), dest, LIM)
+    assert sorted(p.name for p in dest.iterdir()) == ["ok"]
+    assert not (tmp_path / "escape").exists()
+
+
+def test_stream_duplicate_name_refused(tmp_path: Path) -> None:
+    with pytest.raises(CopyRefused, match="duplicate"):
+        extract(_chunks(_tar(_member("a", data=b"1"), _member("a", data=b"2"))), tmp_path, LIM)
+    assert (tmp_path / "a").read_bytes() == b"1"
+
+
+def test_stream_entry_count_capped(tmp_path: Path) -> None:
+    data = _tar(*[_member(f"f{i}") for i in range(ENTRIES + 1)])
+    with pytest.raises(CopyRefused, match=f"more than {ENTRIES} entries"):
+        extract(_chunks(data), tmp_path, LIM)
+    assert len(list(tmp_path.iterdir())) == ENTRIES
+
+
+def test_stream_bad_checksum_and_truncation(tmp_path: Path) -> None:
+    data = bytearray(_tar(_member("a", data=b"x" * 1000)))
+    bad = bytes(data[:100]) + b"Z" + bytes(data[101:])
+    with pytest.raises(CopyRefused, match="checksum"):
+        extract(_chunks(bad), tmp_path, LIM)
+    # cut inside the file's data: refused and the partial file removed
+    hdr_end = data.index(b"x" * 1000)
+    with pytest.raises(CopyRefused, match="truncated"):
+        extract(_chunks(bytes(data[:hdr_end + 10])), tmp_path, LIM)
+    assert not (tmp_path / "a").exists()
+
+
+def _header(name: bytes, kind: bytes, size: int) -> bytes:
+    h = bytearray(512)
+    h[:len(name)] = name
+    h[100:108] = b"0000644\0"
+    h[124:136] = b"%011o\0" % size
+    h[148:156] = b" " * 8
+    h[156:157] = kind
+    h[257:263] = b"ustar\0"
+    h[263:265] = b"00"
+    h[148:156] = b"%06o\0 " % sum(h)
+    return bytes(h)
+
+
+def test_stream_huge_metadata_refused_unread(tmp_path: Path) -> None:
+    def forged() -> Iterator[bytes]:
+        yield _header(b"././@PaxHeader", b"x", 1 << 40)
+        while True:  # would never end if read
+            yield b"9" * 65536
+
+    with pytest.raises(CopyRefused, match="metadata record"):
+        extract(forged(), tmp_path, LIM)
+
+
+def test_stream_endless_global_headers_hit_stream_cap(tmp_path: Path) -> None:
+    body = b"x" * 65536  # a whole number of blocks: no padding
+
+    def forged() -> Iterator[bytes]:
+        while True:  # global headers never count as entries: only the stream cap stops it
+            yield _header(b"g", b"g", len(body)) + body
+
+    with pytest.raises(CopyRefused, match="output stream exceeds"):
+        extract(forged(), tmp_path, LIM)
+
+
+def test_stream_file_size_lie_refused_before_write(tmp_path: Path) -> None:
+    def forged() -> Iterator[bytes]:
+        yield _header(b"huge", b"0", 10 << 30)
+        while True:
+            yield b"\0" * 65536
+
+    with pytest.raises(CopyRefused, match="output cap"):
+        extract(forged(), tmp_path, LIM)
+    assert not (tmp_path / "huge").exists()
+
+
+def test_stream_only_seeded_symlinks_come_back(tmp_path: Path) -> None:
+    seeded = {"repo/link": "prompts"}
+    same = _tar(_member("repo/", tarfile.DIRTYPE),
+                _member("repo/link", tarfile.SYMTYPE, link="prompts"))
+    a = tmp_path / "a"
+    a.mkdir()
+    extract(_chunks(same), a, LIM, seed_links=seeded)
+    assert os.readlink(a / "repo" / "link") == "prompts"
+    for changed in (_member("repo/link", tarfile.SYMTYPE, link="/etc/shadow"),
+                    _member("repo/other", tarfile.SYMTYPE, link="prompts")):
+        b = tmp_path / f"b{changed[0].name[-4:]}"
+        b.mkdir()
+        with pytest.raises(CopyRefused, match="symlink refused"):
+            extract(_chunks(_tar(changed)), b, LIM, seed_links=seeded)
+        assert not any(p.is_symlink() for p in b.rglob("*"))
