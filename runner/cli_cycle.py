@@ -11,8 +11,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from runner.cli import JsonOpt, _fail, app, err, out
-from runner.errors import CycleboxError
+from runner import interrupts
+from runner.cli import JsonOpt, _fail, app, err, out, report_error
+from runner.errors import EXIT_INTERRUPTED, CycleboxError
 
 cycle_app = typer.Typer(no_args_is_help=True, help="Run improvement cycles.")
 receipt_app = typer.Typer(no_args_is_help=True, help="Verify and compare receipts.")
@@ -107,10 +108,18 @@ def cycle_run(
 
             runner = CycleRunner(plan, progress=progress)
             outcome = runner.run()
-        receipt = build(outcome)
+        with interrupts.shielded():
+            receipt = build(outcome)
     except CycleboxError as exc:
         _fail(exc)
     result = outcome.result
+    if outcome.failure is not None:
+        # The verdict and receipt are written; the exit code says why the cycle stopped.
+        report_error(f"{outcome.failure.reason}: {result.reasons[0] if result.reasons else ''}"
+                     f" (verdict and receipt in {outcome.run_dir})")
+        raise typer.Exit(outcome.failure.exit_code)
+    if interrupts.seen():
+        raise typer.Exit(EXIT_INTERRUPTED)
     if json_out:
         out.print_json(json.dumps({"run_dir": str(outcome.run_dir), "verdict": result.verdict,
                                    "reasons": list(result.reasons),

@@ -9,7 +9,9 @@ to reproduce them; timings live apart in ``timing``.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -24,16 +26,40 @@ SCHEMA = 1
 RECEIPT = "receipt.json"
 
 
-def _files(root: Path) -> dict[str, str]:
-    out = {}
-    for p in sorted(root.rglob("*")):
-        if p.is_symlink() or not p.is_file() or p.name == RECEIPT:
+def _files(root: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """sha256 of every regular file under ``root``, as (UTF-8 named, other).
+
+    Iterative (a container may nest directories thousands deep) and never following a
+    symlink. A path that is not UTF-8 (only a container writes one; collect refuses it)
+    goes into the second map under its backslash-escaped form: hashed, but not a name
+    ``verify`` could open."""
+    out: dict[str, str] = {}
+    escaped: dict[str, str] = {}
+    stack = [b""]
+    while stack:
+        rel_dir = stack.pop()
+        try:
+            entries = list(os.scandir(os.path.join(bytes(root), rel_dir) if rel_dir
+                                      else bytes(root)))
+        except OSError:
             continue
-        rel = p.relative_to(root).as_posix()
-        if "/candidate.git/" in f"/{rel}" or "/work/repo/.git/" in f"/{rel}":
-            continue  # git internals: bound through the commit and tree ids instead
-        out[rel] = sha256_file(p)
-    return out
+        for e in entries:
+            rel_b = os.path.join(rel_dir, e.name) if rel_dir else e.name
+            if e.is_dir(follow_symlinks=False):
+                stack.append(rel_b)
+                continue
+            if not e.is_file(follow_symlinks=False) or e.name == RECEIPT.encode():
+                continue
+            rel = rel_b.decode("utf-8", "backslashreplace")
+            if "/candidate.git/" in f"/{rel}" or "/work/repo/.git/" in f"/{rel}":
+                continue  # git internals: bound through the commit and tree ids instead
+            try:
+                rel_b.decode("utf-8")
+                target = out
+            except UnicodeDecodeError:
+                target = escaped
+            target[rel] = sha256_file(Path(os.fsdecode(e.path)))
+    return dict(sorted(out.items())), dict(sorted(escaped.items()))
 
 
 def _records_digest(path: Path) -> str | None:
@@ -102,10 +128,25 @@ def build(outcome: Outcome) -> dict[str, Any]:
         "external": {f"store:{sid}": {"path": str(Path(plan["data_dir"]) / s["path"]),
                                       "sha256": s["sha256"]}
                      for sid, s in plan["stores"].items()},
-        "files": _files(d),
     }
-    (d / RECEIPT).write_bytes(canonical_bytes(receipt))
+    receipt["files"], receipt["files_not_utf8"] = _files(d)
+    _write_atomic(d / RECEIPT, canonical_bytes(receipt))
     return receipt
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write via a temporary file and rename, so a full disk leaves no partial receipt."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def verify(run_dir: Path) -> list[str]:
