@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,8 +40,8 @@ from runner.hashing import safe_text, sha256_bytes, write_json
 from runner.roles import fresh_output_dir, role_spec
 from runner.sandbox import Mount, RunRecord, StopReason
 
-STOP_GRACE_S = 3.0
-"""How long, after a stop, running cases get to see their container removed."""
+STOP_GRACE_S = 6.0
+"""How long, after a stop, the run's containers are swept while case threads return."""
 
 Progress = Callable[[str, int, int], None]
 """(stage, done, total) as work completes."""
@@ -177,6 +177,17 @@ class CycleRunner:
             return None
         return path
 
+    def _drain(self, futures: list[Future[Record]]) -> None:
+        """Stop the run's containers until every case thread has returned (or the grace
+        period is over): a thread past the admission check when the stop came may still
+        create its container after the first sweep, and would then wait on it."""
+        deadline = time.monotonic() + STOP_GRACE_S
+        while True:
+            self._stop_containers()
+            _, pending = wait(futures, timeout=0.3)
+            if not pending or time.monotonic() > deadline:
+                return
+
     def _stop_containers(self) -> None:
         """Admit no new container and kill and remove the run's running ones."""
         self._stopping.set()
@@ -287,9 +298,8 @@ class CycleRunner:
         except BaseException:
             # Never wait for the pool on the way out: kill its containers, cancel what
             # did not start and give running cases a moment to see their container go.
-            self._stop_containers()
             pool.shutdown(wait=False, cancel_futures=True)
-            wait(futures, timeout=STOP_GRACE_S)
+            self._drain(futures)
             raise
         pool.shutdown(wait=True)
         return results
