@@ -108,16 +108,22 @@ def cycle_run(
 
             runner = CycleRunner(plan, progress=progress)
             outcome = runner.run()
+        failure = outcome.failure
+        if failure is not None and failure.reason == "environment_failure":
+            # Disk full: no receipt, so that nothing claims a complete run (verify fails).
+            report_error(f"{outcome.result.reasons[0]} (no receipt written; partial run "
+                         f"in {outcome.run_dir})")
+            raise typer.Exit(failure.exit_code)
         with interrupts.shielded():
             receipt = build(outcome)
     except CycleboxError as exc:
         _fail(exc)
     result = outcome.result
-    if outcome.failure is not None:
+    if failure is not None:
         # The verdict and receipt are written; the exit code says why the cycle stopped.
-        report_error(f"{outcome.failure.reason}: {result.reasons[0] if result.reasons else ''}"
+        report_error(f"{result.reasons[0] if result.reasons else failure.reason}"
                      f" (verdict and receipt in {outcome.run_dir})")
-        raise typer.Exit(outcome.failure.exit_code)
+        raise typer.Exit(failure.exit_code)
     if interrupts.seen():
         raise typer.Exit(EXIT_INTERRUPTED)
     if json_out:
