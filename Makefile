@@ -47,8 +47,11 @@ check: setup ## Lint (ruff) and type-check (mypy strict on runner and sandbox)
 	$(BIN)/ruff check runner sandbox tests bench
 	$(BIN)/mypy
 
-test: setup docker images check ## Everything: set-up, images, lint, unit + integration + e2e tests
-	$(BIN)/pytest tests/unit tests/integration tests/e2e
+test: setup docker images check ## Everything: set-up, images, lint, unit + integration + e2e + security + faults tests
+	$(BIN)/pytest tests/unit tests/integration tests/e2e tests/security tests/faults
+
+faults: setup docker images ## Fault tier: signals at each stage, engine cut, disk full (root, real engine, ~5 min)
+	$(BIN)/pytest tests/faults
 
 unit: setup ## Unit tests only (no Docker)
 	$(BIN)/pytest tests/unit
@@ -98,4 +101,4 @@ clean: ## Remove orphaned cyclebox containers and build/ (images are kept)
 	-@[ -x $(CYCLEBOX) ] && $(CYCLEBOX) gc || true
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache
 
-.PHONY: help setup docker images check test unit demo demo-negative receipt dream smoke bench gc clean
+.PHONY: help setup docker images check test faults unit demo demo-negative receipt dream smoke bench gc clean
