@@ -106,17 +106,25 @@ class CycleRunner:
         outcome = Outcome(self.dir, self.plan_hash, _invalid("cycle did not complete"))
         role_upstream = {r: p.upstream for r, p in self.plan.roles.items() if p.upstream}
         try:
+            # Before any stage: a missing credential or upstream is the operator's input
+            # error (exit 3/5), not a verdict.
+            self.gw = Gateway(self.dir, self.run_id, dict(self.plan.upstreams), role_upstream,
+                              self.budget).start()
+        except BaseException:
+            self.containers.close()
+            raise
+        try:
             try:
-                with Gateway(self.dir, self.run_id, dict(self.plan.upstreams), role_upstream,
-                             self.budget) as gw:
-                    self.gw = gw
-                    try:
-                        outcome = self._stages(outcome)
-                    except BaseException:
-                        # Containers first: a killed container drops its gateway
-                        # connections, so closing the gateway does not wait on them.
-                        self._stop_containers()
-                        raise
+                try:
+                    outcome = self._stages(outcome)
+                except BaseException:
+                    # Containers first: a killed container drops its gateway
+                    # connections, so closing the gateway does not wait on them.
+                    self._stop_containers()
+                    raise
+                finally:
+                    with interrupts.shielded():  # a signal here must not skip the close
+                        self.gw.close()
             except StageFailed as exc:
                 outcome.result = _invalid(exc.reason)
             except BaseException as exc:  # no crash without a verdict and receipt
