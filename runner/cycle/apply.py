@@ -17,6 +17,7 @@ from typing import Any
 
 from runner import gitops
 from runner.collect import collect
+from runner.errors import OutputRejected
 from runner.hashing import write_json
 from runner.sandbox import RunRecord, StopReason
 from sandbox.proposal import Change, Refused, check_changes
@@ -39,10 +40,14 @@ def apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
             os.lchown(p, uid, uid)
     rec = run(work)
     try:
-        result = json.loads((work / "out" / "result.json").read_text())
-    except (OSError, ValueError):
+        # container output: no symlink followed, sizes capped, strict JSON
+        got = collect(work / "out")
+        result = got.json("result.json")
+        if not isinstance(result, dict):
+            raise OutputRejected("result.json is not a JSON object")
+    except OutputRejected as exc:
         result = {"status": "refused", "reason": "apply_failed",
-                  "message": f"{rec.stop_reason.value}: {rec.stderr_tail[-300:]}"}
+                  "message": f"{rec.stop_reason.value}: {exc}: {rec.stderr_tail[-300:]}"}
     write_json(stage_dir / "result.json", result)
     if result.get("status") != "applied":
         return dict(result)
@@ -57,7 +62,7 @@ def apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
     if problems:
         return {"status": "refused", "reason": "host_verification_failed", "message": problems}
     patch = gitops.diff(bare, base_commit, commit)
-    if patch != collect(work / "out").files.get("candidate.patch"):
+    if patch != got.files.get("candidate.patch"):
         return {"status": "refused", "reason": "host_verification_failed",
                 "message": "candidate.patch differs from the host's diff"}
     (stage_dir / "candidate.patch").write_bytes(patch)
