@@ -7,7 +7,6 @@ observed from inside against the role policy.
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -90,7 +89,9 @@ def _probe_limits(backend: DockerSandbox, policy: RolePolicy, image: str) -> Che
     if rec.stop_reason.value != "ok":
         return Check("limits enforced", False, f"probe {rec.stop_reason.value}: "
                      f"{rec.detail} {rec.stderr_tail[-300:]}", "see the engine log")
-    facts = json.loads(rec.stdout_tail)
+    from runner.collect import loads_strict
+
+    facts = loads_strict(rec.stdout_tail, source="probe container stdout")
     problems = []
     if facts["uid"] == 0:
         problems.append("uid 0")
