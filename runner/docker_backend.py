@@ -98,8 +98,14 @@ class DockerSandbox:
         self.owner = owner or current_owner()
 
     # -- running ---------------------------------------------------------------
-    def run(self, spec: RunSpec, *, on_output: OutputCallback | None = None) -> RunRecord:
-        """Run one container to completion or limit; always remove it."""
+    def run(self, spec: RunSpec, *, on_output: OutputCallback | None = None,
+            cancel: threading.Event | None = None) -> RunRecord:
+        """Run one container to completion or limit; always remove it.
+
+        ``cancel`` set before the container starts: it is removed unstarted and
+        SandboxError raised (a caller stopping a run sweeps the containers that exist;
+        this closes the gap for one whose creation was in flight during the sweep).
+        """
         kwargs = create_kwargs(spec, self.owner, secrets.token_hex(4))
         api = self.client.api
         started = time.monotonic()
@@ -122,6 +128,8 @@ class DockerSandbox:
                 raise SandboxError(f"engine refused to create the {spec.role} container: "
                                    f"{exc.explanation or exc}") from None
             cid = container.id
+            if cancel is not None and cancel.is_set():
+                raise SandboxError(f"{spec.role} container not started: the run is stopping")
             stream = api.attach(cid, stdout=True, stderr=True, stream=True, logs=False,
                                 demux=True)
 

@@ -103,6 +103,7 @@ class CycleRunner:
         self.containers = (self.dir / "containers.jsonl").open("a", encoding="utf-8")
         self._containers_lock = threading.Lock()
         self._stopping = threading.Event()
+        self._inflight: list[Future[Record]] = []
         outcome = Outcome(self.dir, self.plan_hash, _invalid("cycle did not complete"))
         role_upstream = {r: p.upstream for r, p in self.plan.roles.items() if p.upstream}
         try:
@@ -140,6 +141,8 @@ class CycleRunner:
         with contextlib.suppress(OSError):
             self.containers.close()
         outcome.timings = self.timings
+        if any(not f.done() for f in self._inflight):
+            self._drain(self._inflight)
         try:
             outcome.leftovers = self._leftovers()
         except Exception as exc:  # the engine may be gone; say so
@@ -263,7 +266,7 @@ class CycleRunner:
             spec = role_spec(policy, role=role, run_id=self.run_id, image=image,
                              command=command, output_dir=out, env=env, labels=labels,
                              mounts=mounts).model_copy(update={"output_target": output_target})
-            rec = self.backend.run(spec)
+            rec = self.backend.run(spec, cancel=self._stopping)
         row = {"stage": stage, "case": case, "trial": trial, **rec.model_dump(mode="json")}
         row.pop("stdout_tail")
         row.pop("stderr_tail")
@@ -298,6 +301,7 @@ class CycleRunner:
         results: list[Record] = []
         pool = ThreadPoolExecutor(max_workers=self.plan.concurrency)
         futures = [pool.submit(self._case, stage, src, sc, t) for sc, t in jobs]
+        self._inflight = futures
         try:
             for fut in futures:
                 results.append(fut.result())
