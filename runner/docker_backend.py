@@ -127,6 +127,11 @@ class DockerSandbox:
             except docker.errors.APIError as exc:
                 raise SandboxError(f"engine refused to create the {spec.role} container: "
                                    f"{exc.explanation or exc}") from None
+            except BaseException:
+                # Interrupted (a signal) with the request sent: the engine may still be
+                # creating it, and there is no id to remove yet; remove it by name.
+                self._remove_late(str(kwargs["name"]))
+                raise
             cid = container.id
             if cancel is not None and cancel.is_set():
                 raise SandboxError(f"{spec.role} container not started: the run is stopping")
@@ -211,6 +216,19 @@ class DockerSandbox:
             stdout_tail=out.text(), stderr_tail=err.text(), cleanup_confirmed=confirmed,
             labels=dict(kwargs["labels"]),
         )
+
+    def _remove_late(self, name: str, within_s: float = 3.0) -> None:
+        """Remove a container whose create request may still be in flight at the engine."""
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            try:
+                self.client.api.remove_container(name, force=True, v=True)
+            except docker.errors.NotFound:
+                time.sleep(0.2)
+                continue
+            except (docker.errors.APIError, requests.exceptions.RequestException):
+                pass
+            return
 
     def _remove(self, cid: str) -> bool:
         """Force-remove and confirm the engine no longer knows the container."""
