@@ -12,6 +12,8 @@ the run would crash (no verdict, no receipt, exit 1 or 10) or the case would be 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -73,6 +75,30 @@ elif attack == "deep_dirs":
 '''
 
 
+def remove_deep(top: Path) -> None:
+    """Remove a tree bottom-up without recursion: pytest's own temp cleanup
+    (shutil.rmtree, recursive on 3.11) would die on the 1000-deep directory."""
+    dirs, stack = [], [str(top)]
+    while stack:
+        d = stack.pop()
+        dirs.append(d)
+        with os.scandir(d) as it:
+            for e in it:
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+                else:
+                    os.unlink(e.path)
+    for d in reversed(dirs):
+        os.rmdir(d)
+
+
+@pytest.fixture
+def deep_cleanup(tmp_path: Path) -> Iterator[None]:
+    yield
+    for deep in (tmp_path / "run" / "stages").glob("*/cases/*/out/d"):
+        remove_deep(deep)
+
+
 def _questions() -> dict[str, str]:
     manifest = json.loads((EXAMPLE / "manifest.json").read_text())
     return {s["id"]: s["input"]["question"] for s in manifest["scenarios"]}
@@ -92,6 +118,7 @@ def _assert_invalid_with_receipt(res: object, run: Path, tmp: Path) -> None:
     assert ver.returncode == 0, ver.stdout + ver.stderr
 
 
+@pytest.mark.usefixtures("deep_cleanup")
 def test_hostile_analyst_outputs_end_invalid_with_a_receipt(tmp_path: Path) -> None:
     questions = _questions()
     plays = {questions[case]: attack for attack, (case, _) in ATTACKS.items()}
