@@ -75,8 +75,11 @@ $(VERL_STAMP): tests/verl-env.txt
 
 verl-env: $(VERL_STAMP) ## verl 0.9.1 + CPU torch in build/verl-venv: the export's real consumer, for tests
 
-test: setup docker gvisor chromium images check verl-env ## Everything: set-up, gVisor, Chromium, images, verl env, lint, unit + integration + security + e2e tests
-	$(BIN)/pytest tests/unit tests/integration tests/security tests/e2e
+test: setup docker gvisor chromium images check verl-env ## Everything: set-up (engine, gVisor, Chromium, images, verl env), lint, then unit, integration, security, faults and e2e tests
+	$(BIN)/pytest tests/unit tests/integration tests/security tests/faults tests/e2e
+
+faults: setup docker images ## Fault tier: signals at each stage, engine cut, disk full, bad inputs (root, real engine)
+	$(BIN)/pytest tests/faults
 
 unit: setup ## Unit tests only (no Docker)
 	$(BIN)/pytest tests/unit
@@ -127,4 +130,4 @@ clean: ## Remove orphaned cyclebox containers and build/ (images are kept)
 	-@[ -x $(CYCLEBOX) ] && $(CYCLEBOX) gc || true
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache
 
-.PHONY: help setup docker chromium gvisor images check test unit verl-env demo demo-negative receipt dream smoke bench gc clean
+.PHONY: help setup docker chromium gvisor images check test faults unit verl-env demo demo-negative receipt dream smoke bench gc clean

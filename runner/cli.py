@@ -4,27 +4,32 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
+import traceback
 from datetime import UTC, datetime
 from pathlib import Path
-from types import FrameType
 from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from runner import __version__
-from runner.errors import CycleboxError, exit_code_for
+from runner import __version__, interrupts
+from runner.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_TABLE,
+    EXIT_UNEXPECTED,
+    CycleboxError,
+)
+from runner.failures import classify
 from runner.paths import default_policies, state_dir
 from runner.termsafe import StreamSanitizer, emit_json, emit_json_text, safe
 
 app = typer.Typer(
     name="cyclebox", no_args_is_help=True, add_completion=False,
     help="Run LLM-agent improvement cycles in hardened containers.\n\n"
-         "Exit codes: 0 ok; 3 bad input (the message names field, file and fix); "
-         "5 missing prerequisite; 6 engine failure; 7 output refused; 8 integrity drift.",
+         "Exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_TABLE) + ".",
 )
 images_app = typer.Typer(no_args_is_help=True, help="Build and list the role images.")
 sandbox_app = typer.Typer(no_args_is_help=True, help="Run commands in role containers.")
@@ -38,14 +43,44 @@ PoliciesOpt = Annotated[Path, typer.Option("--policies", help="Role policy file.
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 
 
+def report_error(message: str) -> None:
+    """Print one error line on stderr; the only place the CLI prints an error."""
+    err.print(f"[bold red]error:[/] {safe(message, 8000)}", highlight=False, soft_wrap=True)
+
+
+def _error_log(exc: BaseException) -> Path | None:
+    """Write the traceback to ``<state dir>/logs/error-<ts>-<pid>.log``; None if it cannot."""
+    ts = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+    path = state_dir() / "logs" / f"error-{ts}-{os.getpid()}.log"
+    text = "".join(traceback.format_exception(exc))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(text.encode("utf-8", "backslashreplace"))
+    except OSError:
+        return None
+    return path
+
+
+def exit_for(exc: BaseException) -> int:
+    """The one mapping from an exception to an exit code; prints one line on stderr.
+
+    Deliberate errors print their message; an unexpected error prints one line naming
+    the log file that holds the traceback (never the traceback itself).
+    """
+    failure = classify(exc)
+    if failure.reason == "interrupted":
+        report_error("interrupted; containers started by this process were removed")
+    elif failure.reason == "cyclebox_error":
+        report_error(str(exc))
+    else:
+        log = _error_log(exc)
+        where = f"traceback in {log}" if log else "the traceback could not be written"
+        report_error(f"{failure.reason}: {failure.message} ({where})")
+    return failure.exit_code
+
+
 def _fail(exc: CycleboxError) -> NoReturn:
-    err.print(f"[bold red]error:[/] {safe(str(exc), 8000)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(exit_code_for(exc))
-
-
-def _sigterm_to_interrupt(_sig: int, _frame: FrameType | None) -> None:
-    # SIGTERM unwinds like Ctrl-C so that every `finally` removes its container.
-    raise KeyboardInterrupt
+    raise typer.Exit(exit_for(exc))
 
 
 def _run_id(prefix: str) -> str:
@@ -166,7 +201,6 @@ def sandbox_exec(
     if not command:
         err.print("error: no command given. Usage: cyclebox sandbox exec --role ROLE -- CMD...")
         raise typer.Exit(3)
-    signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
     try:
         pols = load_policies(policies)
         if role not in pols.roles:
@@ -299,15 +333,43 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
 
 
 def main() -> None:
-    """Console-script entry point."""
-    import runner.cli_cycle
-    import runner.cli_report
-    import runner.cli_train  # noqa: F401 - registers model/train/export on `app`
+    """Console-script entry point and the CLI's one error boundary.
 
+    SIGTERM and SIGINT unwind (a second one exits at once, see ``runner.interrupts``);
+    every exception that escapes a command is mapped here by :func:`exit_for`: no
+    traceback ever reaches the terminal.
+    """
+    interrupts.install()
     try:
-        app()
-    except KeyboardInterrupt:
-        err.print("interrupted; containers started by this process were removed")
-        sys.exit(130)
+        import runner.cli_cycle
+        import runner.cli_report
+        import runner.cli_train  # noqa: F401 - registers model/train/export/report on `app`
+
+        # Not standalone: typer returns a command's typer.Exit code instead of exiting,
+        # and raises click's usage errors here instead of exiting 2 (2 is a verdict).
+        rc = app(standalone_mode=False)
+    except SystemExit:
+        raise
+    except typer.Abort:  # EOF at a prompt
+        report_error("aborted")
+        sys.exit(EXIT_INTERRUPTED)
+    except typer.TyperException as exc:  # click's usage errors: bad input
+        if type(exc).__name__ == "NoArgsIsHelpError":  # typer printed the help already
+            sys.exit(0)
+        from typer.rich_utils import rich_format_error
+
+        rich_format_error(exc)  # type: ignore[arg-type]
+        sys.exit(EXIT_BAD_INPUT)
+    except BaseException as exc:  # the boundary: every error maps to a code
+        try:
+            code = exit_for(exc)
+        except BaseException:  # even printing failed (closed stderr)
+            code = EXIT_UNEXPECTED
+        sys.exit(code)
+    sys.exit(rc if isinstance(rc, int) else 0)
+
+
+if __name__ == "__main__":
+    main()
 
 

@@ -10,7 +10,8 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from runner.cli import JsonOpt, _fail, app, err, out
+from runner import interrupts
+from runner.cli import JsonOpt, _fail, app, err, out, report_error
 from runner.cli_report import (
     HtmlOpt,
     JunitOpt,
@@ -19,7 +20,7 @@ from runner.cli_report import (
     check_targets,
     write_outputs,
 )
-from runner.errors import CycleboxError
+from runner.errors import EXIT_INTERRUPTED, CycleboxError
 from runner.paths import PROJECT_ROOT
 from runner.termsafe import emit_json, emit_json_text, plain, safe
 
@@ -135,11 +136,25 @@ def cycle_run(
 
             runner = CycleRunner(plan, progress=lines or progress)
             outcome = runner.run()
-        receipt = build(outcome)
+        failure = outcome.failure
+        if failure is not None and failure.reason == "environment_failure":
+            # Disk full: no receipt, so that nothing claims a complete run (verify fails).
+            report_error(f"{outcome.result.reasons[0]} (no receipt written; partial run "
+                         f"in {outcome.run_dir})")
+            raise typer.Exit(failure.exit_code)
+        with interrupts.shielded():
+            receipt = build(outcome)
         report = write_outputs(outcome.run_dir, junit=junit, markdown=markdown, html=html)
     except CycleboxError as exc:
         _fail(exc)
     result = outcome.result
+    if failure is not None:
+        # The verdict and receipt are written; the exit code says why the cycle stopped.
+        report_error(f"{result.reasons[0] if result.reasons else failure.reason}"
+                     f" (verdict and receipt in {outcome.run_dir})")
+        raise typer.Exit(failure.exit_code)
+    if interrupts.seen():
+        raise typer.Exit(EXIT_INTERRUPTED)
     if json_out:
         emit_json({"run_dir": str(outcome.run_dir), "verdict": result.verdict,
                    "reasons": list(result.reasons),

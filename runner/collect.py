@@ -51,36 +51,81 @@ class Collected:
 
 
 def collect(root: Path, limits: Limits | None = None) -> Collected:
-    """Read every file under ``root`` under the rules above; raise on the first breach."""
+    """Read every file under ``root`` under the rules above; raise on the first breach.
+
+    The walk is iterative (depth is capped by ``max_depth``, never by Python's stack),
+    and names are listed as bytes: one that is not UTF-8 or holds a control character
+    is refused by name (escaped), never decoded into the host's strings.
+    """
     lim = limits or Limits()
     out = Collected()
     try:
-        fd = os.open(root, _DIR_FLAGS)
+        os.close(os.open(root, _DIR_FLAGS))
     except OSError as exc:
         raise OutputRejected(f"output directory {root} cannot be opened safely: "
                              f"{exc.strerror} (a symlink here is refused)") from None
-    try:
-        _walk(fd, "", 0, lim, out, root)
-    finally:
-        os.close(fd)
+    # Directories to read, as name components below root; each is opened afresh from
+    # root with O_NOFOLLOW at every step, so only one descriptor is open at a time.
+    stack: list[tuple[str, ...]] = [()]
+    dirs = 0
+    while stack:
+        parts = stack.pop()
+        prefix = "".join(f"{p}/" for p in parts)
+        if len(parts) > lim.max_depth:
+            raise OutputRejected(f"{root}/{prefix}: nested deeper than {lim.max_depth} levels")
+        dirs += 1
+        if dirs > lim.max_files:
+            raise OutputRejected(f"{root}: more than {lim.max_files} directories")
+        dfd = _open_dir(root, parts)
+        try:
+            subdirs = _scan(dfd, prefix, lim, out, root)
+        finally:
+            os.close(dfd)
+        stack.extend((*parts, name) for name in reversed(subdirs))
     return out
 
 
-def _walk(dfd: int, prefix: str, depth: int, lim: Limits, out: Collected, root: Path) -> None:
-    if depth > lim.max_depth:
-        raise OutputRejected(f"{root}/{prefix}: nested deeper than {lim.max_depth} levels")
-    for name in sorted(os.listdir(dfd)):
+def _open_dir(root: Path, parts: tuple[str, ...]) -> int:
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        for part in parts:
+            nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    except OSError as exc:
+        os.close(fd)
+        raise OutputRejected(f"{root}/{'/'.join(parts)}: directory cannot be opened safely: "
+                             f"{exc.strerror}") from None
+    return fd
+
+
+def _name(raw: bytes, prefix: str, root: Path) -> str:
+    """A directory entry's name as text, or OutputRejected naming it (escaped)."""
+    try:
+        name = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        shown = raw.decode("utf-8", "backslashreplace")
+        raise OutputRejected(f"{root}/{prefix}{shown}: file name is not UTF-8; "
+                             "refused") from None
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in name):
+        shown = name.encode("unicode_escape").decode("ascii")
+        raise OutputRejected(f"{root}/{prefix}{shown}: file name holds a control "
+                             "character; refused")
+    return name
+
+
+def _scan(dfd: int, prefix: str, lim: Limits, out: Collected, root: Path) -> list[str]:
+    """Read the regular files of one directory; return its subdirectories' names."""
+    subdirs = []
+    for raw in sorted(os.listdir(dfd)):
+        name = _name(os.fsencode(raw) if isinstance(raw, str) else raw, prefix, root)
         rel = f"{prefix}{name}"
         st = os.lstat(name, dir_fd=dfd)
         mode = st.st_mode
         if stat.S_ISLNK(mode):
             raise OutputRejected(f"{root}/{rel}: symlink refused (never followed)")
         if stat.S_ISDIR(mode):
-            sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
-            try:
-                _walk(sub, rel + "/", depth + 1, lim, out, root)
-            finally:
-                os.close(sub)
+            subdirs.append(name)
             continue
         if not stat.S_ISREG(mode):
             raise OutputRejected(f"{root}/{rel}: not a regular file "
@@ -91,6 +136,7 @@ def _walk(dfd: int, prefix: str, depth: int, lim: Limits, out: Collected, root: 
         if len(out.files) + 1 > lim.max_files:
             raise OutputRejected(f"{root}: more than {lim.max_files} files")
         out.files[rel] = _read_capped(dfd, name, rel, lim, out, root)
+    return subdirs
 
 
 def _read_capped(dfd: int, name: str, rel: str, lim: Limits, out: Collected, root: Path) -> bytes:

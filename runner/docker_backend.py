@@ -344,13 +344,18 @@ class DockerSandbox:
         self.owner = owner or current_owner()
 
     # -- running ---------------------------------------------------------------
-    def run(self, spec: RunSpec, *, on_output: OutputCallback | None = None) -> RunRecord:
+    def run(self, spec: RunSpec, *, on_output: OutputCallback | None = None,
+            cancel: threading.Event | None = None) -> RunRecord:
         """Run one role command to completion or limit, copy its output out; always remove.
 
         PID 1 is :mod:`sandbox.holder`; the role command runs through exec, so its exit
         code is the engine's exec record. Its output directory is a capped tmpfs that
         the holder writes as a tar to its own stdout when we send SIGUSR1, read here from
         an attach made before start (see :mod:`runner.copyout`).
+
+        ``cancel`` set before the container starts: it is removed unstarted and
+        SandboxError raised (a caller stopping a run sweeps the containers that exist;
+        this closes the gap for one whose creation was in flight during the sweep).
         """
         staged = _Staging(spec)
         spec = staged.spec
@@ -380,6 +385,13 @@ class DockerSandbox:
             except docker.errors.APIError as exc:
                 raise SandboxError(f"engine refused to create the {spec.role} container: "
                                    f"{exc.explanation or exc}") from None
+            except BaseException:
+                # Interrupted (a signal) with the request sent: the engine may still be
+                # creating it, and there is no id to remove yet; remove it by name.
+                self._remove_late(str(kwargs["name"]))
+                raise
+            if cancel is not None and cancel.is_set():
+                raise SandboxError(f"{spec.role} container not started: the run is stopping")
             copy = _CopyOut(spec, seed_links, api.attach(
                 cid, stdout=True, stderr=True, stream=True, logs=False, demux=True))
             try:
@@ -513,6 +525,19 @@ class DockerSandbox:
         if running or code != 0:
             raise SandboxError(f"could not seed the {spec.role} output directory "
                                f"(exit {code})")
+
+    def _remove_late(self, name: str, within_s: float = 3.0) -> None:
+        """Remove a container whose create request may still be in flight at the engine."""
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            try:
+                self.client.api.remove_container(name, force=True, v=True)
+            except docker.errors.NotFound:
+                time.sleep(0.2)
+                continue
+            except (docker.errors.APIError, requests.exceptions.RequestException):
+                pass
+            return
 
     def _remove(self, cid: str) -> bool:
         """Force-remove and confirm the engine no longer knows the container."""

@@ -7,7 +7,6 @@ observed from inside against the role policy.
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -165,9 +164,12 @@ def _run_probe(backend: DockerSandbox, policy: RolePolicy,
     rec = backend.run(spec)
     if rec.stop_reason.value != "ok":
         return rec, None
+    from runner.collect import loads_strict
+    from runner.errors import OutputRejected
+
     try:
-        facts = json.loads(rec.stdout_tail)
-    except ValueError:
+        facts = loads_strict(rec.stdout_tail, source="probe container stdout")
+    except OutputRejected:
         return rec, None
     return rec, facts if isinstance(facts, dict) else None
 

@@ -202,12 +202,16 @@ def clone_bare_untrusted(src: Path, dest: Path, *, branch: str) -> None:
     """
     # The source belongs to the role's uid, so git's ownership check needs a
     # safe.directory entry; -c does not reach the spawned upload-pack (git clears
-    # it for another repository), a private global config file does.
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("w", suffix=".gitconfig") as cfg:
-        cfg.write(f"[safe]\n\tdirectory = {src}/.git\n\tdirectory = {src}\n")
-        cfg.flush()
+    # it for another repository), a private global config file does. It lives beside
+    # ``dest`` (in the run directory, never /tmp), so even a SIGKILL leaves it where
+    # the run's evidence is, not as a stray temporary file.
+    cfg = dest.parent / f".{dest.name}.gitconfig"
+    fd = os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(f"[safe]\n\tdirectory = {src}/.git\n\tdirectory = {src}\n")
         _git(["-c", "protocol.file.allow=always", "clone", "-q", "--bare", "--no-local",
               "--no-hardlinks", "--single-branch", "--branch", branch, f"file://{src}",
-              str(dest)], extra_env={"GIT_CONFIG_GLOBAL": cfg.name})
+              str(dest)], extra_env={"GIT_CONFIG_GLOBAL": str(cfg)})
+    finally:
+        cfg.unlink(missing_ok=True)

@@ -7,6 +7,7 @@ they can be hashed into plans and receipts as they are.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
@@ -188,7 +189,8 @@ OutputCallback = Callable[[str, bytes], None]
 class Sandbox(Protocol):
     """A place to run one role command under a :class:`RunSpec`."""
 
-    def run(self, spec: RunSpec, *, on_output: OutputCallback | None = None) -> RunRecord:
+    def run(self, spec: RunSpec, *, on_output: OutputCallback | None = None,
+            cancel: threading.Event | None = None) -> RunRecord:
         """Run to completion (or limit), remove the container, return the record."""
         ...
 

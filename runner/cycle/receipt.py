@@ -9,6 +9,7 @@ to reproduce them; timings live apart in ``timing``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -32,16 +33,40 @@ SCHEMA = 1
 RECEIPT = "receipt.json"
 
 
-def _files(root: Path) -> dict[str, str]:
-    out = {}
-    for p in sorted(root.rglob("*")):
-        if p.is_symlink() or not p.is_file() or p.name == RECEIPT:
+def _files(root: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """sha256 of every regular file under ``root``, as (UTF-8 named, other).
+
+    Iterative (a container may nest directories thousands deep) and never following a
+    symlink. A path that is not UTF-8 (only a container writes one; collect refuses it)
+    goes into the second map under its backslash-escaped form: hashed, but not a name
+    ``verify`` could open."""
+    out: dict[str, str] = {}
+    escaped: dict[str, str] = {}
+    stack = [b""]
+    while stack:
+        rel_dir = stack.pop()
+        try:
+            entries = list(os.scandir(os.path.join(bytes(root), rel_dir) if rel_dir
+                                      else bytes(root)))
+        except OSError:
             continue
-        rel = p.relative_to(root).as_posix()
-        if "/candidate.git/" in f"/{rel}" or "/work/repo/.git/" in f"/{rel}":
-            continue  # git internals: bound through the commit and tree ids instead
-        out[rel] = sha256_file(p)
-    return out
+        for e in entries:
+            rel_b = os.path.join(rel_dir, e.name) if rel_dir else e.name
+            if e.is_dir(follow_symlinks=False):
+                stack.append(rel_b)
+                continue
+            if not e.is_file(follow_symlinks=False) or e.name == RECEIPT.encode():
+                continue
+            rel = rel_b.decode("utf-8", "backslashreplace")
+            if "/candidate.git/" in f"/{rel}" or "/work/repo/.git/" in f"/{rel}":
+                continue  # git internals: bound through the commit and tree ids instead
+            try:
+                rel_b.decode("utf-8")
+                target = out
+            except UnicodeDecodeError:
+                target = escaped
+            target[rel] = sha256_file(Path(os.fsdecode(e.path)))
+    return dict(sorted(out.items())), dict(sorted(escaped.items()))
 
 
 def _records_digest(path: Path) -> str | None:
@@ -110,10 +135,25 @@ def build(outcome: Outcome) -> dict[str, Any]:
         "external": {f"store:{sid}": {"path": str(Path(plan["data_dir"]) / s["path"]),
                                       "sha256": s["sha256"]}
                      for sid, s in plan["stores"].items()},
-        "files": _files(d),
     }
-    (d / RECEIPT).write_bytes(canonical_bytes(receipt))
+    receipt["files"], receipt["files_not_utf8"] = _files(d)
+    _write_atomic(d / RECEIPT, canonical_bytes(receipt))
     return receipt
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write via a temporary file and rename, so a full disk leaves no partial receipt."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 class _External(BaseModel):
@@ -332,8 +372,22 @@ def _verify_at(root_fd: int, run_dir: Path) -> list[str]:
                 problems.append(f"{rel}: sha256 differs from the receipt")
         except _Unreadable as exc:
             problems.append(f"{rel}: {exc}")
-    problems += [f"{rel}: present in the run directory but not named by the receipt"
-                 for rel in sorted(_present(root_fd) - set(files))]
+    not_utf8 = receipt.get("files_not_utf8") or {}
+    for name in sorted(_present(root_fd) - set(files)):
+        rel = name
+        try:
+            rel.encode("utf-8")
+        except UnicodeEncodeError:  # a name that is not UTF-8: bound under its escaped form
+            shown = os.fsencode(rel).decode("utf-8", "backslashreplace")
+            if isinstance(not_utf8, dict) and shown in not_utf8:
+                try:
+                    if _sha256_in(root_fd, name) != not_utf8[shown]:
+                        problems.append(f"{shown}: sha256 differs from the receipt")
+                except _Unreadable as exc:
+                    problems.append(f"{shown}: {exc}")
+                continue
+            rel = shown
+        problems.append(f"{rel}: present in the run directory but not named by the receipt")
     external = receipt.get("external", {})
     for name, ext in sorted(external.items() if isinstance(external, dict) else []):
         try:

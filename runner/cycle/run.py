@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
+import traceback
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from runner import gitops
-from runner.collect import Limits, collect
+from runner import gitops, interrupts
+from runner.collect import Limits, collect, loads_strict
 from runner.cycle.apply import apply_proposal
 from runner.cycle.brief import build_brief
 from runner.cycle.compare import compare
@@ -35,12 +38,16 @@ from runner.cycle.plan import (
 )
 from runner.docker_backend import DockerSandbox
 from runner.errors import ConfigError, IntegrityError, OutputRejected
+from runner.failures import Failure, classify, is_engine_error, is_environment_error, one_line
 from runner.gateway.budget import RunBudget
 from runner.gateway.report import summarize
 from runner.gateway.server import Gateway
-from runner.hashing import sha256_bytes, write_json
+from runner.hashing import safe_text, sha256_bytes, write_json
 from runner.roles import fresh_output_dir, role_spec
 from runner.sandbox import Mount, RunRecord, StopReason
+
+STOP_GRACE_S = 6.0
+"""How long, after a stop, the run's containers are swept while case threads return."""
 
 Progress = Callable[[str, int, int], None]
 """(stage, done, total) as work completes."""
@@ -64,6 +71,9 @@ class Outcome:
     patch_sha256: str | None = None
     candidate_tree: str | None = None
     leftovers: list[str] = field(default_factory=list)
+    failure: Failure | None = None
+    """Set when the cycle ended on a signal, an engine or environment failure or a bug;
+    its exit code replaces the verdict's."""
 
 
 class CycleRunner:
@@ -109,22 +119,108 @@ class CycleRunner:
         self.backend = backend
         self.containers = (self.dir / "containers.jsonl").open("a", encoding="utf-8")
         self._containers_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._inflight: list[Future[Record]] = []
         outcome = Outcome(self.dir, self.plan_hash, _invalid("cycle did not complete"))
         role_upstream = {r: p.upstream for r, p in self.plan.roles.items() if p.upstream}
         try:
-            with Gateway(self.dir, self.run_id, dict(self.plan.upstreams), role_upstream,
-                         self.budget) as gw:
-                self.gw = gw
-                outcome = self._stages(outcome)
-        except StageFailed as exc:
-            outcome.result = _invalid(exc.reason)
-        finally:
+            # Before any stage: a missing credential or upstream is the operator's input
+            # error (exit 3/5), not a verdict.
+            self.gw = Gateway(self.dir, self.run_id, dict(self.plan.upstreams), role_upstream,
+                              self.budget).start()
+        except BaseException:
             self.containers.close()
-            outcome.timings = self.timings
-            outcome.leftovers = self._leftovers()
-        (stages / "compare").mkdir(exist_ok=True)
-        write_json(stages / "compare" / "verdict.json", outcome.result.model_dump(mode="json"))
+            raise
+        try:
+            try:
+                try:
+                    outcome = self._stages(outcome)
+                except BaseException:
+                    # Containers first: a killed container drops its gateway
+                    # connections, so closing the gateway does not wait on them.
+                    self._stop_containers()
+                    raise
+                finally:
+                    with interrupts.shielded():  # a signal here must not skip the close
+                        self.gw.close()
+            except StageFailed as exc:
+                outcome.result = _invalid(exc.reason)
+            except BaseException as exc:  # no crash without a verdict and receipt
+                self._failed(outcome, exc)
+        except BaseException as exc:  # e.g. a second failure while closing
+            self._failed(outcome, exc)
+        with interrupts.shielded():
+            self._finish(outcome)
         return outcome
+
+    def _finish(self, outcome: Outcome) -> None:
+        """Close the records, sweep leftovers and write verdict.json, whatever failed."""
+        with contextlib.suppress(OSError):
+            self.containers.close()
+        outcome.timings = self.timings
+        if any(not f.done() for f in self._inflight):
+            self._drain(self._inflight)
+        try:
+            outcome.leftovers = self._leftovers()
+        except Exception as exc:  # the engine may be gone; say so
+            outcome.leftovers = [f"unknown: leftovers not checked ({one_line(repr(exc), 200)})"]
+            if outcome.failure is None:
+                self._failed(outcome, exc)
+        try:
+            (self.dir / "stages" / "compare").mkdir(exist_ok=True)
+            write_json(self.dir / "stages" / "compare" / "verdict.json",
+                       outcome.result.model_dump(mode="json"))
+        except OSError as exc:
+            outcome.failure = classify(exc)
+            _remove_partial(self.dir / "stages" / "compare" / "verdict.json")
+
+    def _failed(self, outcome: Outcome, exc: BaseException) -> None:
+        """Record why the cycle stopped: invalid_comparison with the named reason, and
+        for a signal, the engine or the disk, the failure whose exit code ends the CLI."""
+        failure = classify(exc)
+        if outcome.failure is not None and outcome.failure.overrides_verdict:
+            return  # keep the first cause (e.g. the signal, not the error it provoked)
+        outcome.result = _invalid(self._failure_reason(exc, failure))
+        if failure.overrides_verdict:
+            outcome.failure = failure
+
+    def _failure_reason(self, exc: BaseException, failure: Failure) -> str:
+        """The verdict reason for a failure; an unexpected one gets its traceback logged."""
+        if failure.reason == "interrupted":
+            return "interrupted"
+        where = ""
+        if failure.reason == "unexpected_error":
+            log = self._traceback_log(exc)
+            where = f" (traceback in {log.relative_to(self.dir)})" if log else ""
+        return f"{failure.reason}: {failure.message}{where}"
+
+    def _traceback_log(self, exc: BaseException) -> Path | None:
+        ts = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%f")
+        path = self.dir / "logs" / f"error-{ts}.log"
+        try:
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes("".join(traceback.format_exception(exc)).encode(
+                "utf-8", "backslashreplace"))
+        except OSError:
+            return None
+        return path
+
+    def _drain(self, futures: list[Future[Record]]) -> None:
+        """Stop the run's containers until every case thread has returned (or the grace
+        period is over): a thread past the admission check when the stop came may still
+        create its container after the first sweep, and would then wait on it."""
+        deadline = time.monotonic() + STOP_GRACE_S
+        while True:
+            self._stop_containers()
+            _, pending = wait(futures, timeout=0.3)
+            if not pending or time.monotonic() > deadline:
+                return
+
+    def _stop_containers(self) -> None:
+        """Admit no new container and kill and remove the run's running ones."""
+        self._stopping.set()
+        with contextlib.suppress(Exception):
+            self._leftovers()
 
     def _stages(self, o: Outcome) -> Outcome:
         pol = self.plan.policy
@@ -171,6 +267,8 @@ class CycleRunner:
     def _run(self, role: str, command: list[str], *, mounts: list[Mount], out: Path,
              stage: str, case: str | None = None, trial: int | None = None,
              output_target: str = "/out", env: dict[str, str] | None = None) -> RunRecord:
+        if self._stopping.is_set():
+            raise StageFailed("stopping: no new container is started")
         policy = self.plan.roles[role]
         labels = {"io.cyclebox.stage": stage}
         if case is not None:
@@ -185,7 +283,7 @@ class CycleRunner:
             spec = role_spec(policy, role=role, run_id=self.run_id, image=image,
                              command=command, output_dir=out, env=env, labels=labels,
                              mounts=mounts).model_copy(update={"output_target": output_target})
-            rec = self.backend.run(spec)
+            rec = self.backend.run(spec, cancel=self._stopping)
         row = {"stage": stage, "case": case, "trial": trial, **rec.model_dump(mode="json")}
         row.pop("stdout_tail")
         row.pop("stderr_tail")
@@ -195,8 +293,8 @@ class CycleRunner:
         logs = out.parent / "logs"
         logs.mkdir(exist_ok=True)
         name = f"{role}" + (f"-{case}-t{trial}" if case is not None else "")
-        (logs / f"{name}.stdout").write_text(rec.stdout_tail)
-        (logs / f"{name}.stderr").write_text(rec.stderr_tail)
+        (logs / f"{name}.stdout").write_bytes(safe_text(rec.stdout_tail).encode())
+        (logs / f"{name}.stderr").write_bytes(safe_text(rec.stderr_tail).encode())
         return rec
 
     def _fresh(self, path: Path) -> Path:
@@ -218,11 +316,21 @@ class CycleRunner:
         done = 0
         self.progress(stage, 0, len(jobs))
         results: list[Record] = []
-        with ThreadPoolExecutor(max_workers=self.plan.concurrency) as pool:
-            for rec in pool.map(lambda j: self._case(stage, src, j[0], j[1]), jobs):
-                results.append(rec)
+        pool = ThreadPoolExecutor(max_workers=self.plan.concurrency)
+        futures = [pool.submit(self._case, stage, src, sc, t) for sc, t in jobs]
+        self._inflight = futures
+        try:
+            for fut in futures:
+                results.append(fut.result())
                 done += 1
                 self.progress(stage, done, len(jobs))
+        except BaseException:
+            # Never wait for the pool on the way out: kill its containers, cancel what
+            # did not start and give running cases a moment to see their container go.
+            pool.shutdown(wait=False, cancel_futures=True)
+            self._drain(futures)
+            raise
+        pool.shutdown(wait=True)
         return results
 
     def _identities(self) -> Identities:
@@ -230,6 +338,26 @@ class CycleRunner:
                           scorer=self.plan.scorer, judge=self.plan.judge_id)
 
     def _case(self, stage: str, src: Path, sc: Scenario, trial: int) -> Record:
+        """One analyst case; a crash while handling its output invalidates this case only.
+
+        Engine and environment failures, and a stop, end the whole cycle instead.
+        """
+        try:
+            rec = self._case_inner(stage, src, sc, trial)
+        except StageFailed:
+            raise
+        except Exception as exc:
+            if is_engine_error(exc) or is_environment_error(exc):
+                raise
+            reason = self._failure_reason(exc, classify(exc))
+            return Record(case_id=sc.id, trial=trial, split=sc.split,
+                          identities=self._identities(), status="infra_invalid",
+                          reason=f"crash: {reason}")
+        if rec.reason is not None:
+            rec = rec.model_copy(update={"reason": safe_text(rec.reason)})
+        return rec
+
+    def _case_inner(self, stage: str, src: Path, sc: Scenario, trial: int) -> Record:
         base = dict(case_id=sc.id, trial=trial, split=sc.split, identities=self._identities())
         if self.budget.halted:
             return Record(**base, status="not_attempted", reason=f"budget: {self.budget.halted}")
@@ -288,9 +416,10 @@ class CycleRunner:
                               f"{rec.stderr_tail[-300:]}")
         try:
             raw = collect(out, self._limits("evaluator")).files.get("grades.jsonl", b"")
-            rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+            rows = [loads_strict(line, source="grades.jsonl")
+                    for line in raw.decode().splitlines() if line.strip()]
             grades = {(g["case_id"], g["trial"]): Grades.model_validate(g["grades"]) for g in rows}
-        except (OutputRejected, ValueError, KeyError) as exc:
+        except (OutputRejected, ValueError, KeyError, TypeError) as exc:
             raise StageFailed(f"{stage}: unreadable grades ({exc})") from None
         graded = [r.model_copy(update={"grades": grades.get((r.case_id, r.trial))})
                   if r.status == "ok" else r for r in records]
@@ -421,7 +550,13 @@ class CycleRunner:
 
 
 def _invalid(reason: str) -> ComparisonResult:
-    return ComparisonResult(verdict="invalid_comparison", reasons=(reason,))
+    return ComparisonResult(verdict="invalid_comparison", reasons=(safe_text(reason),))
+
+
+def _remove_partial(path: Path) -> None:
+    """Remove a file whose writing failed, so that no truncated evidence stays."""
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 

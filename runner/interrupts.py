@@ -1,0 +1,60 @@
+"""SIGTERM/SIGINT for the controller: the first signal unwinds, a second exits at once.
+
+The first signal raises ``KeyboardInterrupt`` in the main thread so that every
+``finally`` kills and removes its container and the cycle runner writes its verdict
+and receipt; inside :func:`shielded` (writing the verdict and receipt) it is only
+noted, so that those files are whole. A second signal ends the process immediately
+with 130: the operator asked twice, and ``cyclebox gc`` sweeps what is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+from runner.errors import EXIT_INTERRUPTED
+
+
+class _State:
+    signals = 0
+    shield = 0
+    pending = False
+
+
+_state = _State()
+
+
+def _handler(_sig: int, _frame: FrameType | None) -> None:
+    _state.signals += 1
+    if _state.signals > 1:
+        os._exit(EXIT_INTERRUPTED)
+    if _state.shield:
+        _state.pending = True
+        return
+    raise KeyboardInterrupt
+
+
+def install() -> None:
+    """Route SIGTERM and SIGINT to the handler above (main thread only)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _handler)
+        signal.signal(signal.SIGINT, _handler)
+
+
+def seen() -> bool:
+    """True once a first signal arrived (whether it unwound or was held)."""
+    return _state.signals > 0
+
+
+@contextmanager
+def shielded() -> Iterator[None]:
+    """Hold a first signal while evidence is written; a second still exits at once."""
+    _state.shield += 1
+    try:
+        yield
+    finally:
+        _state.shield -= 1

@@ -1,0 +1,114 @@
+"""The engine cut mid-baseline: a byte relay in front of the real engine's socket is
+given to the CLI as DOCKER_HOST and killed while the baseline runs. The shared engine
+is never stopped.
+
+Expect: exit 6, a verdict naming the engine error, a receipt, no traceback; and
+`cyclebox gc`, pointed at the real engine, leaves none of the run's containers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.cycle_project import (
+    cli_env,
+    example_agent,
+    project_with_agent,
+    run_cli,
+    run_containers,
+    run_id,
+    stage_started,
+    start_cycle,
+    verdict,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+ENGINE_SOCKET = "/var/run/docker.sock"
+
+
+class Relay:
+    """Unix socket relay: every accepted connection is piped to the engine's socket."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen(64)
+        self.conns: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            upstream.connect(ENGINE_SOCKET)
+            with self.lock:
+                self.conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def cut(self) -> None:
+        """The engine is gone: refuse new connections, drop every open one."""
+        self.listener.close()
+        self.path.unlink(missing_ok=True)
+        with self.lock:
+            for c in self.conns:
+                with contextlib.suppress(OSError):
+                    c.shutdown(socket.SHUT_RDWR)
+                c.close()
+
+
+def test_engine_cut_mid_baseline_ends_with_verdict_receipt_and_exit_6(tmp_path: Path) -> None:
+    cycle = project_with_agent(tmp_path / "cyc", example_agent())
+    relay_path = tmp_path / "engine.sock"
+    relay = Relay(relay_path)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    run = tmp_path / "run"
+    env = cli_env(tmp, DOCKER_HOST=f"unix://{relay_path}")
+    proc = start_cycle(cycle, run, env)
+    try:
+        wait_for(lambda: stage_started(run, "baseline"), proc, "baseline started")
+        rid = run_id(run)
+        relay.cut()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    detail = f"rc {proc.returncode}\n{out}\n{err}"
+    assert proc.returncode == 6, detail
+    assert "Traceback" not in err, detail
+    v = verdict(run)
+    assert v["verdict"] == "invalid_comparison"
+    assert v["reasons"][0].startswith("engine_error"), v["reasons"]
+    receipt = (run / "receipt.json")
+    assert receipt.is_file(), detail
+    assert "engine_error" in receipt.read_text()
+    # the real engine still runs the containers the cut controller could not remove;
+    # gc (owner gone) removes exactly those
+    real = cli_env(tmp)
+    real.pop("DOCKER_HOST", None)
+    gc = run_cli("gc", env=real)
+    assert gc.returncode == 0, gc.stdout + gc.stderr
+    assert run_containers(rid) == []
+    assert list(tmp.iterdir()) == [], list(tmp.iterdir())

@@ -1,0 +1,152 @@
+"""SIGTERM, SIGINT and SIGKILL at each stage of `cyclebox cycle run` (real engine, CLI).
+
+Expect: 0 containers with the run's label (after `cyclebox gc` for SIGKILL), 0 gateway
+socket directories and 0 temporary files left (the CLI gets a private TMPDIR; the
+state directory is compared before and after), exit within the spec's 10 s, and for
+SIGTERM/SIGINT verdict.json says `interrupted`, exit 130 and `receipt verify` passes.
+
+Cost: one signal per stage rather than the full 5x3 cross product — every signal at
+the baseline (cheap: the stage starts seconds in) and one each at evaluate (SIGINT),
+propose (SIGTERM), apply (SIGKILL) and candidate (SIGTERM and SIGINT), the later
+stages costing a whole baseline each. The candidate's agent sleeps (it sees the
+edited prompt), so a signal there always lands mid-stage. A last test sends SIGINT
+while a model call hangs on a slow OpenAI-compatible upstream (a local server).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import signal
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from runner.paths import PROJECT_ROOT, state_dir
+from tests.fixtures.cycle_project import (
+    EXAMPLE,
+    SIGNALS,
+    cli_env,
+    example_agent,
+    project_with_agent,
+    run_cli,
+    run_containers,
+    run_id,
+    signal_and_wait,
+    stage_started,
+    start_cycle,
+    verdict,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+EXIT_BOUND_S = 10.0  # SPEC bound for a signal to end the controller, not a benchmark
+
+BASE_PROMPT_SHA = hashlib.sha256(
+    (EXAMPLE / "project" / "prompts" / "system.md").read_bytes()).hexdigest()
+SLOW_CANDIDATE = f'''
+import hashlib as _h, time as _t
+from pathlib import Path as _P
+if _h.sha256(_P("/src/prompts/system.md").read_bytes()).hexdigest() != "{BASE_PROMPT_SHA}":
+    _t.sleep(100)  # the candidate: stay in the stage until the signal comes
+'''
+
+CASES = [("baseline", "SIGTERM"), ("baseline", "SIGINT"), ("baseline", "SIGKILL"),
+         ("evaluate-baseline", "SIGINT"), ("propose", "SIGTERM"), ("apply", "SIGKILL"),
+         ("candidate", "SIGTERM"), ("candidate", "SIGINT")]
+
+
+def _state_files() -> set[str]:
+    root = state_dir()
+    return {str(p.relative_to(root)) for p in root.glob("*")} | \
+        {str(p.relative_to(root)) for p in (root / "logs").glob("*")}
+
+
+@pytest.mark.parametrize(("stage", "sig_name"), CASES)
+def test_signal_at_stage_leaves_nothing(stage: str, sig_name: str, tmp_path: Path) -> None:
+    agent = example_agent().replace("from __future__ import annotations\n",
+                                    "from __future__ import annotations\n" + SLOW_CANDIDATE, 1)
+    cycle = project_with_agent(tmp_path / "cyc", agent)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = cli_env(tmp)
+    run = tmp_path / "run"
+    before = _state_files()
+    proc = start_cycle(cycle, run, env)
+    wait_for(lambda: stage_started(run, stage), proc, f"stage {stage} started")
+    rid = run_id(run)
+    elapsed, out, err = signal_and_wait(proc, SIGNALS[sig_name])
+    detail = f"rc {proc.returncode} after {elapsed:.1f}s\n{out}\n{err}"
+
+    assert elapsed < EXIT_BOUND_S, detail
+    if sig_name == "SIGKILL":
+        assert proc.returncode == -signal.SIGKILL, detail
+        gc = run_cli("gc", env=env)
+        assert gc.returncode == 0, gc.stdout + gc.stderr
+    else:
+        assert proc.returncode == 130, detail
+        assert "Traceback" not in err, detail
+        assert verdict(run)["verdict"] == "invalid_comparison"
+        assert verdict(run)["reasons"] == ["interrupted"], detail
+        res = run_cli("receipt", "verify", str(run), env=env)
+        assert res.returncode == 0, res.stdout + res.stderr
+    assert run_containers(rid) == [], detail
+    assert list(tmp.iterdir()) == [], f"left in TMPDIR: {list(tmp.iterdir())}"
+    assert _state_files() == before, "new files in the state directory"
+    assert not list(run.rglob("*.gitconfig")) or sig_name == "SIGKILL"
+    assert PROJECT_ROOT.exists()
+
+
+class _SlowModel(BaseHTTPRequestHandler):
+    """An OpenAI-compatible upstream that never answers in time."""
+
+    release = threading.Event()
+    received = threading.Event()
+
+    def log_message(self, *_args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        self.received.set()
+        self.release.wait(120)
+        with contextlib.suppress(OSError):
+            self.send_response(503)
+            self.end_headers()
+
+
+def test_sigint_during_slow_model_call_exits_promptly(tmp_path: Path) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowModel)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cyc = project_with_agent(tmp_path / "cyc", example_agent())
+        doc = yaml.safe_load(cyc.read_text())
+        doc["upstreams"]["target"] = {
+            "provider": "openai", "base_url": f"http://127.0.0.1:{server.server_port}/v1",
+            "credential": {"env": "CYCLEBOX_TEST_SLOW_KEY"}, "models": ["fixture-target"],
+            "max_tokens": 1024,
+            "prices": {"fixture-target": {"input_per_mtok": 0.15, "output_per_mtok": 0.6}}}
+        cyc.write_text(yaml.safe_dump(doc))
+        tmp = tmp_path / "tmp"
+        tmp.mkdir()
+        env = cli_env(tmp, CYCLEBOX_TEST_SLOW_KEY="not-a-real-key")
+        run = tmp_path / "run"
+        proc = start_cycle(cyc, run, env)
+        # a model call is in flight (the upstream holds it) when the signal comes
+        wait_for(_SlowModel.received.is_set, proc, "a model call in flight", timeout=120)
+        rid = run_id(run)
+        elapsed, out, err = signal_and_wait(proc, signal.SIGINT)
+    finally:
+        _SlowModel.release.set()
+        server.shutdown()
+    detail = f"rc {proc.returncode} after {elapsed:.1f}s\n{out}\n{err}"
+    assert elapsed < EXIT_BOUND_S, detail
+    assert proc.returncode == 130, detail
+    assert verdict(run)["reasons"] == ["interrupted"]
+    assert run_containers(rid) == []
+    assert list(tmp.iterdir()) == []
