@@ -12,7 +12,6 @@ the run would crash (no verdict, no receipt, exit 1 or 10) or the case would be 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from tests.fixtures.cycle_project import (
     run_cli,
     verdict,
 )
+from tests.fixtures.deep import remove_deep
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -73,23 +73,6 @@ elif attack == "deep_dirs":
         os.chdir("d")
     Path("leaf.txt").write_text("deep")
 '''
-
-
-def remove_deep(top: Path) -> None:
-    """Remove a tree bottom-up without recursion: pytest's own temp cleanup
-    (shutil.rmtree, recursive on 3.11) would die on the 1000-deep directory."""
-    dirs, stack = [], [str(top)]
-    while stack:
-        d = stack.pop()
-        dirs.append(d)
-        with os.scandir(d) as it:
-            for e in it:
-                if e.is_dir(follow_symlinks=False):
-                    stack.append(e.path)
-                else:
-                    os.unlink(e.path)
-    for d in reversed(dirs):
-        os.rmdir(d)
 
 
 @pytest.fixture

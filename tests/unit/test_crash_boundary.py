@@ -26,6 +26,7 @@ from runner.errors import (
 )
 from runner.failures import classify, one_line
 from runner.hashing import canonical_bytes, write_json
+from tests.fixtures.deep import remove_deep
 
 CLI = str(Path(sys.executable).with_name("cyclebox"))
 
@@ -111,13 +112,16 @@ def _deep(root: Path, depth: int) -> Path:
 def test_deep_trees_are_walked_iteratively(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    _deep(out, 1500)
-    with pytest.raises(OutputRejected, match="nested deeper than 16"):
-        collect(out)
-    _used, entries = dir_usage(out)
-    assert entries == 1501
-    files, escaped = _files(tmp_path)
-    assert len(files) == 1 and next(iter(files)).endswith("/d/leaf") and escaped == {}
+    try:
+        _deep(out, 1500)
+        with pytest.raises(OutputRejected, match="nested deeper than 16"):
+            collect(out)
+        _used, entries = dir_usage(out)
+        assert entries == 1501
+        files, escaped = _files(tmp_path)
+        assert len(files) == 1 and next(iter(files)).endswith("/d/leaf") and escaped == {}
+    finally:
+        remove_deep(out)
 
 
 def test_receipt_walk_keeps_non_utf8_names_apart(tmp_path: Path) -> None:
@@ -130,9 +134,16 @@ def test_receipt_walk_keeps_non_utf8_names_apart(tmp_path: Path) -> None:
 
 
 def test_cli_unexpected_error_is_one_line_naming_a_log(tmp_path: Path) -> None:
+    # A bug inside a command (here: `version` made to raise) goes through main()'s boundary.
     env = dict(os.environ, CYCLEBOX_STATE_DIR=str(tmp_path / "state"))
-    res = subprocess.run([CLI, "receipt", "compare", str(tmp_path / "a"), str(tmp_path / "b")],
-                         capture_output=True, text=True, env=env, check=False, timeout=60)
+    code = ("import sys, runner.cli as c\n"
+            "def boom(): raise FileNotFoundError(2, 'planted bug', '/nowhere')\n"
+            "cmd = next(x for x in c.app.registered_commands if x.callback.__name__ == 'version')\n"
+            "cmd.name, cmd.callback = 'version', boom\n"
+            "sys.argv = ['cyclebox', 'version']\n"
+            "c.main()\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, check=False, timeout=60)
     assert res.returncode == EXIT_UNEXPECTED, res.stderr
     assert "Traceback" not in res.stderr + res.stdout
     lines = [line for line in res.stderr.splitlines() if line.strip()]
