@@ -55,7 +55,7 @@ gvisor: docker ## Make runtime runsc (gVisor) usable: install runsc, merge it in
 images: setup docker ## Build the base and role images offline (unchanged inputs: no-op)
 	$(CYCLEBOX) images build
 
-check: setup ## Lint (ruff) and type-check (mypy strict on runner and sandbox)
+check: setup ## Lint (ruff), type-check (mypy strict on runner and sandbox), lint the CI example (actionlint)
 	$(BIN)/ruff check runner sandbox tests bench
 	$(BIN)/mypy
 	$(BIN)/actionlint examples/ci/*.yml
