@@ -260,15 +260,17 @@ def gc(all_: Annotated[bool, typer.Option("--all", help="Remove every cyclebox c
                                              "remove nothing.")] = False,
        json_out: JsonOpt = False) -> None:
     """Remove cyclebox-labelled containers whose owner process is gone, and stale gateway
-    socket directories; print what it removed (or, with --dry-run, would remove)."""
+    socket and input staging directories; print what it removed (or, with --dry-run,
+    would remove)."""
     from dataclasses import asdict
 
     from runner.docker_backend import DockerSandbox
-    from runner.gc import sweep_containers, sweep_socket_dirs
+    from runner.gc import sweep_containers, sweep_socket_dirs, sweep_staging_dirs
 
     try:
         results = sweep_containers(DockerSandbox(), only_orphans=not all_, dry_run=dry_run)
         results += [r for r in sweep_socket_dirs(dry_run=dry_run) if r.would_remove]
+        results += [r for r in sweep_staging_dirs(dry_run=dry_run) if r.would_remove]
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
@@ -277,15 +279,18 @@ def gc(all_: Annotated[bool, typer.Option("--all", help="Remove every cyclebox c
     for r in results:
         verb = ("would remove" if dry_run and r.would_remove else
                 "removed" if r.removed else "kept")
-        what = "socket dir" if r.kind == "socket_dir" else "container"
+        what = {"socket_dir": "socket dir", "staging_dir": "staging dir"}.get(r.kind,
+                                                                            "container")
         out.print(f"{verb} {safe(r.name)} ({what}, run {safe(r.run_id)}, "
                   f"role {safe(r.role)}): {safe(r.reason)}", highlight=False)
     verb = "would be removed" if dry_run else "removed"
     done = [r for r in results if (r.would_remove if dry_run else r.removed)]
     n_cont = sum(r.kind == "container" for r in done)
     kept = sum(r.kind == "container" for r in results) - n_cont
+    n_sock = sum(r.kind == "socket_dir" for r in done)
     out.print(f"{n_cont} container(s) {verb}, {kept} kept; "
-              f"{len(done) - n_cont} gateway socket dir(s) {verb}"
+              f"{n_sock} gateway socket dir(s) {verb}; "
+              f"{len(done) - n_cont - n_sock} input staging dir(s) {verb}"
               + (" (dry run: nothing removed)" if dry_run else ""), highlight=False)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import secrets
 import shutil
@@ -23,7 +24,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +214,16 @@ def _seed_tar(spec: RunSpec, links: dict[str, str]) -> bytes | None:
     return buf.getvalue()
 
 
+STAGING_OWNER = "owner.json"
+
+
+def staging_base() -> Path:
+    """Where per-run input copies live: ``$CYCLEBOX_STAGING_DIR`` or
+    ``<tmp>/cyclebox-staging-<uid>``."""
+    return Path(os.environ.get(STAGING_ENV)
+                or Path(tempfile.gettempdir()) / f"cyclebox-staging-{os.getuid()}")
+
+
 class _Staging:
     """Bind sources the container cannot map back to the operator's paths.
 
@@ -229,8 +240,7 @@ class _Staging:
                 mounts.append(m)
                 continue
             if self.dir is None:
-                base = Path(os.environ.get(STAGING_ENV)
-                            or Path(tempfile.gettempdir()) / f"cyclebox-staging-{os.getuid()}")
+                base = staging_base()
                 base.mkdir(mode=0o711, exist_ok=True)
                 if base.is_symlink() or base.stat().st_uid != os.getuid():
                     raise SandboxError(f"staging directory {base} is not ours; "
@@ -238,6 +248,9 @@ class _Staging:
                 self.dir = Path(tempfile.mkdtemp(prefix="", dir=base))
                 # traversable (not listable) by the role uid, which may differ from ours
                 os.chmod(self.dir, 0o711)  # noqa: S103
+                # Beside the mounted m<i> directories, never in one: `cyclebox gc`
+                # removes the staging copies of a controller that was SIGKILLed.
+                (self.dir / STAGING_OWNER).write_text(json.dumps(asdict(current_owner())))
             dest = self.dir / f"m{i}"
             _link_tree(Path(m.source), dest)
             mounts.append(m.model_copy(update={"source": dest}))

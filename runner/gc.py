@@ -101,3 +101,34 @@ def sweep_socket_dirs(tmp: Path | None = None, *, dry_run: bool = False) -> list
                                    reason="owner gone" if alive is False else "owner running",
                                    kind="socket_dir", would_remove=alive is False))
     return results
+
+
+def sweep_staging_dirs(base: Path | None = None, *, dry_run: bool = False
+                       ) -> list[SweepResult]:
+    """Remove per-run input staging copies whose owning controller is gone (a SIGKILLed
+    controller cannot remove its own); only directories holding our owner record."""
+    import json
+    import shutil
+
+    from runner.docker_backend import STAGING_OWNER, staging_base
+
+    root = base or staging_base()
+    if root.is_symlink() or not root.is_dir():
+        return []
+    here = current_owner()
+    results = []
+    for d in sorted(root.iterdir()):
+        if d.is_symlink() or not d.is_dir() or not (d / STAGING_OWNER).is_file():
+            continue
+        try:
+            owner = Owner(**json.loads((d / STAGING_OWNER).read_text()))
+            alive = owner_alive(owner, here=here)
+        except (OSError, ValueError, TypeError):
+            alive = False
+        if alive is False and not dry_run:
+            shutil.rmtree(d, ignore_errors=True)
+        results.append(SweepResult(name=str(d), run_id="?", role="input-staging",
+                                   removed=alive is False and not dry_run,
+                                   reason="owner gone" if alive is False else "owner running",
+                                   kind="staging_dir", would_remove=alive is False))
+    return results

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from runner.gc import judge
@@ -50,3 +52,29 @@ def test_gc_judgement() -> None:
     assert judge(other_boot, HERE, only_orphans=True)[0] is True
     other_host = {**LABELS, "io.cyclebox.owner_host": "elsewhere"}
     assert judge(other_host, HERE, only_orphans=True)[0] is False
+
+
+def test_gc_sweeps_staging_copies_of_a_dead_controller(tmp_path: Path) -> None:
+    import json
+    from dataclasses import asdict, replace
+
+    from runner.gc import sweep_staging_dirs
+    from runner.owner import current_owner
+
+    me = current_owner()
+    dead = replace(me, start=me.start + 1)  # same pid, another start time: gone
+    for name, owner in (("live", me), ("dead", dead)):
+        (tmp_path / name / "m0").mkdir(parents=True)
+        (tmp_path / name / "m0" / "input.txt").write_text("x")
+        (tmp_path / name / "owner.json").write_text(json.dumps(asdict(owner)))
+    (tmp_path / "not-ours").mkdir()  # no owner record: never touched
+
+    dry = {r.name.rsplit("/", 1)[-1]: r for r in sweep_staging_dirs(tmp_path, dry_run=True)}
+    assert dry["dead"].would_remove and not dry["dead"].removed
+    assert not dry["live"].would_remove and "not-ours" not in dry
+    assert (tmp_path / "dead").exists()
+
+    done = {r.name.rsplit("/", 1)[-1]: r for r in sweep_staging_dirs(tmp_path)}
+    assert done["dead"].removed and not (tmp_path / "dead").exists()
+    assert (tmp_path / "live" / "m0" / "input.txt").exists()
+    assert (tmp_path / "not-ours").exists()
