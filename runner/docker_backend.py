@@ -139,7 +139,10 @@ class _CopyOut:
             fin.detail = "the holder could not protect its output stream (dumpable)"
             return fin
         df = pre.get("df") if isinstance(pre.get("df"), dict) else None
-        full = df is not None and (df.get("bfree") == 0 or df.get("ffree") == 0)
+        # gVisor's tmpfs reports no inode counts (files 0): only a real count can be full;
+        # the host's extractor still caps entries there.
+        full = df is not None and (df.get("bfree") == 0 or (
+            df.get("ffree") == 0 and isinstance(df.get("files"), int) and df["files"] > 0))
         if full:
             fin.limit = True
             fin.detail = (f"output tmpfs full ({spec.output_cap_bytes} bytes, "
@@ -503,7 +506,12 @@ class DockerSandbox:
         engine has not started yet reports neither running nor an exit code."""
         step = 0.01
         while True:
-            info = self.client.api.exec_inspect(exec_id)
+            try:
+                info = self.client.api.exec_inspect(exec_id)
+            except docker.errors.NotFound:
+                # The engine drops an exec with its container (the holder exited after a
+                # stop): the command is gone and its code unknown.
+                return None, False
             code = info.get("ExitCode")
             # not running *and* an exit code: an exec not yet started shows neither
             if not info.get("Running") and code is not None:
