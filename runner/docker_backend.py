@@ -35,9 +35,10 @@ from docker.models.containers import _create_container_args
 
 from runner.collect import loads_strict
 from runner.copyout import CopyLimits, CopyRefused, Extracted, extract
-from runner.errors import OutputRejected, PrerequisiteError, SandboxError
+from runner.errors import OutputRejected, PolicyViolation, PrerequisiteError, SandboxError
 from runner.hardening import MANAGED_LABEL, create_kwargs, exec_kwargs, holder_argv
 from runner.owner import Owner, current_owner
+from runner.policy import mount_violation
 from runner.sandbox import OutputCallback, RunFlags, RunRecord, RunSpec, classify_stop
 
 TAIL_BYTES = 64 * 1024
@@ -237,11 +238,25 @@ class _Staging:
 
     def __init__(self, spec: RunSpec) -> None:
         self.dir: Path | None = None
+        # The mount rules apply to what the caller named, not to the staged copy (which
+        # always lies in a harmless place): every source is checked before any copy.
+        for i, m in enumerate(spec.mounts):
+            if m.gateway:
+                continue
+            why = mount_violation(str(m.source), read_only=m.read_only)
+            if why is not None:
+                raise PolicyViolation(why, field=f"mounts[{i}]",
+                                      fix="mount a project or data directory, read-only")
+            if Path(m.source).is_symlink():
+                raise PolicyViolation(f"{m.source} is a symlink; a mount source must be the "
+                                      "directory or file itself", field=f"mounts[{i}]",
+                                      fix="pass the resolved path")
         mounts = []
         for i, m in enumerate(spec.mounts):
             if m.gateway:
                 mounts.append(m)
                 continue
+            source = Path(m.source)
             if self.dir is None:
                 base = staging_base()
                 base.mkdir(mode=0o711, exist_ok=True)
@@ -255,7 +270,7 @@ class _Staging:
                 # removes the staging copies of a controller that was SIGKILLed.
                 (self.dir / STAGING_OWNER).write_text(json.dumps(asdict(current_owner())))
             dest = self.dir / f"m{i}"
-            _link_tree(Path(m.source), dest)
+            _link_tree(source, dest)
             mounts.append(m.model_copy(update={"source": dest}))
         self.spec = spec.model_copy(update={"mounts": tuple(mounts)})
 

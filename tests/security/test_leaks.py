@@ -96,3 +96,23 @@ def test_no_setuid_or_world_writable_on_host(run_role: RunFn) -> None:
         seen += 1
     assert seen == 6
     assert (out / "suid").read_bytes() == b"x"
+
+
+@pytest.mark.parametrize("source", ["/etc", "/root", "/var/run"])
+def test_staging_checks_the_callers_source_not_the_staged_copy(source: str,
+                                                               tmp_path: Path) -> None:
+    """The staged copy always lies in a harmless place; the mount rules must judge what
+    the caller named (a `--base-model ~` must not be staged and mounted)."""
+    from runner.docker_backend import _Staging
+    from runner.errors import PolicyViolation
+    from runner.sandbox import Mount, Resources, RunSpec
+
+    spec = RunSpec(run_id="t", role="analyst", image="img", command=("true",),
+                   user="10001:10001", mounts=(Mount(source=Path(source), target="/in"),),
+                   resources=Resources(memory_bytes=1 << 28, cpus=1, pids=64), timeout_s=5)
+    with pytest.raises(PolicyViolation, match="host system directory"):
+        _Staging(spec)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    with pytest.raises(PolicyViolation, match="symlink"):
+        _Staging(spec.model_copy(update={"mounts": (Mount(source=link, target="/in"),)}))
