@@ -125,7 +125,8 @@ def apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
     except OutputRejected as exc:
         # A planted symlink, FIFO, hard link or oversize file: recorded, never followed.
         result = {"status": "refused", "reason": "output_refused",
-                  "message": f"{exc}; container {rec.stop_reason.value}"}
+                  "message": f"{exc}; container {rec.stop_reason.value}"
+                             + (f" ({rec.detail})" if rec.detail else "")}
     if result.get("status") == "applied" and rec.stop_reason is StopReason.OK and not (
             isinstance(result.get("commit"), str) and len(result["commit"]) in (40, 64)
             and all(ch in "0123456789abcdef" for ch in result["commit"])):

@@ -158,14 +158,16 @@ def test_result_json_symlink_not_followed(repo: Path, tmp_path: Path) -> None:
     result = _hostile_apply(tmp_path, repo,
                             f"import os; os.symlink({str(lure)!r}, '/work/out/result.json')")
     assert result["reason"] == "output_refused", result
-    assert "symlink refused" in result["message"]
+    # refused at copy-out (never reaches the host) or by the host's reader
+    assert "symlink refused" in result["message"], result
 
 
 @pytest.mark.docker
 def test_result_json_fifo_does_not_block(repo: Path, tmp_path: Path) -> None:
     result = _hostile_apply(tmp_path, repo, "import os; os.mkfifo('/work/out/result.json')")
     assert result["reason"] == "output_refused", result
-    assert "not a regular file (fifo)" in result["message"]
+    assert ("not a regular file (fifo)" in result["message"]
+            or "fifo" in result["message"].lower()), result
 
 
 @pytest.mark.docker
