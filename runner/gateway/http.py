@@ -2,9 +2,14 @@
 :class:`GatewayLimits` (the gateway's only listener; no uvicorn private state).
 
 Invariants, per binding (one listener):
-- at most ``max_connections`` connections; one more is answered 503 and closed;
+- at most ``max_connections`` connections; one more is answered 503 and closed; a
+  connection stays counted until its request's handler task ends, even if the client
+  has gone, so at most ``max_connections`` handler tasks run at once;
 - a request head larger than ``max_header_bytes`` or slower than ``header_timeout_s``
-  is refused (431/408) before anything else is read;
+  is refused (431/408) before anything else is read; trailers (fields after a chunked
+  body) are refused (400), and a message's bytes that are not body (head, chunk lines,
+  trailer bytes still inside the parser) are bounded by ``max_header_bytes`` plus a
+  small allowance per chunk, so no field data grows without bound;
 - the handler sees the head (route, token) *before* any body byte is kept, so a
   refused request costs its head, never its body;
 - a body larger than the handler's limit is refused as soon as its length is known,
@@ -32,6 +37,10 @@ from typing import Protocol
 import httptools
 
 from runner.gateway.config import GatewayLimits
+
+# Bytes a chunk's own framing may take beyond its data: a size line ("ffffffff\r\n"), the
+# CRLF after the data, and room for a short extension.
+CHUNK_LINE_ALLOWANCE = 64
 
 REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
            404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
@@ -150,6 +159,9 @@ class Connection(asyncio.Protocol):
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.head_bytes = 0
+        self.field_bytes = 0
+        self.wire_bytes = 0
+        self.chunks = 0
         self.head: Head | None = None
         self.parts: list[bytes] = []
         self.body_len = 0
@@ -187,10 +199,10 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.l.connections.discard(self)
         if self.timer is not None:
             self.timer.cancel()
-        if not self.busy:
+        if not self.busy:  # else the running task releases and un-counts it when it ends
+            self.l.connections.discard(self)
             self._release()
 
     def data_received(self, data: bytes) -> None:
@@ -201,6 +213,8 @@ class Connection(asyncio.Protocol):
             self._timer(self.l.limits.header_timeout_s, self._head_timeout)
         if self.head is None:
             self.head_bytes += len(data)
+        if not self.busy:
+            self.wire_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -214,6 +228,14 @@ class Connection(asyncio.Protocol):
                 and self.head_bytes > self.l.limits.max_header_bytes:
             self._refuse(431, "header_too_large",
                          f"request head over {self.l.limits.max_header_bytes} bytes")
+        elif self.head is not None and not self.busy and not self.refused \
+                and self.wire_bytes - self.body_len > \
+                self.l.limits.max_header_bytes + CHUNK_LINE_ALLOWANCE * self.chunks:
+            # Bytes the parser took that are neither body nor a short chunk line: a
+            # trailer field still being accumulated inside httptools, or chunk noise.
+            self._refuse(431, "header_too_large",
+                         f"request head and framing over {self.l.limits.max_header_bytes} "
+                         "bytes")
 
     def abort(self) -> None:
         self.closed = True
@@ -229,7 +251,20 @@ class Connection(asyncio.Protocol):
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.refused:
+            return
+        if self.head is not None:  # httptools reports trailer fields here too
+            self._refuse(400, "bad_http", "trailers not accepted")
+            return
+        self.field_bytes += len(name) + len(value)
+        if self.field_bytes > self.l.limits.max_header_bytes:
+            self._refuse(431, "header_too_large",
+                         f"request head over {self.l.limits.max_header_bytes} bytes")
+            return
         self.headers.append((name.lower(), value))
+
+    def on_chunk_header(self) -> None:
+        self.chunks += 1
 
     def on_headers_complete(self) -> None:
         if self.refused:
@@ -324,6 +359,8 @@ class Connection(asyncio.Protocol):
         finally:
             self.busy = False
             self._release()
+            if self.closed:  # the client has gone (or is being closed): free its slot
+                self.l.connections.discard(self)
         keep = head.keep_alive and not self.closed
         self._send(reply, keep_alive=keep)
         if keep and self.transport is not None:
@@ -345,9 +382,15 @@ class Connection(asyncio.Protocol):
         self.refused = True
         received = b"".join(self.parts)
         self.parts = []
-        self._release()
+        head = self.head
+        if self.busy:
+            # A second message while the first is handled: the first's body is still
+            # held by its task (which releases it), and this refusal is not about it.
+            head, received = None, b""
+        else:
+            self._release()
         try:
-            reply = self.l.handler.refuse(self.head, status, code, message, received)
+            reply = self.l.handler.refuse(head, status, code, message, received)
         except Exception as exc:
             print(f"cyclebox gateway: could not record refusal {code}: {exc!r}",
                   file=sys.stderr)
