@@ -328,7 +328,17 @@ def _freeze_seccomp(role: str, pol: RolePolicy, inputs: Path,
     if load_profile(inputs / name, field=field).sha256 != src.sha256:
         raise ConfigError(f"{src.path} changed while it was being frozen", field=field,
                           fix="freeze again")
-    return pol.model_copy(update={"seccomp": str(inputs / name)})
+    # Relative to the run directory (``inputs/seccomp/...``), so the frozen role policy
+    # hashes the same in a recorded and a replayed run; see :func:`frozen_role`.
+    return pol.model_copy(update={"seccomp": f"{inputs.name}/{name}"})
+
+
+def frozen_role(plan: Plan, run_dir: Path, role: str) -> RolePolicy:
+    """The plan's policy for ``role`` with its frozen seccomp copy resolved in ``run_dir``."""
+    pol = plan.roles[role]
+    if pol.seccomp and not Path(pol.seccomp).is_absolute():
+        return pol.model_copy(update={"seccomp": str(run_dir / pol.seccomp)})
+    return pol
 
 
 def _policy(policy: ComparisonPolicy, manifest: Manifest, cycle: CycleFile,

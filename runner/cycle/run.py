@@ -32,6 +32,7 @@ from runner.cycle.models import ComparisonResult, Grades, Identities, Record, Sc
 from runner.cycle.plan import (
     check_drift,
     check_upstreams,
+    frozen_role,
     load_frozen_manifest,
     load_plan,
     plan_lock,
@@ -269,7 +270,7 @@ class CycleRunner:
              output_target: str = "/out", env: dict[str, str] | None = None) -> RunRecord:
         if self._stopping.is_set():
             raise StageFailed("stopping: no new container is started")
-        policy = self.plan.roles[role]
+        policy = frozen_role(self.plan, self.dir, role)
         labels = {"io.cyclebox.stage": stage}
         if case is not None:
             labels["io.cyclebox.case"] = case
