@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from runner import gitops
 from runner.collect import loads_strict
 from runner.cycle.run import Outcome
 from runner.errors import ConfigError, IntegrityError, OutputRejected
@@ -31,6 +32,19 @@ from runner.signing import ENVELOPE
 
 SCHEMA = 1
 RECEIPT = "receipt.json"
+CANDIDATE_GIT = "stages/apply/candidate.git"
+"""The host-made bare clone of the apply stage (runner.cycle.apply): bound through the
+commit and tree ids, which ``verify`` recomputes from it."""
+_UNBOUND_FILES = frozenset({RECEIPT, ENVELOPE})
+_UNBOUND_DIRS = (CANDIDATE_GIT + "/", "stages/apply/work/repo/.git/")
+
+
+def _unbound(rel: str) -> bool:
+    """Files of a run directory the receipt does not bind, one rule for the writer's walk
+    and ``verify``: the top-level receipt and its signature, and the two git directories
+    of the apply stage, matched by exact path (a role's ``out/candidate.git/`` or
+    ``out/receipt.json`` is bound like any other output)."""
+    return rel in _UNBOUND_FILES or rel.startswith(_UNBOUND_DIRS)
 
 
 def _files(root: Path) -> tuple[dict[str, str], dict[str, str]]:
@@ -55,11 +69,11 @@ def _files(root: Path) -> tuple[dict[str, str], dict[str, str]]:
             if e.is_dir(follow_symlinks=False):
                 stack.append(rel_b)
                 continue
-            if not e.is_file(follow_symlinks=False) or e.name == RECEIPT.encode():
+            if not e.is_file(follow_symlinks=False):
                 continue
             rel = rel_b.decode("utf-8", "backslashreplace")
-            if "/candidate.git/" in f"/{rel}" or "/work/repo/.git/" in f"/{rel}":
-                continue  # git internals: bound through the commit and tree ids instead
+            if _unbound(rel):
+                continue  # the receipt itself; git internals bound through commit/tree ids
             try:
                 rel_b.decode("utf-8")
                 target = out
@@ -208,13 +222,6 @@ _MAX_DEPTH = 64
 
 class _Unreadable(Exception):
     """A named file cannot be opened safely; the message says why."""
-
-
-def _unbound(rel: str) -> bool:
-    """Files of a run directory the receipt does not bind (same rule as the writer's walk):
-    the receipt itself, its signature, and git internals bound through commit/tree ids."""
-    return (rel.rsplit("/", 1)[-1] == RECEIPT or rel == ENVELOPE
-            or "/candidate.git/" in f"/{rel}" or "/work/repo/.git/" in f"/{rel}")
 
 
 def _name_problem(rel: str) -> str | None:
@@ -388,15 +395,12 @@ def _verify_at(root_fd: int, run_dir: Path) -> list[str]:
                 continue
             rel = shown
         problems.append(f"{rel}: present in the run directory but not named by the receipt")
-    external = receipt.get("external", {})
-    for name, ext in sorted(external.items() if isinstance(external, dict) else []):
-        try:
-            p = Path(ext["path"])
-            ok = p.is_file() and sha256_file(p) == ext["sha256"]
-        except (KeyError, TypeError, OSError):
-            p, ok = Path("?"), False
-        if not ok:
-            problems.append(f"{name} ({p}): missing or changed")
+    if isinstance(not_utf8, dict):
+        shown_present = {os.fsencode(n).decode("utf-8", "backslashreplace")
+                         for n in _present(root_fd)}
+        problems += [f"{shown}: missing" for shown in sorted(set(not_utf8) - shown_present)]
+    problems += _candidate_problems(root_fd, run_dir, receipt)
+    plan: Any = None
     try:
         plan = loads_strict(_read_in(root_fd, "plan.json"), source="plan.json")
         ok = (plan.get("plan_hash") == receipt.get("plan_hash")
@@ -405,4 +409,91 @@ def _verify_at(root_fd: int, run_dir: Path) -> list[str]:
         ok = False
     if not ok:
         problems.append("plan.json: plan_hash differs from the receipt")
+    data_dir = plan.get("plan", {}).get("data_dir") if isinstance(plan, dict) and isinstance(
+        plan.get("plan"), dict) else None
+    external = receipt.get("external", {})
+    for name, ext in sorted(external.items() if isinstance(external, dict) else []):
+        why = _external_problem(data_dir, ext)
+        if why is not None:
+            at = ext.get("path") if isinstance(ext, dict) else None
+            problems.append(f"{name} ({at if isinstance(at, str) else '?'}): {why}")
     return problems
+
+
+_MAX_EXTERNAL_BYTES = 1 << 32
+"""Largest data store ``verify`` hashes; a receipt naming a larger file fails on it."""
+
+
+def _external_problem(data_dir: object, ext: object) -> str | None:
+    """Why an ``external`` entry does not match, or None. Only a file under the plan's
+    ``data_dir`` is read (a hostile receipt cannot make verify hash arbitrary host files),
+    opened with ``O_NOFOLLOW`` on every component below it, regular and size-capped."""
+    if not isinstance(ext, dict) or not isinstance(ext.get("path"), str) \
+            or not isinstance(ext.get("sha256"), str):
+        return "malformed entry (needs path and sha256)"
+    if not isinstance(data_dir, str) or not data_dir.startswith("/"):
+        return "plan.json names no absolute data_dir; external files are not read"
+    root = data_dir.rstrip("/") or "/"
+    path: str = ext["path"]
+    prefix = root if root.endswith("/") else root + "/"
+    if not path.startswith(prefix):
+        return f"outside the plan's data_dir {data_dir}; refused without reading"
+    rel = path[len(prefix):]
+    why = _name_problem(rel)
+    if why is not None:
+        return why
+    try:
+        dfd = os.open(root, _DIR_FLAGS & ~os.O_NOFOLLOW)
+    except OSError as exc:
+        return f"cannot open data_dir: {exc.strerror}"
+    try:
+        fd = _open_in(dfd, rel)
+    except _Unreadable as exc:
+        return str(exc)
+    finally:
+        os.close(dfd)
+    with os.fdopen(fd, "rb") as f:
+        if os.fstat(f.fileno()).st_size > _MAX_EXTERNAL_BYTES:
+            return f"larger than {_MAX_EXTERNAL_BYTES} bytes; refused"
+        h = hashlib.sha256()
+        left = _MAX_EXTERNAL_BYTES + 1
+        while left > 0 and (chunk := f.read(min(1 << 20, left))):
+            h.update(chunk)
+            left -= len(chunk)
+    if left <= 0:
+        return f"larger than {_MAX_EXTERNAL_BYTES} bytes; refused"
+    return None if h.hexdigest() == ext["sha256"] else "sha256 differs from the receipt"
+
+
+def _candidate_problems(root_fd: int, run_dir: Path, receipt: dict[str, Any]) -> list[str]:
+    """The candidate tree recomputed from the apply stage's bare clone (left out of
+    ``files``, bound by this id instead): the commit comes from the bound
+    stages/apply/result.json, its tree must equal the receipt's ``candidate_tree``."""
+    outcome = receipt.get("outcome")
+    tree = outcome.get("candidate_tree") if isinstance(outcome, dict) else None
+    if tree is None:
+        return []
+    where = f"{CANDIDATE_GIT} (outcome.candidate_tree)"
+    try:
+        result = loads_strict(_read_in(root_fd, "stages/apply/result.json"),
+                              source="stages/apply/result.json")
+    except (_Unreadable, OutputRejected) as exc:
+        return [f"{where}: no readable stages/apply/result.json ({exc})"]
+    commit = result.get("commit") if isinstance(result, dict) else None
+    if not isinstance(commit, str):
+        return [f"{where}: stages/apply/result.json names no commit"]
+    parts = CANDIDATE_GIT.split("/")
+    for i in range(len(parts)):
+        try:
+            st = os.lstat("/".join(parts[:i + 1]), dir_fd=root_fd)
+        except OSError as exc:
+            return [f"{where}: {'/'.join(parts[:i + 1])}: {exc.strerror or 'missing'}"]
+        if not stat.S_ISDIR(st.st_mode):
+            return [f"{where}: {'/'.join(parts[:i + 1])} is not a directory (links refused)"]
+    try:
+        got = gitops.commit_tree(run_dir / CANDIDATE_GIT, commit)
+    except (ConfigError, IntegrityError) as exc:
+        return [f"{where}: cannot recompute the tree of {commit[:80]}: {exc}"]
+    if got != tree:
+        return [f"{where}: tree of commit {commit} is {got}, the receipt says {tree}"]
+    return []

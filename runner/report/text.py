@@ -4,21 +4,32 @@ from __future__ import annotations
 
 import html
 import re
+import unicodedata
 
-# C0/C1 controls, DEL, bidi overrides/isolates, line/paragraph separators: they can move
-# the cursor, recolour a terminal or reorder what a reader sees.
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u2028\u2029\u202a-\u202e"
-                      "\u2066-\u2069]")
+from runner.termsafe import _ESCAPED_CATEGORIES
+
 # XML 1.0 forbids these even as character references.
 _XML_BAD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff\ud800-\udfff]")
 # Every value sits mid-line (after "- x: " or in a table cell), so only inline syntax
 # needs escaping; '<', '>' and '&' are already entities.
 _MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()|~!])")
+# GitHub turns bare "scheme:..." and "www." text into links (GFM autolinks): every ':' and
+# the '.' after "www" become character references, which render the same but link nothing.
+_WWW_DOT = re.compile(r"(?i)(?<![a-z0-9])(www)\.")
+
+
+def _shown(ch: str) -> str:
+    if ch in "\n\t" or unicodedata.category(ch) not in _ESCAPED_CATEGORIES:
+        return ch
+    n = ord(ch)
+    return f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
 
 
 def visible(text: str) -> str:
-    """Controls shown as \\uXXXX; tabs kept, newlines kept."""
-    return _CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    """Controls and format characters (runner.termsafe's categories: Cc, Cf, Cs, Zl, Zp,
+    so bidi, zero-width, tag characters, BOM, soft hyphen) shown as \\uXXXX or
+    \\UXXXXXXXX; tabs kept, newlines kept."""
+    return "".join(_shown(ch) for ch in text)
 
 
 def one_line(text: str, limit: int = 300) -> str:
@@ -29,9 +40,11 @@ def one_line(text: str, limit: int = 300) -> str:
 
 def md(text: str, limit: int = 300) -> str:
     """Inert Markdown inline text: HTML-escaped, punctuation backslash-escaped, no
-    @mentions, one line (safe inside a table cell)."""
+    @mentions, no autolinks (``:`` and ``www.`` as character references), one line (safe
+    inside a table cell)."""
     s = html.escape(one_line(text, limit), quote=True)
     s = _MD_SPECIAL.sub(r"\\\1", s)
+    s = _WWW_DOT.sub(r"\1&#46;", s.replace(":", "&#58;"))
     return s.replace("@", "&#64;")
 
 

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from runner.cycle.receipt import _files
+from runner.cycle.receipt import _files, _unbound
+from runner.cycle.receipt import verify as verify_in
 from runner.hashing import sha256_bytes, sha256_json
 
 CLI = [str(Path(sys.executable).with_name("cyclebox"))]
@@ -52,7 +56,7 @@ def run(tmp_path: Path) -> Path:
     git = d / "stages" / "apply" / "candidate.git" / "objects"
     git.mkdir(parents=True)
     (git / "pack").write_bytes(b"bound through the commit id, not listed")
-    write_receipt(d, _files(d))
+    write_receipt(d, _files(d)[0])
     res = verify(d)
     assert res.returncode == 0, res.stdout + res.stderr  # positive control
     return d
@@ -168,3 +172,145 @@ def test_json_output_lists_problems(run: Path) -> None:
     assert doc["ok"] is False
     assert doc["problems"] == [
         "stages/a/planted.txt: present in the run directory but not named by the receipt"]
+
+
+# --- exact unbound paths, the candidate tree, files_not_utf8, external stores -----------
+
+def rewrite(run: Path, plan: dict[str, Any] | None = None, **extra: Any) -> None:
+    """plan.json (when given) and a receipt over the run as the writer's walk sees it."""
+    if plan is not None:
+        (run / "plan.json").write_text(json.dumps({"plan": plan,
+                                                   "plan_hash": sha256_json(plan)}))
+    doc = json.loads((run / "plan.json").read_text())
+    files, not_utf8 = _files(run)
+    (run / "receipt.json").write_text(json.dumps(
+        {"schema": 1, "plan_hash": doc["plan_hash"], "files": files,
+         "files_not_utf8": not_utf8, "external": {}, **extra}, sort_keys=True))
+
+
+@pytest.mark.parametrize("rel", ["stages/worker/c1/out/candidate.git/answer.json",
+                                 "stages/worker/c1/out/receipt.json",
+                                 "stages/worker/c1/out/work/repo/.git/answer.json",
+                                 "stages/x/receipt.dsse.json"])
+def test_look_alike_unbound_names_are_bound(run: Path, rel: str) -> None:
+    assert not _unbound(rel)
+    (run / rel).parent.mkdir(parents=True)
+    (run / rel).write_text('{"answer": 42}')
+    rewrite(run)
+    assert rel in json.loads((run / "receipt.json").read_text())["files"]
+    assert verify_in(run) == []
+    (run / rel).write_text('{"answer": 41}')  # evidence edited after the run
+    assert verify_in(run) == [f"{rel}: sha256 differs from the receipt"]
+
+
+def test_only_the_exact_apply_git_dirs_and_receipt_are_unbound() -> None:
+    assert _unbound("receipt.json") and _unbound("receipt.dsse.json")
+    assert _unbound("stages/apply/candidate.git/objects/pack/x.pack")
+    assert _unbound("stages/apply/work/repo/.git/config")
+    assert not _unbound("stages/apply/candidate.git")  # a file of that name is bound
+    assert not _unbound("x/stages/apply/candidate.git/HEAD")
+    assert not _unbound("stages/apply/work/repo/README.md")
+
+
+def _git(*args: str, cwd: Path | None = None) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t", "GIT_CONFIG_NOSYSTEM": "1"}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+@pytest.fixture
+def applied(run: Path, tmp_path: Path) -> tuple[Path, str, str]:
+    """A run whose apply stage left a bare clone and result.json; the receipt binds the
+    candidate tree."""
+    shutil.rmtree(run / "stages" / "apply")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("x = 1\n")
+    _git("init", "-q", "-b", "main", cwd=src)
+    _git("add", "-A", cwd=src)
+    _git("commit", "-q", "-m", "c", cwd=src)
+    commit, tree = _git("rev-parse", "HEAD", cwd=src), _git("rev-parse", "HEAD^{tree}", cwd=src)
+    (run / "stages" / "apply").mkdir()
+    _git("clone", "-q", "--bare", str(src), str(run / "stages" / "apply" / "candidate.git"))
+    (run / "stages" / "apply" / "result.json").write_text(json.dumps(
+        {"status": "applied", "commit": commit, "tree": tree}))
+    rewrite(run, outcome={"candidate_tree": tree})
+    assert verify_in(run) == []  # positive control: the tree recomputes
+    return run, commit, tree
+
+
+def test_candidate_tree_differs_from_the_bare_clone(applied: tuple[Path, str, str]) -> None:
+    run, commit, tree = applied
+    rewrite(run, outcome={"candidate_tree": "0" * 40})
+    problems = verify_in(run)
+    assert len(problems) == 1 and f"tree of commit {commit} is {tree}" in problems[0]
+
+
+def test_candidate_git_removed_or_edited_is_reported(applied: tuple[Path, str, str]) -> None:
+    run, commit, _ = applied
+    bare = run / "stages" / "apply" / "candidate.git"
+    # the commit object rewritten in place (same id, other tree): it no longer hashes
+    obj = bare / "objects" / commit[:2] / commit[2:]
+    assert obj.is_file()  # a local clone copies loose objects
+    obj.unlink()
+    obj.write_bytes(zlib.compress(b"commit 12\0tree 0000000"))
+    problems = verify_in(run)
+    assert len(problems) == 1 and "cannot recompute the tree" in problems[0], problems
+    shutil.rmtree(bare)
+    problems = verify_in(run)
+    assert len(problems) == 1 and problems[0].startswith(
+        "stages/apply/candidate.git (outcome.candidate_tree): ")
+
+
+def test_missing_not_utf8_file_is_reported(run: Path) -> None:
+    odd = os.path.join(bytes(run / "stages" / "a"), b"caf\xe9.txt")
+    with open(odd, "wb") as f:
+        f.write(b"latin-1 name\n")
+    rewrite(run)
+    not_utf8 = json.loads((run / "receipt.json").read_text())["files_not_utf8"]
+    assert list(not_utf8) == ["stages/a/caf\\xe9.txt"]
+    assert verify_in(run) == []
+    os.unlink(odd)
+    assert verify_in(run) == ["stages/a/caf\\xe9.txt: missing"]
+
+
+@pytest.fixture
+def stores(run: Path, tmp_path: Path) -> tuple[Path, Path]:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "s.csv").write_text("a,b\n")
+    plan = {"name": "t", "data_dir": str(data)}
+    rewrite(run, plan, external={"store:s": {"path": str(data / "s.csv"),
+                                             "sha256": sha256_bytes(b"a,b\n")}})
+    assert verify_in(run) == []
+    return run, data
+
+
+def test_external_outside_data_dir_is_not_read(stores: tuple[Path, Path],
+                                               tmp_path: Path) -> None:
+    run, data = stores
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"host file\n")
+    for path in (str(secret), f"{data}/../secret", f"{data}-x/s.csv"):
+        rewrite(run, external={"e": {"path": path, "sha256": sha256_bytes(b"host file\n")}})
+        problems = verify_in(run)
+        assert len(problems) == 1 and problems[0].startswith(f"e ({path}): "), problems
+        assert "outside the plan's data_dir" in problems[0] or "'..'" in problems[0]
+
+
+def test_external_symlink_in_data_dir_refused(stores: tuple[Path, Path],
+                                              tmp_path: Path) -> None:
+    run, data = stores
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"host file\n")
+    (data / "link.csv").symlink_to(secret)
+    rewrite(run, external={"e": {"path": str(data / "link.csv"),
+                                 "sha256": sha256_bytes(b"host file\n")}})
+    assert verify_in(run) == [f"e ({data}/link.csv): symlink refused (never followed)"]
+
+
+def test_external_changed_store_fails(stores: tuple[Path, Path]) -> None:
+    run, data = stores
+    (data / "s.csv").write_text("a,c\n")
+    assert verify_in(run) == [f"store:s ({data}/s.csv): sha256 differs from the receipt"]

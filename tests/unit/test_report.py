@@ -15,6 +15,7 @@ from runner.errors import OutputRejected
 from runner.report import build_report
 from runner.report.html import render_html
 from runner.report.render import junit, markdown, terminal_rows
+from runner.report.text import h, md, one_line, visible
 
 HOSTILE = ("<script>document.title='pwned'</script><img src=x onerror=alert(1)> "
            "[click](javascript:alert(1)) @everyone | `x` \x1b[31mred\x1b[0m \u202eevil")
@@ -274,3 +275,20 @@ def test_a_run_that_stopped_early_reports_incomplete(run: Path) -> None:
     assert all(not c.candidate for c in r.cases)
     assert "`incomplete`" in markdown(r)
     assert {p.arm for p in r.pass_rates} == {"baseline"}
+
+
+def test_invisible_characters_are_shown_in_every_medium() -> None:
+    # Format characters (termsafe's categories) that a fixed list missed: tag characters,
+    # ZWSP, word joiner, BOM, Arabic letter mark, soft hyphen.
+    hidden = "\U000e0069\U000e0067\u200b\u2060\ufeff\u061c\u00ad"
+    for out in (h("ok" + hidden), md("ok" + hidden), one_line("ok" + hidden)):
+        assert not any(ch in out for ch in hidden), repr(out)
+        assert "\\U000e0069" in out and "\\u200b" in out and "\\u00ad" in out
+    assert visible("a\tb\nc") == "a\tb\nc"
+
+
+def test_markdown_values_never_autolink() -> None:
+    out = md("see https://evil.example/x or www.evil.example and mailto:a")
+    assert "https://" not in out and "mailto:" not in out and "www." not in out.lower()
+    assert "https&#58;//evil.example/x" in out and "www&#46;evil.example" in out
+    assert md("a | b") == "a \\| b"  # a table cell stays one cell
