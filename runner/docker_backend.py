@@ -259,11 +259,18 @@ class _Staging:
             source = Path(m.source)
             if self.dir is None:
                 base = staging_base()
-                base.mkdir(mode=0o711, exist_ok=True)
-                if base.is_symlink() or base.stat().st_uid != os.getuid():
-                    raise SandboxError(f"staging directory {base} is not ours; "
-                                       f"Fix: set {STAGING_ENV} to a private directory")
-                self.dir = Path(tempfile.mkdtemp(prefix="", dir=base))
+                for attempt in range(5):  # another run may remove the empty base meanwhile
+                    base.mkdir(mode=0o711, exist_ok=True)
+                    if base.is_symlink() or base.stat().st_uid != os.getuid():
+                        raise SandboxError(f"staging directory {base} is not ours; "
+                                           f"Fix: set {STAGING_ENV} to a private directory")
+                    try:
+                        self.dir = Path(tempfile.mkdtemp(prefix="", dir=base))
+                        break
+                    except FileNotFoundError:
+                        if attempt == 4:
+                            raise
+                assert self.dir is not None  # noqa: S101 - for mypy
                 # traversable (not listable) by the role uid, which may differ from ours
                 os.chmod(self.dir, 0o711)  # noqa: S103
                 # Beside the mounted m<i> directories, never in one: `cyclebox gc`
@@ -277,6 +284,8 @@ class _Staging:
     def cleanup(self) -> None:
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the shared base, only when empty
+                self.dir.parent.rmdir()
 
 
 def _link_tree(src: Path, dest: Path) -> None:

@@ -7,6 +7,7 @@ never a global prune. The decision is a pure function over labels.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -131,4 +132,7 @@ def sweep_staging_dirs(base: Path | None = None, *, dry_run: bool = False
                                    removed=alive is False and not dry_run,
                                    reason="owner gone" if alive is False else "owner running",
                                    kind="staging_dir", would_remove=alive is False))
+    if not dry_run:
+        with contextlib.suppress(OSError):  # the shared base, only when empty
+            root.rmdir()
     return results
