@@ -292,3 +292,90 @@ def test_stream_only_seeded_symlinks_come_back(tmp_path: Path) -> None:
         with pytest.raises(CopyRefused, match="symlink refused"):
             extract(_chunks(_tar(changed)), b, LIM, seed_links=seeded)
         assert not any(p.is_symlink() for p in b.rglob("*"))
+
+
+def _pax_header(records: dict[bytes, bytes]) -> bytes:
+    body = b""
+    for k, v in records.items():
+        rec = b" " + k + b"=" + v + b"\n"
+        n = len(rec) + 1
+        while len(str(n)) + len(rec) != n:
+            n = len(str(n)) + len(rec)
+        body += str(n).encode() + rec
+    return _header(b"././@PaxHeader", b"x", len(body)) + body + bytes(-len(body) % 512)
+
+
+def _with_size_field(h: bytes, field: bytes) -> bytes:
+    b = bytearray(h)
+    b[124:136] = field
+    b[148:156] = b" " * 8
+    b[148:156] = b"%06o\0 " % sum(b)
+    return bytes(b)
+
+
+@pytest.mark.parametrize("value", [b"-1000000000000", b"-1", b"+5", b" 5", b"1_0", b"0x10"])
+def test_stream_pax_size_must_be_digits(tmp_path: Path, value: bytes) -> None:
+    # a negative size on a directory once rewound the stream counter: 50x the cap got in
+    sent = 0
+
+    def forged() -> Iterator[bytes]:
+        nonlocal sent
+        yield _pax_header({b"size": value}) + _header(b"d/", b"5", 0)
+        while True:
+            sent += 65536
+            yield _header(b"g", b"g", 65536 - 512) + b"x" * (65536 - 512)
+
+    with pytest.raises(CopyRefused, match="bad PAX size"):
+        extract(forged(), tmp_path, LIM)
+    assert sent <= LIM.stream_cap + (2 << 20)
+
+
+@pytest.mark.parametrize("field", [
+    bytes([0xFF]) * 12,  # base-256 with the sign bit: -1
+    bytes([0xC0]) + bytes(11),
+    b"-0000000001\0", b"+0000000001\0", b"0000000_001\0",
+])
+def test_stream_negative_or_odd_header_size_refused(tmp_path: Path, field: bytes) -> None:
+    with pytest.raises(CopyRefused, match="size field"):
+        extract(_chunks(_with_size_field(_header(b"d/", b"5", 0), field) + bytes(1024)),
+                tmp_path, LIM)
+
+
+def test_stream_cap_holds_for_big_directory_data(tmp_path: Path) -> None:
+    # /tmp/rev/tar2.py: negative PAX size, then a directory claiming 300 MiB (base-256)
+    base256 = bytes([0x80]) + (300 << 20).to_bytes(11, "big")
+    sent = 0
+
+    def forged() -> Iterator[bytes]:
+        nonlocal sent
+        yield _with_size_field(_header(b"e/", b"5", 0), base256)
+        for _ in range(300):
+            sent += 1 << 20
+            yield bytes(1 << 20)
+
+    with pytest.raises(CopyRefused, match="output stream exceeds"):
+        extract(forged(), tmp_path, LIM)
+    assert sent <= LIM.stream_cap + (2 << 20)
+
+
+def test_stream_negative_read_refused() -> None:
+    from runner.copyout import _Stream
+
+    st = _Stream(iter([b"x" * 1024]), 2048)
+    with pytest.raises(CopyRefused, match="negative"):
+        st.read(-512, what="directory data")
+    assert st.taken == 0
+
+
+def test_stream_implicit_parents_count_as_entries(tmp_path: Path) -> None:
+    # each file names 31 undeclared parents: they count, as they would in the tmpfs
+    deep = "/".join(f"p{i}" for i in range(30))
+    lim = CopyLimits(max_bytes=CAP, max_entries=100)
+    data = _tar(*[_member(f"t{j}/{deep}/f") for j in range(10)])
+    with pytest.raises(CopyRefused, match="more than 100 entries"):
+        extract(_chunks(data), tmp_path, lim)
+    _, _, entries = _host_usage(tmp_path)
+    assert entries <= 100
+    (tmp_path / "fresh").mkdir()
+    got = extract(_chunks(_tar(_member("a/b/c/f", data=b"x"))), tmp_path / "fresh", lim)
+    assert (got.files, got.dirs) == (1, 3)
