@@ -147,13 +147,19 @@ class _CopyOut:
             fin.limit = True
             fin.detail = (f"output tmpfs full ({spec.output_cap_bytes} bytes, "
                           f"{spec.output_max_entries} entries); further writes got ENOSPC")
+        # the holder left out a (sparse) file bigger than the output directory itself
+        over = post.get("limit") if post is not None else None
+        if over:
+            fin.limit = True
+            fin.detail = "; ".join(x for x in (fin.detail, f"output cap: {str(over)[:300]}")
+                                   if x)
         if isinstance(got, CopyRefused):
             fin.limit = fin.limit or got.limit
             fin.invalid = not fin.limit
             fin.detail = "; ".join(x for x in (fin.detail, str(got)) if x)
         elif isinstance(got, BaseException):
             fin.invalid, fin.detail = True, f"copy-out failed: {type(got).__name__}: {got}"
-        elif spec.output_dir is not None and not full:
+        elif spec.output_dir is not None and not fin.limit:
             errors = post.get("errors") if post is not None else None
             if errors or pre.get("others_left"):
                 fin.invalid = True

@@ -118,6 +118,15 @@ def test_sparse_file_bigger_than_cap(run_role: RunFn) -> None:
 
 
 @pytest.mark.docker
+def test_sparse_file_of_9g_not_streamed(run_role: RunFn) -> None:
+    # past an octal size field (8 GiB): once a 513-byte header and gigabytes of zeros
+    rec, _ = _run_writer(run_role, "echo hi > /out/a; truncate -s 9G /out/sparse",
+                         "sparse 9G", file_size="16g")
+    assert rec.stop_reason is StopReason.OUTPUT_LIMIT, rec
+    assert "output cap" in rec.detail and rec.wall_s < 30, rec
+
+
+@pytest.mark.docker
 def test_writes_within_cap_arrive_intact(run_role: RunFn) -> None:
     rec, entries = _run_writer(run_role, "mkdir -p /out/a/b && printf hello > /out/a/b/x && "
                                "head -c 500000 /dev/urandom > /out/r", "ok writer")
@@ -379,3 +388,61 @@ def test_stream_implicit_parents_count_as_entries(tmp_path: Path) -> None:
     (tmp_path / "fresh").mkdir()
     got = extract(_chunks(_tar(_member("a/b/c/f", data=b"x"))), tmp_path / "fresh", lim)
     assert (got.files, got.dirs) == (1, 3)
+
+
+# -- the holder's side of the stream (sandbox/holder.py, run in-process) ------------------
+def test_holder_header_for_8gib_and_more_stays_one_block(tmp_path: Path) -> None:
+    from sandbox import holder
+
+    st = os.stat(tmp_path)
+    for size in (8**11 - 1, 8**11, 9 << 30, 1 << 40):
+        h = holder._header(b"f", b"0", size, st)
+        assert len(h) % 512 == 0, size
+        # the host parser reads the real size (refused at the cap before any data)
+        with pytest.raises(CopyRefused, match=rf"\(0 \+ {size}\)"):
+            extract(_chunks(h + bytes(1024)), tmp_path, LIM)
+
+
+def test_holder_leaves_out_sparse_file_bigger_than_output(tmp_path: Path) -> None:
+    from sandbox import holder
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(b"kept")
+    with (src / "huge").open("wb") as f:
+        f.truncate(9 << 30)  # sparse: `truncate -s 9G /out/huge` on the tmpfs
+    (src / "z").write_bytes(b"also kept")
+    out = io.BytesIO()
+    errors: list[str] = []
+    budget = holder._Budget(CAP)
+    fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY)
+    holder._add_dir(out, fd, b"", errors, budget)
+    out.write(bytes(1024))
+    assert len(out.getvalue()) < 8 * 512, "sparse holes were streamed"
+    assert "huge" in budget.over and not errors
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    got = extract(_chunks(out.getvalue()), dest, LIM)
+    assert sorted(p.name for p in dest.iterdir()) == ["a", "z"]
+    assert got.bytes == 13
+
+
+def test_holder_limit_report_ends_output_limit(tmp_path: Path) -> None:
+    from runner.docker_backend import _CopyOut
+    from runner.sandbox import Resources, RunSpec
+
+    spec = RunSpec.model_validate({
+        "run_id": "r1", "role": "analyst", "image": "sha256:abc", "command": ("true",),
+        "user": "10001:10001", "resources": Resources(memory_bytes=1 << 28, cpus=1, pids=9),
+        "timeout_s": 5, "output_dir": tmp_path, "output_cap_bytes": CAP})
+    pre = {"phase": "pre", "others_left": 0, "oom_kill": 0, "dumpable": 0,
+           "df": {"bsize": 4096, "blocks": 256, "bfree": 200, "files": 100, "ffree": 90}}
+    post = {"phase": "post", "errors": [], "limit": "'huge': 9663676416 bytes (sparse)"}
+    stream = [(None, (json.dumps(pre) + "\n").encode()), (bytes(1024), None),
+              (None, (json.dumps(post) + "\n").encode())]
+    copy = _CopyOut(spec, {}, iter(stream))
+    copy.start()
+    assert copy.done.wait(10)
+    fin = copy.result()
+    assert fin.limit and not fin.invalid, fin
+    assert "huge" in fin.detail
