@@ -23,8 +23,9 @@ here rather than in a second exec saves an exec (~150 ms) per container.
 Modes:
 
 ``hold DIR|-``
-    Block every catchable signal, reap orphans on ``SIGCHLD``; on ``SIGUSR1`` run
-    ``finish DIR`` on its own stdout/stderr and exit.
+    Block every catchable signal, make itself non-dumpable, write :data:`READY` to
+    stdout (the host waits for it before it starts the role command), reap orphans on
+    ``SIGCHLD``; on ``SIGUSR1`` run ``finish DIR`` on its own stdout/stderr and exit.
 ``finish DIR|-``
     ``kill(-1, SIGKILL)`` until no other process is left, then write a JSON status
     line to stderr (OOM kills, tmpfs blocks/inodes used and free, dumpable flag),
@@ -51,11 +52,16 @@ from typing import BinaryIO
 
 _BLOCK = {s for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)}
 MAX_ERRORS = 8
+READY = b"cyclebox-holder-ready\n"
+"""First bytes on the holder's stdout, written once it is non-dumpable: the host starts
+the role command only after reading them (a role process started earlier could open
+``/proc/1/fd/1`` before the ``prctl`` and keep it). The tar follows."""
 
 
 def hold(root: str) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCK)
     dumpable = _undumpable()
+    os.write(1, READY)
     while True:
         sig = signal.sigwait({signal.SIGCHLD, signal.SIGUSR1})
         if sig == signal.SIGUSR1:

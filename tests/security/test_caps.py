@@ -23,6 +23,7 @@ import pytest
 
 from runner.copyout import CopyLimits, CopyRefused, extract
 from runner.sandbox import RunRecord, StopReason
+from sandbox.holder import READY
 from tests.conftest import RunFn
 
 CAP = 1 << 20
@@ -438,7 +439,7 @@ def test_holder_limit_report_ends_output_limit(tmp_path: Path) -> None:
     pre = {"phase": "pre", "others_left": 0, "oom_kill": 0, "dumpable": 0,
            "df": {"bsize": 4096, "blocks": 256, "bfree": 200, "files": 100, "ffree": 90}}
     post = {"phase": "post", "errors": [], "limit": "'huge': 9663676416 bytes (sparse)"}
-    stream = [(None, (json.dumps(pre) + "\n").encode()), (bytes(1024), None),
+    stream = [(READY, None), (None, (json.dumps(pre) + "\n").encode()), (bytes(1024), None),
               (None, (json.dumps(post) + "\n").encode())]
     copy = _CopyOut(spec, {}, iter(stream))
     copy.start()
@@ -446,3 +447,67 @@ def test_holder_limit_report_ends_output_limit(tmp_path: Path) -> None:
     fin = copy.result()
     assert fin.limit and not fin.invalid, fin
     assert "huge" in fin.detail
+
+
+def _spec(tmp_path: Path) -> object:
+    from runner.sandbox import Resources, RunSpec
+
+    return RunSpec.model_validate({
+        "run_id": "r1", "role": "analyst", "image": "sha256:abc", "command": ("true",),
+        "user": "10001:10001", "resources": Resources(memory_bytes=1 << 28, cpus=1, pids=9),
+        "timeout_s": 5, "output_dir": tmp_path, "output_cap_bytes": CAP})
+
+
+def test_copyout_waits_for_the_holder_ready_marker(tmp_path: Path) -> None:
+    import threading
+
+    from runner.docker_backend import _CopyOut
+
+    gate = threading.Event()
+    tar = _tar(_member("f", data=b"x"))
+
+    def stream() -> Iterator[tuple[bytes | None, bytes | None]]:
+        yield READY[:5], None
+        gate.wait(10)
+        yield READY[5:] + tar[:700], None  # the marker split, the tar right behind it
+        yield tar[700:], None
+
+    copy = _CopyOut(_spec(tmp_path), {}, stream())  # type: ignore[arg-type]
+    copy.start()
+    assert not copy.ready.wait(0.2), "ready before the whole marker arrived"
+    gate.set()
+    assert copy.ready.wait(10) and copy.ready_ok
+    assert copy.done.wait(10)
+    assert (tmp_path / "f").read_bytes() == b"x"
+
+    bad = _CopyOut(_spec(tmp_path / "f"), {}, iter([(b"x" * 600, None)]))  # type: ignore[arg-type]
+    bad.start()
+    assert bad.ready.wait(10) and not bad.ready_ok
+    ended = _CopyOut(_spec(tmp_path / "f"), {}, iter([]))  # type: ignore[arg-type]
+    ended.start()
+    assert ended.ready.wait(10) and not ended.ready_ok
+
+
+def test_holder_ready_only_once_undumpable() -> None:
+    import select
+    import signal
+    import subprocess
+
+    from runner.hardening import holder_argv
+
+    uid = 65534 if os.getuid() == 0 else os.getuid()  # as a role: not root
+    proc = subprocess.Popen(holder_argv("hold", "-"), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            user=uid if uid != os.getuid() else None,
+                            group=uid if uid != os.getuid() else None)
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 10)
+        assert ready, "no readiness marker"
+        assert os.read(proc.stdout.fileno(), len(READY)) == READY
+        # non-dumpable by then: its /proc entries belong to root, not to the role's uid,
+        # which so cannot open /proc/1/fd/1
+        assert os.stat(f"/proc/{proc.pid}/fd").st_uid != uid
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # never SIGUSR1: finish would kill(-1)
+        proc.wait(10)
