@@ -26,7 +26,6 @@ The existing :func:`runner.collect.collect` then reads the extracted tree as bef
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 from collections.abc import Iterable, Iterator, Mapping
@@ -101,6 +100,8 @@ class _Stream:
         self.taken = 0
 
     def read(self, n: int, *, what: str) -> bytes:
+        if n < 0:  # a negative size would rewind ``taken`` and void the cap
+            raise CopyRefused(f"output stream: negative length while reading {what}")
         if self.taken + n > self.cap:
             raise CopyRefused(f"output stream exceeds {self.cap} bytes while reading {what}",
                               limit=True)
@@ -124,17 +125,22 @@ class _Stream:
             n -= k
 
 
+_OCTAL_DIGITS = frozenset(b"01234567")
+
+
 def _octal(field: bytes, what: str) -> int:
+    """A header number, never negative: octal digits only (``int()`` alone would take
+    ``-1``, ``+7`` or ``1_0``), or GNU base-256 without its sign bit."""
     if field[:1] and field[0] & 0x80:  # GNU base-256
-        v = int.from_bytes(field, "big") & ~(0x80 << (8 * (len(field) - 1)))
-        return v
+        if field[0] & 0x40:  # two's-complement sign bit: a negative number
+            raise CopyRefused(f"output stream: negative {what} field in a tar header")
+        return int.from_bytes(field, "big") & ~(0x80 << (8 * (len(field) - 1)))
     s = field.split(b"\0", 1)[0].strip(b" ")
     if not s:
         return 0
-    try:
-        return int(s, 8)
-    except ValueError:
-        raise CopyRefused(f"output stream: bad {what} field in a tar header") from None
+    if not set(s) <= _OCTAL_DIGITS:
+        raise CopyRefused(f"output stream: bad {what} field in a tar header")
+    return int(s, 8)
 
 
 def _checksum_ok(h: bytes) -> bool:
@@ -191,20 +197,33 @@ def _parts(raw: bytes, lim: CopyLimits) -> list[str]:
     return parts
 
 
-def _open_parent(root_fd: int, parts: list[str]) -> int:
-    """fd of the directory holding ``parts[-1]``, creating missing parents."""
+def _open_parent(root_fd: int, parts: list[str], lim: CopyLimits, got: Extracted) -> int:
+    """fd of the directory holding ``parts[-1]``, creating missing parents.
+
+    A parent created here (its entry did not come first) counts as an entry, as it
+    would in the tmpfs; room for the entry ``parts`` itself is kept, so the count
+    never passes ``lim.max_entries``."""
     fd = os.dup(root_fd)
     try:
         for p in parts[:-1]:
-            with contextlib.suppress(FileExistsError):
+            try:
+                nfd = os.open(p, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if got.files + got.dirs + 2 > lim.max_entries:
+                    raise CopyRefused(f"output has more than {lim.max_entries} entries",
+                                      limit=True) from None
                 os.mkdir(p, DIR_MODE, dir_fd=fd)
-            nfd = os.open(p, _DIR_FLAGS, dir_fd=fd)
+                got.dirs += 1
+                nfd = os.open(p, _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = nfd
     except OSError as exc:
         os.close(fd)
         raise CopyRefused(f"output entry {'/'.join(parts)!r}: parent cannot be created "
                           f"({exc.strerror})") from None
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -260,10 +279,11 @@ def _extract(st: _Stream, root_fd: int, lim: CopyLimits, got: Extracted,
                 if prefix:
                     raw = prefix + b"/" + raw
         if b"size" in pax:
-            try:
-                size = int(pax[b"size"])
-            except ValueError:
-                raise CopyRefused("output stream: bad PAX size") from None
+            value = pax[b"size"]
+            # digits only: int() would also take "-1", "+1", " 1" or "1_0"
+            if not (value.isdigit() and len(value) <= 20):
+                raise CopyRefused("output stream: bad PAX size")
+            size = int(value)
         link = pax.get(b"linkpath", h[157:257].split(b"\0", 1)[0])
         long_name, pax = None, {}
         parts = _parts(raw, lim)
@@ -273,7 +293,7 @@ def _extract(st: _Stream, root_fd: int, lim: CopyLimits, got: Extracted,
             if got.files + got.dirs + 1 > lim.max_entries:
                 raise CopyRefused(f"output has more than {lim.max_entries} entries",
                                   limit=True)
-            pfd = _open_parent(root_fd, parts)
+            pfd = _open_parent(root_fd, parts, lim, got)
             try:
                 os.symlink(seed_links.pop(shown), parts[-1], dir_fd=pfd)
             except FileExistsError:
@@ -289,7 +309,7 @@ def _extract(st: _Stream, root_fd: int, lim: CopyLimits, got: Extracted,
         if got.files + got.dirs + 1 > lim.max_entries:
             raise CopyRefused(f"output has more than {lim.max_entries} entries", limit=True)
         if kind == b"5":
-            pfd = _open_parent(root_fd, parts)
+            pfd = _open_parent(root_fd, parts, lim, got)
             try:
                 try:
                     os.mkdir(parts[-1], DIR_MODE, dir_fd=pfd)
@@ -309,16 +329,17 @@ def _extract(st: _Stream, root_fd: int, lim: CopyLimits, got: Extracted,
         if size < 0 or got.bytes + size > lim.max_bytes:
             raise CopyRefused(f"output entry {shown!r}: output cap of {lim.max_bytes} bytes "
                               f"exceeded ({got.bytes} + {size})", limit=True)
-        _write_file(st, root_fd, parts, size)
+        _write_file(st, root_fd, parts, size, lim, got)
         got.files += 1
         got.bytes += size
         got.pages += -(-size // PAGE)
         st.read(-size % BLOCK, what="padding")
 
 
-def _write_file(st: _Stream, root_fd: int, parts: list[str], size: int) -> None:
+def _write_file(st: _Stream, root_fd: int, parts: list[str], size: int, lim: CopyLimits,
+                got: Extracted) -> None:
     shown = "/".join(parts)
-    pfd = _open_parent(root_fd, parts)
+    pfd = _open_parent(root_fd, parts, lim, got)
     try:
         try:
             fd = os.open(parts[-1], _NEW_FILE, FILE_MODE, dir_fd=pfd)

@@ -40,6 +40,7 @@ from runner.hardening import MANAGED_LABEL, create_kwargs, exec_kwargs, holder_a
 from runner.owner import Owner, current_owner
 from runner.policy import mount_violation
 from runner.sandbox import OutputCallback, RunFlags, RunRecord, RunSpec, classify_stop
+from sandbox.holder import READY
 
 TAIL_BYTES = 64 * 1024
 STOP_GRACE_S = 5.0
@@ -48,6 +49,8 @@ STATUS_CAP = 64 * 1024
 SEED_REPLY_CAP = 64
 FINISH_BASE_S = 30.0
 FINISH_BYTES_PER_S = 32 * 1024 * 1024
+READY_TIMEOUT_S = 10.0
+"""How long the holder may take to protect its output stream before the run fails."""
 STAGING_ENV = "CYCLEBOX_STAGING_DIR"
 STAGED_DIR_MODE = 0o755
 
@@ -73,6 +76,9 @@ class _CopyOut:
         self.stream = stream
         self.announced = threading.Event()
         """Set when the holder's first status line arrived (it got our SIGUSR1)."""
+        self.ready = threading.Event()
+        """Set when the holder's stdout began (``ready_ok``: with :data:`READY`) or ended."""
+        self.ready_ok = False
         self.done = threading.Event()
         self.errs = _Tail()
         self.got: Extracted | BaseException | None = None
@@ -83,16 +89,28 @@ class _CopyOut:
 
     def _chunks(self) -> Iterator[bytes]:
         cleared = False
+        head = b""
         for o, e in self.stream:
             if e and self.errs.total < STATUS_CAP:
                 self.errs.add(e)
                 if b"\n" in e:
                     self.announced.set()
-            if o:
+            data = o
+            if data and not self.ready.is_set():
+                # the holder's readiness marker (written before any role process exists)
+                head += data
+                if len(head) < len(READY):
+                    continue
+                self.ready_ok = head.startswith(READY)
+                self.ready.set()
+                if not self.ready_ok:
+                    raise CopyRefused("output stream: the holder's readiness marker is missing")
+                data = head[len(READY):]
+            if data:
                 if not cleared and self.spec.output_dir is not None:
                     _clear(self.spec.output_dir)  # host-made seed content, if any
                     cleared = True
-                yield o
+                yield data
 
     def _consume(self) -> None:
         spec = self.spec
@@ -104,6 +122,7 @@ class _CopyOut:
                 self.got = extract(chunks, spec.output_dir, lim, seed_links=self.seed_links)
         except BaseException as exc:
             self.got = exc
+            self.ready.set()
             self.done.set()  # refused: decided now; the rest is drained and dropped
         try:
             # Keep reading to the end (the status line follows the tar), dropping any
@@ -114,6 +133,7 @@ class _CopyOut:
         except (requests.exceptions.RequestException, OSError, ValueError):
             pass
         finally:
+            self.ready.set()  # the stream ended: whoever waits for the marker stops
             self.done.set()
 
     def result(self) -> _Finish:
@@ -148,13 +168,19 @@ class _CopyOut:
             fin.limit = True
             fin.detail = (f"output tmpfs full ({spec.output_cap_bytes} bytes, "
                           f"{spec.output_max_entries} entries); further writes got ENOSPC")
+        # the holder left out a (sparse) file bigger than the output directory itself
+        over = post.get("limit") if post is not None else None
+        if over:
+            fin.limit = True
+            fin.detail = "; ".join(x for x in (fin.detail, f"output cap: {str(over)[:300]}")
+                                   if x)
         if isinstance(got, CopyRefused):
             fin.limit = fin.limit or got.limit
             fin.invalid = not fin.limit
             fin.detail = "; ".join(x for x in (fin.detail, str(got)) if x)
         elif isinstance(got, BaseException):
             fin.invalid, fin.detail = True, f"copy-out failed: {type(got).__name__}: {got}"
-        elif spec.output_dir is not None and not full:
+        elif spec.output_dir is not None and not fin.limit:
             errors = post.get("errors") if post is not None else None
             if errors or pre.get("others_left"):
                 fin.invalid = True
@@ -440,6 +466,10 @@ class DockerSandbox:
                 if seed is not None:
                     self._seed(cid, spec, seed)
                 exec_id = api.exec_create(cid, **exec_kwargs(spec))["Id"]
+                # no role process before the holder made itself non-dumpable
+                if not copy.ready.wait(READY_TIMEOUT_S) or not copy.ready_ok:
+                    raise SandboxError(f"the {spec.role} container's holder did not protect "
+                                       f"its output stream within {READY_TIMEOUT_S:.0f} s")
                 stream = api.exec_start(exec_id, stream=True, demux=True)
             except docker.errors.APIError as exc:
                 raise SandboxError(f"engine could not start the {spec.role} command: "

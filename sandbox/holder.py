@@ -23,8 +23,9 @@ here rather than in a second exec saves an exec (~150 ms) per container.
 Modes:
 
 ``hold DIR|-``
-    Block every catchable signal, reap orphans on ``SIGCHLD``; on ``SIGUSR1`` run
-    ``finish DIR`` on its own stdout/stderr and exit.
+    Block every catchable signal, make itself non-dumpable, write :data:`READY` to
+    stdout (the host waits for it before it starts the role command), reap orphans on
+    ``SIGCHLD``; on ``SIGUSR1`` run ``finish DIR`` on its own stdout/stderr and exit.
 ``finish DIR|-``
     ``kill(-1, SIGKILL)`` until no other process is left, then write a JSON status
     line to stderr (OOM kills, tmpfs blocks/inodes used and free, dumpable flag),
@@ -51,11 +52,16 @@ from typing import BinaryIO
 
 _BLOCK = {s for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)}
 MAX_ERRORS = 8
+READY = b"cyclebox-holder-ready\n"
+"""First bytes on the holder's stdout, written once it is non-dumpable: the host starts
+the role command only after reading them (a role process started earlier could open
+``/proc/1/fd/1`` before the ``prctl`` and keep it). The tar follows."""
 
 
 def hold(root: str) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCK)
     dumpable = _undumpable()
+    os.write(1, READY)
     while True:
         sig = signal.sigwait({signal.SIGCHLD, signal.SIGUSR1})
         if sig == signal.SIGUSR1:
@@ -133,11 +139,14 @@ def finish(root: str, *, dumpable: int | None = None) -> int:
     status: dict[str, object] = {"phase": "pre", "others_left": len(left),
                                  "oom_kill": _oom_kills(), "dumpable": dumpable}
     errors: list[str] = []
+    budget = _Budget(None)
     if root != "-":
         try:
             st = os.statvfs(root)
             status["df"] = {"bsize": st.f_frsize, "blocks": st.f_blocks, "bfree": st.f_bfree,
                             "files": st.f_files, "ffree": st.f_ffree}
+            if st.f_blocks > 0:
+                budget = _Budget(st.f_blocks * st.f_frsize)
         except OSError as exc:
             errors.append(f"statvfs: {exc.strerror}")
     # before the tar: the host may stop reading the tar early, never this line
@@ -150,16 +159,42 @@ def finish(root: str, *, dumpable: int | None = None) -> int:
         except OSError as exc:
             errors.append(f"open {root}: {exc.strerror}")
         else:
-            _add_dir(out, fd, b"", errors)
+            _add_dir(out, fd, b"", errors, budget)
         out.write(bytes(2 * BLOCK))
         out.flush()
-    sys.stderr.write(json.dumps({"phase": "post", "errors": errors}) + "\n")
+    post: dict[str, object] = {"phase": "post", "errors": errors}
+    if budget.over:
+        post["limit"] = budget.over
+    sys.stderr.write(json.dumps(post) + "\n")
     sys.stderr.flush()
     return 3 if errors or left else 0
 
 
 # A minimal PAX tar writer (tarfile costs ~60 ms of imports in every copy-out).
 BLOCK = 512
+MAX_OCTAL_SIZE = 8**11 - 1
+"""The largest size an 11-digit octal header field holds; above it a PAX record."""
+
+
+class _Budget:
+    """File bytes still allowed in the stream: the output tmpfs's size. A file whose
+    ``st_size`` passes it can only be sparse (the kernel capped the real blocks); its
+    holes are never streamed, the file is left out and the host told (``limit``)."""
+
+    def __init__(self, cap: int | None) -> None:
+        self.left = cap
+        self.over = ""
+
+    def take(self, size: int, shown: str) -> bool:
+        if self.left is None:
+            return True
+        if size > self.left:
+            if not self.over:
+                self.over = (f"{shown!r}: {size} bytes (sparse) pass the output directory's "
+                             f"size; left out")
+            return False
+        self.left -= size
+        return True
 
 
 def _pax_record(key: bytes, value: bytes) -> bytes:
@@ -177,7 +212,8 @@ def _block(name: bytes, kind: bytes, size: int, mode: int, mtime: int,
     h[100:108] = b"%07o\0" % (mode & 0o7777)
     h[108:116] = b"%07o\0" % 0
     h[116:124] = b"%07o\0" % 0
-    h[124:136] = b"%011o\0" % size
+    # a bigger size would widen the field and shift the header: a PAX record has it
+    h[124:136] = b"%011o\0" % (size if size <= MAX_OCTAL_SIZE else 0)
     h[136:148] = b"%011o\0" % max(0, min(mtime, 0o77777777777))
     h[148:156] = b" " * 8
     h[156:157] = kind
@@ -195,6 +231,8 @@ def _header(name: bytes, kind: bytes, size: int, st: os.stat_result,
         recs += _pax_record(b"path", name)
     if len(link) > 100:
         recs += _pax_record(b"linkpath", link)
+    if size > MAX_OCTAL_SIZE:
+        recs += _pax_record(b"size", b"%d" % size)
     pax = b""
     if recs:
         pax = (_block(b"././@PaxHeader", b"x", len(recs), 0o644, mtime) + recs
@@ -202,7 +240,8 @@ def _header(name: bytes, kind: bytes, size: int, st: os.stat_result,
     return pax + _block(name, kind, size, stat.S_IMODE(st.st_mode), mtime, link)
 
 
-def _add_dir(out: BinaryIO, dfd: int, prefix: bytes, errors: list[str]) -> None:
+def _add_dir(out: BinaryIO, dfd: int, prefix: bytes, errors: list[str],
+             budget: _Budget) -> None:
     # Iterative over an explicit stack of directory fds: no recursion limit, no PATH_MAX.
     stack: list[tuple[int, bytes, list[bytes]]] = [(dfd, prefix, sorted(_names(dfd)))]
     while stack:
@@ -230,7 +269,7 @@ def _add_dir(out: BinaryIO, dfd: int, prefix: bytes, errors: list[str]) -> None:
         elif stat.S_ISREG(mode) and st.st_nlink > 1:
             out.write(_header(rel, b"1", 0, st, b"(hard link)"))
         elif stat.S_ISREG(mode):
-            _add_file(out, fd, name, rel, st, errors)
+            _add_file(out, fd, name, rel, st, errors, budget)
         elif stat.S_ISLNK(mode):
             try:
                 link = os.readlink(name, dir_fd=fd)
@@ -248,7 +287,9 @@ def _names(fd: int) -> list[bytes]:
 
 
 def _add_file(out: BinaryIO, dfd: int, name: bytes, rel: bytes,
-              st: os.stat_result, errors: list[str]) -> None:
+              st: os.stat_result, errors: list[str], budget: _Budget) -> None:
+    if not budget.take(st.st_size, rel.decode("utf-8", "replace")):
+        return
     try:
         ffd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
     except OSError as exc:

@@ -23,6 +23,7 @@ import pytest
 
 from runner.copyout import CopyLimits, CopyRefused, extract
 from runner.sandbox import RunRecord, StopReason
+from sandbox.holder import READY
 from tests.conftest import RunFn
 
 CAP = 1 << 20
@@ -115,6 +116,15 @@ def test_sparse_file_bigger_than_cap(run_role: RunFn) -> None:
     rec, _ = _run_writer(run_role, "truncate -s 200M /out/sparse", "sparse 200M")
     assert rec.stop_reason is StopReason.OUTPUT_LIMIT, rec
     assert "output cap" in rec.detail
+
+
+@pytest.mark.docker
+def test_sparse_file_of_9g_not_streamed(run_role: RunFn) -> None:
+    # past an octal size field (8 GiB): once a 513-byte header and gigabytes of zeros
+    rec, _ = _run_writer(run_role, "echo hi > /out/a; truncate -s 9G /out/sparse",
+                         "sparse 9G", file_size="16g")
+    assert rec.stop_reason is StopReason.OUTPUT_LIMIT, rec
+    assert "output cap" in rec.detail and rec.wall_s < 30, rec
 
 
 @pytest.mark.docker
@@ -292,3 +302,212 @@ def test_stream_only_seeded_symlinks_come_back(tmp_path: Path) -> None:
         with pytest.raises(CopyRefused, match="symlink refused"):
             extract(_chunks(_tar(changed)), b, LIM, seed_links=seeded)
         assert not any(p.is_symlink() for p in b.rglob("*"))
+
+
+def _pax_header(records: dict[bytes, bytes]) -> bytes:
+    body = b""
+    for k, v in records.items():
+        rec = b" " + k + b"=" + v + b"\n"
+        n = len(rec) + 1
+        while len(str(n)) + len(rec) != n:
+            n = len(str(n)) + len(rec)
+        body += str(n).encode() + rec
+    return _header(b"././@PaxHeader", b"x", len(body)) + body + bytes(-len(body) % 512)
+
+
+def _with_size_field(h: bytes, field: bytes) -> bytes:
+    b = bytearray(h)
+    b[124:136] = field
+    b[148:156] = b" " * 8
+    b[148:156] = b"%06o\0 " % sum(b)
+    return bytes(b)
+
+
+@pytest.mark.parametrize("value", [b"-1000000000000", b"-1", b"+5", b" 5", b"1_0", b"0x10"])
+def test_stream_pax_size_must_be_digits(tmp_path: Path, value: bytes) -> None:
+    # a negative size on a directory once rewound the stream counter: 50x the cap got in
+    sent = 0
+
+    def forged() -> Iterator[bytes]:
+        nonlocal sent
+        yield _pax_header({b"size": value}) + _header(b"d/", b"5", 0)
+        while True:
+            sent += 65536
+            yield _header(b"g", b"g", 65536 - 512) + b"x" * (65536 - 512)
+
+    with pytest.raises(CopyRefused, match="bad PAX size"):
+        extract(forged(), tmp_path, LIM)
+    assert sent <= LIM.stream_cap + (2 << 20)
+
+
+@pytest.mark.parametrize("field", [
+    bytes([0xFF]) * 12,  # base-256 with the sign bit: -1
+    bytes([0xC0]) + bytes(11),
+    b"-0000000001\0", b"+0000000001\0", b"0000000_001\0",
+])
+def test_stream_negative_or_odd_header_size_refused(tmp_path: Path, field: bytes) -> None:
+    with pytest.raises(CopyRefused, match="size field"):
+        extract(_chunks(_with_size_field(_header(b"d/", b"5", 0), field) + bytes(1024)),
+                tmp_path, LIM)
+
+
+def test_stream_cap_holds_for_big_directory_data(tmp_path: Path) -> None:
+    # /tmp/rev/tar2.py: negative PAX size, then a directory claiming 300 MiB (base-256)
+    base256 = bytes([0x80]) + (300 << 20).to_bytes(11, "big")
+    sent = 0
+
+    def forged() -> Iterator[bytes]:
+        nonlocal sent
+        yield _with_size_field(_header(b"e/", b"5", 0), base256)
+        for _ in range(300):
+            sent += 1 << 20
+            yield bytes(1 << 20)
+
+    with pytest.raises(CopyRefused, match="output stream exceeds"):
+        extract(forged(), tmp_path, LIM)
+    assert sent <= LIM.stream_cap + (2 << 20)
+
+
+def test_stream_negative_read_refused() -> None:
+    from runner.copyout import _Stream
+
+    st = _Stream(iter([b"x" * 1024]), 2048)
+    with pytest.raises(CopyRefused, match="negative"):
+        st.read(-512, what="directory data")
+    assert st.taken == 0
+
+
+def test_stream_implicit_parents_count_as_entries(tmp_path: Path) -> None:
+    # each file names 31 undeclared parents: they count, as they would in the tmpfs
+    deep = "/".join(f"p{i}" for i in range(30))
+    lim = CopyLimits(max_bytes=CAP, max_entries=100)
+    data = _tar(*[_member(f"t{j}/{deep}/f") for j in range(10)])
+    with pytest.raises(CopyRefused, match="more than 100 entries"):
+        extract(_chunks(data), tmp_path, lim)
+    _, _, entries = _host_usage(tmp_path)
+    assert entries <= 100
+    (tmp_path / "fresh").mkdir()
+    got = extract(_chunks(_tar(_member("a/b/c/f", data=b"x"))), tmp_path / "fresh", lim)
+    assert (got.files, got.dirs) == (1, 3)
+
+
+# -- the holder's side of the stream (sandbox/holder.py, run in-process) ------------------
+def test_holder_header_for_8gib_and_more_stays_one_block(tmp_path: Path) -> None:
+    from sandbox import holder
+
+    st = os.stat(tmp_path)
+    for size in (8**11 - 1, 8**11, 9 << 30, 1 << 40):
+        h = holder._header(b"f", b"0", size, st)
+        assert len(h) % 512 == 0, size
+        # the host parser reads the real size (refused at the cap before any data)
+        with pytest.raises(CopyRefused, match=rf"\(0 \+ {size}\)"):
+            extract(_chunks(h + bytes(1024)), tmp_path, LIM)
+
+
+def test_holder_leaves_out_sparse_file_bigger_than_output(tmp_path: Path) -> None:
+    from sandbox import holder
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(b"kept")
+    with (src / "huge").open("wb") as f:
+        f.truncate(9 << 30)  # sparse: `truncate -s 9G /out/huge` on the tmpfs
+    (src / "z").write_bytes(b"also kept")
+    out = io.BytesIO()
+    errors: list[str] = []
+    budget = holder._Budget(CAP)
+    fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY)
+    holder._add_dir(out, fd, b"", errors, budget)
+    out.write(bytes(1024))
+    assert len(out.getvalue()) < 8 * 512, "sparse holes were streamed"
+    assert "huge" in budget.over and not errors
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    got = extract(_chunks(out.getvalue()), dest, LIM)
+    assert sorted(p.name for p in dest.iterdir()) == ["a", "z"]
+    assert got.bytes == 13
+
+
+def test_holder_limit_report_ends_output_limit(tmp_path: Path) -> None:
+    from runner.docker_backend import _CopyOut
+    from runner.sandbox import Resources, RunSpec
+
+    spec = RunSpec.model_validate({
+        "run_id": "r1", "role": "analyst", "image": "sha256:abc", "command": ("true",),
+        "user": "10001:10001", "resources": Resources(memory_bytes=1 << 28, cpus=1, pids=9),
+        "timeout_s": 5, "output_dir": tmp_path, "output_cap_bytes": CAP})
+    pre = {"phase": "pre", "others_left": 0, "oom_kill": 0, "dumpable": 0,
+           "df": {"bsize": 4096, "blocks": 256, "bfree": 200, "files": 100, "ffree": 90}}
+    post = {"phase": "post", "errors": [], "limit": "'huge': 9663676416 bytes (sparse)"}
+    stream = [(READY, None), (None, (json.dumps(pre) + "\n").encode()), (bytes(1024), None),
+              (None, (json.dumps(post) + "\n").encode())]
+    copy = _CopyOut(spec, {}, iter(stream))
+    copy.start()
+    assert copy.done.wait(10)
+    fin = copy.result()
+    assert fin.limit and not fin.invalid, fin
+    assert "huge" in fin.detail
+
+
+def _spec(tmp_path: Path) -> object:
+    from runner.sandbox import Resources, RunSpec
+
+    return RunSpec.model_validate({
+        "run_id": "r1", "role": "analyst", "image": "sha256:abc", "command": ("true",),
+        "user": "10001:10001", "resources": Resources(memory_bytes=1 << 28, cpus=1, pids=9),
+        "timeout_s": 5, "output_dir": tmp_path, "output_cap_bytes": CAP})
+
+
+def test_copyout_waits_for_the_holder_ready_marker(tmp_path: Path) -> None:
+    import threading
+
+    from runner.docker_backend import _CopyOut
+
+    gate = threading.Event()
+    tar = _tar(_member("f", data=b"x"))
+
+    def stream() -> Iterator[tuple[bytes | None, bytes | None]]:
+        yield READY[:5], None
+        gate.wait(10)
+        yield READY[5:] + tar[:700], None  # the marker split, the tar right behind it
+        yield tar[700:], None
+
+    copy = _CopyOut(_spec(tmp_path), {}, stream())  # type: ignore[arg-type]
+    copy.start()
+    assert not copy.ready.wait(0.2), "ready before the whole marker arrived"
+    gate.set()
+    assert copy.ready.wait(10) and copy.ready_ok
+    assert copy.done.wait(10)
+    assert (tmp_path / "f").read_bytes() == b"x"
+
+    bad = _CopyOut(_spec(tmp_path / "f"), {}, iter([(b"x" * 600, None)]))  # type: ignore[arg-type]
+    bad.start()
+    assert bad.ready.wait(10) and not bad.ready_ok
+    ended = _CopyOut(_spec(tmp_path / "f"), {}, iter([]))  # type: ignore[arg-type]
+    ended.start()
+    assert ended.ready.wait(10) and not ended.ready_ok
+
+
+def test_holder_ready_only_once_undumpable() -> None:
+    import select
+    import signal
+    import subprocess
+
+    from runner.hardening import holder_argv
+
+    uid = 65534 if os.getuid() == 0 else os.getuid()  # as a role: not root
+    proc = subprocess.Popen(holder_argv("hold", "-"), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            user=uid if uid != os.getuid() else None,
+                            group=uid if uid != os.getuid() else None)
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 10)
+        assert ready, "no readiness marker"
+        assert os.read(proc.stdout.fileno(), len(READY)) == READY
+        # non-dumpable by then: its /proc entries belong to root, not to the role's uid,
+        # which so cannot open /proc/1/fd/1
+        assert os.stat(f"/proc/{proc.pid}/fd").st_uid != uid
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # never SIGUSR1: finish would kill(-1)
+        proc.wait(10)
