@@ -291,7 +291,12 @@ class _Staging:
                         raise SandboxError(f"staging directory {base} is not ours; "
                                            f"Fix: set {STAGING_ENV} to a private directory")
                     try:
-                        self.dir = Path(tempfile.mkdtemp(prefix="", dir=base))
+                        # The owner's pid and start time lead the name, so `cyclebox gc`
+                        # can judge a copy even if the controller died before the owner
+                        # record below was written.
+                        me = current_owner()
+                        self.dir = Path(tempfile.mkdtemp(prefix=f"{me.pid}-{me.start}-",
+                                                         dir=base))
                         break
                     except FileNotFoundError:
                         if attempt == 4:

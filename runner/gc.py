@@ -119,13 +119,22 @@ def sweep_staging_dirs(base: Path | None = None, *, dry_run: bool = False
     here = current_owner()
     results = []
     for d in sorted(root.iterdir()):
-        if d.is_symlink() or not d.is_dir() or not (d / STAGING_OWNER).is_file():
+        if d.is_symlink() or not d.is_dir():
             continue
-        try:
-            owner = Owner(**json.loads((d / STAGING_OWNER).read_text()))
-            alive = owner_alive(owner, here=here)
-        except (OSError, ValueError, TypeError):
-            alive = False
+        alive: bool | None
+        if (d / STAGING_OWNER).is_file():
+            try:
+                owner = Owner(**json.loads((d / STAGING_OWNER).read_text()))
+                alive = owner_alive(owner, here=here)
+            except (OSError, ValueError, TypeError):
+                alive = False
+        else:  # killed between creating the copy and writing its record: "<pid>-<start>-"
+            pid, _, rest = d.name.partition("-")
+            start, _, _ = rest.partition("-")
+            if not (pid.isdigit() and start.isdigit()):
+                continue  # not ours
+            alive = owner_alive(Owner(pid=int(pid), start=int(start), boot_id=here.boot_id,
+                                      host=here.host), here=here)
         if alive is False and not dry_run:
             shutil.rmtree(d, ignore_errors=True)
         results.append(SweepResult(name=str(d), run_id="?", role="input-staging",

@@ -149,7 +149,7 @@ def test_memory_hog_is_oom_killed(gv: RunFn) -> None:
     rec = gv(_py("x=[]\nwhile True: x.append(bytearray(16<<20))"), memory="128m", timeout_s=60)
     assert rec.stop_reason is StopReason.OOM, rec  # the engine sets OOMKilled for runsc too
     # the whole sandbox goes (exec and all), so the command's own code may be unknown
-    assert rec.exit_code in (137, None)
+    assert rec.exit_code in (137, 128, None)  # runsc reports 128 for a killed exec
     assert rec.cleanup_confirmed
 
 

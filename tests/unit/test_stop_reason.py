@@ -68,6 +68,8 @@ def test_gc_sweeps_staging_copies_of_a_dead_controller(tmp_path: Path) -> None:
         (tmp_path / name / "m0" / "input.txt").write_text("x")
         (tmp_path / name / "owner.json").write_text(json.dumps(asdict(owner)))
     (tmp_path / "not-ours").mkdir()  # no owner record: never touched
+    (tmp_path / f"{dead.pid}-{dead.start}-abc").mkdir()  # killed before its record
+    (tmp_path / f"{me.pid}-{me.start}-abd").mkdir()  # ours, still running
 
     dry = {r.name.rsplit("/", 1)[-1]: r for r in sweep_staging_dirs(tmp_path, dry_run=True)}
     assert dry["dead"].would_remove and not dry["dead"].removed
@@ -78,3 +80,5 @@ def test_gc_sweeps_staging_copies_of_a_dead_controller(tmp_path: Path) -> None:
     assert done["dead"].removed and not (tmp_path / "dead").exists()
     assert (tmp_path / "live" / "m0" / "input.txt").exists()
     assert (tmp_path / "not-ours").exists()
+    assert not (tmp_path / f"{dead.pid}-{dead.start}-abc").exists()
+    assert (tmp_path / f"{me.pid}-{me.start}-abd").exists()
