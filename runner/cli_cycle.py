@@ -103,7 +103,9 @@ def cycle_run(
 ) -> None:
     """Freeze then run a cycle, or run a prepared plan.
 
-    Exit 0 accept_for_review, 1 reject, 2 invalid_comparison, 3+ usage errors."""
+    Exit 0 accept_for_review, 1 reject, 2 invalid_comparison; 3 bad input, 5 missing
+    prerequisite, 6 engine lost, 9 disk full, 130 interrupted (each after writing the
+    verdict and receipt when it can), 10 unexpected; `cyclebox --help` has the table."""
     from runner.cycle.compare import EXIT_CODES
     from runner.cycle.plan import freeze as do_freeze
     from runner.cycle.receipt import build
@@ -269,7 +271,7 @@ def compare_cmd(baseline: Annotated[Path, typer.Option(help="Baseline records (J
                 out_dir: OutOpt, json_out: JsonOpt = False) -> None:
     """Compare two record sets under a frozen policy.
 
-    Exit 0 accept_for_review, 1 reject, 2 invalid_comparison, 3+ usage errors."""
+    Exit 0 accept_for_review, 1 reject, 2 invalid_comparison, 3 bad input (see `cyclebox --help`)."""
     from runner.cycle.compare import EXIT_CODES, compare, load_policy, load_records
     from runner.cycle.plan import make_fresh_dir, refuse_existing, remove_created
 
