@@ -271,7 +271,8 @@ def compare_cmd(baseline: Annotated[Path, typer.Option(help="Baseline records (J
                 out_dir: OutOpt, json_out: JsonOpt = False) -> None:
     """Compare two record sets under a frozen policy.
 
-    Exit 0 accept_for_review, 1 reject, 2 invalid_comparison, 3 bad input (see `cyclebox --help`)."""
+    Exit 0 accept_for_review, 1 reject, 2 invalid_comparison, 3 bad input
+    (`cyclebox --help` has the table)."""
     from runner.cycle.compare import EXIT_CODES, compare, load_policy, load_records
     from runner.cycle.plan import make_fresh_dir, refuse_existing, remove_created
 
