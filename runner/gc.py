@@ -77,70 +77,71 @@ def sweep_containers(engine: _Engine, *, only_orphans: bool = True,
     return results
 
 
+def _recorded_owner_alive(record: Path, here: Owner) -> bool | None:
+    """Liveness of the controller named by an owner record; an unreadable one is gone."""
+    import json
+
+    try:
+        return owner_alive(Owner(**json.loads(record.read_text())), here=here)
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _sweep_owned(dirs: list[tuple[Path, bool | None]], *, role: str, kind: str,
+                 dry_run: bool) -> list[SweepResult]:
+    """Remove the directories whose owner is gone (``False``); report every one."""
+    import shutil
+
+    results = []
+    for d, alive in dirs:
+        if alive is False and not dry_run:
+            shutil.rmtree(d, ignore_errors=True)
+        results.append(SweepResult(name=str(d), run_id="?", role=role,
+                                   removed=alive is False and not dry_run,
+                                   reason="owner gone" if alive is False else "owner running",
+                                   kind=kind, would_remove=alive is False))
+    return results
+
+
 def sweep_socket_dirs(tmp: Path | None = None, *, dry_run: bool = False) -> list[SweepResult]:
     """Remove gateway socket directories whose owning controller is gone."""
-    import json
-    import shutil
     import tempfile
 
     from runner.gateway.server import OWNER_NAME, SOCKET_DIR_PREFIX
 
     here = current_owner()
-    results = []
-    for d in sorted((tmp or Path(tempfile.gettempdir())).glob(SOCKET_DIR_PREFIX + "*")):
-        if d.is_symlink() or not d.is_dir():
-            continue
-        try:
-            owner = Owner(**json.loads((d / OWNER_NAME).read_text()))
-            alive = owner_alive(owner, here=here)
-        except (OSError, ValueError, TypeError):
-            alive = False
-        if alive is False and not dry_run:
-            shutil.rmtree(d, ignore_errors=True)
-        results.append(SweepResult(name=str(d), run_id="?", role="gateway-socket",
-                                   removed=alive is False and not dry_run,
-                                   reason="owner gone" if alive is False else "owner running",
-                                   kind="socket_dir", would_remove=alive is False))
-    return results
+    dirs = [(d, _recorded_owner_alive(d / OWNER_NAME, here))
+            for d in sorted((tmp or Path(tempfile.gettempdir())).glob(SOCKET_DIR_PREFIX + "*"))
+            if not d.is_symlink() and d.is_dir()]
+    return _sweep_owned(dirs, role="gateway-socket", kind="socket_dir", dry_run=dry_run)
 
 
 def sweep_staging_dirs(base: Path | None = None, *, dry_run: bool = False
                        ) -> list[SweepResult]:
     """Remove per-run input staging copies whose owning controller is gone (a SIGKILLed
-    controller cannot remove its own); only directories holding our owner record."""
-    import json
-    import shutil
-
+    controller cannot remove its own); only directories holding our owner record or
+    named ``<pid>-<start>-...`` by us."""
     from runner.docker_backend import STAGING_OWNER, staging_base
 
     root = base or staging_base()
     if root.is_symlink() or not root.is_dir():
         return []
     here = current_owner()
-    results = []
+    dirs: list[tuple[Path, bool | None]] = []
     for d in sorted(root.iterdir()):
         if d.is_symlink() or not d.is_dir():
             continue
-        alive: bool | None
         if (d / STAGING_OWNER).is_file():
-            try:
-                owner = Owner(**json.loads((d / STAGING_OWNER).read_text()))
-                alive = owner_alive(owner, here=here)
-            except (OSError, ValueError, TypeError):
-                alive = False
-        else:  # killed between creating the copy and writing its record: "<pid>-<start>-"
-            pid, _, rest = d.name.partition("-")
-            start, _, _ = rest.partition("-")
-            if not (pid.isdigit() and start.isdigit()):
-                continue  # not ours
-            alive = owner_alive(Owner(pid=int(pid), start=int(start), boot_id=here.boot_id,
-                                      host=here.host), here=here)
-        if alive is False and not dry_run:
-            shutil.rmtree(d, ignore_errors=True)
-        results.append(SweepResult(name=str(d), run_id="?", role="input-staging",
-                                   removed=alive is False and not dry_run,
-                                   reason="owner gone" if alive is False else "owner running",
-                                   kind="staging_dir", would_remove=alive is False))
+            dirs.append((d, _recorded_owner_alive(d / STAGING_OWNER, here)))
+            continue
+        # killed between creating the copy and writing its record: "<pid>-<start>-"
+        pid, _, rest = d.name.partition("-")
+        start, _, _ = rest.partition("-")
+        if pid.isdigit() and start.isdigit():
+            dirs.append((d, owner_alive(Owner(pid=int(pid), start=int(start),
+                                              boot_id=here.boot_id, host=here.host),
+                                        here=here)))
+    results = _sweep_owned(dirs, role="input-staging", kind="staging_dir", dry_run=dry_run)
     if not dry_run:
         with contextlib.suppress(OSError):  # the shared base, only when empty
             root.rmdir()
