@@ -18,6 +18,7 @@ from runner import __version__, interrupts
 from runner.errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
+    EXIT_OUTPUT_REFUSED,
     EXIT_TABLE,
     EXIT_UNEXPECTED,
     CycleboxError,
@@ -187,7 +188,7 @@ def sandbox_exec(
 
     Usage: cyclebox sandbox exec --role analyst -- python -c 'print(1)'.
     Exit codes beyond the command's own: 124 timeout, 125 output limit,
-    137 OOM, 126 cleanup unconfirmed.
+    137 OOM, 126 cleanup unconfirmed, 7 output refused.
     """
     from runner.docker_backend import DockerSandbox
     from runner.gateway.calllog import CallLog
@@ -248,7 +249,7 @@ def sandbox_exec(
         err.print(f"[yellow]cyclebox:[/] {safe(record.stop_reason.value)}: "
                   f"{safe(record.detail)} (output dir {safe(odir)})", highlight=False)
     codes = {StopReason.TIMEOUT: 124, StopReason.OUTPUT_LIMIT: 125, StopReason.OOM: 137,
-             StopReason.CLEANUP_UNCONFIRMED: 126}
+             StopReason.CLEANUP_UNCONFIRMED: 126, StopReason.INVALID_OUTPUT: EXIT_OUTPUT_REFUSED}
     code = codes.get(record.stop_reason, record.exit_code if record.exit_code is not None else 1)
     raise typer.Exit(code)
 
