@@ -23,12 +23,12 @@ import yaml
 
 from bench._report import report
 from bench.overhead import docker_cli_args
-from runner.docker_backend import DockerSandbox
-from runner.hardening import create_kwargs
-from runner.images import resolve_image
+from runner.isolation.docker.backend import DockerSandbox
+from runner.isolation.docker.hardening import create_kwargs
+from runner.isolation.docker.images import resolve_image
+from runner.isolation.policy import load_policies
+from runner.isolation.roles import role_spec
 from runner.paths import PROJECT_ROOT, default_policies
-from runner.policy import load_policies
-from runner.roles import role_spec
 
 EXAMPLE = PROJECT_ROOT / "examples" / "shop-analyst"
 RAW_COMMAND = ["python", "-c", "import json, sqlite3, openai"]

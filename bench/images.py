@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from bench._report import report
-from runner.images import build_roles
-from runner.policy import ROLES
+from runner.isolation.docker.images import build_roles
+from runner.isolation.policy import ROLES
 
 TARGET_ROLE_BYTES = 500 * 1000**2
 TARGET_TRAINER_BYTES = 1600 * 1000**2

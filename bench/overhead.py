@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 
 from bench._report import report
-from runner.docker_backend import DockerSandbox
-from runner.images import resolve_image
+from runner.isolation.docker.backend import DockerSandbox
+from runner.isolation.docker.images import resolve_image
+from runner.isolation.policy import RolePolicy, load_policies
+from runner.isolation.roles import role_spec
+from runner.isolation.sandbox import RunSpec
+from runner.isolation.seccomp import PROFILE_PATH
 from runner.paths import default_policies
-from runner.policy import RolePolicy, load_policies
-from runner.roles import role_spec
-from runner.sandbox import RunSpec
-from runner.seccomp import PROFILE_PATH
 
 COMMAND = ["true"]
 
@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
 
-    from runner.hardening import create_kwargs
+    from runner.isolation.docker.hardening import create_kwargs
 
     policy = load_policies(default_policies()).roles["analyst"]
     backend = DockerSandbox()

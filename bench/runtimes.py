@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 from bench._report import report
-from runner.docker_backend import DockerSandbox
-from runner.images import resolve_image
+from runner.isolation.docker.backend import DockerSandbox
+from runner.isolation.docker.images import resolve_image
+from runner.isolation.policy import load_policies
+from runner.isolation.roles import role_spec
 from runner.paths import default_policies
-from runner.policy import load_policies
-from runner.roles import role_spec
 
 COMMAND = ["python3", "-c", "pass"]
 RUNTIMES = {"runc": None, "runsc": "runsc"}

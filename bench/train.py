@@ -15,10 +15,10 @@ from typing import Any
 import yaml
 
 from bench._report import report
+from runner.isolation.roles import fresh_output_dir
+from runner.isolation.sandbox import Mount
 from runner.paths import PROJECT_ROOT
-from runner.roles import fresh_output_dir
-from runner.sandbox import Mount
-from runner.train import _trainer_uid, make_tiny, run_trainer
+from runner.train.host import _trainer_uid, make_tiny, run_trainer
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ with ``python3 -I -S -c <source> MODE`` so that neither the image's ``sandbox``
 package nor anything the role wrote can change it (``-I``: no environment, no cwd on
 ``sys.path``; ``-S``: no site-packages, and ~100 ms less start-up per exec).
 
-Why a holder (the design, see also :mod:`runner.copyout`): a role's output directory
+Why a holder (the design, see also :mod:`runner.isolation.copyout`): a role's output directory
 is a size- and inode-capped tmpfs *inside* the container, so the kernel, not a host
 poll, stops a writer at the cap (``ENOSPC``). A tmpfs dies with its container, and
 the engine's archive API does not see tmpfs mounts at all on the engines we support

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from runner.isolation.policy import RolePolicies, RolePolicy, load_policies
+from runner.isolation.sandbox import Mount, RunRecord
 from runner.paths import default_policies
-from runner.policy import RolePolicies, RolePolicy, load_policies
-from runner.sandbox import Mount, RunRecord
 
 RunFn = Callable[..., RunRecord]
 
@@ -23,7 +23,7 @@ def policies() -> RolePolicies:
 
 @pytest.fixture(scope="session")
 def backend() -> Any:
-    from runner.docker_backend import DockerSandbox
+    from runner.isolation.docker.backend import DockerSandbox
 
     return DockerSandbox()
 
@@ -32,8 +32,8 @@ def backend() -> Any:
 def run_role(backend: Any, policies: RolePolicies, tmp_path: Path,
              request: pytest.FixtureRequest) -> RunFn:
     """Run a command in a role container under its policy, with per-test overrides."""
-    from runner.images import resolve_image
-    from runner.roles import fresh_output_dir, role_spec
+    from runner.isolation.docker.images import resolve_image
+    from runner.isolation.roles import fresh_output_dir, role_spec
 
     counter = iter(range(1000))
 

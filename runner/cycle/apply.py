@@ -6,7 +6,7 @@ Invariant: the host never runs git inside a directory a container wrote (its
 ``candidate.git`` and checks that clone: parent is the frozen base, changed paths are
 exactly the proposal's, contents equal the proposal, the patch equals the host's diff.
 
-The container's ``result.json`` and patch are read through :func:`runner.collect.collect`
+The container's ``result.json`` and patch are read through :func:`runner.isolation.collect.collect`
 (no symlink followed, no FIFO opened, sizes capped). The candidate tree is then exported
 and the export compared with the committed tree's blobs (:func:`gitops.export_tree`), so a
 ``.gitattributes`` edit (export-ignore, export-subst, ident, eol) that would make the
@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from runner import gitops
-from runner.collect import Collected, Limits, collect
 from runner.cycle.models import ProposalFile
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.hashing import write_json
-from runner.sandbox import RunRecord, StopReason
+from runner.isolation.collect import Collected, Limits, collect
+from runner.isolation.sandbox import RunRecord, StopReason
 from sandbox.proposal import Change, Refused, check_changes
 
 OUTPUT_LIMITS = Limits(max_file_bytes=8 * 1024 * 1024, max_total_bytes=16 * 1024 * 1024,

@@ -15,8 +15,8 @@ from pydantic import Field, model_validator
 from runner.errors import ConfigError
 from runner.gateway.budget import BudgetPolicy
 from runner.gateway.config import UpstreamPolicy
+from runner.isolation.sandbox import Frozen
 from runner.loading import checked_path, load_model, relative_inside, resolve_under, show
-from runner.sandbox import Frozen
 
 
 class ProjectSpec(Frozen):
@@ -128,7 +128,7 @@ class CycleInputs:
 
 def check_inputs(cycle: CycleFile, path: Path, base: Path) -> CycleInputs:
     """Resolve and check every file and directory the cycle names (no git, no writing)."""
-    from runner.policy import mount_violation
+    from runner.isolation.policy import mount_violation
 
     where = show(str(path))
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from runner.sandbox import Frozen
+from runner.isolation.sandbox import Frozen
 
 Criterion = Literal["correctness", "evidence", "refusal"]
 CRITERIA: tuple[Criterion, ...] = ("correctness", "evidence", "refusal")

@@ -41,11 +41,11 @@ from runner.errors import ConfigError, IntegrityError, PrerequisiteError
 from runner.gateway.budget import BudgetPolicy
 from runner.gateway.config import UpstreamPolicy, read_credential
 from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_json
+from runner.isolation.policy import ROLE_UPSTREAM, RolePolicies, RolePolicy, load_policies
+from runner.isolation.sandbox import Frozen
+from runner.isolation.seccomp import load_profile
 from runner.loading import is_inside, load_data, load_model, show, validate
 from runner.paths import sandbox_src
-from runner.policy import ROLE_UPSTREAM, RolePolicies, RolePolicy, load_policies
-from runner.sandbox import Frozen
-from runner.seccomp import load_profile
 from sandbox.proposal import Refused, check_changes, check_path
 
 CYCLE_ROLES = ("analyst", "worker", "evaluator", "apply")

@@ -21,14 +21,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from runner import gitops
-from runner.collect import loads_strict
 from runner.cycle.run import Outcome
+from runner.cycle.signing import ENVELOPE
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.gateway.calllog import CallLog
 from runner.gateway.report import summarize
 from runner.hashing import canonical_bytes, sha256_file, sha256_json
+from runner.isolation.collect import loads_strict
 from runner.loading import MAX_BYTES, check_schema, decode_utf8, load_data, parse_json, validate
-from runner.signing import ENVELOPE
 
 SCHEMA = 1
 RECEIPT = "receipt.json"

@@ -34,11 +34,11 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import AwareDatetime, Field, ValidationError
 
-from runner.collect import loads_strict
 from runner.cycle.models import CRITERIA, Criterion, Grades, Record
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_json
-from runner.sandbox import Frozen
+from runner.isolation.collect import loads_strict
+from runner.isolation.sandbox import Frozen
 from runner.termsafe import DATA_NOTE, code_span, fence, plain
 
 REVIEW_MD = "review.md"

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from runner import gitops, interrupts
-from runner.collect import Limits, collect, loads_strict
 from runner.cycle.apply import apply_proposal
 from runner.cycle.brief import build_brief
 from runner.cycle.compare import compare
@@ -37,15 +36,16 @@ from runner.cycle.plan import (
     load_plan,
     plan_lock,
 )
-from runner.docker_backend import DockerSandbox
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.failures import Failure, classify, is_engine_error, is_environment_error, one_line
 from runner.gateway.budget import RunBudget
 from runner.gateway.report import summarize
 from runner.gateway.server import Gateway
 from runner.hashing import safe_text, sha256_bytes, write_json
-from runner.roles import fresh_output_dir, role_spec
-from runner.sandbox import Mount, RunRecord, StopReason
+from runner.isolation.collect import Limits, collect, loads_strict
+from runner.isolation.docker.backend import DockerSandbox
+from runner.isolation.roles import fresh_output_dir, role_spec
+from runner.isolation.sandbox import Mount, RunRecord, StopReason
 
 STOP_GRACE_S = 6.0
 """How long, after a stop, the run's containers are swept while case threads return."""
@@ -493,7 +493,7 @@ class CycleRunner:
 
     def _dream(self) -> list[Scenario]:
         """Dream variants of development tasks (SPEC §8); model calls via the relay."""
-        from runner import dream
+        from runner.cycle import dream
 
         spec = self.plan.dream
         d = self.dir / "stages" / "dream"

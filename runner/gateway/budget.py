@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from pydantic import Field
 
-from runner.sandbox import Frozen
+from runner.isolation.sandbox import Frozen
 
 
 class BudgetPolicy(Frozen):

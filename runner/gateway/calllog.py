@@ -23,7 +23,7 @@ from typing import Literal
 from pydantic import Field
 
 from runner.errors import IntegrityError
-from runner.sandbox import Frozen
+from runner.isolation.sandbox import Frozen
 
 CallStatus = Literal["ok", "refused", "infra_error"]
 PREFIX_BYTES = 256

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from runner.errors import ConfigError, PrerequisiteError
-from runner.sandbox import Frozen
+from runner.isolation.sandbox import Frozen
 
 
 class CredentialSource(Frozen):

@@ -16,10 +16,10 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from runner.collect import loads_strict
 from runner.errors import ConfigError, OutputRejected
 from runner.gateway.calllog import CallLog, Usage, sha256
 from runner.gateway.upstream_http import UpstreamError, client_for
+from runner.isolation.collect import loads_strict
 
 
 @dataclass(frozen=True)

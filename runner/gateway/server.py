@@ -32,7 +32,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from runner.collect import loads_strict
 from runner.errors import ConfigError, OutputRejected
 from runner.gateway.budget import BudgetPolicy, BudgetRefused, RunBudget
 from runner.gateway.calllog import PREFIX_BYTES, CallLog, CallRecord, Usage, sha256
@@ -47,8 +46,9 @@ from runner.gateway.providers import (
 )
 from runner.gateway.redact import Redactor
 from runner.gateway.vet import Refusal, Vetted, vet, worst_case_usd
-from runner.owner import current_owner
-from runner.sandbox import Mount
+from runner.isolation.collect import loads_strict
+from runner.isolation.owner import current_owner
+from runner.isolation.sandbox import Mount
 
 CONTAINER_DIR = "/run/cyclebox/gateway"
 """Where a role finds ``gateway.sock`` and ``token`` (read-only mount)."""

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from runner.sandbox import Frozen
+from runner.isolation.sandbox import Frozen
 
 REPORT_SCHEMA = 1
 Arm = Literal["baseline", "candidate"]

@@ -13,8 +13,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from runner.collect import loads_strict
 from runner.errors import OutputRejected
+from runner.isolation.collect import loads_strict
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)

@@ -22,10 +22,10 @@ import pytest
 from runner.gateway.calllog import CallLog, sha256
 from runner.gateway.config import CredentialSource, UpstreamPolicy
 from runner.gateway.server import Gateway
-from runner.images import resolve_image
-from runner.policy import RolePolicies
-from runner.roles import role_spec
-from runner.sandbox import Mount, RunRecord, StopReason
+from runner.isolation.docker.images import resolve_image
+from runner.isolation.policy import RolePolicies
+from runner.isolation.roles import role_spec
+from runner.isolation.sandbox import Mount, RunRecord, StopReason
 
 pytestmark = pytest.mark.docker
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

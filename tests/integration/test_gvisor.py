@@ -27,10 +27,10 @@ import pytest
 from runner.gateway.calllog import CallLog
 from runner.gateway.config import CredentialSource
 from runner.gateway.server import Gateway
-from runner.images import resolve_image
-from runner.policy import RolePolicies
-from runner.roles import role_spec
-from runner.sandbox import RunRecord, StopReason
+from runner.isolation.docker.images import resolve_image
+from runner.isolation.policy import RolePolicies
+from runner.isolation.roles import role_spec
+from runner.isolation.sandbox import RunRecord, StopReason
 from tests.conftest import RunFn
 from tests.integration.test_isolation import _host_address, host_server  # noqa: F401
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.sandbox import Mount, StopReason
+from runner.isolation.sandbox import Mount, StopReason
 from tests.conftest import RunFn
 
 pytestmark = pytest.mark.docker

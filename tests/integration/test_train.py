@@ -26,7 +26,7 @@ def test_tiny_model_is_a_transformers_model(tiny_model: Path) -> None:
 
 
 def test_trainer_container_isolation(run_role: RunFn, tiny_model: Path) -> None:
-    from runner.sandbox import Mount
+    from runner.isolation.sandbox import Mount
 
     rec = run_role(["python", "-c",
                     "import json, os, sandbox.probe as p\n"

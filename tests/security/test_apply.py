@@ -103,13 +103,13 @@ def _hostile_apply(tmp_path: Path, repo: Path, script: str, *, timeout: float = 
     """apply_proposal with the real apply image and hardening, running ``script``
     instead of sandbox.apply_main; fails if the host side blocks."""
     from runner.cycle.apply import apply_proposal
-    from runner.docker_backend import DockerSandbox
     from runner.gitops import resolve_tree
-    from runner.images import resolve_image
+    from runner.isolation.docker.backend import DockerSandbox
+    from runner.isolation.docker.images import resolve_image
+    from runner.isolation.policy import load_policies
+    from runner.isolation.roles import role_spec
+    from runner.isolation.sandbox import Mount
     from runner.paths import default_policies
-    from runner.policy import load_policies
-    from runner.roles import role_spec
-    from runner.sandbox import Mount
 
     stage = tmp_path / "stage"
     (stage / "in").mkdir(parents=True)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.copyout import CopyLimits, CopyRefused, extract
-from runner.sandbox import RunRecord, StopReason
+from runner.isolation.copyout import CopyLimits, CopyRefused, extract
+from runner.isolation.sandbox import RunRecord, StopReason
 from sandbox.holder import READY
 from tests.conftest import RunFn
 
@@ -369,7 +369,7 @@ def test_stream_cap_holds_for_big_directory_data(tmp_path: Path) -> None:
 
 
 def test_stream_negative_read_refused() -> None:
-    from runner.copyout import _Stream
+    from runner.isolation.copyout import _Stream
 
     st = _Stream(iter([b"x" * 1024]), 2048)
     with pytest.raises(CopyRefused, match="negative"):
@@ -429,8 +429,8 @@ def test_holder_leaves_out_sparse_file_bigger_than_output(tmp_path: Path) -> Non
 
 
 def test_holder_limit_report_ends_output_limit(tmp_path: Path) -> None:
-    from runner.docker_backend import _CopyOut
-    from runner.sandbox import Resources, RunSpec
+    from runner.isolation.docker.backend import _CopyOut
+    from runner.isolation.sandbox import Resources, RunSpec
 
     spec = RunSpec.model_validate({
         "run_id": "r1", "role": "analyst", "image": "sha256:abc", "command": ("true",),
@@ -450,7 +450,7 @@ def test_holder_limit_report_ends_output_limit(tmp_path: Path) -> None:
 
 
 def _spec(tmp_path: Path) -> object:
-    from runner.sandbox import Resources, RunSpec
+    from runner.isolation.sandbox import Resources, RunSpec
 
     return RunSpec.model_validate({
         "run_id": "r1", "role": "analyst", "image": "sha256:abc", "command": ("true",),
@@ -461,7 +461,7 @@ def _spec(tmp_path: Path) -> object:
 def test_copyout_waits_for_the_holder_ready_marker(tmp_path: Path) -> None:
     import threading
 
-    from runner.docker_backend import _CopyOut
+    from runner.isolation.docker.backend import _CopyOut
 
     gate = threading.Event()
     tar = _tar(_member("f", data=b"x"))
@@ -493,7 +493,7 @@ def test_holder_ready_only_once_undumpable() -> None:
     import signal
     import subprocess
 
-    from runner.hardening import holder_argv
+    from runner.isolation.docker.hardening import holder_argv
 
     uid = 65534 if os.getuid() == 0 else os.getuid()  # as a role: not root
     proc = subprocess.Popen(holder_argv("hold", "-"), stdout=subprocess.PIPE,

@@ -539,9 +539,9 @@ print(json.dumps(out))
 def test_attacks_from_inside_a_hardened_container(tmp_path: Path, policies: Any,
                                                   backend: Any) -> None:
     """The same attacks from a real analyst container through its read-only socket mount."""
-    from runner.images import resolve_image
-    from runner.roles import role_spec
-    from runner.sandbox import StopReason
+    from runner.isolation.docker.images import resolve_image
+    from runner.isolation.roles import role_spec
+    from runner.isolation.sandbox import StopReason
 
     with Gateway(tmp_path, "sec", dict(policies.upstreams), {"analyst": "target"}) as gw, \
             gw.bound("analyst", stage="attack", uid=10001) as b:

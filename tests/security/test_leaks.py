@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from runner.gateway.server import OWNER_NAME, Gateway
-from runner.sandbox import Mount, StopReason
+from runner.isolation.sandbox import Mount, StopReason
 from tests.conftest import RunFn
 
 pytestmark = pytest.mark.docker
@@ -103,9 +103,9 @@ def test_staging_checks_the_callers_source_not_the_staged_copy(source: str,
                                                                tmp_path: Path) -> None:
     """The staged copy always lies in a harmless place; the mount rules must judge what
     the caller named (a `--base-model ~` must not be staged and mounted)."""
-    from runner.docker_backend import _Staging
     from runner.errors import PolicyViolation
-    from runner.sandbox import Mount, Resources, RunSpec
+    from runner.isolation.docker.backend import _Staging
+    from runner.isolation.sandbox import Mount, Resources, RunSpec
 
     spec = RunSpec(run_id="t", role="analyst", image="img", command=("true",),
                    user="10001:10001", mounts=(Mount(source=Path(source), target="/in"),),

@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 
 from runner.cycle.plan import load_plan
-from runner.doctor import seccomp_problems, seccomp_profile_check
 from runner.errors import ConfigError, IntegrityError
+from runner.isolation.docker.doctor import seccomp_problems, seccomp_profile_check
+from runner.isolation.policy import load_policies
+from runner.isolation.sandbox import RunRecord, StopReason
+from runner.isolation.seccomp import FORBIDDEN, PROFILE_PATH, check_profile, load_profile
 from runner.paths import PROJECT_ROOT
-from runner.policy import load_policies
-from runner.sandbox import RunRecord, StopReason
-from runner.seccomp import FORBIDDEN, PROFILE_PATH, check_profile, load_profile
 from tests.conftest import RunFn
 
 CLI = str(Path(sys.executable).with_name("cyclebox"))

@@ -206,7 +206,7 @@ def test_cycle_summary_worker_rationale(tmp_path: Path) -> None:
 import sys
 from pathlib import Path
 from types import SimpleNamespace as NS
-from runner.cli_cycle import _summary
+from runner.cli.cycle import _summary
 reason = "no candidate: proposal refused (malformed_proposal: " + {HOSTILE!r} + ")"
 res = NS(verdict="invalid_comparison", reasons=[reason],
          improvements=[NS(case_id={HOSTILE!r}, trial=0, criterion="correctness")],

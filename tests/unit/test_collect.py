@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.collect import Limits, collect, loads_strict
 from runner.errors import OutputRejected
+from runner.isolation.collect import Limits, collect, loads_strict
 
 
 def test_reads_regular_tree(tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from runner.collect import collect, dir_usage
 from runner.cycle.receipt import _files
 from runner.errors import (
     EXIT_ENGINE,
@@ -26,6 +25,7 @@ from runner.errors import (
 )
 from runner.failures import classify, one_line
 from runner.hashing import canonical_bytes, write_json
+from runner.isolation.collect import collect, dir_usage
 from tests.fixtures.deep import remove_deep
 
 CLI = str(Path(sys.executable).with_name("cyclebox"))

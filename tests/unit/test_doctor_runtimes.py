@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from runner.doctor import runtime_checks
+from runner.isolation.docker.doctor import runtime_checks
+from runner.isolation.policy import RolePolicies, load_policies
 from runner.paths import default_policies
-from runner.policy import RolePolicies, load_policies
 
 
 def _with_runtime(role: str, runtime: str) -> RolePolicies:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from runner import dream
+from runner.cycle import dream
 from runner.cycle.models import Reference, Scenario
 
 KEY = "question"

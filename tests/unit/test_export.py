@@ -17,9 +17,9 @@ import pytest
 from runner.cycle.models import Grades, Identities, Record
 from runner.cycle.review import bind_run, calibrate, make_packet, write_calibration
 from runner.errors import ConfigError, IntegrityError
-from runner.export import ExportPolicy, export, join_key, reply_of
 from runner.gateway.calllog import CallLog, CallRecord, CallStatus
 from runner.hashing import sha256_bytes, sha256_file
+from runner.train.export import ExportPolicy, export, join_key, reply_of
 
 IDS = Identities(data_hash="d" * 64, reference_hash="r" * 64, scorer="scorer-1")
 POLICY = ExportPolicy.model_validate({"schema": 1, "min_kappa": 0.6})
@@ -618,7 +618,7 @@ def test_verl_parquet_rows(run: Path, calibration: Path, tmp_path: Path) -> None
                  '[{"image_url": {"url": "x"}, "type": "image_url"}]', id="other-kept-as-json"),
 ])
 def test_chat_messages_content(content: Any, text: str) -> None:
-    from runner.export import chat_messages
+    from runner.train.export import chat_messages
 
     req = json.dumps({"messages": [{"role": "user", "content": content}]})
     assert chat_messages(req) == [{"role": "user", "content": text}]
@@ -628,7 +628,7 @@ def test_chat_messages_content(content: Any, text: str) -> None:
                                  '{"messages": [{"content": "no role"}]}', "not json"])
 def test_chat_messages_refuses_requests_without_messages(req: str) -> None:
     from runner.errors import OutputRejected
-    from runner.export import chat_messages
+    from runner.train.export import chat_messages
 
     with pytest.raises((ValueError, TypeError, OutputRejected)):
         chat_messages(req)
@@ -676,7 +676,7 @@ def test_hand_over_makes_outputs_readable_by_the_invoking_user(
     import os
     import stat
 
-    from runner.train import hand_over, invoking_user
+    from runner.train.host import hand_over, invoking_user
 
     out = tmp_path / "out"
     (out / "adapter").mkdir(parents=True)

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 
 from runner.errors import PolicyViolation
-from runner.hardening import MANAGED_LABEL, create_kwargs, exec_kwargs
-from runner.owner import Owner
+from runner.isolation.docker.hardening import MANAGED_LABEL, create_kwargs, exec_kwargs
+from runner.isolation.owner import Owner
+from runner.isolation.policy import load_policies
+from runner.isolation.roles import parse_mount_flag, resolve_user, role_spec
+from runner.isolation.sandbox import Mount, Resources, RunSpec
+from runner.isolation.seccomp import load_profile
 from runner.paths import default_policies
-from runner.policy import load_policies
-from runner.roles import parse_mount_flag, resolve_user, role_spec
-from runner.sandbox import Mount, Resources, RunSpec
-from runner.seccomp import load_profile
 
 OWNER = Owner(pid=42, start=1234, boot_id="boot", host="h")
 
@@ -72,9 +72,9 @@ def test_output_target_collision_refused(tmp_path: Path) -> None:
 
 
 def test_memory_must_cover_every_tmpfs() -> None:
-    from runner.hardening import SHM_BYTES
-    from runner.policy import SHM_BYTES as POLICY_SHM
-    from runner.policy import memory_needed, policy_violations
+    from runner.isolation.docker.hardening import SHM_BYTES
+    from runner.isolation.policy import SHM_BYTES as POLICY_SHM
+    from runner.isolation.policy import memory_needed, policy_violations
 
     assert SHM_BYTES == POLICY_SHM
     for role, pol in load_policies(default_policies()).roles.items():

@@ -13,6 +13,7 @@ import yaml
 from runner.cycle.models import Manifest, Scenario, Store
 from runner.cycle.plan import freeze, make_fresh_dir, plan_lock, remove_created
 from runner.errors import ConfigError, PrerequisiteError
+from runner.isolation.policy import RolePolicy, parse_size
 from runner.loading import (
     decode_utf8,
     field_path,
@@ -24,7 +25,6 @@ from runner.loading import (
     validate,
 )
 from runner.paths import PROJECT_ROOT
-from runner.policy import RolePolicy, parse_size
 
 EXAMPLE = PROJECT_ROOT / "examples" / "shop-analyst"
 BILLION_LAUGHS = ('a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n'

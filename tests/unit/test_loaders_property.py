@@ -32,8 +32,8 @@ from runner.cycle.plan import freeze, load_plan
 from runner.cycle.receipt import load_receipt
 from runner.errors import ConfigError, IntegrityError
 from runner.gateway.providers import load_script
+from runner.isolation.policy import load_policies
 from runner.paths import PROJECT_ROOT
-from runner.policy import load_policies
 
 EXAMPLE = PROJECT_ROOT / "examples" / "shop-analyst"
 ROLES = PROJECT_ROOT / "policies" / "roles.yaml"

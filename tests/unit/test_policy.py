@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from runner.errors import ConfigError, PolicyViolation
+from runner.isolation.policy import load_policies, mount_violation, parse_policies, parse_size
 from runner.paths import default_policies
-from runner.policy import load_policies, mount_violation, parse_policies, parse_size
 
 BASE = {"image": "analyst", "memory": "256m", "cpus": 1, "pids": 64, "timeout_s": 10}
 

@@ -200,7 +200,7 @@ def test_not_a_run_directory(tmp_path: Path) -> None:
 
 
 def test_line_progress_prints_stages_and_every_n_cases() -> None:
-    from runner.cli_report import LineProgress
+    from runner.cli.report import LineProgress
 
     buf = io.StringIO()
     p = LineProgress(buf, every=5)
@@ -214,7 +214,7 @@ def test_line_progress_prints_stages_and_every_n_cases() -> None:
 
 
 def test_gc_dry_run_removes_nothing() -> None:
-    from runner.gc import sweep_containers
+    from runner.isolation.gc import sweep_containers
 
     class Engine:
         removed: list[str] = []  # noqa: RUF012
@@ -247,7 +247,7 @@ def test_reads_stop_at_the_cap(run: Path) -> None:
 
 
 def test_output_file_symlink_is_replaced_not_followed(run: Path, tmp_path: Path) -> None:
-    from runner.cli_report import write_outputs
+    from runner.cli.report import write_outputs
 
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me")
@@ -259,7 +259,7 @@ def test_output_file_symlink_is_replaced_not_followed(run: Path, tmp_path: Path)
 
 
 def test_output_dir_missing_is_a_config_error(run: Path, tmp_path: Path) -> None:
-    from runner.cli_report import check_targets
+    from runner.cli.report import check_targets
     from runner.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--junit"):

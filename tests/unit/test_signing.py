@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from runner.cycle.signing import ENVELOPE, keygen, load_public, pae, sign, verify_signature
 from runner.errors import ConfigError, IntegrityError
-from runner.signing import ENVELOPE, keygen, load_public, pae, sign, verify_signature
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from runner.gc import judge
-from runner.owner import Owner, parse_stat_start
-from runner.sandbox import RunFlags, StopReason, classify_stop
+from runner.isolation.gc import judge
+from runner.isolation.owner import Owner, parse_stat_start
+from runner.isolation.sandbox import RunFlags, StopReason, classify_stop
 
 
 @pytest.mark.parametrize(("flags", "reason"), [
@@ -58,8 +58,8 @@ def test_gc_sweeps_staging_copies_of_a_dead_controller(tmp_path: Path) -> None:
     import json
     from dataclasses import asdict, replace
 
-    from runner.gc import sweep_staging_dirs
-    from runner.owner import current_owner
+    from runner.isolation.gc import sweep_staging_dirs
+    from runner.isolation.owner import current_owner
 
     me = current_owner()
     dead = replace(me, start=me.start + 1)  # same pid, another start time: gone

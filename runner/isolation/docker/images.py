@@ -23,8 +23,8 @@ from pathlib import Path
 
 from runner.errors import ConfigError, PrerequisiteError
 from runner.hashing import sha256_file
+from runner.isolation.policy import ROLES
 from runner.paths import images_dir, sandbox_src, state_dir
-from runner.policy import ROLES
 
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")
 Log = Callable[[str], None]
@@ -170,7 +170,7 @@ def build_roles(roles: list[str], log: Log, *, force: bool = False,
     ``force`` rebuilds even when the tag exists; ``nocache`` ignores the engine's layer
     cache (both for measuring cold builds).
     """
-    from runner.docker_backend import DockerSandbox
+    from runner.isolation.docker.backend import DockerSandbox
 
     for r in roles:
         if r not in ROLES:

@@ -9,7 +9,7 @@ CIS    recommendation                             how
 5.1/2  AppArmor / SELinux profile                 engine default profile (not disabled)
 5.3    restrict capabilities                      ``cap_drop=[ALL]``, nothing added
 5.4    no privileged containers                   ``privileged=False``
-5.5    no sensitive host dirs mounted             :func:`runner.policy.mount_violation`
+5.5    no sensitive host dirs mounted             :func:`runner.isolation.policy.mount_violation`
 5.6    no sshd                                    images run one command, no daemons
 5.7/8  no (privileged) ports mapped               no ports at all
 5.9    no host network namespace                  ``network_mode=none``
@@ -43,10 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import PolicyViolation
-from runner.owner import Owner
-from runner.policy import mount_violation
-from runner.sandbox import RunSpec
-from runner.seccomp import load_profile
+from runner.isolation.owner import Owner
+from runner.isolation.policy import mount_violation
+from runner.isolation.sandbox import RunSpec
+from runner.isolation.seccomp import load_profile
 from sandbox import holder
 
 LABEL_PREFIX = "io.cyclebox"
@@ -90,7 +90,7 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str) -> dict[str, Any]:
     tmpfs = {path: _tmpfs_opts(size) for path, size in spec.tmpfs}
     if spec.output_dir is not None:
         # Not a mount of the host directory: the output is a tmpfs capped by the kernel
-        # in bytes and inodes, copied out by runner.copyout (see sandbox/holder.py).
+        # in bytes and inodes, copied out by runner.isolation.copyout (see sandbox/holder.py).
         why = mount_violation(str(spec.output_dir), read_only=False, allow_writable=True)
         if why:
             raise PolicyViolation(why, field="output_dir", fix="use a fresh run directory")
@@ -116,7 +116,7 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str) -> dict[str, Any]:
         "tmpfs": tmpfs,
         "mounts": mounts,
         "cap_drop": ["ALL"],
-        # Never the engine default (it allows io_uring); see runner/seccomp.py.
+        # Never the engine default (it allows io_uring); see runner/isolation/seccomp.py.
         "security_opt": ["no-new-privileges:true",
                          f"seccomp={spec.seccomp or load_profile().text}"],
         "privileged": False,

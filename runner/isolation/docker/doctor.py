@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import CycleboxError
+from runner.isolation.policy import ROLES
 from runner.paths import state_dir
-from runner.policy import ROLES
 
 if TYPE_CHECKING:
-    from runner.docker_backend import DockerSandbox
-    from runner.policy import RolePolicies, RolePolicy
-    from runner.sandbox import RunRecord
+    from runner.isolation.docker.backend import DockerSandbox
+    from runner.isolation.policy import RolePolicies, RolePolicy
+    from runner.isolation.sandbox import RunRecord
 
 MIN_FREE_BYTES = 5 * 1024**3
 
@@ -38,9 +38,9 @@ class Check:
 
 
 def run_checks(policies_path: Path, *, probe: bool = True) -> list[Check]:
-    from runner.docker_backend import DockerSandbox, connect, engine_info
-    from runner.images import read_lock
-    from runner.policy import load_policies
+    from runner.isolation.docker.backend import DockerSandbox, connect, engine_info
+    from runner.isolation.docker.images import read_lock
+    from runner.isolation.policy import load_policies
 
     checks: list[Check] = []
     try:
@@ -92,7 +92,7 @@ def run_checks(policies_path: Path, *, probe: bool = True) -> list[Check]:
 
 def seccomp_profile_check(path: Path | None = None) -> Check:
     """The shipped profile (or ``path``) exists, parses, refuses by default and refuses io_uring."""
-    from runner.seccomp import FORBIDDEN, load_profile
+    from runner.isolation.seccomp import FORBIDDEN, load_profile
 
     try:
         prof = load_profile(path)
@@ -157,15 +157,15 @@ def _probe_seccomp(backend: DockerSandbox, policy: RolePolicy, image: str) -> Ch
 
 def _run_probe(backend: DockerSandbox, policy: RolePolicy,
                image: str) -> tuple[RunRecord, dict[str, Any] | None]:
-    from runner.roles import role_spec
+    from runner.isolation.roles import role_spec
 
     spec = role_spec(policy, role="analyst", run_id="doctor", image=image,
                      command=["python", "-m", "sandbox.probe", "--role", "analyst"])
     rec = backend.run(spec)
     if rec.stop_reason.value != "ok":
         return rec, None
-    from runner.collect import loads_strict
     from runner.errors import OutputRejected
+    from runner.isolation.collect import loads_strict
 
     try:
         facts = loads_strict(rec.stdout_tail, source="probe container stdout")
@@ -206,4 +206,5 @@ def _probe_limits(backend: DockerSandbox, policy: RolePolicy, image: str) -> lis
             Check(f"seccomp enforced ({policy.runtime or 'default runtime'})", not sec,
                   "; ".join(sec) or ", ".join(f"{k} {v}" for k, v in
                                               sorted(facts["syscalls"].items())),
-                  "the container did not get policies/seccomp.json; check runner/hardening.py")]
+                  "the container did not get policies/seccomp.json; "
+                  "check runner/isolation/docker/hardening.py")]

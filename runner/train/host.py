@@ -15,14 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runner.collect import Limits, collect
-from runner.docker_backend import DockerSandbox
 from runner.errors import ConfigError, IntegrityError, SandboxError
-from runner.images import resolve_image
+from runner.isolation.collect import Limits, collect
+from runner.isolation.docker.backend import DockerSandbox
+from runner.isolation.docker.images import resolve_image
+from runner.isolation.policy import load_policies
+from runner.isolation.roles import fresh_output_dir, role_spec
+from runner.isolation.sandbox import Mount, RunRecord
 from runner.paths import default_policies
-from runner.policy import load_policies
-from runner.roles import fresh_output_dir, role_spec
-from runner.sandbox import Mount, RunRecord
 from sandbox.train.receipt import tree_sha
 
 Events = Callable[[dict[str, Any]], None]

@@ -21,7 +21,7 @@ only reader of that stream and never uses :func:`tarfile.extractall`:
   modes we choose: files 0644, directories 0755, owned by the operator (no setuid,
   nothing group- or world-writable, whatever the container set).
 
-The existing :func:`runner.collect.collect` then reads the extracted tree as before.
+The existing :func:`runner.isolation.collect.collect` then reads the extracted tree as before.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from runner.errors import ConfigError
 from runner.hashing import sha256_bytes
+from runner.isolation.sandbox import Frozen
 from runner.paths import PROJECT_ROOT
-from runner.sandbox import Frozen
 
 PROFILE_PATH = PROJECT_ROOT / "policies" / "seccomp.json"
 FORBIDDEN = ("io_uring_setup", "io_uring_enter", "io_uring_register")

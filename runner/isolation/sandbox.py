@@ -1,6 +1,6 @@
 """The sandbox interface the orchestrator sees, and the typed values it trades in.
 
-Docker is one implementation (:mod:`runner.docker_backend`); nothing outside that
+Docker is one implementation (:mod:`runner.isolation.docker.backend`); nothing outside that
 module knows it is Docker. Specs and records are frozen pydantic models so that
 they can be hashed into plans and receipts as they are.
 """

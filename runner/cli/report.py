@@ -13,7 +13,7 @@ from typing import Annotated, TextIO
 import typer
 from rich.table import Table
 
-from runner.cli import JsonOpt, _fail, app, err, out
+from runner.cli.app import JsonOpt, _fail, app, err, out
 from runner.errors import ConfigError, CycleboxError
 from runner.report.model import Report
 from runner.termsafe import emit_json_text

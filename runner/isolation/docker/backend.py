@@ -1,11 +1,11 @@
-"""Docker implementation of :class:`runner.sandbox.Sandbox`; the only module importing docker.
+"""Docker implementation of :class:`runner.isolation.sandbox.Sandbox`; only it imports docker.
 
 Invariants: a container is created from an image id or local tag and never pulled;
-its arguments come only from :func:`runner.hardening.create_kwargs` (the container)
-and :func:`runner.hardening.exec_kwargs` (the role command, run by exec under the
+its arguments come only from :func:`runner.isolation.docker.hardening.create_kwargs` (the container)
+and :func:`runner.isolation.docker.hardening.exec_kwargs` (the role command, run by exec under the
 holder PID 1 of :mod:`sandbox.holder`); stdout/stderr are streamed from the exec (the
 engine keeps no log copy) and counted against the cap; the output directory is a
-kernel-capped tmpfs copied out through :mod:`runner.copyout` before removal; input
+kernel-capped tmpfs copied out through :mod:`runner.isolation.copyout` before removal; input
 mounts are staged under opaque names; every container is removed in ``finally`` and
 removal is confirmed by asking the engine, not assumed.
 """
@@ -33,13 +33,13 @@ import docker.errors
 import requests.exceptions
 from docker.models.containers import _create_container_args
 
-from runner.collect import loads_strict
-from runner.copyout import CopyLimits, CopyRefused, Extracted, extract
 from runner.errors import OutputRejected, PolicyViolation, PrerequisiteError, SandboxError
-from runner.hardening import MANAGED_LABEL, create_kwargs, exec_kwargs, holder_argv
-from runner.owner import Owner, current_owner
-from runner.policy import mount_violation
-from runner.sandbox import OutputCallback, RunFlags, RunRecord, RunSpec, classify_stop
+from runner.isolation.collect import loads_strict
+from runner.isolation.copyout import CopyLimits, CopyRefused, Extracted, extract
+from runner.isolation.docker.hardening import MANAGED_LABEL, create_kwargs, exec_kwargs, holder_argv
+from runner.isolation.owner import Owner, current_owner
+from runner.isolation.policy import mount_violation
+from runner.isolation.sandbox import OutputCallback, RunFlags, RunRecord, RunSpec, classify_stop
 from sandbox.holder import READY
 
 TAIL_BYTES = 64 * 1024
@@ -67,7 +67,7 @@ class _Finish:
 
 class _CopyOut:
     """Reads the holder's own stdout/stderr (attached before start): its status lines
-    and the output tar, extracted as it streams by :func:`runner.copyout.extract`."""
+    and the output tar, extracted as it streams by :func:`runner.isolation.copyout.extract`."""
 
     def __init__(self, spec: RunSpec, seed_links: dict[str, str],
                  stream: Iterator[tuple[bytes | None, bytes | None]]) -> None:
@@ -216,7 +216,7 @@ def _seed_tar(spec: RunSpec, links: dict[str, str]) -> bytes | None:
 
     Only host-made content is ever here (a stage's fresh directory, e.g. the apply
     stage's throwaway repository). Its symlinks go into ``links``: only those exact
-    links may come back out (:func:`runner.copyout.extract`)."""
+    links may come back out (:func:`runner.isolation.copyout.extract`)."""
     root = spec.output_dir
     if root is None or not any(root.iterdir()):
         return None
@@ -422,7 +422,7 @@ class DockerSandbox:
         PID 1 is :mod:`sandbox.holder`; the role command runs through exec, so its exit
         code is the engine's exec record. Its output directory is a capped tmpfs that
         the holder writes as a tar to its own stdout when we send SIGUSR1, read here from
-        an attach made before start (see :mod:`runner.copyout`).
+        an attach made before start (see :mod:`runner.isolation.copyout`).
 
         ``cancel`` set before the container starts: it is removed unstarted and
         SandboxError raised (a caller stopping a run sweeps the containers that exist;
@@ -646,7 +646,7 @@ class DockerSandbox:
         return self._remove(cid)
 
     def sweep(self, *, only_orphans: bool = True) -> list[str]:
-        from runner.gc import sweep_containers
+        from runner.isolation.gc import sweep_containers
 
         return [r.name for r in sweep_containers(self, only_orphans=only_orphans) if r.removed]
 

@@ -11,8 +11,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from runner import interrupts
-from runner.cli import JsonOpt, _fail, app, err, out, report_error
-from runner.cli_report import (
+from runner.cli.app import JsonOpt, _fail, app, err, out, report_error
+from runner.cli.report import (
     HtmlOpt,
     JunitOpt,
     LineProgress,
@@ -38,11 +38,11 @@ def _images(check_engine: bool = False) -> dict[str, str]:
     """Role image ids from the lock; with ``check_engine``, each must exist in the engine."""
     from runner.cycle.plan import CYCLE_ROLES
     from runner.errors import PrerequisiteError
-    from runner.images import resolve_image
+    from runner.isolation.docker.images import resolve_image
 
     ids = {r: resolve_image(r) for r in CYCLE_ROLES}
     if check_engine:
-        from runner.docker_backend import DockerSandbox
+        from runner.isolation.docker.backend import DockerSandbox
 
         backend = DockerSandbox()
         gone = [r for r, i in ids.items() if backend.image_id(i) is None]
@@ -57,7 +57,7 @@ def _replay_override(cycle_path: Path, replay: Path | None) -> dict[str, Any] | 
         return None
     from runner.cycle.config import load_cycle, resolve
     from runner.gateway.config import UpstreamPolicy
-    from runner.policy import load_policies
+    from runner.isolation.policy import load_policies
 
     cycle, base = load_cycle(cycle_path)
     ups = {**load_policies(resolve(base, cycle.roles)).upstreams, **cycle.upstreams}
@@ -217,12 +217,12 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")], out
     Exit 2 with the named reason on any refusal."""
     from runner.cycle.apply import apply_proposal, invocation_for
     from runner.cycle.plan import make_fresh_dir, refuse_existing, remove_created
-    from runner.docker_backend import DockerSandbox
-    from runner.images import resolve_image
+    from runner.isolation.docker.backend import DockerSandbox
+    from runner.isolation.docker.images import resolve_image
+    from runner.isolation.policy import load_policies
+    from runner.isolation.roles import role_spec
+    from runner.isolation.sandbox import Mount
     from runner.paths import default_policies
-    from runner.policy import load_policies
-    from runner.roles import role_spec
-    from runner.sandbox import Mount
 
     try:
         refuse_existing(out_dir)
@@ -300,7 +300,7 @@ def compare_cmd(baseline: Annotated[Path, typer.Option(help="Baseline records (J
 def receipt_keygen(out_key: Annotated[Path, typer.Option("--out", help="Private key file.")]
                    ) -> None:
     """Create an Ed25519 signing key (0600) and KEY.pub."""
-    from runner.signing import keygen
+    from runner.cycle.signing import keygen
 
     try:
         pub = keygen(out_key)
@@ -314,7 +314,7 @@ def receipt_keygen(out_key: Annotated[Path, typer.Option("--out", help="Private 
 def receipt_sign(run_dir: Annotated[Path, typer.Argument(help="A cycle run directory.")],
                  key: Annotated[Path, typer.Option(help="Ed25519 private key (PEM).")]) -> None:
     """Sign receipt.json into a DSSE envelope (receipt.dsse.json)."""
-    from runner.signing import sign
+    from runner.cycle.signing import sign
 
     try:
         env = sign(run_dir, key)
@@ -335,7 +335,7 @@ def receipt_verify(run_dir: Annotated[Path, typer.Argument(help="A cycle run dir
     try:
         problems = verify(run_dir)
         if pubkey is not None:
-            from runner.signing import load_public, verify_signature
+            from runner.cycle.signing import load_public, verify_signature
 
             try:
                 verify_signature(run_dir, load_public(pubkey))
@@ -454,7 +454,7 @@ def review_calibrate(packet: Annotated[Path, typer.Option(help="Packet directory
     8 integrity (the packet, review.md, labels or ratings do not match each other)."""
     from runner.cycle.review import OVERALL, calibrate, write_calibration
     from runner.errors import CheckFailed
-    from runner.export import load_export_policy
+    from runner.train.export import load_export_policy
 
     try:
         min_kappa = load_export_policy(policy).min_kappa

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from runner.cli import JsonOpt, _fail, app, err, out
+from runner.cli.app import JsonOpt, _fail, app, err, out
 from runner.errors import CycleboxError
 from runner.paths import PROJECT_ROOT, state_dir
 from runner.termsafe import emit_json, safe
@@ -47,7 +47,7 @@ def _progress(json_out: bool) -> Progress:
 @model_app.command("tiny")
 def model_tiny(out_dir: OutOpt, seed: int = 0, json_out: JsonOpt = False) -> None:
     """Create a tiny Llama-style model and BPE tokenizer offline (in the trainer image)."""
-    from runner.train import make_tiny
+    from runner.train.host import make_tiny
 
     try:
         info = make_tiny(out_dir, lambda _e: None, seed=seed)
@@ -70,7 +70,7 @@ def train_proof(persona: Annotated[Path, typer.Option(help="Persona/skill script
 
     Exit 4 when nothing imprinted; 5 when the adapter did not reproduce its answers
     in a fresh process."""
-    from runner.train import proof
+    from runner.train.host import proof
 
     ledger = ledger or state_dir() / "train" / "ledger.jsonl"
     try:
@@ -117,7 +117,7 @@ def train_sft(corpus: Annotated[Path, typer.Option(help="Exported corpus directo
     Exit codes: 0 trained; 3 bad input (no corpus, no model, nothing passed the
     selection); 5 prerequisite (trainer image); 6 engine or trainer failure;
     8 the adapter files differ from the receipt."""
-    from runner.train import sft
+    from runner.train.host import sft
 
     try:
         with _progress(json_out) as p:
@@ -157,7 +157,7 @@ def export_cmd(run: Annotated[Path, typer.Option("--run", help="A cycle run dire
     calibration_incomplete, kappa_below_policy, calibration_unbound, run_has_no_receipt,
     calibration_of_another_run, or --out exists; 8 a recorded blob or the frozen manifest
     changed since the run."""
-    from runner.export import export, load_export_policy
+    from runner.train.export import export, load_export_policy
 
     try:
         summary = export(run, out_dir, calibration=calibration,

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from runner.hardening import LABEL_PREFIX
-from runner.owner import Owner, current_owner, owner_alive
+from runner.isolation.docker.hardening import LABEL_PREFIX
+from runner.isolation.owner import Owner, current_owner, owner_alive
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def sweep_staging_dirs(base: Path | None = None, *, dry_run: bool = False
     """Remove per-run input staging copies whose owning controller is gone (a SIGKILLed
     controller cannot remove its own); only directories holding our owner record or
     named ``<pid>-<start>-...`` by us."""
-    from runner.docker_backend import STAGING_OWNER, staging_base
+    from runner.isolation.docker.backend import STAGING_OWNER, staging_base
 
     root = base or staging_base()
     if root.is_symlink() or not root.is_dir():

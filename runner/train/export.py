@@ -29,13 +29,13 @@ from typing import Any
 
 from pydantic import Field
 
-from runner.collect import loads_strict
 from runner.cycle.models import Manifest, Record
 from runner.cycle.review import OVERALL, CalibrationResult, load_calibration
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.gateway.calllog import CallLog, CallRecord
 from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_json
-from runner.sandbox import Frozen
+from runner.isolation.collect import loads_strict
+from runner.isolation.sandbox import Frozen
 
 SIDES = {"baseline": "baseline", "candidate": "candidate"}
 
@@ -51,7 +51,8 @@ def load_export_policy(path: Path) -> ExportPolicy:
     from runner.loading import load_model
 
     return load_model(path, ExportPolicy, fmt="yaml", what="export policy",
-                      fix="see ExportPolicy in runner/export.py (default policies/export.yaml)")
+                      fix="see ExportPolicy in runner/train/export.py "
+                      "(default policies/export.yaml)")
 
 
 RL_PARQUET = "rl.parquet"
@@ -231,7 +232,7 @@ def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPoli
             "r_outcome": r_outcome, "r_outcome_basis": basis,
             "fixture": any(c.fixture for c in turns)})
     rl_rows, sft_rows, skipped = verl_rows(trajectories, refs, ability=",".join(policy.roles))
-    from runner.verl_parquet import write_rl, write_sft
+    from runner.train.verl_parquet import write_rl, write_sft
 
     out.mkdir(parents=True)
     body = "".join(json.dumps(t, sort_keys=True, ensure_ascii=False) + "\n"

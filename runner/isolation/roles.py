@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from runner.errors import ConfigError
-from runner.policy import RolePolicy, mount_violation
-from runner.sandbox import Mount, Resources, RunSpec
-from runner.seccomp import load_profile
+from runner.isolation.policy import RolePolicy, mount_violation
+from runner.isolation.sandbox import Mount, Resources, RunSpec
+from runner.isolation.seccomp import load_profile
 
 
 def resolve_user(policy_user: str, *, host_uid: int, host_gid: int) -> str:
@@ -83,7 +83,7 @@ def fresh_output_dir(path: Path, *, uid: int | None = None) -> Path:
     """Create an empty output directory (0700, the operator's); refuse an existing one.
 
     The role never writes it: its output is a tmpfs inside the container that the host
-    copies here (see :mod:`runner.copyout`), so it stays the operator's and ``uid`` (the
+    copies here (see :mod:`runner.isolation.copyout`), so it stays the operator's and ``uid`` (the
     role user, kept for callers) is not given it."""
     del uid
     if path.exists():

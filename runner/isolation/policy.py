@@ -18,9 +18,9 @@ from pydantic import Field, field_validator
 
 from runner.errors import ConfigError, PolicyViolation
 from runner.gateway.config import UpstreamPolicy, resolve_path
+from runner.isolation.sandbox import Frozen
+from runner.isolation.seccomp import load_profile
 from runner.loading import check_schema, checked_path, load_data, resolve_under, show, validate
-from runner.sandbox import Frozen
-from runner.seccomp import load_profile
 
 SCHEMA_VERSION = 1
 ROLES = ("analyst", "worker", "evaluator", "apply", "trainer")
@@ -273,7 +273,7 @@ POLICIES_FIX = "see policies/roles.yaml for the accepted keys"
 
 
 SHM_BYTES = 16 * 1024 * 1024
-"""Size of /dev/shm in every role container (``runner.hardening.SHM_BYTES``)."""
+"""Size of /dev/shm in every role container (``runner.isolation.docker.hardening.SHM_BYTES``)."""
 MEMORY_HEADROOM = 64 * 1024 * 1024
 """Least memory left for a role's processes when every tmpfs is full."""
 

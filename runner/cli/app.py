@@ -99,7 +99,7 @@ def doctor(policies: PoliciesOpt = default_policies(), json_out: JsonOpt = False
            probe: Annotated[bool, typer.Option(help="Run a probe container to check that "
                                                     "limits are enforced.")] = True) -> None:
     """Check the engine, its limits, the role images and free disk; exit non-zero with the fix."""
-    from runner.doctor import run_checks
+    from runner.isolation.docker.doctor import run_checks
 
     checks = run_checks(policies, probe=probe)
     if json_out:
@@ -123,8 +123,8 @@ def images_build(role: Annotated[list[str] | None, typer.Option(
         "--role", help="Role to build (repeatable); all roles when omitted.")] = None,
         json_out: JsonOpt = False) -> None:
     """Build role images offline (--network none), reusing any whose inputs are unchanged."""
-    from runner.images import build_roles
-    from runner.policy import ROLES
+    from runner.isolation.docker.images import build_roles
+    from runner.isolation.policy import ROLES
 
     roles = list(role) if role else list(ROLES)
     verbose = os.environ.get("CYCLEBOX_VERBOSE") == "1"
@@ -143,7 +143,7 @@ def images_build(role: Annotated[list[str] | None, typer.Option(
 @images_app.command("list")
 def images_list(json_out: JsonOpt = False) -> None:
     """List the role images recorded in the image lock, with ids and sizes."""
-    from runner.images import read_lock
+    from runner.isolation.docker.images import read_lock
 
     _print_images(list(read_lock().values()), json_out, build_columns=False)
 
@@ -190,13 +190,13 @@ def sandbox_exec(
     Exit codes beyond the command's own: 124 timeout, 125 output limit,
     137 OOM, 126 cleanup unconfirmed, 7 output refused.
     """
-    from runner.docker_backend import DockerSandbox
     from runner.gateway.calllog import CallLog
     from runner.gateway.server import Gateway
-    from runner.images import resolve_image
-    from runner.policy import load_policies
-    from runner.roles import fresh_output_dir, parse_mount_flag, role_spec
-    from runner.sandbox import StopReason
+    from runner.isolation.docker.backend import DockerSandbox
+    from runner.isolation.docker.images import resolve_image
+    from runner.isolation.policy import load_policies
+    from runner.isolation.roles import fresh_output_dir, parse_mount_flag, role_spec
+    from runner.isolation.sandbox import StopReason
 
     command = list(ctx.args)
     if not command:
@@ -265,8 +265,8 @@ def gc(all_: Annotated[bool, typer.Option("--all", help="Remove every cyclebox c
     would remove)."""
     from dataclasses import asdict
 
-    from runner.docker_backend import DockerSandbox
-    from runner.gc import sweep_containers, sweep_socket_dirs, sweep_staging_dirs
+    from runner.isolation.docker.backend import DockerSandbox
+    from runner.isolation.gc import sweep_containers, sweep_socket_dirs, sweep_staging_dirs
 
     try:
         results = sweep_containers(DockerSandbox(), only_orphans=not all_, dry_run=dry_run)
@@ -347,9 +347,9 @@ def main() -> None:
     """
     interrupts.install()
     try:
-        import runner.cli_cycle
-        import runner.cli_report
-        import runner.cli_train  # noqa: F401 - registers model/train/export/report on `app`
+        import runner.cli.cycle
+        import runner.cli.report
+        import runner.cli.train  # noqa: F401 - registers model/train/export/report on `app`
 
         # Not standalone: typer returns a command's typer.Exit code instead of exiting,
         # and raises click's usage errors here instead of exiting 2 (2 is a verdict).

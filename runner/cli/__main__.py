@@ -1,0 +1,3 @@
+from runner.cli.app import main
+
+main()
