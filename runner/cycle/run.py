@@ -544,10 +544,7 @@ class CycleRunner:
         return replies
 
     def _leftovers(self) -> list[str]:
-        found = [name for cid, name, labels in self.backend.managed_containers()
-                 if labels.get("io.cyclebox.run_id") == self.run_id
-                 and self.backend.remove(cid)]
-        return found
+        return self.backend.leftovers(self.run_id)
 
 
 def _invalid(reason: str) -> ComparisonResult:

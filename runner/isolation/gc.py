@@ -8,27 +8,12 @@ never a global prune. The decision is a pure function over labels.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from runner.isolation.docker.hardening import LABEL_PREFIX
 from runner.isolation.owner import Owner, current_owner, owner_alive
-
-
-@dataclass(frozen=True)
-class SweepResult:
-    """One labelled container that gc looked at."""
-
-    name: str
-    run_id: str
-    role: str
-    removed: bool
-    reason: str
-    kind: str = "container"
-    """container or socket_dir."""
-    would_remove: bool = False
-    """What a --dry-run found removable (nothing is removed in a dry run)."""
+from runner.isolation.sandbox import SweepResult
 
 
 def owner_from_labels(labels: dict[str, str]) -> Owner | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
@@ -182,18 +183,51 @@ def classify_stop(flags: RunFlags) -> tuple[StopReason, str]:
     return StopReason.OK, ""
 
 
+@dataclass(frozen=True)
+class SweepResult:
+    """One labelled container (or owned directory) that a sweep looked at."""
+
+    name: str
+    run_id: str
+    role: str
+    removed: bool
+    reason: str
+    kind: str = "container"
+    """container, socket_dir or staging."""
+    would_remove: bool = False
+    """What a --dry-run found removable (nothing is removed in a dry run)."""
+
+
 OutputCallback = Callable[[str, bytes], None]
 """Receives ("stdout" | "stderr", chunk) as the container writes."""
 
 
 class Sandbox(Protocol):
-    """A place to run one role command under a :class:`RunSpec`."""
+    """Where role commands run: the one seam between the cycle and an isolation backend.
+
+    The cycle, training, doctor and gc see only this protocol; a backend (Docker today,
+    a cluster backend next) is chosen by name through :mod:`runner.isolation.registry`.
+    Every method is safe to call from several threads.
+    """
+
+    name: str
+    """Registry name of the backend (``docker``)."""
 
     def run(self, spec: RunSpec, *, on_output: OutputCallback | None = None,
             cancel: threading.Event | None = None) -> RunRecord:
         """Run to completion (or limit), remove the container, return the record."""
         ...
 
-    def sweep(self, *, only_orphans: bool = True) -> list[str]:
-        """Remove cyclebox containers whose owner is gone; return their names."""
+    def image_id(self, ref: str) -> str | None:
+        """The immutable id of a local image (tag or id), None when it is absent."""
+        ...
+
+    def leftovers(self, run_id: str) -> list[str]:
+        """Remove whatever this process still holds for ``run_id``; return the names
+        removed (an empty list when the run left nothing behind)."""
+        ...
+
+    def sweep(self, *, only_orphans: bool = True, dry_run: bool = False) -> list[SweepResult]:
+        """Remove cyclebox containers whose owner is gone (or all with
+        ``only_orphans=False``); with ``dry_run`` only report them."""
         ...

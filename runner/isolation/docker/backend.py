@@ -36,10 +36,23 @@ from docker.models.containers import _create_container_args
 from runner.errors import OutputRejected, PolicyViolation, PrerequisiteError, SandboxError
 from runner.isolation.collect import loads_strict
 from runner.isolation.copyout import CopyLimits, CopyRefused, Extracted, extract
-from runner.isolation.docker.hardening import MANAGED_LABEL, create_kwargs, exec_kwargs, holder_argv
+from runner.isolation.docker.hardening import (
+    LABEL_PREFIX,
+    MANAGED_LABEL,
+    create_kwargs,
+    exec_kwargs,
+    holder_argv,
+)
 from runner.isolation.owner import Owner, current_owner
 from runner.isolation.policy import mount_violation
-from runner.isolation.sandbox import OutputCallback, RunFlags, RunRecord, RunSpec, classify_stop
+from runner.isolation.sandbox import (
+    OutputCallback,
+    RunFlags,
+    RunRecord,
+    RunSpec,
+    SweepResult,
+    classify_stop,
+)
 from sandbox.holder import READY
 
 TAIL_BYTES = 64 * 1024
@@ -409,6 +422,8 @@ class _Tail:
 class DockerSandbox:
     """Runs role containers on the local Docker engine under the isolation contract."""
 
+    name = "docker"
+
     def __init__(self, client: docker.DockerClient | None = None,
                  owner: Owner | None = None) -> None:
         self.client = client or connect()
@@ -645,10 +660,16 @@ class DockerSandbox:
     def remove(self, cid: str) -> bool:
         return self._remove(cid)
 
-    def sweep(self, *, only_orphans: bool = True) -> list[str]:
+    def leftovers(self, run_id: str) -> list[str]:
+        """Remove every container still labelled with ``run_id``; return their names."""
+        return [name for cid, name, labels in self.managed_containers()
+                if labels.get(f"{LABEL_PREFIX}.run_id") == run_id
+                and self.remove(cid)]
+
+    def sweep(self, *, only_orphans: bool = True, dry_run: bool = False) -> list[SweepResult]:
         from runner.isolation.gc import sweep_containers
 
-        return [r.name for r in sweep_containers(self, only_orphans=only_orphans) if r.removed]
+        return sweep_containers(self, only_orphans=only_orphans, dry_run=dry_run)
 
     # -- images ----------------------------------------------------------------
     def image_id(self, ref: str) -> str | None:
