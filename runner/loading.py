@@ -222,6 +222,26 @@ def field_path(loc: tuple[int | str, ...] | list[int | str]) -> str:
     return out or "(top level)"
 
 
+def _input_loc(loc: tuple[int | str, ...], data: Any) -> tuple[int | str, ...]:
+    """``loc`` without the tags pydantic inserts for a discriminated union member (the
+    value of the discriminator, e.g. ``upstreams.target.scripted.script``): a part that is
+    not a key of the input mapping but one of its values is such a tag."""
+    out: list[int | str] = []
+    cur: Any = data
+    for part in loc:
+        if isinstance(cur, dict) and part not in cur and isinstance(part, str) \
+                and any(v == part for v in cur.values() if isinstance(v, str)):
+            continue
+        out.append(part)
+        if isinstance(cur, dict):
+            cur = cur.get(part)
+        elif isinstance(cur, list) and isinstance(part, int) and 0 <= part < len(cur):
+            cur = cur[part]
+        else:
+            cur = None
+    return tuple(out)
+
+
 def _non_finite(value: Any, loc: tuple[int | str, ...]) -> tuple[int | str, ...] | None:
     if isinstance(value, float) and not math.isfinite(value):
         return loc
@@ -248,7 +268,11 @@ def validate(model: type[M], data: Any, *, path: str, fix: str, prefix: str = ""
         errs = exc.errors(include_url=False)
         e = errs[0]
         more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
-        loc = field_path(e["loc"])
+        loc = field_path(_input_loc(e["loc"], data))
+        if e["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            # a discriminated union: the field to correct is the tag itself
+            tag = str(e.get("ctx", {}).get("discriminator", "")).strip("'")
+            loc = f"{loc}.{tag}" if loc != "(top level)" else tag
         field = f"{prefix}.{loc}" if prefix else loc
         msg = show(e["msg"].removeprefix("Value error, "), 300)
         raise ConfigError(msg + more, path=path, field=field, fix=fix) from None

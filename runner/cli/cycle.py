@@ -56,12 +56,12 @@ def _replay_override(cycle_path: Path, replay: Path | None) -> dict[str, Any] | 
     if replay is None:
         return None
     from runner.cycle.config import load_cycle, resolve
-    from runner.gateway.config import UpstreamPolicy
+    from runner.gateway.config import parse_upstream
     from runner.isolation.policy import load_policies
 
     cycle, base = load_cycle(cycle_path)
     ups = {**load_policies(resolve(base, cycle.roles)).upstreams, **cycle.upstreams}
-    return {n: UpstreamPolicy.model_validate({**u.model_dump(mode="json"), "provider": "replay",
+    return {n: parse_upstream({**u.model_dump(mode="json"), "provider": "replay",
                                               "replay_from": str(replay.resolve()),
                                               "script": None, "base_url": None,
                                               "credential": None})

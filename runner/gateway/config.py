@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, TypeAdapter, model_validator
 
 from runner.errors import ConfigError, PrerequisiteError
 from runner.isolation.sandbox import Frozen
@@ -95,20 +95,9 @@ class RequestRules(Frozen):
     """Which key the gateway sets to the cap when the request names none."""
 
 
-class UpstreamPolicy(Frozen):
-    """One model upstream (target, optimizer or judge)."""
+class _Upstream(Frozen):
+    """What every upstream has, whichever provider answers it."""
 
-    provider: Literal["openai", "scripted", "replay"]
-    """openai: any OpenAI-compatible server; scripted: offline fixture replies from a
-    script file; replay: byte-exact answers from a recorded call log."""
-    base_url: str | None = None
-    """openai: the server's base URL, e.g. https://api.example.com/v1."""
-    credential: CredentialSource | None = None
-    """openai: where the host reads the key."""
-    script: str | None = None
-    """scripted: path of the script file (relative paths resolve against the policy file)."""
-    replay_from: str | None = None
-    """replay: a run directory whose gateway/calls.jsonl is replayed."""
     models: tuple[str, ...] = Field(min_length=1)
     """Model allowlist; any other model is refused and recorded."""
     max_tokens: int = Field(default=4096, gt=0)
@@ -128,13 +117,21 @@ class UpstreamPolicy(Frozen):
     rules: RequestRules = RequestRules()
     """Request fields the role may use (n, tools, images, extra fields)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _own_fields_only(cls, data: Any) -> Any:
+        # Each provider's fields stay on every variant (as None elsewhere) so that plans
+        # and receipts keep one shape; a value given for another provider is refused.
+        if isinstance(data, dict):
+            provider = data.get("provider")
+            for key, owner in _PROVIDER_OF.items():
+                if data.get(key) is not None and owner != provider:
+                    raise ValueError(f"{key} is for provider {owner}, not {provider}; "
+                                     f"remove {key} or set provider: {owner}")
+        return data
+
     @model_validator(mode="after")
-    def _provider_fields(self) -> UpstreamPolicy:
-        need = {"openai": ("base_url", "credential"), "scripted": ("script",),
-                "replay": ("replay_from",)}[self.provider]
-        missing = [f for f in need if getattr(self, f) is None]
-        if missing:
-            raise ValueError(f"provider {self.provider} needs {', '.join(missing)}")
+    def _limits_fit(self) -> Self:
         if self.limits.body_bytes_burst < self.max_request_bytes:
             raise ValueError(f"limits.body_bytes_burst ({self.limits.body_bytes_burst}) "
                              f"must be at least max_request_bytes ({self.max_request_bytes})")
@@ -142,6 +139,59 @@ class UpstreamPolicy(Frozen):
             raise ValueError(f"limits.max_inflight_bytes ({self.limits.max_inflight_bytes}) "
                              f"must be at least max_request_bytes ({self.max_request_bytes})")
         return self
+
+
+_PROVIDER_OF = {"base_url": "openai", "credential": "openai", "script": "scripted",
+                "replay_from": "replay"}
+"""Provider-specific field -> the provider it belongs to."""
+
+
+class OpenAIUpstream(_Upstream):
+    """Any OpenAI-compatible server, reached from the host with a host-side key."""
+
+    provider: Literal["openai"]
+    base_url: str
+    """The server's base URL, e.g. https://api.example.com/v1."""
+    credential: CredentialSource
+    """Where the host reads the key."""
+    script: None = None
+    replay_from: None = None
+
+
+class ScriptedUpstream(_Upstream):
+    """Offline fixture replies from a script file (never a real model)."""
+
+    provider: Literal["scripted"]
+    script: str
+    """Path of the script file (relative paths resolve against the policy file)."""
+    base_url: None = None
+    credential: None = None
+    replay_from: None = None
+
+
+class ReplayUpstream(_Upstream):
+    """Byte-exact answers from a recorded call log."""
+
+    provider: Literal["replay"]
+    replay_from: str
+    """A run directory whose gateway/calls.jsonl is replayed."""
+    base_url: None = None
+    credential: None = None
+    script: None = None
+
+
+UpstreamPolicy = Annotated[OpenAIUpstream | ScriptedUpstream | ReplayUpstream,
+                           Field(discriminator="provider")]
+"""One model upstream (target, optimizer or judge), told apart by ``provider``: a missing
+or unknown provider, or a field of another provider, is refused naming the field."""
+
+_UPSTREAM: TypeAdapter[OpenAIUpstream | ScriptedUpstream | ReplayUpstream] = TypeAdapter(
+    UpstreamPolicy)
+
+
+def parse_upstream(data: object) -> OpenAIUpstream | ScriptedUpstream | ReplayUpstream:
+    """An upstream from plain data (pydantic ValidationError when it is not one)."""
+    return _UPSTREAM.validate_python(data)
 
 
 def read_credential(name: str, src: CredentialSource) -> str:

@@ -35,7 +35,14 @@ from typing import Any, TypeVar
 from runner.errors import ConfigError, OutputRejected
 from runner.gateway.budget import BudgetPolicy, BudgetRefused, RunBudget
 from runner.gateway.calllog import PREFIX_BYTES, CallLog, CallRecord, Usage, sha256
-from runner.gateway.config import Price, UpstreamPolicy, read_credential
+from runner.gateway.config import (
+    GatewayLimits,
+    OpenAIUpstream,
+    Price,
+    ScriptedUpstream,
+    UpstreamPolicy,
+    read_credential,
+)
 from runner.gateway.http import Head, Listener, Reply
 from runner.gateway.providers import (
     OpenAIProvider,
@@ -79,16 +86,14 @@ def cost_usd(usage: Usage | None, price: Price | None) -> float | None:
 
 
 def make_provider(name: str, up: UpstreamPolicy) -> tuple[Provider, str | None]:
-    """The upstream's provider and, for openai, the key (for redaction)."""
-    if up.provider == "openai":
-        assert up.base_url is not None and up.credential is not None  # noqa: S101
+    """The upstream's provider and, for openai, the key (for redaction). The union's
+    variant guarantees its fields (a bad provider config never got this far)."""
+    if isinstance(up, OpenAIUpstream):
         key = read_credential(name, up.credential)
         return OpenAIProvider(up.base_url, key, timeout_s=up.timeout_s,
                               max_response=up.max_response_bytes), key
-    if up.provider == "scripted":
-        assert up.script is not None  # noqa: S101
+    if isinstance(up, ScriptedUpstream):
         return ScriptedProvider(Path(up.script)), None
-    assert up.replay_from is not None  # noqa: S101
     return ReplayProvider(Path(up.replay_from)), None
 
 
@@ -224,7 +229,7 @@ class Gateway:
         binding = Binding(role=role, stage=stage, case=case, trial=trial, directory=directory)
         name = self.role_upstream.get(role)
         up = self.upstreams.get(name) if name else None
-        limits = up.limits if up else UpstreamPolicy.model_fields["limits"].default
+        limits = up.limits if up else GatewayLimits()
         binding.listener = Listener(str(directory / SOCKET_NAME), limits,
                                     _Handler(self, binding, name, up))
         asyncio.run_coroutine_threadsafe(self._start(binding), self._loop).result(timeout=30)

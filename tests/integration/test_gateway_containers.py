@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from runner.gateway.calllog import CallLog, sha256
-from runner.gateway.config import CredentialSource, UpstreamPolicy
+from runner.gateway.config import CredentialSource, UpstreamPolicy, parse_upstream
 from runner.gateway.server import Gateway
 from runner.isolation.docker.images import resolve_image
 from runner.isolation.policy import RolePolicies
@@ -68,7 +68,7 @@ def received(url: str) -> list[dict[str, Any]]:
 
 def openai_upstream(url: str, env: str, **kw: Any) -> UpstreamPolicy:
     models = ["ok-model", "fail-500", "fail-timeout", "fail-garbage", "fail-truncated"]
-    return UpstreamPolicy.model_validate({
+    return parse_upstream({
         "provider": "openai", "base_url": url + "/v1", "credential": {"env": env},
         "models": models, "prices": {m: {"input_per_mtok": 1, "output_per_mtok": 2}
                                      for m in models}, **kw})

@@ -16,7 +16,7 @@ import pytest
 
 from runner.gateway.budget import BudgetPolicy, RunBudget
 from runner.gateway.calllog import CallLog
-from runner.gateway.config import UpstreamPolicy
+from runner.gateway.config import UpstreamPolicy, parse_upstream
 from runner.gateway.report import summarize
 from runner.gateway.server import Gateway
 from sandbox.gateway_client import client
@@ -26,7 +26,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "policies" / "scripts" / "default
 
 
 def scripted(**kw: object) -> UpstreamPolicy:
-    return UpstreamPolicy.model_validate({"provider": "scripted", "script": str(SCRIPT),
+    return parse_upstream({"provider": "scripted", "script": str(SCRIPT),
                                           "models": ["m"], "prices": {"m": {
                                               "input_per_mtok": 1.0, "output_per_mtok": 1.0}},
                                           **kw})
@@ -108,7 +108,7 @@ def test_concurrent_calls_respect_max_calls_and_limit(tmp_path: Path) -> None:
 def test_call_without_usage_stops_admission(tmp_path: Path, upstream: int,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CBX_KEY_NOUSAGE", "sk-test")
-    up = UpstreamPolicy.model_validate({
+    up = parse_upstream({
         "provider": "openai", "base_url": f"http://127.0.0.1:{upstream}/v1",
         "credential": {"env": "CBX_KEY_NOUSAGE"}, "models": ["nousage-x", "ok-x"],
         "prices": {"nousage-x": {"input_per_mtok": 1, "output_per_mtok": 1},
@@ -152,7 +152,7 @@ def test_chunked_stream_from_a_real_upstream_is_recorded_dechunked(
 
     monkeypatch.setenv("CBX_KEY_CHUNKED", "sk-chunked")
     with hostile_upstream() as (url, _srv):
-        up = UpstreamPolicy.model_validate({
+        up = parse_upstream({
             "provider": "openai", "base_url": url, "credential": {"env": "CBX_KEY_CHUNKED"},
             "models": ["chunked-m"], "prices": {"chunked-m": {"input_per_mtok": 1,
                                                               "output_per_mtok": 1}}})

@@ -19,7 +19,7 @@ import pytest
 
 from runner.gateway.budget import BudgetPolicy, RunBudget
 from runner.gateway.calllog import CallLog, CallRecord
-from runner.gateway.config import UpstreamPolicy
+from runner.gateway.config import UpstreamPolicy, parse_upstream
 from runner.gateway.server import Gateway
 from sandbox.gateway_client import client
 from tests.fixtures.gateway_upstreams import Upstream, upstream
@@ -35,7 +35,7 @@ def worst(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Upstream]]:
 
 
 def policy(url: str, **kw: Any) -> UpstreamPolicy:
-    return UpstreamPolicy.model_validate({
+    return parse_upstream({
         "provider": "openai", "base_url": url, "credential": {"env": "CBX_BUDGET_KEY"},
         "models": ["worst-m"], "max_tokens": 1000, "prices": {"worst-m": PRICE},
         "limits": {"rate_per_s": 1e6, "burst": 10**6}, **kw})

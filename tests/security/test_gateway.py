@@ -26,7 +26,7 @@ import pytest
 
 from runner.gateway import server as gw_server
 from runner.gateway.calllog import CallLog, CallRecord
-from runner.gateway.config import UpstreamPolicy
+from runner.gateway.config import UpstreamPolicy, parse_upstream
 from runner.gateway.server import Gateway
 from sandbox.gateway_client import client
 from tests.fixtures.gateway_upstreams import upstream
@@ -37,7 +37,7 @@ MiB = 1 << 20
 
 
 def scripted(**kw: Any) -> UpstreamPolicy:
-    return UpstreamPolicy.model_validate({
+    return parse_upstream({
         "provider": "scripted", "script": str(SCRIPT), "models": ["m"],
         "prices": {"m": {"input_per_mtok": 1.0, "output_per_mtok": 1.0}}, **kw})
 
@@ -347,7 +347,7 @@ def test_credential_echoed_by_the_upstream_is_redacted(gw_factory: Any,
     key = "sk-live-" + os.urandom(16).hex()
     monkeypatch.setenv("CBX_SEC_KEY", key)
     with upstream() as (url, _srv):
-        gw, b = gw_factory(UpstreamPolicy.model_validate({
+        gw, b = gw_factory(parse_upstream({
             "provider": "openai", "base_url": url, "credential": {"env": "CBX_SEC_KEY"},
             "models": ["echo-key"], "prices": {"echo-key": {"input_per_mtok": 1,
                                                             "output_per_mtok": 1}}}))
@@ -369,7 +369,7 @@ def test_trickling_upstream_ends_at_the_call_deadline(gw_factory: Any,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CBX_SEC_KEY", "sk-trickle")
     with upstream() as (url, _srv):
-        gw, b = gw_factory(UpstreamPolicy.model_validate({
+        gw, b = gw_factory(parse_upstream({
             "provider": "openai", "base_url": url, "credential": {"env": "CBX_SEC_KEY"},
             "models": ["trickle"], "timeout_s": 5, "call_deadline_s": 2,
             "prices": {"trickle": {"input_per_mtok": 1, "output_per_mtok": 1}}}))
@@ -394,7 +394,7 @@ def test_close_cancels_inflight_calls_and_records_them(tmp_path: Path,
     # A normal unbind would now wait out the whole hang; only an immediate cancel passes.
     monkeypatch.setattr(gw_server, "UNBIND_GRACE_S", 120.0)
     with upstream() as (url, srv):
-        up = UpstreamPolicy.model_validate({
+        up = parse_upstream({
             "provider": "openai", "base_url": url, "credential": {"env": "CBX_SEC_KEY"},
             "models": ["hang"], "prices": {"hang": {"input_per_mtok": 1, "output_per_mtok": 1}}})
         gw = Gateway(tmp_path, "sec", {"target": up}, {"analyst": "target"}).start()
@@ -434,7 +434,7 @@ def test_unwinding_through_bound_cancels_without_grace(tmp_path: Path,
     # A normal unbind would now wait out the whole hang; only an immediate cancel passes.
     monkeypatch.setattr(gw_server, "UNBIND_GRACE_S", 120.0)
     with upstream() as (url, srv):
-        up = UpstreamPolicy.model_validate({
+        up = parse_upstream({
             "provider": "openai", "base_url": url, "credential": {"env": "CBX_SEC_KEY"},
             "models": ["hang"], "prices": {"hang": {"input_per_mtok": 1, "output_per_mtok": 1}}})
         statuses: list[int] = []
@@ -568,7 +568,7 @@ def test_interrupt_from_a_signal_handler_cancels_and_records(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CBX_SEC_KEY", "sk-hang")
     with upstream() as (url, srv):
-        up = UpstreamPolicy.model_validate({
+        up = parse_upstream({
             "provider": "openai", "base_url": url, "credential": {"env": "CBX_SEC_KEY"},
             "models": ["hang"], "prices": {"hang": {"input_per_mtok": 1, "output_per_mtok": 1}}})
         with Gateway(tmp_path, "sec", {"target": up}, {"analyst": "target"}) as gw, \

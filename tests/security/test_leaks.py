@@ -52,10 +52,10 @@ def test_mount_table_shows_no_operator_path(run_role: RunFn, tmp_path: Path) -> 
 
 def test_gateway_mount_holds_no_owner_record(tmp_path: Path, run_role: RunFn,
                                              policies: object) -> None:
-    from runner.gateway.config import UpstreamPolicy
+    from runner.gateway.config import parse_upstream
 
     script = REPO / "policies" / "scripts" / "default.yaml"
-    up = UpstreamPolicy.model_validate({"provider": "scripted", "script": str(script),
+    up = parse_upstream({"provider": "scripted", "script": str(script),
                                         "models": ["m"]})
     with Gateway(tmp_path / "gw", "leak", {"target": up}, {"analyst": "target"}) as gw, \
             gw.bound("analyst", stage="s", uid=10001) as b:

@@ -9,9 +9,22 @@ from pathlib import Path
 import pytest
 
 from runner.errors import ConfigError
-from runner.gateway.config import Price
-from runner.gateway.providers import ScriptedProvider, inspect_completion, inspect_stream
-from runner.gateway.server import cost_usd
+from runner.gateway.config import (
+    Price,
+    ReplayUpstream,
+    ScriptedUpstream,
+    UpstreamPolicy,
+    parse_upstream,
+)
+from runner.gateway.providers import (
+    ReplayProvider,
+    ScriptedProvider,
+    inspect_completion,
+    inspect_stream,
+)
+from runner.gateway.server import cost_usd, make_provider
+from runner.isolation.sandbox import Frozen
+from runner.loading import validate
 
 
 def test_inspect_completion() -> None:
@@ -134,3 +147,47 @@ def test_upstream_client_uses_httpx_only_behind_a_proxy(monkeypatch: pytest.Monk
     assert isinstance(client_for("https://api.example.com/v1", **kw), HttpxClient)
     monkeypatch.setenv("NO_PROXY", "api.example.com")
     assert isinstance(client_for("https://api.example.com/v1", **kw), HttpClient)
+
+
+# -- upstreams: a discriminated union on `provider` -------------------------------------------
+class _Ups(Frozen):
+    upstreams: dict[str, UpstreamPolicy]
+
+
+@pytest.mark.parametrize(("up", "field", "message"), [
+    ({"models": ["m"]}, "upstreams.target.provider", "discriminator 'provider'"),
+    ({"provider": "anthropic", "models": ["m"]}, "upstreams.target.provider",
+     "'openai', 'scripted', 'replay'"),
+    ({"provider": "openai", "models": ["m"], "credential": {"env": "K"}},
+     "upstreams.target.base_url", "Field required"),
+    ({"provider": "openai", "models": ["m"], "base_url": "http://x"},
+     "upstreams.target.credential", "Field required"),
+    ({"provider": "scripted", "models": ["m"]}, "upstreams.target.script", "Field required"),
+    ({"provider": "replay", "models": ["m"]}, "upstreams.target.replay_from",
+     "Field required"),
+    ({"provider": "scripted", "models": ["m"], "script": "s.yaml", "base_url": "http://x"},
+     "upstreams.target", "base_url is for provider openai, not scripted"),
+    ({"provider": "replay", "models": ["m"], "replay_from": "r", "script": "s.yaml"},
+     "upstreams.target", "script is for provider scripted, not replay"),
+])
+def test_bad_provider_config_is_a_config_error_naming_the_field(
+        up: dict[str, object], field: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        validate(_Ups, {"upstreams": {"target": up}}, path="roles.yaml", fix="f")
+    assert info.value.field == field and message in str(info.value), str(info.value)
+
+
+def test_each_provider_builds_its_own_provider_and_keeps_one_shape(tmp_path: Path) -> None:
+    script = tmp_path / "s.yaml"
+    script.write_text("schema: 1\nrules: []\n")
+    (tmp_path / "rec" / "gateway").mkdir(parents=True)
+    (tmp_path / "rec" / "gateway" / "calls.jsonl").write_text("")
+    ups = {"s": parse_upstream({"provider": "scripted", "models": ["m"], "script": str(script)}),
+           "r": parse_upstream({"provider": "replay", "models": ["m"],
+                                "replay_from": str(tmp_path / "rec")})}
+    assert isinstance(ups["s"], ScriptedUpstream) and isinstance(ups["r"], ReplayUpstream)
+    # every variant dumps every provider's keys (None where unused): plans keep one shape
+    assert set(ups["s"].model_dump()) == set(ups["r"].model_dump())
+    assert ups["s"].model_dump()["base_url"] is None
+    assert isinstance(make_provider("s", ups["s"])[0], ScriptedProvider)
+    assert isinstance(make_provider("r", ups["r"])[0], ReplayProvider)
