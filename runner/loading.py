@@ -296,10 +296,46 @@ def load_model(path: Path, model: type[M], *, fix: str, fmt: Format | None = Non
     ``schema`` checks a top-level ``schema:`` version first, so that a file of another
     version gets that message rather than a list of unknown keys.
     """
-    data = load_data(path, fmt=fmt, what=what, fix=fix, ref=ref)
+    return load_with_bytes(path, model, fix=fix, fmt=fmt, what=what, ref=ref,
+                           schema=schema)[0]
+
+
+def load_with_bytes(path: Path, model: type[M], *, fix: str, fmt: Format | None = None,
+                    what: str = "file", ref: tuple[str, str] | None = None,
+                    schema: int | None = None) -> tuple[M, bytes]:
+    """:func:`load_model`, also returning the exact bytes validated (for a caller that
+    hashes them or hands them on: the bytes checked are the bytes used)."""
+    fmt = fmt or format_of(path)
+    cap = MAX_YAML_BYTES if fmt == "yaml" else MAX_BYTES
+    raw = read_capped(path, max_bytes=cap, what=what, fix=fix, ref=ref)
+    return parse_model(raw, model, path=show(str(path)), fix=fix, fmt=fmt,
+                       schema=schema), raw
+
+
+def parse_model(raw: bytes, model: type[M], *, path: str, fix: str, fmt: Format = "json",
+                schema: int | None = None) -> M:
+    """``model`` from bytes already read (e.g. opened without following links); the same
+    rules and errors as :func:`load_model`, naming ``path``."""
+    text = decode_utf8(raw, path=path)
+    data = parse_yaml(text, path=path) if fmt == "yaml" else parse_json(text, path=path)
     if schema is not None:
-        check_schema(data, schema, path=show(str(path)))
-    return validate(model, data, path=show(str(path)), fix=fix)
+        check_schema(data, schema, path=path)
+    return validate(model, data, path=path, fix=fix)
+
+
+def load_lines(path: Path, model: type[M], *, fix: str, what: str = "file",
+               max_bytes: int = MAX_BYTES) -> list[M]:
+    """JSON Lines: one ``model`` per non-blank line; a bad line is a ConfigError naming
+    ``file:line`` and the field."""
+    text = decode_utf8(read_capped(path, max_bytes=max_bytes, what=what, fix=fix),
+                       path=show(str(path)))
+    out: list[M] = []
+    for n, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{show(str(path))}:{n}"
+        out.append(validate(model, parse_json(line, path=where), path=where, fix=fix))
+    return out
 
 
 def check_schema(data: Any, version: int, *, path: str) -> None:

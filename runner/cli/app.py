@@ -317,7 +317,8 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
         _fail(exc)
     totals = summarize(records)
     if json_out:
-        emit_json({"calls": [r.model_dump(mode="json") for r in records], "totals": totals})
+        emit_json({"calls": [r.model_dump(mode="json") for r in records],
+                   "totals": totals.model_dump(mode="json")})
         return
     table = Table(title=f"model calls: {safe(log_dir)}")
     for col in ("seq", "role", "stage", "case", "trial", "turn", "model", "status", "tokens",
@@ -333,9 +334,9 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
                  status, tokens, cost, f"{r.latency_s * 1000:.1f}")
         table.add_row(*(safe(c, 500) for c in cells))
     out.print(table)
-    for role, row in totals["per_role"].items():
-        out.print(safe(f"{role}: {row['calls']} calls, {row['tokens']} tokens, "
-                       f"{row['cost_usd']} USD, complete={row['complete']}"), highlight=False)
+    for role, row in totals.per_role.items():
+        out.print(safe(f"{role}: {row.calls} calls, {row.tokens} tokens, "
+                       f"{row.cost_usd} USD, complete={row.complete}"), highlight=False)
 
 
 def main() -> None:

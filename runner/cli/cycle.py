@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -23,6 +23,9 @@ from runner.cli.report import (
 from runner.errors import EXIT_INTERRUPTED, CycleboxError
 from runner.paths import PROJECT_ROOT
 from runner.termsafe import emit_json, emit_json_text, plain, safe
+
+if TYPE_CHECKING:
+    from runner.cycle.receipt import Receipt
 
 cycle_app = typer.Typer(no_args_is_help=True, help="Run improvement cycles.")
 receipt_app = typer.Typer(no_args_is_help=True, help="Verify and compare receipts.")
@@ -161,14 +164,15 @@ def cycle_run(
         emit_json({"run_dir": str(outcome.run_dir), "verdict": result.verdict,
                    "reasons": list(result.reasons),
                    "receipt": str(outcome.run_dir / "receipt.json"),
-                   "outcome": receipt["outcome"], "timing": outcome.timings,
+                   "outcome": receipt.outcome.model_dump(mode="json"),
+                   "timing": outcome.timings,
                    "report": json.loads(report.model_dump_json(by_alias=True))})
     else:
         _summary(outcome, receipt)
     raise typer.Exit(EXIT_CODES[result.verdict])
 
 
-def _summary(outcome: Any, receipt: dict[str, Any]) -> None:
+def _summary(outcome: Any, receipt: Receipt) -> None:
     r = outcome.result
     colour = {"accept_for_review": "green", "reject": "red"}.get(r.verdict, "yellow")
     t = Table(title=f"cycle {safe(outcome.run_dir.name)}", show_header=False)
@@ -181,10 +185,10 @@ def _summary(outcome: Any, receipt: dict[str, Any]) -> None:
         t.add_row("improved", safe(f"{c.case_id} t{c.trial} {c.criterion}"))
     for c in r.regressions:
         t.add_row("regressed", safe(f"{c.case_id} t{c.trial} {c.criterion}"))
-    total = receipt["usage"]["total"]
-    t.add_row("model calls", safe(f"{total['calls']} ({total['ok']} ok), cost "
-                                  f"{total['cost_usd']} USD, complete={total['complete']}"
-                                  + (" [fixture]" if receipt["fixture"] else "")))
+    total = receipt.usage.total
+    t.add_row("model calls", safe(f"{total.calls} ({total.ok} ok), cost "
+                                  f"{total.cost_usd} USD, complete={total.complete}"
+                                  + (" [fixture]" if receipt.fixture else "")))
     t.add_row("time per stage", safe(", ".join(f"{k} {v:.1f}s"
                                                for k, v in outcome.timings.items())))
     t.add_row("receipt", safe(outcome.run_dir / "receipt.json"))
@@ -358,36 +362,24 @@ def receipt_verify(run_dir: Annotated[Path, typer.Argument(help="A cycle run dir
 def receipt_compare(recorded: Annotated[Path, typer.Argument(help="Recorded run dir.")],
                     replayed: Annotated[Path, typer.Argument(help="Replayed run dir.")]) -> None:
     """Show that two runs' receipts have equal input and outcome hashes (timings aside)."""
-    from runner.cycle.receipt import load_receipt
+    from runner.cycle.receipt import compare_receipts, load_receipt
 
     try:
-        a, b = load_receipt(recorded), load_receipt(replayed)
+        rows = compare_receipts(load_receipt(recorded), load_receipt(replayed))
     except CycleboxError as exc:
         _fail(exc)
-    keys = ["identities", "base_tree", "images"]
-    rows = [(k, a[k] == b[k]) for k in keys]
-    # Every frozen input section, except how model calls are answered (a replay
-    # answers from the recording instead of the original provider).
-    skip = {"upstreams", "upstream_ids", "inputs"}
-    rows += [(f"inputs.{k}", a["inputs"][k] == b["inputs"].get(k)) for k in sorted(a["inputs"])
-             if k not in skip]
-    rows += [(f"outcome.{k}", a["outcome"][k] == b["outcome"][k]) for k in a["outcome"]
-             if k != "inputs"]
     t = Table(title="recorded vs replayed")
     for c in ("hash", "recorded", "replayed", "equal"):
         t.add_column(c, overflow="fold")
-    def value(doc: dict[str, Any], key: str) -> Any:
-        head, _, rest = key.partition(".")
-        return doc[head].get(rest) if rest else doc[head]
 
     def short(v: Any) -> str:
         return v[:16] if isinstance(v, str) else json.dumps(v, sort_keys=True)[:24]
 
-    for k, same in rows:
-        t.add_row(safe(k, 200), safe(short(value(a, k))), safe(short(value(b, k))),
-                  "[green]yes[/]" if same else "[red]NO[/]")
+    for r in rows:
+        t.add_row(safe(r.key, 200), safe(short(r.recorded)), safe(short(r.replayed)),
+                  "[green]yes[/]" if r.equal else "[red]NO[/]")
     out.print(t)
-    raise typer.Exit(0 if all(s for _, s in rows) else 8)
+    raise typer.Exit(0 if all(r.equal for r in rows) else 8)
 
 
 @review_app.command("packet")
@@ -495,26 +487,26 @@ def dream_compare(cycle: Annotated[Path, typer.Argument(help="cycle.yaml with dr
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
-        emit_json(receipt)
+        emit_json(receipt.model_dump(mode="json", by_alias=True))
         return
     t = Table(title="dream off vs on", show_header=True)
     for c in ("", "off", "on"):
         t.add_column(c)
-    arms = receipt["arms"]
+    off, on = receipt.arms.off, receipt.arms.on
     for label, key in (("verdict", "verdict"), ("model calls", "model_calls"),
                        ("cost USD", "cost_usd")):
-        t.add_row(label, safe(arms["off"][key], 200), safe(arms["on"][key], 200))
+        t.add_row(label, safe(getattr(off, key), 200), safe(getattr(on, key), 200))
     for side in ("baseline", "candidate"):
-        t.add_row(f"held-out {side}",
-                  *[safe(f"{(arms[a]['heldout'][side] or {}).get('passed')}/"
-                         f"{(arms[a]['heldout'][side] or {}).get('total')}", 200)
-                    for a in ("off", "on")])
-    d = arms["on"]["dream"] or {}
-    t.add_row("dream", "-", safe(f"{d.get('accepted')}/{d.get('requested')} accepted; reasons "
-                                 f"{ {k: v for k, v in (d.get('reasons') or {}).items() if v} }"))
+        counts = [getattr(a.heldout, side) for a in (off, on)]
+        t.add_row(f"held-out {side}", *[safe(f"{c.passed if c else None}/"
+                                             f"{c.total if c else None}", 200) for c in counts])
+    d = on.dream
+    t.add_row("dream", "-", safe(f"{d.accepted if d else None}/{d.requested if d else None} "
+                                 f"accepted; reasons "
+                                 f"{ {k: v for k, v in (d.reasons if d else {}).items() if v} }"))
     out.print(t)
-    out.print(safe(f"held-out delta {receipt['heldout_delta']}, incremental cost "
-                   f"{receipt['incremental_cost_usd']} USD; {receipt['claim']}"), highlight=False)
+    out.print(safe(f"held-out delta {receipt.heldout_delta}, incremental cost "
+                   f"{receipt.incremental_cost_usd} USD; {receipt.claim}"), highlight=False)
     out.print(f"receipt: {safe(out_dir / 'dream-receipt.json')}", highlight=False)
 
 

@@ -32,7 +32,7 @@ from runner.cycle.models import (
     Verdict,
 )
 from runner.errors import ConfigError
-from runner.loading import decode_utf8, load_model, parse_json, read_capped, show, validate
+from runner.loading import load_lines, load_model, show
 
 EXIT_CODES: dict[Verdict, int] = {"accept_for_review": 0, "reject": 1, "invalid_comparison": 2}
 POLICY_SCHEMA = 1
@@ -226,17 +226,9 @@ def _count(v: object) -> int | None:
 
 def load_records(path: Path) -> list[Record]:
     """Read JSON Lines records; a bad line raises ConfigError naming file, line and field."""
-    fix = "one Record object per line (runner/cycle/models.py), no NaN/Infinity"
-    data = read_capped(path, what="records file", fix="pass a records.jsonl written by a "
-                       "cycle stage")
-    text = decode_utf8(data, path=show(str(path)))
-    out: list[Record] = []
-    for n, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{show(str(path))}:{n}"
-        out.append(validate(Record, parse_json(line, path=where), path=where, fix=fix))
-    return out
+    return load_lines(path, Record, what="records file",
+                      fix="a records.jsonl written by a cycle stage: one Record object per "
+                          "line (runner/cycle/models.py), no NaN/Infinity")
 
 
 def load_policy(path: Path) -> ComparisonPolicy:

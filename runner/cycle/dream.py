@@ -14,9 +14,10 @@ import json
 import re
 import unicodedata
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from runner.cycle.models import Scenario
+from runner.isolation.sandbox import Frozen
 from sandbox.proposal import strict_json, strip_fence
 
 TEMPLATES = (
@@ -184,11 +185,31 @@ class Slot:
     detail: str = ""
 
 
+class DreamSummary(Frozen):
+    """The dream stage's ``summary.json`` (and the receipt's ``dream``)."""
+
+    mode: Literal["template", "model"]
+    source_tasks: int
+    """Development tasks paraphrased."""
+    requested: int
+    """Variant slots: source tasks times the factor."""
+    accepted: int
+    """Slots filled by an accepted model paraphrase (always 0 in template mode)."""
+    fallback: int
+    """Model-mode slots the template filled instead; counted by reason in ``reasons``."""
+    reasons: dict[str, int]
+    """Every name of :data:`REASONS` -> slots that fell back for it."""
+    optimizer_tokens: int
+    optimizer_cost_usd: float | None
+    """None when any generation or verification call's cost is unknown."""
+    cost_complete: bool
+
+
 @dataclass
 class DreamResult:
-    variants: list[Scenario] = field(default_factory=list)
+    variants: list[Scenario]
+    summary: DreamSummary
     events: list[dict[str, Any]] = field(default_factory=list)
-    summary: dict[str, Any] = field(default_factory=dict)
 
 
 def screen(slots: list[Slot], sources: dict[str, str], existing: list[str]) -> None:
@@ -265,24 +286,25 @@ def after_verification(slots: list[Slot], replies: dict[str, Reply]) -> None:
 def finish(slots: list[Slot], parents: dict[str, Scenario], key: str,
            tokens: int, cost: float | None, complete: bool) -> DreamResult:
     """Variants (accepted text or template fallback), per-slot events, run summary."""
-    res = DreamResult()
+    variants: list[Scenario] = []
+    events: list[dict[str, Any]] = []
     reasons = dict.fromkeys(REASONS, 0)
     for slot in slots:
         parent = parents[slot.parent]
         if slot.outcome == "accept" and slot.text is not None:
-            res.variants.append(variant(parent, slot.k, slot.text, key))
+            variants.append(variant(parent, slot.k, slot.text, key))
         else:
             reasons[slot.outcome] += 1
-            res.variants.append(variant(parent, slot.k,
-                                        template_text(intent_of(parent, key), slot.k), key))
-            res.events.append({"event": "dream_fallback", "task": slot.parent, "slot": slot.k,
-                               "reason": slot.outcome, "detail": slot.detail})
+            variants.append(variant(parent, slot.k,
+                                    template_text(intent_of(parent, key), slot.k), key))
+            events.append({"event": "dream_fallback", "task": slot.parent, "slot": slot.k,
+                           "reason": slot.outcome, "detail": slot.detail})
     accepted = sum(s.outcome == "accept" for s in slots)
-    res.summary = {"source_tasks": len(parents), "requested": len(slots), "accepted": accepted,
-                   "fallback": len(slots) - accepted, "reasons": reasons,
-                   "optimizer_tokens": tokens, "optimizer_cost_usd": cost,
-                   "cost_complete": complete}
-    return res
+    summary = DreamSummary(mode="model", source_tasks=len(parents), requested=len(slots),
+                           accepted=accepted, fallback=len(slots) - accepted, reasons=reasons,
+                           optimizer_tokens=tokens, optimizer_cost_usd=cost,
+                           cost_complete=complete)
+    return DreamResult(variants=variants, summary=summary, events=events)
 
 
 def dumps_variants(variants: list[Scenario]) -> str:

@@ -9,56 +9,129 @@ delta is positive.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
+from pydantic import Field
+
+from runner.cycle.compare import load_records
 from runner.cycle.config import DreamSpec, load_cycle
-from runner.cycle.models import Record
-from runner.cycle.plan import check_cycle, freeze, make_fresh_dir, refuse_existing
+from runner.cycle.dream import DreamSummary
+from runner.cycle.models import Verdict
+from runner.cycle.plan import (
+    check_cycle,
+    freeze,
+    load_frozen_manifest,
+    make_fresh_dir,
+    read_plan_doc,
+    refuse_existing,
+)
 from runner.cycle.receipt import build
 from runner.cycle.run import CycleRunner, Progress
 from runner.errors import ConfigError
 from runner.hashing import canonical_bytes, sha256_file
+from runner.isolation.sandbox import Frozen
 
 
-def heldout(records_file: Path, cases: set[str]) -> dict[str, Any]:
+class Heldout(Frozen):
+    """Pass counts over one side's held-out cases."""
+
+    passed: int
+    """Cases with status ok and every criterion passed."""
+    total: int
+    rate: float | None
+    """passed / total (6 places); None without held-out records."""
+
+
+class HeldoutSides(Frozen):
+    baseline: Heldout | None
+    """None when the side wrote no records (the arm stopped before it)."""
+    candidate: Heldout | None
+
+
+class DreamArm(Frozen):
+    """One arm (dream off or on): a whole cycle run and what it showed."""
+
+    dir: str
+    plan_hash: str
+    receipt_sha256: str
+    verdict: Verdict
+    reasons: tuple[str, ...]
+    heldout_cases: tuple[str, ...]
+    """Policy cases that are not development-split, sorted."""
+    heldout: HeldoutSides
+    cost_usd: float | None
+    cost_complete: bool
+    model_calls: int
+    dream: DreamSummary | None
+    """The dream stage's summary (None with dream off)."""
+    patch_sha256: str | None
+
+
+class DreamArms(Frozen):
+    off: DreamArm
+    on: DreamArm
+
+
+class DreamReceipt(Frozen):
+    """``dream-receipt.json``: both arms, the delta and the claim."""
+
+    schema_: int = Field(default=1, alias="schema")
+    kind: Literal["dream-paired"] = "dream-paired"
+    cycle_sha256: str
+    dream: DreamSpec
+    """The dream setting of the on arm (the off arm differs only here)."""
+    arms: DreamArms
+    acceptance_rate: float | None
+    """Accepted model paraphrases per requested slot (on arm); None with no slot."""
+    fallback_rate: float | None
+    heldout_delta: float | None
+    """Candidate held-out pass rate, on minus off; None when either is missing."""
+    incremental_cost_usd: float | None
+    """Cost on minus off; None when either is unknown."""
+    lift_claimed: bool
+    """Only when the held-out delta is positive."""
+    claim: str
+
+
+def heldout(records_file: Path, cases: set[str]) -> Heldout:
     """Pass counts over held-out cases (status ok and every criterion passed)."""
-    rows = [Record.model_validate_json(x) for x in records_file.read_text().splitlines()]
-    rows = [r for r in rows if r.case_id in cases]
+    rows = [r for r in load_records(records_file) if r.case_id in cases]
     passed = sum(r.status == "ok" and r.grades is not None and r.grades.passed() for r in rows)
-    return {"passed": passed, "total": len(rows),
-            "rate": round(passed / len(rows), 6) if rows else None}
+    return Heldout(passed=passed, total=len(rows),
+                   rate=round(passed / len(rows), 6) if rows else None)
 
 
 def _arm(cycle: Path, out: Path, *, images: dict[str, str], spec: DreamSpec,
-         progress: Progress | None) -> dict[str, Any]:
+         progress: Progress | None) -> DreamArm:
     _, plan_hash = freeze(cycle, out, images=images, dream_override=spec)
     outcome = CycleRunner(out / "plan.json", progress=progress).run()
     receipt = build(outcome)
-    plan = json.loads((out / "plan.json").read_text())["plan"]
-    manifest = json.loads((out / "inputs" / "manifest.json").read_text())
-    split = {s["id"]: s["split"] for s in manifest["scenarios"]}
-    cases = {c for c in plan["policy"]["cases"] if split.get(c) != "development"}
+    plan = read_plan_doc(out / "plan.json").plan
+    split = {s.id: s.split for s in load_frozen_manifest(out).scenarios}
+    cases = {c for c in plan.policy.cases if split.get(c) != "development"}
     stages = out / "stages"
-    total = receipt["usage"]["total"]
-    return {
-        "dir": str(out), "plan_hash": plan_hash,
-        "receipt_sha256": sha256_file(out / "receipt.json"),
-        "verdict": outcome.result.verdict, "reasons": list(outcome.result.reasons),
-        "heldout_cases": sorted(cases),
-        "heldout": {side: heldout(stages / side / "records.jsonl", cases)
-                    if (stages / side / "records.jsonl").is_file() else None
-                    for side in ("baseline", "candidate")},
-        "cost_usd": total["cost_usd"], "cost_complete": total["complete"],
-        "model_calls": total["calls"], "dream": receipt["dream"],
-        "patch_sha256": outcome.patch_sha256,
-    }
+    total = receipt.usage.total
+
+    def side(name: str) -> Heldout | None:
+        f = stages / name / "records.jsonl"
+        return heldout(f, cases) if f.is_file() else None
+
+    return DreamArm(
+        dir=str(out), plan_hash=plan_hash,
+        receipt_sha256=sha256_file(out / "receipt.json"),
+        verdict=outcome.result.verdict, reasons=outcome.result.reasons,
+        heldout_cases=tuple(sorted(cases)),
+        heldout=HeldoutSides(baseline=side("baseline"), candidate=side("candidate")),
+        cost_usd=total.cost_usd, cost_complete=total.complete,
+        model_calls=total.calls, dream=receipt.dream,
+        patch_sha256=outcome.patch_sha256,
+    )
 
 
 def paired(cycle: Path, out: Path, *, images: dict[str, str],
-           progress_for: Callable[[str], Progress | None] = lambda _a: None) -> dict[str, Any]:
+           progress_for: Callable[[str], Progress | None] = lambda _a: None) -> DreamReceipt:
     """Run both arms under ``out/off`` and ``out/on``; write ``out/dream-receipt.json``."""
     parsed, _ = load_cycle(cycle)
     if parsed.dream.mode == "off":
@@ -71,23 +144,21 @@ def paired(cycle: Path, out: Path, *, images: dict[str, str],
     off = _arm(cycle, out / "off", images=images, spec=DreamSpec(mode="off"),
                progress=progress_for("off"))
     on = _arm(cycle, out / "on", images=images, spec=parsed.dream, progress=progress_for("on"))
-    d = on["dream"] or {}
-    requested = d.get("requested") or 0
-    rate_off = (off["heldout"]["candidate"] or {}).get("rate")
-    rate_on = (on["heldout"]["candidate"] or {}).get("rate")
+    d = on.dream
+    requested = d.requested if d else 0
+    rate_off = off.heldout.candidate.rate if off.heldout.candidate else None
+    rate_on = on.heldout.candidate.rate if on.heldout.candidate else None
     delta = None if rate_off is None or rate_on is None else round(rate_on - rate_off, 6)
-    cost = (None if off["cost_usd"] is None or on["cost_usd"] is None
-            else round(on["cost_usd"] - off["cost_usd"], 9))
+    cost = (None if off.cost_usd is None or on.cost_usd is None
+            else round(on.cost_usd - off.cost_usd, 9))
     lift = delta is not None and delta > 0
-    receipt = {
-        "schema": 1, "kind": "dream-paired", "cycle_sha256": sha256_file(cycle),
-        "dream": parsed.dream.model_dump(mode="json"), "arms": {"off": off, "on": on},
-        "acceptance_rate": round(d["accepted"] / requested, 6) if requested else None,
-        "fallback_rate": round(d["fallback"] / requested, 6) if requested else None,
-        "heldout_delta": delta, "incremental_cost_usd": cost,
-        "lift_claimed": lift,
-        "claim": (f"held-out pass rate {rate_off} -> {rate_on} (+{delta}) with dream on"
-                  if lift else "no lift claimed: the held-out delta is not positive"),
-    }
+    receipt = DreamReceipt(
+        cycle_sha256=sha256_file(cycle), dream=parsed.dream,
+        arms=DreamArms(off=off, on=on),
+        acceptance_rate=round(d.accepted / requested, 6) if d and requested else None,
+        fallback_rate=round(d.fallback / requested, 6) if d and requested else None,
+        heldout_delta=delta, incremental_cost_usd=cost, lift_claimed=lift,
+        claim=(f"held-out pass rate {rate_off} -> {rate_on} (+{delta}) with dream on"
+               if lift else "no lift claimed: the held-out delta is not positive"))
     (out / "dream-receipt.json").write_bytes(canonical_bytes(receipt))
     return receipt

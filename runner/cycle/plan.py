@@ -410,6 +410,21 @@ def load_plan(path: Path) -> tuple[Plan, str]:
     return plan, doc.plan_hash
 
 
+class PlanDoc(Frozen):
+    """plan.json typed, for reading a run's plan after the fact (receipts, exports):
+    :func:`load_plan` is the check before a run, this is how its fields are read."""
+
+    plan: Plan
+    hashes: dict[str, str]
+    """Section -> sha256 of its canonical JSON."""
+    plan_hash: str
+
+
+def read_plan_doc(path: Path) -> PlanDoc:
+    """plan.json as written (runner.loading rules); hashes are not re-checked here."""
+    return load_model(path, PlanDoc, fmt="json", what="plan", fix=PLAN_FIX)
+
+
 def load_frozen_manifest(run_dir: Path) -> Manifest:
     """The manifest copy under ``run_dir/inputs`` (bound by the plan's input hashes)."""
     p = run_dir / "inputs" / "manifest.json"

@@ -18,17 +18,21 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from runner import gitops
+from runner.cycle.dream import DreamSummary
+from runner.cycle.models import ComparisonResult
+from runner.cycle.plan import read_plan_doc
 from runner.cycle.run import Outcome
 from runner.cycle.signing import ENVELOPE
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.gateway.calllog import CallLog
-from runner.gateway.report import summarize
+from runner.gateway.report import UsageReport, summarize
 from runner.hashing import canonical_bytes, sha256_file, sha256_json
 from runner.isolation.collect import loads_strict
-from runner.loading import MAX_BYTES, check_schema, decode_utf8, load_data, parse_json, validate
+from runner.isolation.sandbox import Frozen, StopReason
+from runner.loading import MAX_BYTES, load_lines, load_model, parse_model, show
 
 SCHEMA = 1
 RECEIPT = "receipt.json"
@@ -94,63 +98,179 @@ def _records_digest(path: Path) -> str | None:
     return sha256_json(rows)
 
 
-def build(outcome: Outcome) -> dict[str, Any]:
+# -- the document -----------------------------------------------------------------------------
+# Field order follows the order the writer has always used; the file itself is canonical
+# JSON (sorted keys), so a field's presence, name and value are what must never drift.
+
+class ReceiptIdentities(Frozen):
+    """What the results were graded against (copied from the plan)."""
+
+    reference_hash: str
+    data_hash: str
+    scorer: str
+    judge_id: str | None
+    manifest_sha256: str
+
+
+class ReceiptUpstream(Frozen):
+    """One upstream as the receipt shows it: never a credential value."""
+
+    provider: str
+    credential: str | None
+    """The credential's env var name or file path (openai); None otherwise."""
+    fixture: bool
+    """Answered by the scripted provider (never a real model)."""
+    id: str | None
+    """The plan's upstream id (definition plus script or replay log bytes)."""
+
+
+class ContainerRow(Frozen):
+    """One line of ``containers.jsonl``: a run record without its output tails, plus where
+    in the cycle it ran."""
+
+    stage: str
+    case: str | None
+    trial: int | None
+    run_id: str
+    role: str
+    image_id: str
+    container_name: str
+    exit_code: int | None
+    stop_reason: StopReason
+    detail: str
+    wall_s: float
+    stdout_bytes: int
+    stderr_bytes: int
+    cleanup_confirmed: bool
+    labels: dict[str, str]
+
+
+class ReceiptOutcome(Frozen):
+    """Digests that do not depend on time: a replay must reproduce every one."""
+
+    inputs: str
+    """sha256 over the plan's section hashes."""
+    proposal_sha256: str | None
+    patch_sha256: str | None
+    candidate_tree: str | None
+    """Tree id of the candidate commit; ``verify`` recomputes it from the bare clone."""
+    verdict: str
+    verdict_sha256: str
+    """sha256 of the verdict without its usage totals."""
+    baseline_records_sha256: str | None
+    candidate_records_sha256: str | None
+    calls_sha256: str
+    """sha256 over every call's (role, stage, case, trial, turn, status, request and
+    response hashes), in a time-independent order."""
+
+
+class ExternalFile(Frozen):
+    """A file outside the run directory the run read (a data store)."""
+
+    path: str
+    sha256: str
+
+
+class Receipt(Frozen):
+    """``receipt.json`` (SPEC §10), as :func:`build` writes it."""
+
+    schema_: int = Field(alias="schema")
+    generated_at: str
+    """UTC time the receipt was written (ISO 8601, seconds)."""
+    plan_hash: str
+    inputs: dict[str, str]
+    """The plan's section -> sha256."""
+    identities: ReceiptIdentities
+    base_tree: str
+    images: dict[str, str]
+    """role -> image id the plan froze."""
+    upstreams: dict[str, ReceiptUpstream]
+    containers: tuple[ContainerRow, ...]
+    usage: UsageReport
+    fixture: bool
+    """Some call was answered by the scripted provider."""
+    proposal_sha256: str | None
+    patch_sha256: str | None
+    verdict: ComparisonResult
+    leftovers: tuple[str, ...]
+    """Containers or directories removed after the run (empty when it left nothing)."""
+    dream: DreamSummary | None
+    timing: dict[str, float]
+    """Seconds per stage; kept out of ``outcome``."""
+    outcome: ReceiptOutcome
+    external: dict[str, ExternalFile]
+    files: dict[str, str]
+    """Every regular file of the run directory (UTF-8 name) -> sha256, but the unbound."""
+    files_not_utf8: dict[str, str]
+    """Files whose names are not UTF-8, under their backslash-escaped names."""
+
+
+CONTAINERS_FIX = "containers.jsonl as the cycle runner writes it (one run record a line)"
+
+
+def build(outcome: Outcome) -> Receipt:
     """Assemble and write ``receipt.json``; returns it."""
     d = outcome.run_dir
-    doc = json.loads((d / "plan.json").read_text())
-    plan = doc["plan"]
+    doc = read_plan_doc(d / "plan.json")
+    plan = doc.plan
     calls = CallLog(d / "gateway").records()
     stages = d / "stages"
-    containers = [json.loads(line) for line in (d / "containers.jsonl").read_text().splitlines()
-                  ] if (d / "containers.jsonl").exists() else []
+    containers = (load_lines(d / "containers.jsonl", ContainerRow, what="container records",
+                             fix=CONTAINERS_FIX)
+                  if (d / "containers.jsonl").exists() else [])
     verdict = outcome.result.model_dump(mode="json")
     verdict_core = {k: v for k, v in verdict.items() if k != "usage"}
-    outcome_digests = {
-        "inputs": sha256_json(doc["hashes"]),
-        "proposal_sha256": outcome.proposal_sha256,
-        "patch_sha256": outcome.patch_sha256,
-        "candidate_tree": outcome.candidate_tree,
-        "verdict": verdict["verdict"],
-        "verdict_sha256": sha256_json(verdict_core),
-        "baseline_records_sha256": _records_digest(stages / "baseline" / "records.jsonl"),
-        "candidate_records_sha256": _records_digest(stages / "candidate" / "records.jsonl"),
-        "calls_sha256": sha256_json([[c.role, c.stage, c.case, c.trial, c.turn, c.status,
-                                      c.request_sha256, c.response_sha256] for c in
-                                     sorted(calls, key=lambda c: (c.stage, c.case or "",
-                                                                  c.trial or 0, c.turn,
-                                                                  c.role))]),
-    }
-    receipt = {
-        "schema": SCHEMA,
-        "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "plan_hash": outcome.plan_hash,
-        "inputs": doc["hashes"],
-        "identities": {k: plan[k] for k in ("reference_hash", "data_hash", "scorer", "judge_id",
-                                            "manifest_sha256")},
-        "base_tree": plan["project"]["base_tree"],
-        "images": plan["images"],
-        "upstreams": {n: {"provider": u["provider"], "credential":
-                          (u.get("credential") or {}).get("env") or
-                          (u.get("credential") or {}).get("file"),
-                          "fixture": u["provider"] == "scripted",
-                          "id": plan["upstream_ids"].get(n)}
-                      for n, u in plan["upstreams"].items()},
-        "containers": containers,
-        "usage": summarize(calls),
-        "fixture": any(c.fixture for c in calls),
-        "proposal_sha256": outcome.proposal_sha256,
-        "patch_sha256": outcome.patch_sha256,
-        "verdict": verdict,
-        "leftovers": outcome.leftovers,
-        "dream": json.loads((stages / "dream" / "summary.json").read_text())
-        if (stages / "dream" / "summary.json").is_file() else None,
-        "timing": outcome.timings,
-        "outcome": outcome_digests,
-        "external": {f"store:{sid}": {"path": str(Path(plan["data_dir"]) / s["path"]),
-                                      "sha256": s["sha256"]}
-                     for sid, s in plan["stores"].items()},
-    }
-    receipt["files"], receipt["files_not_utf8"] = _files(d)
+    outcome_digests = ReceiptOutcome(
+        inputs=sha256_json(doc.hashes),
+        proposal_sha256=outcome.proposal_sha256,
+        patch_sha256=outcome.patch_sha256,
+        candidate_tree=outcome.candidate_tree,
+        verdict=outcome.result.verdict,
+        verdict_sha256=sha256_json(verdict_core),
+        baseline_records_sha256=_records_digest(stages / "baseline" / "records.jsonl"),
+        candidate_records_sha256=_records_digest(stages / "candidate" / "records.jsonl"),
+        calls_sha256=sha256_json([[c.role, c.stage, c.case, c.trial, c.turn, c.status,
+                                   c.request_sha256, c.response_sha256] for c in
+                                  sorted(calls, key=lambda c: (c.stage, c.case or "",
+                                                               c.trial or 0, c.turn, c.role))]),
+    )
+    summary = stages / "dream" / "summary.json"
+    files, files_not_utf8 = _files(d)
+    receipt = Receipt(
+        schema=SCHEMA,
+        generated_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        plan_hash=outcome.plan_hash,
+        inputs=doc.hashes,
+        identities=ReceiptIdentities(reference_hash=plan.reference_hash,
+                                     data_hash=plan.data_hash, scorer=plan.scorer,
+                                     judge_id=plan.judge_id,
+                                     manifest_sha256=plan.manifest_sha256),
+        base_tree=plan.project.base_tree,
+        images=plan.images,
+        upstreams={n: ReceiptUpstream(provider=u.provider,
+                                      credential=(u.credential.env or u.credential.file)
+                                      if u.credential else None,
+                                      fixture=u.provider == "scripted",
+                                      id=plan.upstream_ids.get(n))
+                   for n, u in plan.upstreams.items()},
+        containers=tuple(containers),
+        usage=summarize(calls),
+        fixture=any(c.fixture for c in calls),
+        proposal_sha256=outcome.proposal_sha256,
+        patch_sha256=outcome.patch_sha256,
+        verdict=outcome.result,
+        leftovers=tuple(outcome.leftovers),
+        dream=load_model(summary, DreamSummary, fmt="json", what="dream summary",
+                         fix="the summary.json the dream stage wrote")
+        if summary.is_file() else None,
+        timing=outcome.timings,
+        outcome=outcome_digests,
+        external={f"store:{sid}": ExternalFile(path=str(Path(plan.data_dir) / s.path),
+                                               sha256=s.sha256)
+                  for sid, s in plan.stores.items()},
+        files=files,
+        files_not_utf8=files_not_utf8,
+    )
     _write_atomic(d / RECEIPT, canonical_bytes(receipt))
     return receipt
 
@@ -170,48 +290,65 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
-class _External(BaseModel):
+class _OutcomeHead(BaseModel):
     model_config = ConfigDict(frozen=True, extra="allow")
 
-    path: str
-    sha256: str
+    candidate_tree: str | None = None
 
 
-class _ReceiptHead(BaseModel):
-    """The parts of receipt.json that verify and compare read; the rest is carried along."""
+class ReceiptHead(BaseModel):
+    """The parts of receipt.json that ``verify`` reads; the rest is carried along, so a
+    partial or older receipt is still checked file by file."""
 
     model_config = ConfigDict(frozen=True, extra="allow")
 
     schema_: int = Field(alias="schema")
     plan_hash: str
     files: dict[str, str]
-    external: dict[str, _External] = Field(default_factory=dict)
-    outcome: dict[str, Any] = Field(default_factory=dict)
-    inputs: dict[str, Any] = Field(default_factory=dict)
+    files_not_utf8: dict[str, str] = Field(default_factory=dict)
+    external: dict[str, ExternalFile] = Field(default_factory=dict)
+    outcome: _OutcomeHead = _OutcomeHead()
 
 
 RECEIPT_FIX = "pass a cycle run directory holding the receipt.json a run wrote"
 
 
-def load_receipt(run_dir: Path) -> dict[str, Any]:
+def load_receipt(run_dir: Path) -> Receipt:
     """receipt.json of a run directory, typed and bounded (runner.loading); ConfigError
-    (bad input) when it is missing or is not a receipt (a JSON list, ``{}``, ...)."""
+    (bad input) when it is missing or is not a whole receipt (a JSON list, ``{}``, ...)."""
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir} is not a directory", field="DIR", fix=RECEIPT_FIX)
-    path = run_dir / RECEIPT
-    data = load_data(path, fmt="json", what="receipt", fix=RECEIPT_FIX)
-    check_schema(data, SCHEMA, path=str(path))
-    validate(_ReceiptHead, data, path=str(path), fix=RECEIPT_FIX)
-    return dict(data)
+    return load_model(run_dir / RECEIPT, Receipt, fmt="json", what="receipt", schema=SCHEMA,
+                      fix=RECEIPT_FIX)
 
 
-def _parse_receipt(raw: bytes, path: Path) -> dict[str, Any]:
-    """receipt.json's bytes, typed (runner.loading): a JSON list, ``{}`` or a wrong field
-    is bad input (ConfigError naming the field), not a verification failure."""
-    data = parse_json(decode_utf8(raw, path=str(path)), path=str(path))
-    check_schema(data, SCHEMA, path=str(path))
-    validate(_ReceiptHead, data, path=str(path), fix=RECEIPT_FIX)
-    return dict(data)
+class ReceiptRow(Frozen):
+    """One hash ``receipt compare`` puts side by side."""
+
+    key: str
+    """``identities``, ``inputs.<section>``, ``outcome.<digest>``, ..."""
+    recorded: JsonValue
+    replayed: JsonValue
+    equal: bool
+
+
+def compare_receipts(recorded: Receipt, replayed: Receipt) -> tuple[ReceiptRow, ...]:
+    """Input and outcome hashes of two runs side by side (timings aside). Every frozen
+    input section is compared except how model calls are answered (a replay answers from
+    the recording instead of the original provider)."""
+    a, b = recorded.model_dump(mode="json"), replayed.model_dump(mode="json")
+    keys = ["identities", "base_tree", "images"]
+    skip = {"upstreams", "upstream_ids", "inputs"}
+    keys += [f"inputs.{k}" for k in sorted(a["inputs"]) if k not in skip]
+    keys += [f"outcome.{k}" for k in a["outcome"] if k != "inputs"]
+
+    def value(doc: dict[str, Any], key: str) -> JsonValue:
+        head, _, rest = key.partition(".")
+        got: JsonValue = doc[head].get(rest) if rest else doc[head]
+        return got
+
+    return tuple(ReceiptRow(key=k, recorded=value(a, k), replayed=value(b, k),
+                            equal=value(a, k) == value(b, k)) for k in keys)
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -364,8 +501,11 @@ def _verify_at(root_fd: int, run_dir: Path) -> list[str]:
         if str(exc) == "missing":
             raise ConfigError(f"{path}: does not exist", fix=RECEIPT_FIX) from None
         raise IntegrityError(f"{path}: unreadable ({exc})") from None
-    receipt = _parse_receipt(raw, path)
-    files: dict[str, str] = receipt["files"]
+    # a JSON list, ``{}`` or a wrong field is bad input (ConfigError naming the field),
+    # not a verification failure
+    receipt = parse_model(raw, ReceiptHead, path=show(str(path)), schema=SCHEMA,
+                          fix=RECEIPT_FIX)
+    files = receipt.files
     problems = []
     for rel, digest in sorted(files.items()):
         why = _name_problem(rel)
@@ -379,14 +519,14 @@ def _verify_at(root_fd: int, run_dir: Path) -> list[str]:
                 problems.append(f"{rel}: sha256 differs from the receipt")
         except _Unreadable as exc:
             problems.append(f"{rel}: {exc}")
-    not_utf8 = receipt.get("files_not_utf8") or {}
+    not_utf8 = receipt.files_not_utf8
     for name in sorted(_present(root_fd) - set(files)):
         rel = name
         try:
             rel.encode("utf-8")
         except UnicodeEncodeError:  # a name that is not UTF-8: bound under its escaped form
             shown = os.fsencode(rel).decode("utf-8", "backslashreplace")
-            if isinstance(not_utf8, dict) and shown in not_utf8:
+            if shown in not_utf8:
                 try:
                     if _sha256_in(root_fd, name) != not_utf8[shown]:
                         problems.append(f"{shown}: sha256 differs from the receipt")
@@ -395,28 +535,25 @@ def _verify_at(root_fd: int, run_dir: Path) -> list[str]:
                 continue
             rel = shown
         problems.append(f"{rel}: present in the run directory but not named by the receipt")
-    if isinstance(not_utf8, dict):
-        shown_present = {os.fsencode(n).decode("utf-8", "backslashreplace")
-                         for n in _present(root_fd)}
-        problems += [f"{shown}: missing" for shown in sorted(set(not_utf8) - shown_present)]
-    problems += _candidate_problems(root_fd, run_dir, receipt)
+    shown_present = {os.fsencode(n).decode("utf-8", "backslashreplace")
+                     for n in _present(root_fd)}
+    problems += [f"{shown}: missing" for shown in sorted(set(not_utf8) - shown_present)]
+    problems += _candidate_problems(root_fd, run_dir, receipt.outcome.candidate_tree)
     plan: Any = None
     try:
         plan = loads_strict(_read_in(root_fd, "plan.json"), source="plan.json")
-        ok = (plan.get("plan_hash") == receipt.get("plan_hash")
-              and sha256_json(plan.get("plan")) == receipt.get("plan_hash"))
+        ok = (plan.get("plan_hash") == receipt.plan_hash
+              and sha256_json(plan.get("plan")) == receipt.plan_hash)
     except (_Unreadable, OutputRejected, AttributeError):
         ok = False
     if not ok:
         problems.append("plan.json: plan_hash differs from the receipt")
     data_dir = plan.get("plan", {}).get("data_dir") if isinstance(plan, dict) and isinstance(
         plan.get("plan"), dict) else None
-    external = receipt.get("external", {})
-    for name, ext in sorted(external.items() if isinstance(external, dict) else []):
+    for name, ext in sorted(receipt.external.items()):
         why = _external_problem(data_dir, ext)
         if why is not None:
-            at = ext.get("path") if isinstance(ext, dict) else None
-            problems.append(f"{name} ({at if isinstance(at, str) else '?'}): {why}")
+            problems.append(f"{name} ({ext.path}): {why}")
     return problems
 
 
@@ -424,17 +561,14 @@ _MAX_EXTERNAL_BYTES = 1 << 32
 """Largest data store ``verify`` hashes; a receipt naming a larger file fails on it."""
 
 
-def _external_problem(data_dir: object, ext: object) -> str | None:
+def _external_problem(data_dir: object, ext: ExternalFile) -> str | None:
     """Why an ``external`` entry does not match, or None. Only a file under the plan's
     ``data_dir`` is read (a hostile receipt cannot make verify hash arbitrary host files),
     opened with ``O_NOFOLLOW`` on every component below it, regular and size-capped."""
-    if not isinstance(ext, dict) or not isinstance(ext.get("path"), str) \
-            or not isinstance(ext.get("sha256"), str):
-        return "malformed entry (needs path and sha256)"
     if not isinstance(data_dir, str) or not data_dir.startswith("/"):
         return "plan.json names no absolute data_dir; external files are not read"
     root = data_dir.rstrip("/") or "/"
-    path: str = ext["path"]
+    path = ext.path
     prefix = root if root.endswith("/") else root + "/"
     if not path.startswith(prefix):
         return f"outside the plan's data_dir {data_dir}; refused without reading"
@@ -462,15 +596,13 @@ def _external_problem(data_dir: object, ext: object) -> str | None:
             left -= len(chunk)
     if left <= 0:
         return f"larger than {_MAX_EXTERNAL_BYTES} bytes; refused"
-    return None if h.hexdigest() == ext["sha256"] else "sha256 differs from the receipt"
+    return None if h.hexdigest() == ext.sha256 else "sha256 differs from the receipt"
 
 
-def _candidate_problems(root_fd: int, run_dir: Path, receipt: dict[str, Any]) -> list[str]:
+def _candidate_problems(root_fd: int, run_dir: Path, tree: str | None) -> list[str]:
     """The candidate tree recomputed from the apply stage's bare clone (left out of
     ``files``, bound by this id instead): the commit comes from the bound
     stages/apply/result.json, its tree must equal the receipt's ``candidate_tree``."""
-    outcome = receipt.get("outcome")
-    tree = outcome.get("candidate_tree") if isinstance(outcome, dict) else None
     if tree is None:
         return []
     where = f"{CANDIDATE_GIT} (outcome.candidate_tree)"

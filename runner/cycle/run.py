@@ -373,7 +373,7 @@ class CycleRunner:
                                 Mount(source=case_dir / "input", target="/case"),
                                 Mount(source=Path(self.plan.data_dir), target="/data")])
         calls = self.gw.calls(stage, sc.id, trial)
-        usage = summarize(calls)["per_role"]
+        usage = {r: t.model_dump(mode="json") for r, t in summarize(calls).per_role.items()}
         common = dict(base, latency_s=rec.wall_s, usage=usage)
         if any(c.error == "budget" for c in calls):
             return Record(**common, status="not_attempted", reason="budget: call refused")
@@ -503,25 +503,22 @@ class CycleRunner:
         parents = {s.id: s for s in dev}
         if spec.mode == "template":
             variants = [v for s in dev for v in dream.template_variants(s, spec.factor, key)]
-            result = dream.DreamResult(variants=variants, summary={
-                "mode": "template", "source_tasks": len(dev),
-                "requested": len(dev) * spec.factor, "accepted": 0,
-                "fallback": 0, "reasons": dict.fromkeys(dream.REASONS, 0),
-                "optimizer_tokens": 0, "optimizer_cost_usd": 0.0, "cost_complete": True})
+            result = dream.DreamResult(variants=variants, summary=dream.DreamSummary(
+                mode="template", source_tasks=len(dev), requested=len(dev) * spec.factor,
+                accepted=0, fallback=0, reasons=dict.fromkeys(dream.REASONS, 0),
+                optimizer_tokens=0, optimizer_cost_usd=0.0, cost_complete=True))
         else:
             gen = self._relay("dream-generate", dream.generation_calls(dev, spec.factor, key))
             existing = [dream.intent_of(s, key) for s in self.manifest.scenarios]
             slots, calls = dream.after_generation(dev, spec.factor, key, gen, existing)
             dream.after_verification(slots, self._relay("dream-verify", calls) if calls else {})
             calls_log = [*self.gw.calls("dream-generate"), *self.gw.calls("dream-verify")]
-            tot = summarize(calls_log)["total"]
-            result = dream.finish(slots, parents, key, int(tot["tokens"]), tot["cost_usd"],
-                                  bool(tot["complete"]))
-            result.summary["mode"] = "model"
+            tot = summarize(calls_log).total
+            result = dream.finish(slots, parents, key, tot.tokens, tot.cost_usd, tot.complete)
         (d / "variants.json").write_text(dream.dumps_variants(result.variants))
         (d / "events.jsonl").write_text("".join(json.dumps(e, sort_keys=True) + "\n"
                                                 for e in result.events))
-        write_json(d / "summary.json", result.summary)
+        write_json(d / "summary.json", result.summary.model_dump(mode="json"))
         return result.variants
 
     def _relay(self, stage: str, calls: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -1,36 +1,87 @@
-"""Totals over a call log: per role, with ``complete`` false whenever any cost is unknown."""
+"""Totals over a call log: per role, with ``complete`` false whenever any cost is unknown.
+
+The totals are frozen values; their JSON (``model_dump(mode="json")``) is what receipts,
+records and reports hold, so field order and presence are part of the format:
+``cost_usd_known_part`` appears only when ``complete`` is false.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+
+from pydantic import Field
 
 from runner.gateway.calllog import CallRecord
+from runner.isolation.sandbox import Frozen
 
 
-def summarize(records: list[CallRecord]) -> dict[str, Any]:
-    """Per-role and overall calls, statuses, tokens and cost; cost is None when unknown."""
-    def empty() -> dict[str, Any]:
-        return {"calls": 0, "ok": 0, "refused": 0, "infra_error": 0, "tokens": 0,
-                "cost_usd": 0.0, "complete": True, "fixture_calls": 0}
+class UsageTotals(Frozen):
+    """Model calls of one role (or of the whole run)."""
 
-    per_role: dict[str, dict[str, Any]] = {}
-    total = empty()
-    for r in records:
+    calls: int
+    """Calls, counting each refusal that was counted but not itemized."""
+    ok: int
+    refused: int
+    infra_error: int
+    tokens: int
+    """Total tokens as the upstream reported them (calls without usage add nothing)."""
+    cost_usd: float | None
+    """None when any charged call's cost is unknown (never a silent zero)."""
+    complete: bool
+    """Every call that reached an upstream has a known cost."""
+    fixture_calls: int
+    """Calls answered by the scripted provider (never a real model)."""
+    cost_usd_known_part: float | None = Field(default=None, exclude_if=lambda v: v is None)
+    """Sum of the known costs; present only when ``cost_usd`` is None."""
+
+
+class UsageReport(Frozen):
+    """Per-role and overall totals (``receipt.json``'s ``usage``)."""
+
+    per_role: dict[str, UsageTotals]
+    """Role -> totals, sorted by role."""
+    total: UsageTotals
+
+
+@dataclass
+class _Row:
+    calls: int = 0
+    ok: int = 0
+    refused: int = 0
+    infra_error: int = 0
+    tokens: int = 0
+    cost_usd: float = 0.0
+    complete: bool = True
+    fixture_calls: int = 0
+
+    def add(self, r: CallRecord) -> None:
         n = r.not_itemized or 1  # one record standing for refusals counted, not itemized
-        for row in (per_role.setdefault(r.role, empty()), total):
-            row["calls"] += n
-            row[r.status] += n
-            row["fixture_calls"] += int(r.fixture)
-            if r.usage:
-                row["tokens"] += r.usage.total_tokens
-            if r.status == "refused":
-                continue  # never reached an upstream: no charge
-            if r.cost_usd is None:
-                row["complete"] = False
-            elif row["cost_usd"] is not None:
-                row["cost_usd"] = round(row["cost_usd"] + r.cost_usd, 9)
-    for row in [*per_role.values(), total]:
-        if not row["complete"]:
-            row["cost_usd_known_part"] = row["cost_usd"]
-            row["cost_usd"] = None
-    return {"per_role": dict(sorted(per_role.items())), "total": total}
+        self.calls += n
+        setattr(self, r.status, getattr(self, r.status) + n)
+        self.fixture_calls += int(r.fixture)
+        if r.usage:
+            self.tokens += r.usage.total_tokens
+        if r.status == "refused":
+            return  # never reached an upstream: no charge
+        if r.cost_usd is None:
+            self.complete = False
+        else:
+            self.cost_usd = round(self.cost_usd + r.cost_usd, 9)
+
+    def totals(self) -> UsageTotals:
+        return UsageTotals(calls=self.calls, ok=self.ok, refused=self.refused,
+                           infra_error=self.infra_error, tokens=self.tokens,
+                           cost_usd=self.cost_usd if self.complete else None,
+                           complete=self.complete, fixture_calls=self.fixture_calls,
+                           cost_usd_known_part=None if self.complete else self.cost_usd)
+
+
+def summarize(records: list[CallRecord]) -> UsageReport:
+    """Per-role and overall calls, statuses, tokens and cost; cost is None when unknown."""
+    per_role: dict[str, _Row] = {}
+    total = _Row()
+    for r in records:
+        per_role.setdefault(r.role, _Row()).add(r)
+        total.add(r)
+    return UsageReport(per_role={k: v.totals() for k, v in sorted(per_role.items())},
+                       total=total.totals())

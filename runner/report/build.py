@@ -130,8 +130,8 @@ def _costs(rd: _Reader) -> tuple[tuple[RoleCost, ...], bool]:
         except ValidationError:
             rd.problems.append(f"gateway/calls.jsonl:{i + 1}: not a call record")
     totals = summarize(calls)
-    rows = [RoleCost(role=role, **v) for role, v in totals["per_role"].items()]
-    rows.append(RoleCost(role="total", **totals["total"]))
+    rows = [RoleCost(role=role, **v.model_dump()) for role, v in totals.per_role.items()]
+    rows.append(RoleCost(role="total", **totals.total.model_dump()))
     return tuple(rows), any(c.fixture for c in calls)
 
 

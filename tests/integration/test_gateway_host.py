@@ -125,8 +125,8 @@ def test_call_without_usage_stops_admission(tmp_path: Path, upstream: int,
     assert [r.status for r in recs] == ["ok", "ok", "refused"]
     assert recs[1].cost_usd is None and recs[0].cost_usd is not None
     totals = summarize(recs)
-    assert totals["total"]["complete"] is False
-    assert totals["total"]["cost_usd"] is None
+    assert totals.total.complete is False and totals.total.cost_usd is None
+    assert totals.total.cost_usd_known_part is not None
     assert budget.totals()["total"]["complete"] is False  # type: ignore[index]
 
 

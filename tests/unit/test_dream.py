@@ -40,7 +40,7 @@ def run(tasks: list[Scenario], factor: int, gen: dict[str, Any], ver: dict[str, 
 
 
 def reasons(res: dream.DreamResult) -> dict[str, int]:
-    return {k: v for k, v in res.summary["reasons"].items() if v}
+    return {k: v for k, v in res.summary.reasons.items() if v}
 
 
 def test_template_output_is_byte_exact() -> None:
@@ -60,7 +60,7 @@ def test_template_output_is_byte_exact() -> None:
 def test_accepted_paraphrase_is_used() -> None:
     res = run([SIGNUP], 1, {"t1": ok(["Validate the input of the signup form."])},
               {"t1": ok([verdict(0)])})
-    assert res.summary["accepted"] == 1 and res.summary["fallback"] == 0
+    assert res.summary.accepted == 1 and res.summary.fallback == 0
     assert res.variants[0].input[KEY] == "Validate the input of the signup form."
 
 
@@ -82,7 +82,7 @@ def test_malformed_generation_falls_back(reply: Any, why: str) -> None:
 def test_whole_message_fence_is_stripped() -> None:
     fenced = "```json\n" + json.dumps(["Validate the signup form input."]) + "\n```"
     res = run([SIGNUP], 1, {"t1": ok(fenced)}, {"t1": ok([verdict(0)])})
-    assert res.summary["accepted"] == 1
+    assert res.summary.accepted == 1
 
 
 @pytest.mark.parametrize(("text", "detail"), [
@@ -124,7 +124,7 @@ def test_case_variant_duplicate_of_sibling_and_of_other_task() -> None:
               {"t1": ok([verdict(0)])},
               existing=[dream.intent_of(SIGNUP, KEY), dream.intent_of(other, KEY)])
     assert reasons(res) == {"duplicate": 2}
-    assert res.summary["accepted"] == 1
+    assert res.summary.accepted == 1
 
 
 @pytest.mark.parametrize(("ver", "reason"), [
@@ -154,11 +154,10 @@ def test_no_verifier_reply_is_missing_verifier() -> None:
 def test_generation_error_falls_back_per_slot() -> None:
     res = run([SIGNUP], 2, {"t1": {"ok": False, "error": "InternalServerError 502"}}, {})
     assert reasons(res) == {"generation_error": 2}
-    assert res.summary == {"source_tasks": 1, "requested": 2, "accepted": 0, "fallback": 2,
-                           "reasons": {**dict.fromkeys(dream.REASONS, 0),
-                                       "generation_error": 2},
-                           "optimizer_tokens": 10, "optimizer_cost_usd": 0.001,
-                           "cost_complete": True}
+    assert res.summary.model_dump(mode="json") == {
+        "mode": "model", "source_tasks": 1, "requested": 2, "accepted": 0, "fallback": 2,
+        "reasons": {**dict.fromkeys(dream.REASONS, 0), "generation_error": 2},
+        "optimizer_tokens": 10, "optimizer_cost_usd": 0.001, "cost_complete": True}
 
 
 def test_only_development_tasks_are_sent() -> None:

@@ -162,9 +162,31 @@ RECORD = {"case_id": "d01", "trial": 0, "split": "development", "status": "ok",
 PROPOSAL = {"schema": 1, "files": [{"path": "prompts/system.md", "content": "be careful\n"}],
             "rationale": "r", "base": {"prompts/system.md": "d" * 64},
             "paths": ["prompts/system.md"], "allowlist": ["prompts/*.md"]}
-RECEIPT = {"schema": 1, "plan_hash": "e" * 64, "files": {"plan.json": "f" * 64},
+_TOTALS = {"calls": 1, "ok": 1, "refused": 0, "infra_error": 0, "tokens": 9,
+           "cost_usd": 0.5, "complete": True, "fixture_calls": 1}
+RECEIPT = {"schema": 1, "generated_at": "2026-01-01T00:00:00+00:00", "plan_hash": "e" * 64,
+           "inputs": {"plan": "1" * 64},
+           "identities": {"reference_hash": "r", "data_hash": "d", "scorer": "s",
+                          "judge_id": None, "manifest_sha256": "m"},
+           "base_tree": "b" * 40, "images": {"analyst": "sha256:" + "a" * 64},
+           "upstreams": {"target": {"provider": "scripted", "credential": None,
+                                    "fixture": True, "id": "i"}},
+           "containers": [{"stage": "baseline", "case": "c1", "trial": 0, "run_id": "r",
+                           "role": "analyst", "image_id": "sha256:x", "container_name": "n",
+                           "exit_code": 0, "stop_reason": "ok", "detail": "", "wall_s": 1.5,
+                           "stdout_bytes": 0, "stderr_bytes": 0, "cleanup_confirmed": True,
+                           "labels": {"io.cyclebox.role": "analyst"}}],
+           "usage": {"per_role": {"analyst": _TOTALS}, "total": _TOTALS}, "fixture": True,
+           "proposal_sha256": None, "patch_sha256": None,
+           "verdict": {"verdict": "reject", "reasons": ["mandatory case c1 failed"],
+                       "regressions": [], "improvements": [], "usage": {}, "statistics": None},
+           "leftovers": [], "dream": None, "timing": {"baseline": 1.0},
+           "outcome": {"inputs": "1" * 64, "proposal_sha256": None, "patch_sha256": None,
+                       "candidate_tree": None, "verdict": "reject", "verdict_sha256": "v",
+                       "baseline_records_sha256": None, "candidate_records_sha256": None,
+                       "calls_sha256": "c"},
            "external": {"store:shop": {"path": "/nonexistent/shop.sqlite", "sha256": "0" * 64}},
-           "outcome": {"verdict": "reject"}, "inputs": {"plan": "1" * 64}}
+           "files": {"plan.json": "f" * 64}, "files_not_utf8": {}}
 
 
 @pytest.fixture(scope="module")
@@ -277,5 +299,5 @@ def test_the_unmutated_seeds_load(plan_seed: Path, work: Path) -> None:
     assert len(load_records(work / "r.jsonl")) == 1
     (work / "rr").mkdir(exist_ok=True)
     (work / "rr" / "receipt.json").write_text(json.dumps(RECEIPT))
-    assert load_receipt(work / "rr")["plan_hash"] == "e" * 64
+    assert load_receipt(work / "rr").plan_hash == "e" * 64
     assert load_plan(plan_seed)[0].name == "shop-analyst"
