@@ -239,7 +239,8 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")], out
         try:
             (out_dir / "in").mkdir()
             (out_dir / "in" / "proposal.json").write_bytes(raw)
-            (out_dir / "in" / "invocation.json").write_text(json.dumps(inv))
+            (out_dir / "in" / "invocation.json").write_text(json.dumps(inv.model_dump(
+                mode="json")))
         except BaseException:
             remove_created(created)
             raise
@@ -257,15 +258,15 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")], out
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
-        emit_json(result)
-    elif result.get("status") == "applied":
-        out.print(safe(f"applied: commit {result['commit']} tree {result['tree']}; patch "
+        emit_json(result.model_dump(mode="json"))
+    elif result.status == "applied":
+        out.print(safe(f"applied: commit {result.commit} tree {result.tree}; patch "
                        f"{out_dir / 'candidate.patch'}"), highlight=False, soft_wrap=True)
     else:
-        err.print(f"refused: {plain(result.get('reason'), 200)}: "
-                  f"{plain(result.get('message'))}", highlight=False, markup=False,
+        err.print(f"refused: {plain(result.reason, 200)}: "
+                  f"{plain(result.message)}", highlight=False, markup=False,
                   soft_wrap=True)
-    raise typer.Exit(0 if result.get("status") == "applied" else 2)
+    raise typer.Exit(0 if result.status == "applied" else 2)
 
 
 @app.command("compare")

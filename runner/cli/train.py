@@ -54,10 +54,10 @@ def model_tiny(out_dir: OutOpt, seed: int = 0, json_out: JsonOpt = False) -> Non
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
-        emit_json(info)
+        emit_json(info.model_dump(mode="json"))
     else:
-        out.print(safe(f"tiny model in {out_dir}: {info['parameters']} parameters, vocab "
-                  f"{info['vocab']}"), highlight=False)
+        out.print(safe(f"tiny model in {out_dir}: {info.parameters} parameters, vocab "
+                  f"{info.vocab}"), highlight=False)
 
 
 @train_app.command("proof")
@@ -79,19 +79,20 @@ def train_proof(persona: Annotated[Path, typer.Option(help="Persona/skill script
                             on_event=_Bar(p, "training"))
     except CycleboxError as exc:
         _fail(exc)
-    r = summary["report"]
+    r = summary.report
     if json_out:
-        emit_json({k: v for k, v in summary.items() if k != "trainer_run"})
+        emit_json(summary.model_dump(mode="json", by_alias=True, exclude={"trainer_run"}))
     else:
-        out.print(safe(f"recall {r['recall_before']:.2f} -> {r['recall_after']:.2f}; imprint "
-                  f"{r['scores']}; classroom {'passed' if r['classroom_passed'] else 'FAILED'}; "
-                  f"board {r['board']['decision']} {r['board']['members']}; reproduced in a "
-                  f"fresh process: {summary['reproduced_in_fresh_process']}"), highlight=False)
+        out.print(safe(f"recall {r.recall_before:.2f} -> {r.recall_after:.2f}; imprint "
+                  f"{r.scores.model_dump()}; classroom "
+                  f"{'passed' if r.classroom_passed else 'FAILED'}; "
+                  f"board {r.board.decision} {r.board.members}; reproduced in a "
+                  f"fresh process: {summary.reproduced_in_fresh_process}"), highlight=False)
         out.print(safe(f"adapter: {out_dir / 'adapter'}; receipt: "
                        f"{out_dir / 'train-receipt.json'}"), highlight=False)
-    if summary["exit_code"] == 4:
+    if summary.exit_code == 4:
         raise typer.Exit(4)
-    if not summary["reproduced_in_fresh_process"]:
+    if not summary.reproduced_in_fresh_process:
         raise typer.Exit(5)
 
 
@@ -126,14 +127,14 @@ def train_sft(corpus: Annotated[Path, typer.Option(help="Exported corpus directo
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
-        emit_json(receipt)
+        emit_json(receipt.model_dump(mode="json", by_alias=True))
     else:
-        f, sel = receipt["figures"], receipt["selection"]
-        out.print(safe(f"learned from {sel['used']} of {sel['trajectories']} trajectories "
-                       f"({sel['rule']}; by r_outcome {sel['by_r_outcome']}), {sel['rows']} rows"),
+        f, sel = receipt.figures, receipt.selection
+        out.print(safe(f"learned from {sel.used} of {sel.trajectories} trajectories "
+                       f"({sel.rule}; by r_outcome {sel.by_r_outcome}), {sel.rows} rows"),
                   highlight=False)
-        out.print(safe(f"trained {f['steps']} steps, {f['tokens_per_s']} tokens/s, final loss "
-                       f"{f['final_loss']}; receipt {out_dir / 'train-receipt.json'}"),
+        out.print(safe(f"trained {f.steps} steps, {f.tokens_per_s} tokens/s, final loss "
+                       f"{f.final_loss}; receipt {out_dir / 'train-receipt.json'}"),
                   highlight=False)
 
 
@@ -165,11 +166,11 @@ def export_cmd(run: Annotated[Path, typer.Option("--run", help="A cycle run dire
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
-        emit_json(summary)
+        emit_json(summary.model_dump(mode="json"))
     else:
-        out.print(safe(f"exported {summary['trajectories']} trajectories, {summary['turns']} "
-                       f"turns; r_format {summary['r_format']}, r_outcome {summary['r_outcome']} "
-                       f"(graded on {summary['r_outcome_basis']}), format pass rate "
-                       f"{summary['format_pass_rate']}; verl: rl.parquet {summary['rl_rows']} "
-                       f"rows, sft.parquet {summary['sft_rows']} rows -> {out_dir}"),
+        out.print(safe(f"exported {summary.trajectories} trajectories, {summary.turns} "
+                       f"turns; r_format {summary.r_format}, r_outcome {summary.r_outcome} "
+                       f"(graded on {summary.r_outcome_basis}), format pass rate "
+                       f"{summary.format_pass_rate}; verl: rl.parquet {summary.rl_rows} "
+                       f"rows, sft.parquet {summary.sft_rows} rows -> {out_dir}"),
                   highlight=False)

@@ -18,18 +18,26 @@ proposal (:func:`invocation_for`).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
 
 from runner import gitops
-from runner.cycle.models import ProposalFile
+from runner.cycle.models import (
+    Applied,
+    ApplyRefusal,
+    ApplyResult,
+    Invocation,
+    Proposal,
+    ProposalFile,
+)
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.hashing import write_json
 from runner.isolation.collect import Collected, Limits, collect
 from runner.isolation.sandbox import RunRecord, StopReason
+from runner.loading import field_path, load_model, load_with_bytes, parse_model, show
 from sandbox.proposal import Change, Refused, check_changes
 
 OUTPUT_LIMITS = Limits(max_file_bytes=8 * 1024 * 1024, max_total_bytes=16 * 1024 * 1024,
@@ -42,16 +50,15 @@ OPERATOR_FIELDS = ("paths", "allowlist")
 
 def invocation_for(proposal: Path, *, repo: Path | None, ref: str | None, subdir: str | None,
                    paths: list[str] | None, allowlist: list[str] | None, plan: Path | None,
-                   max_file_bytes: int) -> tuple[dict[str, Any], Path, str, bytes]:
+                   max_file_bytes: int) -> tuple[Invocation, Path, str, bytes]:
     """The invocation (path set, allowlist, base hashes, size cap) for a standalone apply.
 
     Returns (invocation, repository, base tree, the proposal's exact bytes). ConfigError
     naming the field when the operator gave no path set or allowlist, or when the proposal
     carries its own."""
-    _, raw = load_proposal(proposal)
-    prop: dict[str, Any] = json.loads(raw)  # checked by load_proposal's strict parser
+    prop, raw = load_proposal(proposal)
     for name in OPERATOR_FIELDS:
-        if name in prop:
+        if name in prop.model_fields_set:
             raise ConfigError(f"the proposal carries its own {name!r}; the edit's path set "
                               "and allowlist are the operator's, never the proposal's",
                               path=str(proposal), field=name,
@@ -86,21 +93,52 @@ def invocation_for(proposal: Path, *, repo: Path | None, ref: str | None, subdir
                           fields=("--repo", "--ref", "--subdir"))
     if not paths or not allowlist:  # the plan's EditSpec requires both; checked for mypy
         raise ConfigError("empty path set or allowlist", field="edit", fix="freeze again")
+    if max_file_bytes <= 0:
+        raise ConfigError(f"must be a positive number of bytes, got {max_file_bytes}",
+                          field="--max-file-bytes", fix="pass e.g. --max-file-bytes 262144")
     # Base hashes: the proposal's claim when it makes one (the apply container refuses a
     # claim that differs from the tree), otherwise the operator's tree itself.
-    base = prop.get("base")
-    if base is None:
+    base = prop.base
+    if "base" not in prop.model_fields_set:
         base = {}
         for p in paths:
             data = gitops.read_blob(repo_path, tree, p)
             base[p] = None if data is None else hashlib.sha256(data).hexdigest()
-    return ({"paths": list(paths), "allowlist": list(allowlist), "base": base,
-             "max_file_bytes": max_file_bytes}, repo_path, tree, raw)
+    return (Invocation(paths=tuple(paths), allowlist=tuple(allowlist), base=base,
+                       max_file_bytes=max_file_bytes), repo_path, tree, raw)
+
+
+_RESULT: TypeAdapter[Applied | ApplyRefusal] = TypeAdapter(ApplyResult)
+_OID = frozenset("0123456789abcdef")
+
+
+def _is_object_id(value: object) -> bool:
+    return isinstance(value, str) and len(value) in (40, 64) and set(value) <= _OID
+
+
+def read_claim(data: object, rec: RunRecord) -> Applied | ApplyRefusal:
+    """The apply container's result.json, typed; anything else is an ``output_refused``
+    refusal naming what was wrong (container output is hostile input)."""
+    def refused(message: str) -> ApplyRefusal:
+        return ApplyRefusal(status="refused", reason="output_refused", message=message)
+
+    if not isinstance(data, dict):
+        return refused(f"result.json: expected a JSON object; container "
+                       f"{rec.stop_reason.value}" + (f" ({rec.detail})" if rec.detail else ""))
+    if data.get("status") == "applied" and rec.stop_reason is StopReason.OK \
+            and not _is_object_id(data.get("commit")):
+        # checked first: the host runs git with this value
+        return refused("result.json: commit is not a git object id")
+    try:
+        return _RESULT.validate_python(data)
+    except ValidationError as exc:
+        e = exc.errors(include_url=False)[0]
+        return refused(f"result.json: {field_path(e['loc'])}: {show(e['msg'], 200)}")
 
 
 def apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
                    run: Callable[[Path], RunRecord], uid: int,
-                   export_to: Path | None = None) -> dict[str, Any]:
+                   export_to: Path | None = None) -> Applied | ApplyRefusal:
     """Run the apply container on a throwaway repo, then re-verify on a host-made bare clone.
 
     ``stage_dir/in`` holds proposal.json and invocation.json. The host never runs git
@@ -119,65 +157,61 @@ def apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
     got: Collected | None = None
     try:
         got = collect(work / "out", OUTPUT_LIMITS)
-        result = got.json("result.json")
-        if not isinstance(result, dict):
-            raise OutputRejected("result.json: expected a JSON object")
+        claim = read_claim(got.json("result.json"), rec)
     except OutputRejected as exc:
         # A planted symlink, FIFO, hard link or oversize file: recorded, never followed.
-        result = {"status": "refused", "reason": "output_refused",
-                  "message": f"{exc}; container {rec.stop_reason.value}"
-                             + (f" ({rec.detail})" if rec.detail else "")}
-    if result.get("status") == "applied" and rec.stop_reason is StopReason.OK and not (
-            isinstance(result.get("commit"), str) and len(result["commit"]) in (40, 64)
-            and all(ch in "0123456789abcdef" for ch in result["commit"])):
-        result = {"status": "refused", "reason": "output_refused",
-                  "message": "result.json: commit is not a git object id"}
-    write_json(stage_dir / "result.json", result)
-    if result.get("status") != "applied":
-        return dict(result)
+        claim = ApplyRefusal(status="refused", reason="output_refused",
+                             message=f"{exc}; container {rec.stop_reason.value}"
+                                     + (f" ({rec.detail})" if rec.detail else ""))
+    _write_result(stage_dir, claim)
+    if not isinstance(claim, Applied):
+        return claim
     if rec.stop_reason is not StopReason.OK:
         return _refuse(stage_dir, "apply_failed", rec.detail)
-    proposal = json.loads((stage_dir / "in" / "proposal.json").read_text())
-    inv = json.loads((stage_dir / "in" / "invocation.json").read_text())
+    fix = "the stage's in/ files are the host's own; run the cycle again"
+    proposal = load_model(stage_dir / "in" / "proposal.json", Proposal, fmt="json",
+                          what="proposal", fix=fix)
+    inv = load_model(stage_dir / "in" / "invocation.json", Invocation, fmt="json",
+                     what="invocation", fix=fix)
     bare = stage_dir / "candidate.git"
-    commit = str(result["commit"])
     gitops.clone_bare_untrusted(work / "repo", bare, branch="cyclebox/candidate")
-    try:
-        problems = _verify_candidate(bare, base_commit, commit, proposal, inv)
-    except (KeyError, TypeError, AttributeError) as exc:
-        problems = f"the proposal is malformed ({type(exc).__name__}: {exc})"
+    problems = _verify_candidate(bare, base_commit, claim.commit, proposal, inv)
     if problems:
         return _refuse(stage_dir, "host_verification_failed", problems)
-    patch = gitops.diff(bare, base_commit, commit)
+    patch = gitops.diff(bare, base_commit, claim.commit)
     if got is None or patch != got.files.get("candidate.patch"):
         return _refuse(stage_dir, "host_verification_failed",
                        "candidate.patch differs from the host's diff")
-    result["tree"] = gitops.head_tree(bare, commit)
+    result = claim.model_copy(update={"tree": gitops.head_tree(bare, claim.commit)})
     if export_to is not None:
         try:
-            gitops.export_tree(bare, result["tree"], export_to)
+            gitops.export_tree(bare, result.tree, export_to)
         except IntegrityError as exc:
             return _refuse(stage_dir, "export_mismatch", str(exc))
     (stage_dir / "candidate.patch").write_bytes(patch)
-    write_json(stage_dir / "result.json", result)
-    return dict(result)
+    _write_result(stage_dir, result)
+    return result
 
 
-def _refuse(stage_dir: Path, reason: str, message: str) -> dict[str, Any]:
+def _write_result(stage_dir: Path, result: Applied | ApplyRefusal) -> None:
+    write_json(stage_dir / "result.json", result.model_dump(mode="json"))
+
+
+def _refuse(stage_dir: Path, reason: str, message: str) -> ApplyRefusal:
     """Record a host-side refusal in result.json (it replaces the container's claim)."""
-    refused = {"status": "refused", "reason": reason, "message": message}
-    write_json(stage_dir / "result.json", refused)
+    refused = ApplyRefusal(status="refused", reason=reason, message=message)
+    _write_result(stage_dir, refused)
     return refused
 
 
-def _verify_candidate(bare: Path, base: str, commit: str, proposal: dict[str, Any],
-                      inv: dict[str, Any]) -> str:
+def _verify_candidate(bare: Path, base: str, commit: str, proposal: Proposal,
+                      inv: Invocation) -> str:
     if gitops.rev(bare, f"{commit}^") != base:
         return "candidate commit is not a child of the frozen base"
-    changes = [Change(f["path"], f["content"]) for f in proposal["files"]]
+    changes = [Change(f.path, f.content) for f in proposal.files]
     try:
-        check_changes(changes, paths=set(inv["paths"]), allowlist=list(inv["allowlist"]),
-                      max_bytes=int(inv["max_file_bytes"]))
+        check_changes(changes, paths=set(inv.paths), allowlist=list(inv.allowlist),
+                      max_bytes=inv.max_file_bytes)
     except Refused as exc:
         return str(exc)
     changed = gitops.changed_paths(bare, base, commit)
@@ -191,15 +225,19 @@ def _verify_candidate(bare: Path, base: str, commit: str, proposal: dict[str, An
 
 
 PROPOSAL_FIX = "a proposal.json as the worker writes it: {files: [{path, content}], ...}"
+WORKER_PROPOSAL = "stages/propose/out/proposal.json"
+
+
+def read_proposal(raw: bytes) -> Proposal:
+    """The worker's proposal.json (already read by the bounded collector), typed;
+    OutputRejected naming the field for a shape the worker never writes."""
+    try:
+        return parse_model(raw, Proposal, path=WORKER_PROPOSAL, fix=PROPOSAL_FIX)
+    except ConfigError as exc:
+        raise OutputRejected(str(exc)) from None
 
 
 def load_proposal(path: Path) -> tuple[ProposalFile, bytes]:
     """A proposal file's shape (runner.loading rules) and its exact bytes, which are what
     the apply container gets: the bytes checked are the bytes used."""
-    from runner.loading import decode_utf8, parse_json, read_capped, show, validate
-
-    raw = read_capped(path, what="proposal", fix=PROPOSAL_FIX)
-    where = show(str(path))
-    doc = validate(ProposalFile, parse_json(decode_utf8(raw, path=where), path=where),
-                   path=where, fix=PROPOSAL_FIX)
-    return doc, raw
+    return load_with_bytes(path, ProposalFile, fmt="json", what="proposal", fix=PROPOSAL_FIX)

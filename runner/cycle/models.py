@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import PurePosixPath
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -206,15 +206,61 @@ class ProposedFile(Frozen):
     """The file's whole new content."""
 
 
-class ProposalFile(Frozen):
-    """``proposal.json`` as the worker writes it and ``cyclebox apply`` reads it. Only the
-    shape is checked here; the apply container refuses bad paths with named reasons."""
+class Proposal(Frozen):
+    """``proposal.json`` as the worker writes it (``sandbox/worker.py``) and the host reads
+    it back from the worker's output. Only the shape is checked here; the apply container
+    refuses bad paths with named reasons."""
 
     schema_: int = Field(default=1, alias="schema")
     files: tuple[ProposedFile, ...]
     rationale: str = ""
     base: dict[str, str | None] = Field(default_factory=dict)
     """path -> sha256 of the file the proposal was made against (None: a new file)."""
+
+
+class ProposalFile(Proposal):
+    """A proposal as ``cyclebox apply`` reads it. The path set and allowlist are the
+    operator's: they are named here only so that a proposal carrying one is refused by
+    name (``runner.cycle.apply.invocation_for``), not as an unknown key."""
+
     paths: tuple[str, ...] | None = None
-    """The invocation's exact path set; defaults to the proposal's own paths."""
-    allowlist: tuple[str, ...] = ("*",)
+    allowlist: tuple[str, ...] | None = None
+
+
+class Invocation(Frozen):
+    """``invocation.json`` for the apply container: what the operator allows the edit."""
+
+    paths: tuple[str, ...] = Field(min_length=1)
+    """The exact path set the edit may change (plan or ``--paths``)."""
+    allowlist: tuple[str, ...] = Field(min_length=1)
+    """Globs every changed path must match."""
+    base: dict[str, str | None]
+    """path -> sha256 the tree must have before the edit (None: the file is new)."""
+    max_file_bytes: int = Field(gt=0)
+
+
+class Applied(Frozen):
+    """The apply container's claim (and, after the host's re-check, the stage's result)."""
+
+    base_commit: str
+    branch: str
+    changed: tuple[str, ...]
+    commit: str
+    """Checked to be a git object id before the host runs git on it."""
+    status: Literal["applied"]
+    tree: str
+    """The candidate tree; the host replaces it with the tree of its own bare clone."""
+
+
+class ApplyRefusal(Frozen):
+    """Why no candidate came out of the apply stage; ``reason`` is a named rule."""
+
+    status: Literal["refused"]
+    reason: str
+    """A proposal rule (sandbox.proposal), or output_refused, apply_failed,
+    host_verification_failed, export_mismatch."""
+    message: str
+
+
+ApplyResult = Annotated[Applied | ApplyRefusal, Field(discriminator="status")]
+"""``result.json`` of the apply stage."""

@@ -44,7 +44,7 @@ from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_js
 from runner.isolation.policy import ROLE_UPSTREAM, RolePolicies, RolePolicy, load_policies
 from runner.isolation.sandbox import Frozen
 from runner.isolation.seccomp import load_profile
-from runner.loading import is_inside, load_data, load_model, show, validate
+from runner.loading import is_inside, load_model, show, validate
 from runner.paths import sandbox_src
 from sandbox.proposal import Refused, check_changes, check_path
 
@@ -391,8 +391,7 @@ def load_plan(path: Path) -> tuple[Plan, str]:
     A missing file or one that is not a plan document is bad input (ConfigError); a plan
     whose hashes do not match is drift or tampering (IntegrityError)."""
     where = show(str(path))
-    doc = validate(_PlanDoc, load_data(path, fmt="json", what="plan", fix=PLAN_FIX),
-                   path=where, fix=PLAN_FIX)
+    doc = load_model(path, _PlanDoc, fmt="json", what="plan", fix=PLAN_FIX)
     body = doc.plan
     if sha256_json(body) != doc.plan_hash:
         raise IntegrityError(f"{where}: plan_hash does not match the plan (tampered?); "

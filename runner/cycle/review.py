@@ -32,13 +32,13 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import AwareDatetime, Field, ValidationError
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from runner.cycle.models import CRITERIA, Criterion, Grades, Record
-from runner.errors import ConfigError, IntegrityError, OutputRejected
+from runner.errors import ConfigError, IntegrityError
 from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_json
-from runner.isolation.collect import loads_strict
 from runner.isolation.sandbox import Frozen
+from runner.loading import load_with_bytes
 from runner.termsafe import DATA_NOTE, code_span, fence, plain
 
 REVIEW_MD = "review.md"
@@ -96,6 +96,16 @@ class PacketItem(Frozen):
     split: str
     answer_sha256: str
     """sha256 of the canonical JSON of the record's answer."""
+
+
+class _RunReceipt(BaseModel):
+    """The two fields of a run's receipt.json that bind a packet (the rest is carried
+    along; ``runner.cycle.receipt.Receipt`` is the whole document)."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    plan_hash: str
+    files: dict[str, str]
 
 
 class RunBinding(Frozen):
@@ -183,29 +193,23 @@ def bind_run(run: Path, records_file: Path) -> RunBinding:
     Raises ConfigError when the records are not the run's (or the run has no receipt),
     IntegrityError when the receipt's hash of the records file differs from the file."""
     receipt_path = run / "receipt.json"
+    receipt, data = load_with_bytes(receipt_path, _RunReceipt, fmt="json", what="run receipt",
+                                    ref=(str(run), "--run"),
+                                    fix="pass a finished cycle run directory")
     try:
-        data = receipt_path.read_bytes()
-        receipt = loads_strict(data, source=str(receipt_path))
         rel = records_file.resolve().relative_to(run.resolve()).as_posix()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the run's receipt: {exc}", path=str(receipt_path),
-                          field="--run", fix="pass a finished cycle run directory") from None
-    except OutputRejected as exc:
-        raise ConfigError(f"the run's receipt is not valid JSON: {exc}", path=str(receipt_path),
-                          field="--run", fix="pass a finished cycle run directory") from None
     except ValueError:
         raise ConfigError(f"{records_file} is not inside the run directory {run}",
                           field="--records", fix="pass RUN/stages/<side>/records.jsonl of "
                           "the run given as --run") from None
-    files = receipt.get("files") if isinstance(receipt, dict) else None
-    if not isinstance(files, dict) or rel not in files:
+    if rel not in receipt.files:
         raise ConfigError(f"the run's receipt does not name {rel}", path=str(receipt_path),
                           field="--records", fix="pass a records file the run wrote")
     actual = sha256_file(records_file)
-    if files[rel] != actual:
+    if receipt.files[rel] != actual:
         raise IntegrityError(f"{records_file}: sha256 {actual}, the run's receipt recorded "
-                             f"{files[rel]}; the records changed after the run")
-    return RunBinding(receipt_sha256=sha256_bytes(data), plan_hash=str(receipt.get("plan_hash")),
+                             f"{receipt.files[rel]}; the records changed after the run")
+    return RunBinding(receipt_sha256=sha256_bytes(data), plan_hash=receipt.plan_hash,
                       records=rel, records_sha256=actual)
 
 
@@ -363,21 +367,20 @@ def _write_new(path: Path, data: bytes) -> None:
 
 
 def _read_model(path: Path, model: type[M], what: str) -> tuple[M, str]:
-    try:
-        data = path.read_bytes()
-        return model.model_validate(loads_strict(data, source=str(path))), sha256_bytes(data)
-    except (OSError, OutputRejected, ValidationError) as exc:
-        raise ConfigError(f"not a valid {what}: {exc}", path=str(path),
-                          fix=f"pass the {what} cyclebox wrote") from None
+    doc, data = load_with_bytes(path, model, fmt="json", what=what,
+                                fix=f"pass the {what} cyclebox wrote (fill in the values; "
+                                    "keep its keys)")
+    return doc, sha256_bytes(data)
 
 
 def _load_packet(packet_dir: Path) -> tuple[Packet, str]:
     pj, md = packet_dir / PACKET_JSON, packet_dir / REVIEW_MD
     try:
-        raw = pj.read_bytes()
-        packet = Packet.model_validate(loads_strict(raw, source=str(pj)))
+        packet, raw = load_with_bytes(pj, Packet, fmt="json", what="review packet",
+                                      fix="make the packet again (cyclebox review packet)")
         md_sha = sha256_file(md)
-    except (OSError, OutputRejected, ValidationError) as exc:
+    except (OSError, ConfigError) as exc:
+        # the packet is cyclebox's own output: unreadable means it was damaged
         raise IntegrityError(f"{packet_dir}: packet unreadable: {exc}") from None
     want = _packet_id(packet.items, packet.criteria, packet.run)
     if packet.packet_id != want:

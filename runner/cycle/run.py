@@ -24,10 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from runner import gitops, interrupts
-from runner.cycle.apply import apply_proposal
+from runner.cycle.apply import apply_proposal, read_proposal
 from runner.cycle.brief import build_brief
 from runner.cycle.compare import compare
-from runner.cycle.models import ComparisonResult, Grades, Identities, Record, Scenario
+from runner.cycle.models import (
+    ComparisonResult,
+    Grades,
+    Identities,
+    Invocation,
+    Proposal,
+    Record,
+    Scenario,
+)
 from runner.cycle.plan import (
     check_drift,
     check_upstreams,
@@ -447,7 +455,7 @@ class CycleRunner:
                           "sha256": None if data is None else sha256_bytes(data)})
         return files
 
-    def _propose(self, brief: str) -> dict[str, Any]:
+    def _propose(self, brief: str) -> Proposal:
         d = self.dir / "stages" / "propose"
         (d / "in").mkdir(parents=True)
         request = {"brief": brief, "files": self._base_files(),
@@ -465,18 +473,20 @@ class CycleRunner:
         if rec.stop_reason is not StopReason.OK or "proposal.json" not in got.files:
             raise StageFailed(f"no candidate: worker {rec.stop_reason.value} {rec.detail} "
                               f"{rec.stderr_tail[-300:]}")
-        proposal: dict[str, Any] = got.json("proposal.json")
-        return proposal
+        try:
+            return read_proposal(got.files["proposal.json"])
+        except OutputRejected as exc:
+            raise StageFailed(f"no candidate: worker proposal refused (invalid_output: {exc})"
+                              ) from None
 
-    def _apply(self, proposal: dict[str, Any]) -> tuple[Path, str]:
+    def _apply(self, proposal: Proposal) -> tuple[Path, str]:
         d = self.dir / "stages" / "apply"
         (d / "in").mkdir(parents=True)
         base_hashes = {f["path"]: f["sha256"] for f in self._base_files()}
-        invocation = {"paths": list(self.plan.edit.paths),
-                      "allowlist": list(self.plan.edit.allowlist), "base": base_hashes,
-                      "max_file_bytes": self.plan.edit.max_file_bytes}
-        write_json(d / "in" / "invocation.json", invocation)
-        write_json(d / "in" / "proposal.json", proposal)
+        invocation = Invocation(paths=self.plan.edit.paths, allowlist=self.plan.edit.allowlist,
+                                base=base_hashes, max_file_bytes=self.plan.edit.max_file_bytes)
+        write_json(d / "in" / "invocation.json", invocation.model_dump(mode="json"))
+        write_json(d / "in" / "proposal.json", proposal.model_dump(mode="json", by_alias=True))
         src = self.dir / "stages" / "candidate" / "src"
         # apply_proposal exports the verified candidate tree to src and checks the export
         # against the tree's blobs (a .gitattributes edit is refused as export_mismatch).
@@ -486,10 +496,10 @@ class CycleRunner:
                                     stage="apply", out=work, output_target="/work",
                                     mounts=[Mount(source=d / "in", target="/in")]),
                                 uid=self.uid, export_to=src)
-        if result.get("status") != "applied":
-            raise StageFailed(f"no candidate: apply refused ({result.get('reason')}: "
-                              f"{result.get('message')})")
-        return src, str(result["tree"])
+        if result.status != "applied":
+            raise StageFailed(f"no candidate: apply refused ({result.reason}: "
+                              f"{result.message})")
+        return src, result.tree
 
     def _dream(self) -> list[Scenario]:
         """Dream variants of development tasks (SPEC §8); model calls via the relay."""

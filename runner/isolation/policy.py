@@ -20,7 +20,7 @@ from runner.errors import ConfigError, PolicyViolation
 from runner.gateway.config import UpstreamPolicy, resolve_path
 from runner.isolation.sandbox import Frozen
 from runner.isolation.seccomp import load_profile
-from runner.loading import check_schema, checked_path, load_data, resolve_under, show, validate
+from runner.loading import check_schema, checked_path, load_model, resolve_under, show, validate
 
 SCHEMA_VERSION = 1
 ROLES = ("analyst", "worker", "evaluator", "apply", "trainer")
@@ -289,7 +289,13 @@ def memory_needed(p: RolePolicy) -> int:
 def parse_policies(data: Any, *, path: str) -> RolePolicies:
     """Validate parsed YAML into policies, refusing forbidden settings by field."""
     check_schema(data, SCHEMA_VERSION, path=path)
-    pols = validate(RolePolicies, data, path=path, fix=POLICIES_FIX)
+    return check_policies(validate(RolePolicies, data, path=path, fix=POLICIES_FIX),
+                          path=path)
+
+
+def check_policies(pols: RolePolicies, *, path: str) -> RolePolicies:
+    """``pols`` when every role's upstream and isolation settings are allowed;
+    PolicyViolation (or ConfigError) naming the field otherwise."""
     for role, pol in pols.roles.items():
         if pol.upstream is not None:
             allowed = ROLE_UPSTREAM.get(role)
@@ -316,10 +322,10 @@ def load_policies(path: Path, *, ref: tuple[str, str] | None = None) -> RolePoli
     every script must exist and load."""
     from runner.gateway.providers import load_script
 
-    data = load_data(path, fmt="yaml", what="role policy file", ref=ref,
-                     fix="pass an existing roles.yaml (default policies/roles.yaml)")
     where = show(str(path))
-    pols = parse_policies(data, path=where)
+    pols = check_policies(load_model(path, RolePolicies, fmt="yaml", what="role policy file",
+                                     ref=ref, schema=SCHEMA_VERSION, fix=POLICIES_FIX),
+                          path=where)
     base = path.resolve().parent
     roles = dict(pols.roles)
     for name, pol in pols.roles.items():

@@ -27,15 +27,16 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
-from runner.cycle.models import Manifest, Record
+from runner.cycle.models import Manifest, Record, Reference
 from runner.cycle.review import OVERALL, CalibrationResult, load_calibration
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.gateway.calllog import CallLog, CallRecord
 from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_json
 from runner.isolation.collect import loads_strict
 from runner.isolation.sandbox import Frozen
+from runner.loading import load_model, parse_model, read_capped, show
 
 SIDES = {"baseline": "baseline", "candidate": "candidate"}
 
@@ -48,8 +49,6 @@ class ExportPolicy(Frozen):
 
 
 def load_export_policy(path: Path) -> ExportPolicy:
-    from runner.loading import load_model
-
     return load_model(path, ExportPolicy, fmt="yaml", what="export policy",
                       fix="see ExportPolicy in runner/train/export.py "
                       "(default policies/export.yaml)")
@@ -57,6 +56,44 @@ def load_export_policy(path: Path) -> ExportPolicy:
 
 RL_PARQUET = "rl.parquet"
 SFT_PARQUET = "sft.parquet"
+
+
+class ExportSummary(Frozen):
+    """``summary.json`` of an export (also inside ``export-receipt.json``)."""
+
+    trajectories: int
+    turns: int
+    r_format: dict[str, int]
+    """"1" (every turn parsed) and "0" -> trajectories."""
+    r_outcome: dict[str, int]
+    """"1", "0" and "null" (nothing graded) -> trajectories."""
+    r_outcome_basis: dict[str, int]
+    """correctness and refusal -> trajectories graded on it."""
+    format_pass_rate: float | None
+    """Share with r_format 1 (4 places); None without trajectories."""
+    rl_rows: int
+    sft_rows: int
+    not_in_parquet: dict[str, int]
+    """Reason -> trajectories left out of a parquet file (see :func:`verl_rows`)."""
+    fixture: bool
+    """Some exported turn was answered by the scripted provider."""
+
+
+class ExportReceipt(Frozen):
+    """``export-receipt.json``: what the corpus was made from and the hash of each file."""
+
+    schema_: int = Field(default=2, alias="schema")
+    format: str
+    run: str
+    run_receipt_sha256: str
+    """The run's receipt.json, which the calibration's review packet is bound to."""
+    calibration_sha256: str
+    kappa: float | None
+    min_kappa: float
+    trajectories_sha256: str
+    rl_parquet_sha256: str
+    sft_parquet_sha256: str
+    summary: ExportSummary
 
 
 def check_calibration(calibration: Path | None, run: Path,
@@ -104,31 +141,59 @@ def check_calibration(calibration: Path | None, run: Path,
     return cal, cal_sha
 
 
-def frozen_references(run: Path) -> dict[str, dict[str, Any]]:
-    """case id -> {reference, split, mandatory} from the run's frozen manifest (hash-checked)."""
+class _PlanFields(BaseModel):
+    """The fields of a run's plan the export reads (the plan itself is bound by the run's
+    receipt; ``runner.cycle.plan.Plan`` is the whole of it)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    dataset: str
+    manifest_sha256: str
+
+
+class _PlanFile(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    plan: _PlanFields
+
+
+RUN_FIX = "pass a cycle run directory (plan.json and inputs/)"
+
+
+def _run_plan(run: Path) -> _PlanFields:
+    return load_model(run / "plan.json", _PlanFile, fmt="json", what="plan",
+                      ref=(str(run), "--run"), fix=RUN_FIX).plan
+
+
+class FrozenReference(Frozen):
+    """A case's frozen reference as the export uses it (from the run's manifest)."""
+
+    reference: Reference
+    split: str
+    mandatory: bool
+
+
+def frozen_references(run: Path) -> dict[str, FrozenReference]:
+    """case id -> reference, split and mandatory from the run's frozen manifest (checked
+    against the plan's hash before it is parsed)."""
     path = run / "inputs" / "manifest.json"
-    try:
-        plan = loads_strict((run / "plan.json").read_bytes(), source=str(run / "plan.json"))
-        want = plan["plan"]["manifest_sha256"]
-        data = path.read_bytes()
-    except (OSError, KeyError, TypeError, OutputRejected) as exc:
-        raise ConfigError(f"no frozen manifest: {exc}", path=str(path), field="--run",
-                          fix="pass a cycle run directory (plan.json and inputs/)") from None
+    want = _run_plan(run).manifest_sha256
+    data = read_capped(path, what="frozen manifest", ref=(str(run), "--run"), fix=RUN_FIX)
     if sha256_bytes(data) != want:
         raise IntegrityError(f"{path}: sha256 {sha256_bytes(data)}, plan.json froze {want}; "
                              "the references changed after freeze")
-    manifest = Manifest.model_validate(loads_strict(data, source=str(path)))
-    return {s.id: {"reference": s.reference.model_dump(mode="json"), "split": s.split,
-                   "mandatory": s.mandatory} for s in manifest.scenarios}
+    manifest = parse_model(data, Manifest, path=show(str(path)), fix=RUN_FIX)
+    return {s.id: FrozenReference(reference=s.reference, split=s.split, mandatory=s.mandatory)
+            for s in manifest.scenarios}
 
 
-def outcome(rec: Record | None, reference: dict[str, Any] | None
+def outcome(rec: Record | None, reference: FrozenReference | None
             ) -> tuple[float | None, str | None]:
     """(r_outcome, what it was graded on). A refuse-kind case is graded on refusal
     correctness; any other case on correctness; None where that grade is missing."""
     if rec is None or rec.grades is None:
         return None, None
-    if reference is not None and reference["reference"]["kind"] == "refuse":
+    if reference is not None and reference.reference.kind == "refuse":
         v, basis = rec.grades.refusal, "refusal"
     else:
         v, basis = rec.grades.correctness, "correctness"
@@ -181,7 +246,7 @@ def _grades(run: Path) -> dict[str, Record]:
 
 
 def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPolicy,
-           fmt: str = "verl") -> dict[str, Any]:
+           fmt: str = "verl") -> ExportSummary:
     """Write trajectories.jsonl, summary.json and export-receipt.json into a new ``out``."""
     if fmt != "verl":
         raise ConfigError(f"unknown format {fmt!r}", field="--format", fix="use verl")
@@ -196,8 +261,8 @@ def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPoli
         groups[(c.stage, c.case, c.trial)].append(c)
     grades = _grades(run)
     refs = frozen_references(run)
-    dataset = json.loads((run / "plan.json").read_text())["plan"]["dataset"]
-    trajectories = []
+    dataset = _run_plan(run).dataset
+    trajectories: list[dict[str, Any]] = []
     for (stage, case, trial), turns in sorted(groups.items(), key=lambda kv: (
             kv[0][0], kv[0][1] or "", kv[0][2] if kv[0][2] is not None else -1)):
         turns.sort(key=lambda c: c.turn)
@@ -241,25 +306,25 @@ def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPoli
     write_rl(rl_rows, out / RL_PARQUET)
     write_sft(sft_rows, out / SFT_PARQUET)
     fmt_pass = sum(t["r_format"] for t in trajectories)
-    summary = {
-        "trajectories": len(trajectories), "turns": sum(len(t["turns"]) for t in trajectories),
-        "r_format": {"1": fmt_pass, "0": len(trajectories) - fmt_pass},
-        "r_outcome": {"1": sum(t["r_outcome"] == 1.0 for t in trajectories),
-                      "0": sum(t["r_outcome"] == 0.0 for t in trajectories),
-                      "null": sum(t["r_outcome"] is None for t in trajectories)},
-        "r_outcome_basis": {b: sum(t["r_outcome_basis"] == b for t in trajectories)
-                            for b in ("correctness", "refusal")},
-        "format_pass_rate": round(fmt_pass / len(trajectories), 4) if trajectories else None,
-        "rl_rows": len(rl_rows), "sft_rows": len(sft_rows), "not_in_parquet": skipped,
-        "fixture": any(t["fixture"] for t in trajectories)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
-    receipt = {"schema": 2, "format": fmt, "run": str(run),
-               "run_receipt_sha256": cal.run_receipt_sha256,
-               "calibration_sha256": cal_sha, "kappa": kappa,
-               "min_kappa": policy.min_kappa,
-               "trajectories_sha256": sha256_bytes(body.encode("utf-8")),
-               "rl_parquet_sha256": sha256_file(out / RL_PARQUET),
-               "sft_parquet_sha256": sha256_file(out / SFT_PARQUET), "summary": summary}
+    summary = ExportSummary(
+        trajectories=len(trajectories), turns=sum(len(t["turns"]) for t in trajectories),
+        r_format={"1": fmt_pass, "0": len(trajectories) - fmt_pass},
+        r_outcome={"1": sum(t["r_outcome"] == 1.0 for t in trajectories),
+                   "0": sum(t["r_outcome"] == 0.0 for t in trajectories),
+                   "null": sum(t["r_outcome"] is None for t in trajectories)},
+        r_outcome_basis={b: sum(t["r_outcome_basis"] == b for t in trajectories)
+                         for b in ("correctness", "refusal")},
+        format_pass_rate=round(fmt_pass / len(trajectories), 4) if trajectories else None,
+        rl_rows=len(rl_rows), sft_rows=len(sft_rows), not_in_parquet=skipped,
+        fixture=any(t["fixture"] for t in trajectories))
+    (out / "summary.json").write_text(json.dumps(summary.model_dump(mode="json"), indent=1,
+                                                 sort_keys=True))
+    receipt = ExportReceipt(
+        format=fmt, run=str(run), run_receipt_sha256=cal.run_receipt_sha256,
+        calibration_sha256=cal_sha, kappa=kappa, min_kappa=policy.min_kappa,
+        trajectories_sha256=sha256_bytes(body.encode("utf-8")),
+        rl_parquet_sha256=sha256_file(out / RL_PARQUET),
+        sft_parquet_sha256=sha256_file(out / SFT_PARQUET), summary=summary)
     (out / "export-receipt.json").write_bytes(canonical_bytes(receipt))
     return summary
 
@@ -292,7 +357,7 @@ def chat_messages(request: str) -> list[dict[str, str]]:
     return out
 
 
-def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, dict[str, Any]], *,
+def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReference], *,
               ability: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, int]]:
     """(rl rows, sft rows, {reason: count} of trajectories left out of the parquet).
 
@@ -315,8 +380,8 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, dict[str, Any]
             skipped["no_frozen_reference"] += 1
             continue
         extra = {"index": len(rl), "trajectory_id": t["trajectory_id"], "stage": t["stage"],
-                 "case_id": t["case_id"], "trial": t["trial"], "split": ref["split"],
-                 "mandatory": ref["mandatory"], "turns": len(t["turns"]),
+                 "case_id": t["case_id"], "trial": t["trial"], "split": ref.split,
+                 "mandatory": ref.mandatory, "turns": len(t["turns"]),
                  "r_format": t["r_format"], "r_outcome": t["r_outcome"],
                  "r_outcome_basis": t["r_outcome_basis"],
                  "request_sha256": first["prompt_sha256"],
@@ -324,7 +389,8 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, dict[str, Any]
                  "last_response_sha256": last["response_sha256"], "fixture": t["fixture"]}
         rl.append({"data_source": t["data_source"], "prompt": prompt, "ability": ability,
                    "reward_model": {"style": "rule", "ground_truth": json.dumps(
-                       ref["reference"], sort_keys=True, separators=(",", ":"))},
+                       ref.reference.model_dump(mode="json"), sort_keys=True,
+                       separators=(",", ":"))},
                    "extra_info": extra})
         if t["r_outcome"] != 1.0:
             skipped["sft_not_passed"] += 1

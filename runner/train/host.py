@@ -13,17 +13,33 @@ import shutil
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from runner.errors import ConfigError, IntegrityError, SandboxError
-from runner.isolation.collect import Limits, collect
+from pydantic import BaseModel
+
+from runner.errors import ConfigError, IntegrityError, OutputRejected, SandboxError
+from runner.isolation.collect import Collected, Limits, collect
 from runner.isolation.docker.backend import DockerSandbox
 from runner.isolation.docker.images import resolve_image
 from runner.isolation.policy import load_policies
 from runner.isolation.roles import fresh_output_dir, role_spec
 from runner.isolation.sandbox import Mount, RunRecord
+from runner.loading import load_model, parse_model
 from runner.paths import default_policies
+from runner.train.results import (
+    PERSONA_FIX,
+    LedgerRow,
+    Persona,
+    ProofReceipt,
+    ProofReport,
+    ProofSummary,
+    SftReceipt,
+    TinyModel,
+)
 from sandbox.train.receipt import tree_sha
+
+M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R", ProofReceipt, SftReceipt)
 
 Events = Callable[[dict[str, Any]], None]
 
@@ -62,7 +78,7 @@ def _trainer_uid() -> int:
     return int(load_policies(default_policies()).roles["trainer"].user.split(":")[0])
 
 
-def make_tiny(out: Path, on_event: Events, *, seed: int = 0) -> dict[str, Any]:
+def make_tiny(out: Path, on_event: Events, *, seed: int = 0) -> TinyModel:
     """Create the tiny model and tokenizer in the trainer container, into ``out``."""
     fresh_output_dir(out.resolve(), uid=_trainer_uid())
     rec = run_trainer("sandbox.train.tiny", out=out.resolve(), mounts=[], run_id="model-tiny",
@@ -71,23 +87,29 @@ def make_tiny(out: Path, on_event: Events, *, seed: int = 0) -> dict[str, Any]:
         raise SandboxError(f"tiny model creation failed: {rec.stop_reason.value} "
                            f"{rec.stderr_tail[-500:]}")
     hand_over(out.resolve())
-    return json.loads((out / "cyclebox-tiny.json").read_text())  # type: ignore[no-any-return]
+    return _trainer_file(out / "cyclebox-tiny.json", TinyModel)
 
 
-def load_persona(path: Path) -> dict[str, Any]:
-    from runner.loading import load_data
+def load_persona(path: Path) -> Persona:
+    return load_model(path, Persona, fmt="yaml", what="persona", fix=PERSONA_FIX)
 
-    data = load_data(path, fmt="yaml", what="persona", fix="a YAML mapping with name and "
-                     "exchanges (see examples/persona/captain.yaml)")
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        raise ConfigError("persona needs a name", path=str(path), field="name")
-    ex = data.get("exchanges")
-    if not isinstance(ex, list) or not ex or not all(
-            isinstance(e, dict) and isinstance(e.get("user"), str)
-            and isinstance(e.get("assistant"), str) for e in ex):
-        raise ConfigError("exchanges must be a non-empty list of {user, assistant} strings",
-                          path=str(path), field="exchanges")
-    return data
+
+def _trainer_file(path: Path, model: type[M]) -> M:
+    """A file the trainer wrote, typed; OutputRejected naming the field otherwise."""
+    try:
+        return load_model(path, model, fmt="json", what="trainer output",
+                          fix="the trainer image writes this file; rebuild it "
+                              "(cyclebox images build --role trainer)")
+    except ConfigError as exc:
+        raise OutputRejected(f"trainer output refused: {exc}") from None
+
+
+def _collected(files: Collected, name: str, model: type[M]) -> M:
+    try:
+        return parse_model(files.files.get(name, b""), model, path=name,
+                           fix="the trainer image writes this file")
+    except ConfigError as exc:
+        raise OutputRejected(f"trainer output refused: {exc}") from None
 
 
 def _check_model_dir(base: Path) -> None:
@@ -97,23 +119,24 @@ def _check_model_dir(base: Path) -> None:
                           "transformers model directory")
 
 
-def verify_receipt(out: Path) -> dict[str, Any]:
-    """The training receipt's adapter hashes must match the files written."""
-    receipt: dict[str, Any] = json.loads((out / "train-receipt.json").read_text())
+def verify_receipt(out: Path, kind: type[R]) -> R:
+    """The training receipt, typed; its adapter hashes must match the files written."""
+    receipt = _trainer_file(out / "train-receipt.json", kind)
     actual = tree_sha(out / "adapter")
-    if actual != receipt["adapter_files"]:
+    if actual != receipt.adapter_files:
         raise IntegrityError(f"{out}/train-receipt.json: adapter hashes differ from the files")
     return receipt
 
 
 def proof(persona_path: Path, base: Path, out: Path, *, ledger: Path, lr: float, seed: int,
-          on_event: Events) -> dict[str, Any]:
+          on_event: Events) -> ProofSummary:
     """Run the proof loop; verify the adapter in a fresh container; append the ledger row."""
     persona = load_persona(persona_path)
     _check_model_dir(base)
     out = out.resolve()
     fresh_output_dir(out, uid=_trainer_uid())
-    given = {"persona.json": json.dumps(persona, sort_keys=True),
+    given = {"persona.json": json.dumps(persona.model_dump(mode="json", exclude_unset=True),
+                                        sort_keys=True),
              "config.json": json.dumps({"lr": lr, "seed": seed})}
     if ledger.is_file():
         given["ledger.jsonl"] = ledger.read_text()
@@ -127,8 +150,8 @@ def proof(persona_path: Path, base: Path, out: Path, *, ledger: Path, lr: float,
             raise SandboxError(f"proof loop failed: {rec.stop_reason.value} {rec.detail} "
                                f"{rec.stderr_tail[-800:]}")
         files = collect(out, Limits(max_file_bytes=1 << 30, max_total_bytes=2 << 30))
-        report = files.json("report.json")
-        receipt = verify_receipt(out)
+        report = _collected(files, "report.json", ProofReport)
+        receipt = verify_receipt(out, ProofReceipt)
         check = out.parent / f".{out.name}.verify"
         fresh_output_dir(check, uid=_trainer_uid())
         shutil.copyfile(out / "report.json", inputs / "report.json")
@@ -139,16 +162,17 @@ def proof(persona_path: Path, base: Path, out: Path, *, ledger: Path, lr: float,
                            mounts=[Mount(source=inputs, target="/in"),
                                    Mount(source=base.resolve(), target="/model"),
                                    Mount(source=out / "adapter", target="/adapter")])
-        row = files.json("ledger-row.json")
+        row = _collected(files, "ledger-row.json", LedgerRow)
         ledger.parent.mkdir(parents=True, exist_ok=True)
         with ledger.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(row, sort_keys=True) + "\n")
-        summary = {"exit_code": rec.exit_code, "report": report, "receipt": receipt,
-                   "reproduced_in_fresh_process": bool(verified.get("reproduced"))
-                   and vrec.exit_code == 0, "ledger": str(ledger), "ledger_row": row,
-                   "trainer_run": rec.model_dump(mode="json", exclude={"stdout_tail"})}
-        (out.parent / f"{out.name}.summary.json").write_text(json.dumps(summary, indent=1,
-                                                                         sort_keys=True))
+            f.write(json.dumps(row.model_dump(mode="json"), sort_keys=True) + "\n")
+        summary = ProofSummary(
+            exit_code=rec.exit_code, report=report, receipt=receipt,
+            reproduced_in_fresh_process=bool(verified.get("reproduced")) and vrec.exit_code == 0,
+            ledger=str(ledger), ledger_row=row,
+            trainer_run=rec.model_dump(mode="json", exclude={"stdout_tail"}))
+        (out.parent / f"{out.name}.summary.json").write_text(json.dumps(
+            summary.model_dump(mode="json", by_alias=True), indent=1, sort_keys=True))
         hand_over(out)
         return summary
     finally:
@@ -198,7 +222,7 @@ def hand_over(out: Path) -> None:
 
 
 def sft(corpus: Path, base: Path, out: Path, *, lr: float, seed: int, epochs: int | None,
-        on_event: Events, include_failed: bool = False) -> dict[str, Any]:
+        on_event: Events, include_failed: bool = False) -> SftReceipt:
     """LoRA SFT on the corpus's trajectories that passed (all with ``include_failed``).
 
     The adapter names ``base`` (resolved on the host) as its base model; the receipt keeps
@@ -225,7 +249,7 @@ def sft(corpus: Path, base: Path, out: Path, *, lr: float, seed: int, epochs: in
         if rec.stop_reason.value != "ok":
             raise SandboxError(f"sft failed: {rec.stop_reason.value} {rec.detail} "
                                f"{rec.stderr_tail[-800:]}")
-        return verify_receipt(out)
+        return verify_receipt(out, SftReceipt)
     finally:
         shutil.rmtree(inputs, ignore_errors=True)
         hand_over(out)  # the evidence of a failed run too

@@ -141,7 +141,7 @@ def _hostile_apply(tmp_path: Path, repo: Path, script: str, *, timeout: float = 
     assert not t.is_alive(), "the host blocked reading the apply container's output"
     if "error" in box:
         raise box["error"]
-    result: dict[str, Any] = box["result"]
+    result: dict[str, Any] = box["result"].model_dump(mode="json")
     # Fail closed and keep the attempt: the refusal is what the stage recorded.
     assert json.loads((stage / "result.json").read_text()) == result
     assert not (stage / "candidate.patch").exists()

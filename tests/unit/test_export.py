@@ -397,8 +397,8 @@ def test_refused_when_coverage_incomplete(run: Path, tmp_path: Path) -> None:
 def test_kappa_equal_to_threshold_meets_it(run: Path, calibration: Path,
                                            tmp_path: Path) -> None:
     strict = ExportPolicy.model_validate({"schema": 1, "min_kappa": 1.0})
-    assert export(run, tmp_path / "out", calibration=calibration, policy=strict)[
-        "trajectories"] == 6
+    assert export(run, tmp_path / "out", calibration=calibration,
+                  policy=strict).trajectories == 6
 
 
 @pytest.mark.parametrize("content", [None, "earlier.txt"])
@@ -425,7 +425,7 @@ def test_unknown_format_refused(run: Path, calibration: Path, tmp_path: Path) ->
 
 def test_summary_matches_hand_count(run: Path, calibration: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    summary = export(run, out, calibration=calibration, policy=POLICY)
+    summary = export(run, out, calibration=calibration, policy=POLICY).model_dump(mode="json")
     # 6 trajectories; turns 3+2+1+2+1+2; r_format 1: b/c1/0, b/c2/0, c/c1/0, c/c3/0;
     # r_outcome 1.0: b/c1/0, b/c1/1, b/c2/0 (refusal); 0.0: c/c1/0, c/c2/0 (refusal);
     # null: c/c3/0. Parquet: all 6 in rl; sft only the 3 that passed.
@@ -471,9 +471,9 @@ def test_calibration_of_run_a_refused_for_run_b(run: Path, calibration: Path,
     assert not out.exists()
     # the same calibration exports its own run, and run B exports with its own calibration
     assert export(run, tmp_path / "out-a", calibration=calibration,
-                  policy=POLICY)["trajectories"] == 6
+                  policy=POLICY).trajectories == 6
     cal_b = _calibration(tmp_path, "b", lambda v: v, run=run_b)
-    assert export(run_b, out, calibration=cal_b, policy=POLICY)["trajectories"] == 6
+    assert export(run_b, out, calibration=cal_b, policy=POLICY).trajectories == 6
     receipt = json.loads((out / "export-receipt.json").read_text())
     assert receipt["run_receipt_sha256"] == sha256_file(run_b / "receipt.json")
 

@@ -253,7 +253,9 @@ def test_unknown_criterion_refused(packet: Path, tmp_path: Path) -> None:
 def test_malformed_labels_file(packet: Path, tmp_path: Path, edit: dict[str, Any]) -> None:
     labels = fill(packet, tmp_path / "l.json", HUMAN)
     labels.write_text(json.dumps({**read(labels), **edit}))
-    with pytest.raises(ConfigError, match=r"l\.json: not a valid human-labels file"):
+    field = next(iter(edit))  # the error names the file, the field and the fix
+    with pytest.raises(ConfigError, match=rf"l\.json: {field}: .* Fix: pass the human-labels "
+                                          "file cyclebox wrote"):
         calibrate(packet, labels, packet / "judge-ratings.json")
 
 
