@@ -17,8 +17,11 @@ from pathlib import Path
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from pydantic import BaseModel, ConfigDict
 
 from runner.errors import ConfigError, IntegrityError
+from runner.isolation.sandbox import Frozen
+from runner.loading import load_model
 
 PAYLOAD_TYPE = "application/vnd.cyclebox.receipt+json"
 ENVELOPE = "receipt.dsse.json"
@@ -90,24 +93,43 @@ def sign(run_dir: Path, key_path: Path) -> Path:
     return out
 
 
+class Signature(Frozen):
+    keyid: str
+    """First 16 hex digits of the sha256 of the raw public key."""
+    sig: str
+    """Base64 Ed25519 signature over the DSSE pre-authentication encoding."""
+
+
+class Envelope(BaseModel):
+    """``receipt.dsse.json`` (DSSE v1). Unknown keys are carried along: an envelope may
+    hold fields cyclebox does not write."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    payloadType: str
+    payload: str
+    """Base64 of the exact bytes of receipt.json."""
+    signatures: tuple[Signature, ...]
+
+
 def verify_signature(run_dir: Path, pub: Ed25519PublicKey) -> None:
     """IntegrityError unless the envelope is signed by ``pub`` over today's receipt.json."""
     try:
-        env = json.loads((run_dir / ENVELOPE).read_text())
-        payload = base64.b64decode(env["payload"], validate=True)
-        sigs = env["signatures"]
-    except (OSError, ValueError, KeyError) as exc:
+        env = load_model(run_dir / ENVELOPE, Envelope, fmt="json", what="signature envelope",
+                         fix="cyclebox receipt sign DIR --key KEY")
+        payload = base64.b64decode(env.payload, validate=True)
+    except (ConfigError, ValueError) as exc:
         raise IntegrityError(f"{run_dir / ENVELOPE}: missing or unreadable ({exc})") from None
-    if env.get("payloadType") != PAYLOAD_TYPE:
-        raise IntegrityError(f"{ENVELOPE}: unexpected payloadType {env.get('payloadType')!r}")
+    if env.payloadType != PAYLOAD_TYPE:
+        raise IntegrityError(f"{ENVELOPE}: unexpected payloadType {env.payloadType!r}")
     if payload != (run_dir / "receipt.json").read_bytes():
         raise IntegrityError(f"{ENVELOPE}: signed payload differs from receipt.json")
-    for s in sigs:
-        if s.get("keyid") != keyid(pub):
+    for s in env.signatures:
+        if s.keyid != keyid(pub):
             continue
         try:
-            pub.verify(base64.b64decode(s["sig"], validate=True), pae(PAYLOAD_TYPE, payload))
-        except (InvalidSignature, ValueError, KeyError):
+            pub.verify(base64.b64decode(s.sig, validate=True), pae(PAYLOAD_TYPE, payload))
+        except (InvalidSignature, ValueError):
             raise IntegrityError(f"{ENVELOPE}: signature does not verify") from None
         return
     raise IntegrityError(f"{ENVELOPE}: no signature by key {keyid(pub)}")

@@ -11,9 +11,13 @@ import contextlib
 from pathlib import Path
 from typing import Protocol
 
+from pydantic import RootModel
+
+from runner.errors import ConfigError
 from runner.isolation.docker.hardening import LABEL_PREFIX
 from runner.isolation.owner import Owner, current_owner, owner_alive
 from runner.isolation.sandbox import SweepResult
+from runner.loading import load_model
 
 
 def owner_from_labels(labels: dict[str, str]) -> Owner | None:
@@ -62,13 +66,17 @@ def sweep_containers(engine: _Engine, *, only_orphans: bool = True,
     return results
 
 
+class _OwnerRecord(RootModel[Owner]):
+    """``owner.json`` beside a socket or staging directory."""
+
+
 def _recorded_owner_alive(record: Path, here: Owner) -> bool | None:
     """Liveness of the controller named by an owner record; an unreadable one is gone."""
-    import json
-
     try:
-        return owner_alive(Owner(**json.loads(record.read_text())), here=here)
-    except (OSError, ValueError, TypeError):
+        owner = load_model(record, _OwnerRecord, fmt="json", what="owner record",
+                           fix="none needed: the directory is swept as orphaned").root
+        return owner_alive(owner, here=here)
+    except (ConfigError, OSError, ValueError):
         return False
 
 

@@ -21,9 +21,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pydantic import RootModel
+
 from runner.errors import ConfigError, PrerequisiteError
 from runner.hashing import sha256_file
 from runner.isolation.policy import ROLES
+from runner.loading import load_model
 from runner.paths import images_dir, sandbox_src, state_dir
 
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")
@@ -147,12 +150,17 @@ def lock_path() -> Path:
     return state_dir() / "images.lock.json"
 
 
+class _Lock(RootModel[dict[str, BuiltImage]]):
+    """``images.lock.json``: role -> its image."""
+
+
 def read_lock() -> dict[str, BuiltImage]:
+    """The image lock (runner.loading rules); empty when no image was built yet."""
     p = lock_path()
     if not p.is_file():
         return {}
-    data = json.loads(p.read_text())
-    return {role: BuiltImage(**row) for role, row in data.items()}
+    return load_model(p, _Lock, fmt="json", what="image lock",
+                      fix="rebuild it: cyclebox images build").root
 
 
 def _write_lock(rows: dict[str, BuiltImage]) -> None:
