@@ -34,6 +34,7 @@ from runner.errors import ConfigError, IntegrityError
 from runner.gateway.providers import load_script
 from runner.isolation.policy import load_policies
 from runner.paths import PROJECT_ROOT
+from runner.train.host import load_persona
 
 EXAMPLE = PROJECT_ROOT / "examples" / "shop-analyst"
 ROLES = PROJECT_ROOT / "policies" / "roles.yaml"
@@ -262,6 +263,12 @@ def test_records_loader(data: bytes, more: bytes, work: Path) -> None:
 
 
 @SETTINGS
+@given(data=inputs((PROJECT_ROOT / "examples/persona/captain.yaml").read_bytes(), "yaml"))
+def test_persona_loader(data: bytes, work: Path) -> None:
+    holds(load_persona, work / "persona.yaml", data)
+
+
+@SETTINGS
 @given(data=inputs(json.dumps(RECEIPT).encode(), "json"))
 def test_receipt_loader(data: bytes, work: Path) -> None:
     run = work / "receipt-run"
@@ -300,4 +307,5 @@ def test_the_unmutated_seeds_load(plan_seed: Path, work: Path) -> None:
     (work / "rr").mkdir(exist_ok=True)
     (work / "rr" / "receipt.json").write_text(json.dumps(RECEIPT))
     assert load_receipt(work / "rr").plan_hash == "e" * 64
+    assert load_persona(PROJECT_ROOT / "examples/persona/captain.yaml").name == "captain-brine"
     assert load_plan(plan_seed)[0].name == "shop-analyst"
