@@ -17,7 +17,7 @@ from pathlib import Path
 
 from runner.gateway import server
 from runner.gateway.budget import BudgetPolicy, RunBudget
-from runner.gateway.config import UpstreamPolicy
+from runner.gateway.config import parse_upstream
 from runner.gateway.server import Gateway
 
 # Ablations for the flooded-socket figure: CBX_BENCH_OFFLOAD_BYTES (parse/write on the
@@ -25,10 +25,10 @@ from runner.gateway.server import Gateway
 server.OFFLOAD_BYTES = int(os.environ.get("CBX_BENCH_OFFLOAD_BYTES", server.OFFLOAD_BYTES))
 
 if sys.argv[1].startswith("{"):
-    up = UpstreamPolicy.model_validate_json(sys.argv[1])
+    up = parse_upstream(json.loads(sys.argv[1]))
 else:
     os.environ["CBX_BENCH_KEY"] = "sk-bench"
-    up = UpstreamPolicy.model_validate({
+    up = parse_upstream({
         "provider": "openai", "base_url": f"http://127.0.0.1:{int(sys.argv[1])}/v1",
         "credential": {"env": "CBX_BENCH_KEY"}, "models": ["bench"],
         "prices": {"bench": {"input_per_mtok": 1, "output_per_mtok": 1}},

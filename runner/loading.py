@@ -1,6 +1,9 @@
 """One typed loader for every YAML and JSON file an operator (or a past run) hands us.
 
-Invariants (every loader in cyclebox goes through :func:`load_model` or its parts):
+Invariants (every loader in cyclebox goes through :func:`load_model` or its parts:
+:func:`load_with_bytes` when the exact bytes are needed too, :func:`parse_model` for bytes
+read another way (by directory fd, from a container's collected output),
+:func:`load_lines` for JSON Lines):
 - A file is read once, capped (:data:`MAX_BYTES`), and must be UTF-8; an error names the
   file and the byte offset of the first bad byte.
 - YAML is parsed by :class:`StrictLoader`: anchors and aliases are refused before any

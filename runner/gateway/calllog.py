@@ -13,7 +13,6 @@ stops) makes it survive a machine crash too. Per-call fsync cost ~1 ms on the ho
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
 from datetime import UTC, datetime
@@ -22,12 +21,15 @@ from typing import Literal
 
 from pydantic import Field
 
-from runner.errors import IntegrityError
+from runner.errors import ConfigError, IntegrityError
 from runner.isolation.sandbox import Frozen
+from runner.loading import load_lines
 
 CallStatus = Literal["ok", "refused", "infra_error"]
 PREFIX_BYTES = 256
 """How much of a refused request's body the log keeps."""
+MAX_INDEX_BYTES = 1 << 30
+"""Largest calls.jsonl read back (about two million calls)."""
 
 
 class Usage(Frozen):
@@ -157,15 +159,16 @@ class CallLog:
 
     # -- reading ---------------------------------------------------------------
     def records(self) -> list[CallRecord]:
+        """Every call record (runner.loading rules); IntegrityError naming the line and
+        field of one that does not read (the log is only ever appended by the gateway)."""
         if not self.index.exists():
             return []
-        out = []
-        for n, line in enumerate(self.index.read_text(encoding="utf-8").splitlines(), 1):
-            try:
-                out.append(CallRecord.model_validate(json.loads(line)))
-            except ValueError as exc:
-                raise IntegrityError(f"{self.index}:{n}: unreadable call record ({exc})") from None
-        return out
+        try:
+            return load_lines(self.index, CallRecord, what="call log", max_bytes=MAX_INDEX_BYTES,
+                              fix="the call log is written by the gateway only; keep the run "
+                                  "as evidence and run the cycle again")
+        except ConfigError as exc:
+            raise IntegrityError(f"unreadable call record: {exc}") from None
 
     def blob(self, digest: str) -> bytes:
         """Bytes of a blob, verified against its name; IntegrityError when missing or altered."""
