@@ -41,6 +41,12 @@ from runner.errors import (
 CLI_DIR = Path(__file__).resolve().parents[2] / "runner" / "cli"
 
 
+@pytest.fixture(autouse=True)
+def _state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Error logs (engine, environment, unexpected) go to a private state directory."""
+    monkeypatch.setenv("CYCLEBOX_STATE_DIR", str(tmp_path / "state"))
+
+
 def _raising(exc: BaseException) -> int:
     """Exit code of a one-command app (root group: Boundary) whose command raises ``exc``."""
     probe = typer.Typer(cls=Boundary)
@@ -77,12 +83,11 @@ def test_boundary_maps_each_error_to_its_code(exc: BaseException, code: int,
         assert str(exc) in err
 
 
-def test_boundary_unexpected_error_names_a_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_boundary_unexpected_error_names_a_log(tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setenv("CYCLEBOX_STATE_DIR", str(tmp_path))
     assert _raising(ZeroDivisionError("planted")) == EXIT_UNEXPECTED
     err = capsys.readouterr().err
-    logs = list((tmp_path / "logs").glob("error-*.log"))
+    logs = list((tmp_path / "state" / "logs").glob("error-*.log"))
     assert len(logs) == 1 and logs[0].name in err.replace("\n", "")
     assert "Traceback" in logs[0].read_text() and "Traceback" not in err
 
