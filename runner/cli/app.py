@@ -1,8 +1,8 @@
 """The ``cyclebox`` command line assembled from one module per area.
 
 Imports go one way: this module imports the area modules (``doctor``, ``images``,
-``sandbox``, ``cycle``, ...), which import only ``options``, ``output`` and the domain
-packages; no area module imports this one. Each area module exposes ``app`` (a command
+``sandbox``, ``cycle``, ...), which import only ``options``, ``output``, ``engine`` (the
+backend and image ids) and the domain packages; no area module imports this one. Each area module exposes ``app`` (a command
 group added here under its name) and/or ``commands`` (commands added at the top level).
 Errors and exit codes are handled in one place, the root group :class:`Boundary`.
 """

@@ -38,7 +38,7 @@ def _upstream_override(cycle: Path, replay: Path | None) -> dict[str, UpstreamPo
 def freeze(cycle: Annotated[Path, typer.Argument(help="cycle.yaml")], out_dir: OutOpt,
            replay: ReplayOpt = None, json_out: JsonOpt = False) -> None:
     """Freeze a cycle into OUT/plan.json (refuses an existing OUT)."""
-    from runner.cycle.images import cycle_images
+    from runner.cli.engine import cycle_images
     from runner.cycle.plan import freeze as do_freeze
 
     plan, h = do_freeze(cycle, out_dir, images=cycle_images,
@@ -67,12 +67,11 @@ def cycle_run(
     Exit 0 accept_for_review, 1 reject, 2 invalid_comparison; 3 bad input, 5 missing
     prerequisite, 6 engine lost, 9 disk full, 130 interrupted (each after writing the
     verdict and receipt when it can), 10 unexpected; `cyclebox --help` has the table."""
+    from runner.cli.engine import cycle_images
     from runner.cycle.compare import EXIT_CODES
-    from runner.cycle.images import cycle_images
     from runner.cycle.plan import freeze as do_freeze
     from runner.cycle.receipt import build
     from runner.cycle.run import CycleRunner
-    from runner.isolation.registry import get_sandbox
     from runner.report.files import check_targets, write_outputs
 
     check_targets(junit=junit, markdown=markdown, html=html)
@@ -83,7 +82,7 @@ def cycle_run(
                               fix="give CYCLE and --out, or --plan DIR/plan.json")
         # Inputs, credentials, then images: only then is --out created (exclusively).
         do_freeze(cycle, out_dir,
-                  images=lambda: cycle_images(sandbox=None if prepare_only else get_sandbox()),
+                  images=lambda: cycle_images(check_engine=not prepare_only),
                   upstream_override=_upstream_override(cycle, replay))
         plan = out_dir / "plan.json"
         if prepare_only:

@@ -24,10 +24,10 @@ def gc(all_: Annotated[bool, typer.Option("--all", help="Remove every cyclebox c
     would remove)."""
     from dataclasses import asdict
 
+    from runner.cli.engine import sandbox
     from runner.isolation.gc import sweep_socket_dirs, sweep_staging_dirs
-    from runner.isolation.registry import get_sandbox
 
-    results = get_sandbox().sweep(only_orphans=not all_, dry_run=dry_run)
+    results = sandbox().sweep(only_orphans=not all_, dry_run=dry_run)
     results += [r for r in sweep_socket_dirs(dry_run=dry_run) if r.would_remove]
     results += [r for r in sweep_staging_dirs(dry_run=dry_run) if r.would_remove]
     if json_out:

@@ -55,11 +55,10 @@ def sandbox_exec(
     Exit codes beyond the command's own: 124 timeout, 125 output limit,
     137 OOM, 126 cleanup unconfirmed, 7 output refused, 6 no exit code from the engine.
     """
+    from runner.cli.engine import role_image, sandbox
     from runner.gateway.calllog import CallLog
     from runner.gateway.server import Gateway
-    from runner.isolation.docker.images import resolve_image
     from runner.isolation.policy import load_policies
-    from runner.isolation.registry import get_sandbox
     from runner.isolation.roles import fresh_output_dir, parse_mount_flag, role_spec
 
     command = list(ctx.args)
@@ -76,7 +75,7 @@ def sandbox_exec(
     run_dir = state_dir() / "runs" / run_id
     odir = out_dir or run_dir / "out"
     uid = int(policy.user.split(":")[0])
-    image = resolve_image(role)
+    image = role_image(role)
     fresh_output_dir(odir.resolve(), uid=uid)
 
     # The command's output is relayed live, but escaped: it is a container's bytes.
@@ -97,7 +96,7 @@ def sandbox_exec(
             mounts.append(binding.mount())
         spec = role_spec(policy, role=role, run_id=run_id, image=image, command=command,
                          mounts=mounts, output_dir=odir.resolve())
-        record = get_sandbox().run(spec, on_output=stream)
+        record = sandbox().run(spec, on_output=stream)
     if policy.upstream and not json_out:
         n = len(CallLog(run_dir / "gateway").records())
         err.print(f"[dim]gateway ({safe(policy.upstream)}): {n} call(s) recorded in "

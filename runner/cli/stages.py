@@ -39,10 +39,11 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")], out
     The path set and allowlist are the operator's (--paths/--allowlist, or --plan), never
     the proposal's: a proposal carrying its own is refused (exit 3 naming the field).
     Exit 2 with the named reason on any refusal."""
+    from runner.cli.engine import role_image, sandbox
     from runner.cycle.apply import apply_standalone
-    from runner.isolation.registry import get_sandbox
 
-    result = apply_standalone(proposal, out_dir, sandbox=get_sandbox(), repo=repo, ref=ref,
+    result = apply_standalone(proposal, out_dir, sandbox=sandbox(),
+                              image=lambda: role_image("apply"), repo=repo, ref=ref,
                               subdir=subdir, paths=paths, allowlist=allowlist, plan=plan,
                               max_file_bytes=max_file_bytes)
     if json_out:

@@ -168,11 +168,15 @@ APPLY_COMMAND = ["python", "-m", "sandbox.apply_main"]
 """The apply container's command; it reads ``/in`` and edits the repository in ``/work``."""
 
 
-def apply_standalone(proposal: Path, out_dir: Path, *, sandbox: Sandbox, repo: Path | None,
-                     ref: str | None, subdir: str | None, paths: list[str] | None,
-                     allowlist: list[str] | None, plan: Path | None,
-                     max_file_bytes: int) -> dict[str, Any]:
+def apply_standalone(proposal: Path, out_dir: Path, *, sandbox: Sandbox,
+                     image: Callable[[], str], repo: Path | None, ref: str | None,
+                     subdir: str | None, paths: list[str] | None, allowlist: list[str] | None,
+                     plan: Path | None, max_file_bytes: int) -> dict[str, Any]:
     """``cyclebox apply``: apply one proposal outside a cycle, into a fresh ``out_dir``.
+
+    ``sandbox`` runs the apply container; ``image()`` gives the apply role's image id and
+    is called once the invocation is valid, so bad input is named before a missing image
+    (as in freeze).
 
     The invocation comes from the operator (:func:`invocation_for`); ``out_dir`` is
     created only once it is valid (an existing one is refused) and removed again if
@@ -180,7 +184,6 @@ def apply_standalone(proposal: Path, out_dir: Path, *, sandbox: Sandbox, repo: P
     ``out_dir/result.json`` (``status`` applied or refused, with the named reason); the
     verified tree is exported to ``out_dir/candidate-src``."""
     from runner.cycle.plan import make_fresh_dir, refuse_existing, remove_created
-    from runner.isolation.docker.images import resolve_image
     from runner.isolation.policy import load_policies
     from runner.isolation.roles import role_spec
     from runner.paths import default_policies
@@ -190,7 +193,7 @@ def apply_standalone(proposal: Path, out_dir: Path, *, sandbox: Sandbox, repo: P
         proposal, repo=repo, ref=ref, subdir=subdir, paths=paths, allowlist=allowlist,
         plan=plan, max_file_bytes=max_file_bytes)
     policy = load_policies(default_policies()).roles["apply"]
-    image = resolve_image("apply")
+    image_id = image()
     created = make_fresh_dir(out_dir)
     try:
         (out_dir / "in").mkdir()
@@ -201,7 +204,7 @@ def apply_standalone(proposal: Path, out_dir: Path, *, sandbox: Sandbox, repo: P
         raise
 
     def run(work: Path) -> RunRecord:
-        spec = role_spec(policy, role="apply", run_id="apply", image=image,
+        spec = role_spec(policy, role="apply", run_id="apply", image=image_id,
                          command=APPLY_COMMAND, output_dir=work,
                          mounts=[Mount(source=(out_dir / "in").resolve(), target="/in")])
         return sandbox.run(spec.model_copy(update={"output_target": "/work"}))
