@@ -2,8 +2,9 @@
 
 Imports go one way: this module imports the area modules (``doctor``, ``images``,
 ``sandbox``, ``cycle``, ...), which import only ``options``, ``output``, ``engine`` (the
-backend and image ids) and the domain packages; no area module imports this one. Each area module exposes ``app`` (a command
-group added here under its name) and/or ``commands`` (commands added at the top level).
+backend and image ids) and the domain packages; no area module imports this one. Each
+area module exposes ``app`` (a command group added here under its name) and/or
+``commands`` (commands added at the top level).
 Errors and exit codes are handled in one place, the root group :class:`Boundary`.
 """
 
