@@ -17,11 +17,11 @@ from runner.gateway.config import UpstreamPolicy
 def replay_upstreams(cycle_path: Path, recording: Path) -> dict[str, UpstreamPolicy]:
     """The cycle's upstreams (role policy file's, then the cycle file's own), each answered
     from ``recording`` (a recorded run directory) instead of its provider."""
-    from runner.cycle.config import load_cycle, resolve
+    from runner.cycle.config import load_cycle, roles_file
     from runner.isolation.policy import load_policies
 
     cycle, base = load_cycle(cycle_path)
-    ups = {**load_policies(resolve(base, cycle.roles)).upstreams, **cycle.upstreams}
+    ups = {**load_policies(roles_file(cycle, base)).upstreams, **cycle.upstreams}
     return {name: UpstreamPolicy.model_validate(
                 {**up.model_dump(mode="json"), "provider": "replay",
                  "replay_from": str(recording.resolve()), "script": None, "base_url": None,
