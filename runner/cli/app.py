@@ -23,6 +23,7 @@ from runner.cli import (
     gateway,
     gc,
     images,
+    project,
     receipt,
     report,
     review,
@@ -49,12 +50,12 @@ def version() -> None:
 
 # Top-level commands first, then the groups; `cyclebox --help` lists them in this order.
 for _commands in (doctor.commands, gc.commands, report.commands, cycle.commands,
-                  stages.commands, export.commands):
+                  stages.commands, export.commands, project.commands):
     app.add_typer(_commands)
 for _name, _group in (("images", images.app), ("sandbox", sandbox.app),
                       ("gateway", gateway.app), ("cycle", cycle.app), ("receipt", receipt.app),
                       ("review", review.app), ("dream", dream.app), ("model", train.model_app),
-                      ("train", train.app)):
+                      ("train", train.app), ("manifest", project.manifest_app)):
     app.add_typer(_group, name=_name)
 
 
