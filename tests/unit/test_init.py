@@ -10,7 +10,9 @@ import pytest
 import yaml
 
 from runner import gitops
+from runner.cycle.brief import build_brief
 from runner.cycle.config import load_cycle
+from runner.cycle.models import Grades, Identities, Record
 from runner.cycle.plan import check_cycle
 from runner.errors import ConfigError
 from runner.gateway.providers import load_script
@@ -64,11 +66,12 @@ def _reply(rules_path: Path, *, role: str, model: str, text: str, last_user: str
     return reply
 
 
-def _grades(project: Path, system: str) -> dict[str, bool]:
-    """Each case's pass/fail when the agent's system prompt is ``system`` (the agent's
+def _records(project: Path, system: str) -> list[Record]:
+    """Each case graded as if the agent's system prompt were ``system`` (the agent's
     message shape, the scripted target and the real scorer)."""
     m = mt.check(project / "manifest.json", project / "data")
-    out = {}
+    ids = Identities(data_hash=m.data_hash, reference_hash=m.reference_hash, scorer="s")
+    out = []
     for s in m.scenarios:
         question = str(s.input["question"])
         reply = _reply(project / "scripts/target.yaml", role="analyst", model="fixture-target",
@@ -77,19 +80,26 @@ def _grades(project: Path, system: str) -> dict[str, bool]:
         answer = ({"refused": True, "answer": None, "evidence": []} if "refuse" in parsed else
                   {"refused": False, "answer": parsed["answer"], "evidence": parsed["evidence"]})
         grades = evaluator.score(answer, s.reference.model_dump(mode="json"))
-        out[s.id] = all(v is not False for v in grades.values())
+        out.append(Record(case_id=s.id, trial=0, split=s.split, status="ok", answer=answer,
+                          grades=Grades.model_validate(grades), identities=ids))
     return out
+
+
+def _passed(records: list[Record]) -> dict[str, bool]:
+    return {r.case_id: r.grades is not None and r.grades.passed() for r in records}
 
 
 def test_the_scripted_optimizer_fixes_what_the_baseline_fails(project: Path) -> None:
     prompt_dir = project / "project"
     base_system = "\n\n".join([(prompt_dir / "prompts/system.md").read_text(),
                                (prompt_dir / "skills/answering.md").read_text()])
-    before = _grades(project, base_system)
-    failing_dev = sorted(c for c, ok in before.items() if not ok and c.startswith("d"))
-    assert failing_dev and not all(before.values())
+    baseline = _records(project, base_system)
+    before = _passed(baseline)
+    assert not all(before.values())
+    m = mt.check(project / "manifest.json", project / "data")
+    brief = build_brief(baseline, {s.id: s for s in m.scenarios})  # the real brief
+    assert "d01-leave-days" in brief and "a01" not in brief
     cycle = yaml.safe_load((project / "cycle.yaml").read_text())
-    brief = "\n".join(f"## {c} (trial 0)\n- failed criteria: correctness" for c in failing_dev)
     req = {"brief": brief, "paths": cycle["edit"]["paths"], "files": [
         {"path": p, "content": (prompt_dir / p).read_text(), "sha256": None}
         for p in cycle["edit"]["paths"]]}
@@ -103,7 +113,7 @@ def test_the_scripted_optimizer_fixes_what_the_baseline_fails(project: Path) -> 
                                        (prompt_dir / "prompts/system.md").read_text()),
                                new.get("skills/answering.md",
                                        (prompt_dir / "skills/answering.md").read_text())])
-    after = _grades(project, cand_system)
+    after = _passed(_records(project, cand_system))
     assert all(after.values()), after
     policy = yaml.safe_load((project / "policy.yaml").read_text())
     assert all(after[c] for c in policy["mandatory"]) and all(before[c] for c in
