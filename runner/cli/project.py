@@ -21,18 +21,20 @@ DataOpt = Annotated[Path | None, typer.Option(
 
 
 @commands.command("init")
-def init_cmd(dest: Annotated[Path, typer.Argument(help="New or empty project directory.")],
+def init_cmd(dest: Annotated[Path, typer.Argument(metavar="DIR",
+                                                  help="New or empty project directory.")],
              name: Annotated[str | None, typer.Option(
                  help="Project name (default: from DIR).")] = None,
              json_out: JsonOpt = False) -> None:
     """Scaffold a working project in DIR (absent or empty).
 
-    An agent calling its model through the gateway, a prompt and a skill the worker may
-    edit, data, scenarios with development and acceptance splits, their manifest, a
-    comparison policy, scripted models and cycle.yaml; it runs offline as is once
-    committed (git init && git add -A && git commit).
+    An agent calling its model through the gateway, a prompt and a skill
+    the worker may edit, data, scenarios with development and acceptance
+    splits, their manifest, a comparison policy, scripted models and
+    cycle.yaml. Once committed to git, it runs offline as is.
 
-    Exit 0 written; 3 DIR is not empty (nothing is overwritten) or unusable."""
+    Exit 0 written; 3 DIR is not empty (nothing is overwritten) or
+    unusable."""
     from runner.project.init import scaffold
 
     made = scaffold(dest, name=name)
@@ -62,7 +64,8 @@ def manifest_build(
 
     The hashes: each store's sha256 and size, reference_hash, data_hash.
 
-    Exit 0 written; 3 bad input (the message names the file, the field and the fix)."""
+    Exit 0 written; 3 bad input (the message names the file, the field and
+    the fix)."""
     from runner.project import manifest_tools as mt
 
     built = mt.build(scenarios, data)
@@ -83,8 +86,8 @@ def manifest_check(manifest: Annotated[Path, typer.Argument(help="manifest.json"
                    data: DataOpt = None, json_out: JsonOpt = False) -> None:
     """Verify every hash of MANIFEST against its scenarios and the data.
 
-    Exit 0 all match; 4 a hash does not match (each named, with the fix `cyclebox
-    manifest rehash`); 3 the manifest itself is malformed."""
+    Exit 0 all match; 4 a hash does not match (each named, with the fix
+    `cyclebox manifest rehash`); 3 the manifest itself is malformed."""
     from runner.project import manifest_tools as mt
 
     data_dir = data if data is not None else manifest.parent / "data"
@@ -103,8 +106,9 @@ def manifest_rehash(manifest: Annotated[Path, typer.Argument(help="manifest.json
                     data: DataOpt = None, json_out: JsonOpt = False) -> None:
     """Recompute MANIFEST's hashes in place; everything else is kept.
 
-    For an intended change to the data or the references: each store's sha256 and size,
-    reference_hash and data_hash are recomputed and the file replaced atomically.
+    For an intended change to the data or the references: each store's
+    sha256 and size, reference_hash and data_hash are recomputed and the
+    file replaced atomically.
 
     Exit 0 written (or already current); 3 bad input."""
     from runner.project import manifest_tools as mt
