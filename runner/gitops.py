@@ -56,6 +56,32 @@ def git_dir_of(repo: Path) -> Path:
     return Path(out.decode().strip())
 
 
+def toplevel(repo: Path) -> Path | None:
+    """The root of the work tree ``repo`` lies in; None outside any work tree (a bare
+    repository or a ``.git`` directory)."""
+    if _git(["rev-parse", "--is-inside-work-tree"], cwd=repo).decode().strip() != "true":
+        return None
+    return Path(_git(["rev-parse", "--show-toplevel"], cwd=repo).decode().strip())
+
+
+def uncommitted(repo: Path, subdir: str | None = None) -> list[tuple[str, str]]:
+    """(status, path) of every uncommitted change under ``subdir`` of a work tree: staged,
+    unstaged and untracked (ignored files left out). Empty outside a work tree.
+
+    Read only: ``GIT_OPTIONAL_LOCKS=0`` keeps ``git status`` from refreshing the index."""
+    if toplevel(repo) is None:
+        return []
+    out = _git(["status", "--porcelain=v1", "-z", "--untracked-files=all", "--no-renames",
+                "--", (subdir or ".").strip("/") or "."], cwd=repo,
+               extra_env={"GIT_OPTIONAL_LOCKS": "0"})
+    rows = []
+    for entry in out.split(b"\0"):
+        if len(entry) > 3:
+            rows.append((entry[:2].decode("ascii", "replace").strip(),
+                         entry[3:].decode("utf-8", "backslashreplace")))
+    return rows
+
+
 def resolve_tree(repo: Path, ref: str, subdir: str | None = None) -> str:
     """The git tree id of ``ref`` (or of ``ref:subdir``)."""
     spec = f"{ref}^{{tree}}" if not subdir else f"{ref}:{subdir.strip('/')}"
