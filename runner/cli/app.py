@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.table import Table
 
 from runner import __version__, interrupts
@@ -24,7 +24,7 @@ from runner.errors import (
     CycleboxError,
 )
 from runner.failures import classify
-from runner.paths import default_policies, state_dir
+from runner.paths import default_policies, default_upstreams, state_dir
 from runner.termsafe import StreamSanitizer, emit_json, emit_json_text, safe
 
 app = typer.Typer(
@@ -37,8 +37,29 @@ sandbox_app = typer.Typer(no_args_is_help=True, help="Run commands in role conta
 app.add_typer(images_app, name="images")
 app.add_typer(sandbox_app, name="sandbox")
 
-out = Console()
-err = Console(stderr=True)
+PLAIN_WIDTH = 4096
+"""Columns of a console that is not a terminal (a pipe, a file, CI logs): wide enough that
+no line is cut or folded at 80, the width rich assumes otherwise."""
+
+
+class PlainConsole(Console):
+    """A rich Console that is as wide as :data:`PLAIN_WIDTH` when it does not write to a
+    terminal and ``COLUMNS`` is unset; on a terminal it is the terminal's width."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        dims = super().size
+        if self._width is None and "COLUMNS" not in os.environ and not self.is_terminal:
+            return ConsoleDimensions(PLAIN_WIDTH, dims.height)
+        return dims
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        self._width, self._height = new_size
+
+
+out = PlainConsole()
+err = PlainConsole(stderr=True)
 
 PoliciesOpt = Annotated[Path, typer.Option("--policies", help="Role policy file.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
@@ -47,6 +68,13 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 def report_error(message: str) -> None:
     """Print one error line on stderr; the only place the CLI prints an error."""
     err.print(f"[bold red]error:[/] {safe(message, 8000)}", highlight=False, soft_wrap=True)
+
+
+def report_warning(message: str) -> None:
+    """Print one warning line on stderr: something the operator should know that does not
+    stop the command."""
+    err.print(f"[bold yellow]warning:[/] {safe(message, 8000)}", highlight=False,
+              soft_wrap=True)
 
 
 def _error_log(exc: BaseException) -> Path | None:
@@ -178,6 +206,9 @@ def sandbox_exec(
         "--out", help="Fresh host directory mounted at /out "
                       "(default: build/runs/<id>/out).")] = None,
     policies: PoliciesOpt = default_policies(),
+    upstreams: Annotated[Path, typer.Option(
+        "--upstreams", help="Upstreams file (schema: 1, upstreams: {...}) for a role that "
+                            "reaches a model.")] = default_upstreams(),
     json_out: JsonOpt = False,
 ) -> None:
     """Run CMD in a ROLE container under that role's policy; exit with its exit code.
@@ -191,6 +222,7 @@ def sandbox_exec(
     137 OOM, 126 cleanup unconfirmed, 7 output refused.
     """
     from runner.gateway.calllog import CallLog
+    from runner.gateway.config import load_upstreams
     from runner.gateway.server import Gateway
     from runner.isolation.docker.backend import DockerSandbox
     from runner.isolation.docker.images import resolve_image
@@ -231,7 +263,7 @@ def sandbox_exec(
         with contextlib.ExitStack() as stack:
             if policy.upstream:
                 gateway = stack.enter_context(Gateway(
-                    run_dir, run_id, pols.upstreams, {role: policy.upstream}))
+                    run_dir, run_id, load_upstreams(upstreams), {role: policy.upstream}))
                 binding = stack.enter_context(gateway.bound(role, stage="exec", uid=uid))
                 mounts.append(binding.mount())
             spec = role_spec(policy, role=role, run_id=run_id, image=image, command=command,
@@ -334,8 +366,12 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
         table.add_row(*(safe(c, 500) for c in cells))
     out.print(table)
     for role, row in totals["per_role"].items():
-        out.print(safe(f"{role}: {row['calls']} calls, {row['tokens']} tokens, "
-                       f"{row['cost_usd']} USD, complete={row['complete']}"), highlight=False)
+        usd = "unknown" if row["cost_usd"] is None else f"{row['cost_usd']} USD"
+        fixture = sum(r.fixture for r in records if r.role == role)
+        out.print(safe(f"{role}: {row['calls']} calls, {row['tokens']} tokens, {usd}, "
+                       f"complete={row['complete']}"
+                       + (f", {fixture} fixture (scripted, not billed)" if fixture else "")),
+                  highlight=False)
 
 
 def main() -> None:

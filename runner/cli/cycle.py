@@ -11,13 +11,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from runner import interrupts
-from runner.cli.app import JsonOpt, _fail, app, err, out, report_error
+from runner.cli.app import JsonOpt, _fail, app, err, out, report_error, report_warning
 from runner.cli.report import (
     HtmlOpt,
     JunitOpt,
     LineProgress,
     MarkdownOpt,
     check_targets,
+    print_terminal,
     write_outputs,
 )
 from runner.errors import EXIT_INTERRUPTED, CycleboxError
@@ -55,12 +56,11 @@ def _images(check_engine: bool = False) -> dict[str, str]:
 def _replay_override(cycle_path: Path, replay: Path | None) -> dict[str, Any] | None:
     if replay is None:
         return None
-    from runner.cycle.config import load_cycle, resolve
+    from runner.cycle.config import load_cycle
     from runner.gateway.config import UpstreamPolicy
-    from runner.isolation.policy import load_policies
 
-    cycle, base = load_cycle(cycle_path)
-    ups = {**load_policies(resolve(base, cycle.roles)).upstreams, **cycle.upstreams}
+    cycle, _ = load_cycle(cycle_path)
+    ups = cycle.upstreams
     return {n: UpstreamPolicy.model_validate({**u.model_dump(mode="json"), "provider": "replay",
                                               "replay_from": str(replay.resolve()),
                                               "script": None, "base_url": None,
@@ -78,7 +78,8 @@ def freeze(cycle: Annotated[Path, typer.Argument(help="cycle.yaml")], out_dir: O
 
     try:
         plan, h = do_freeze(cycle, out_dir, images=_images,
-                            upstream_override=_replay_override(cycle, replay))
+                            upstream_override=_replay_override(cycle, replay),
+                            warn=report_warning)
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
@@ -111,6 +112,7 @@ def cycle_run(
     from runner.cycle.receipt import build
     from runner.cycle.run import CycleRunner
 
+    froze_here = False
     try:
         check_targets(junit=junit, markdown=markdown, html=html)
         if plan is None:
@@ -119,8 +121,9 @@ def cycle_run(
                 raise typer.Exit(3)
             # Inputs, credentials, then images: only then is --out created (exclusively).
             do_freeze(cycle, out_dir, images=lambda: _images(check_engine=not prepare_only),
-                      upstream_override=_replay_override(cycle, replay))
+                      upstream_override=_replay_override(cycle, replay), warn=report_warning)
             plan = out_dir / "plan.json"
+            froze_here = True
             if prepare_only:
                 out.print(f"prepared {safe(plan)}", highlight=False)
                 return
@@ -136,8 +139,15 @@ def cycle_run(
                     tasks[stage] = bar.add_task(stage, total=total or 1)
                 bar.update(tasks[stage], completed=done if total else 1, total=total or 1)
 
-            runner = CycleRunner(plan, progress=lines or progress)
-            outcome = runner.run()
+            try:
+                outcome = CycleRunner(plan, progress=lines or progress).run()
+            except CycleboxError:
+                # Refused before any stage started (no container ran, nothing to keep):
+                # the --out this command just made is removed, so the corrected rerun
+                # can use the same path.
+                if froze_here and out_dir is not None:
+                    _discard_unstarted(out_dir)
+                raise
         failure = outcome.failure
         if failure is not None and failure.reason == "environment_failure":
             # Disk full: no receipt, so that nothing claims a complete run (verify fails).
@@ -164,31 +174,20 @@ def cycle_run(
                    "outcome": receipt["outcome"], "timing": outcome.timings,
                    "report": json.loads(report.model_dump_json(by_alias=True))})
     else:
-        _summary(outcome, receipt)
+        # The report's rows (verdict, reasons, pass counts per arm and split, changes,
+        # cost per role with unknown and fixture costs named), then this run's timing.
+        print_terminal(report, extra=(
+            ("time per stage", ", ".join(f"{k} {v:.1f}s" for k, v in outcome.timings.items())),
+            ("receipt", str(outcome.run_dir / "receipt.json"))))
     raise typer.Exit(EXIT_CODES[result.verdict])
 
 
-def _summary(outcome: Any, receipt: dict[str, Any]) -> None:
-    r = outcome.result
-    colour = {"accept_for_review": "green", "reject": "red"}.get(r.verdict, "yellow")
-    t = Table(title=f"cycle {safe(outcome.run_dir.name)}", show_header=False)
-    t.add_column("k")
-    t.add_column("v", overflow="fold")
-    t.add_row("verdict", f"[bold {colour}]{safe(r.verdict)}[/]")
-    for reason in r.reasons:
-        t.add_row("reason", safe(reason))
-    for c in r.improvements:
-        t.add_row("improved", safe(f"{c.case_id} t{c.trial} {c.criterion}"))
-    for c in r.regressions:
-        t.add_row("regressed", safe(f"{c.case_id} t{c.trial} {c.criterion}"))
-    total = receipt["usage"]["total"]
-    t.add_row("model calls", safe(f"{total['calls']} ({total['ok']} ok), cost "
-                                  f"{total['cost_usd']} USD, complete={total['complete']}"
-                                  + (" [fixture]" if receipt["fixture"] else "")))
-    t.add_row("time per stage", safe(", ".join(f"{k} {v:.1f}s"
-                                               for k, v in outcome.timings.items())))
-    t.add_row("receipt", safe(outcome.run_dir / "receipt.json"))
-    out.print(t)
+def _discard_unstarted(out_dir: Path) -> None:
+    """Remove a run directory whose run never started a stage (plan, inputs, empty logs)."""
+    import shutil
+
+    if not any((out_dir / "stages").glob("*")):
+        shutil.rmtree(out_dir, ignore_errors=True)
 
 
 @app.command("apply")
@@ -501,9 +500,12 @@ def dream_compare(cycle: Annotated[Path, typer.Argument(help="cycle.yaml with dr
     for c in ("", "off", "on"):
         t.add_column(c)
     arms = receipt["arms"]
+    def shown(v: Any) -> str:
+        return "unknown" if v is None else safe(v, 200)
+
     for label, key in (("verdict", "verdict"), ("model calls", "model_calls"),
                        ("cost USD", "cost_usd")):
-        t.add_row(label, safe(arms["off"][key], 200), safe(arms["on"][key], 200))
+        t.add_row(label, shown(arms["off"][key]), shown(arms["on"][key]))
     for side in ("baseline", "candidate"):
         t.add_row(f"held-out {side}",
                   *[safe(f"{(arms[a]['heldout'][side] or {}).get('passed')}/"
@@ -513,8 +515,10 @@ def dream_compare(cycle: Annotated[Path, typer.Argument(help="cycle.yaml with dr
     t.add_row("dream", "-", safe(f"{d.get('accepted')}/{d.get('requested')} accepted; reasons "
                                  f"{ {k: v for k, v in (d.get('reasons') or {}).items() if v} }"))
     out.print(t)
-    out.print(safe(f"held-out delta {receipt['heldout_delta']}, incremental cost "
-                   f"{receipt['incremental_cost_usd']} USD; {receipt['claim']}"), highlight=False)
+    inc = receipt["incremental_cost_usd"]
+    out.print(safe(f"held-out delta {shown(receipt['heldout_delta'])}, incremental cost "
+                   f"{'unknown' if inc is None else f'{inc} USD'}; {receipt['claim']}"),
+              highlight=False)
     out.print(f"receipt: {safe(out_dir / 'dream-receipt.json')}", highlight=False)
 
 

@@ -117,8 +117,9 @@ def report_cmd(run_dir: Annotated[Path, typer.Argument(help="A cycle run directo
     print_terminal(report)
 
 
-def print_terminal(report: Report) -> None:
-    """The two-column terminal summary; every value printed with markup off."""
+def print_terminal(report: Report, extra: tuple[tuple[str, str], ...] = ()) -> None:
+    """The two-column terminal summary (then the ``extra`` rows); every value printed
+    with markup off."""
     from rich.text import Text
 
     from runner.report.render import terminal_rows
@@ -129,7 +130,7 @@ def print_terminal(report: Report) -> None:
               show_header=False)
     t.add_column("k")
     t.add_column("v", overflow="fold")
-    for k, v in terminal_rows(report):
+    for k, v in (*terminal_rows(report), *((k, one_line(v)) for k, v in extra)):
         t.add_row(Text(k), Text(v, style=f"bold {colour}" if k == "verdict" else ""))
     out.print(t)
 
