@@ -1,8 +1,8 @@
 """Every git invocation of the controller; the only module that runs git on the host.
 
 The operator's repository is only ever *read* (rev-parse, archive, cat-file, and status
-with optional locks off); all
-writing happens in throwaway repositories cyclebox creates itself. Commits made
+with optional locks off); all writing happens in throwaway repositories cyclebox creates
+itself. Commits made
 here use a fixed identity and fixed dates so that a replayed cycle reproduces the
 same commit and patch ids.
 """
