@@ -1,7 +1,8 @@
 """Every git invocation of the controller; the only module that runs git on the host.
 
-The operator's repository is only ever *read* (rev-parse, archive, cat-file); all
-writing happens in throwaway repositories cyclebox creates itself. Commits made
+The operator's repository is only ever *read* (rev-parse, archive, cat-file, and status
+with optional locks off); all writing happens in throwaway repositories cyclebox creates
+itself. Commits made
 here use a fixed identity and fixed dates so that a replayed cycle reproduces the
 same commit and patch ids.
 """
@@ -54,6 +55,32 @@ def git_dir_of(repo: Path) -> Path:
                           fix="point project.repo at a git repository")
     out = _git(["rev-parse", "--absolute-git-dir"], cwd=repo)
     return Path(out.decode().strip())
+
+
+def toplevel(repo: Path) -> Path | None:
+    """The root of the work tree ``repo`` lies in; None outside any work tree (a bare
+    repository or a ``.git`` directory)."""
+    if _git(["rev-parse", "--is-inside-work-tree"], cwd=repo).decode().strip() != "true":
+        return None
+    return Path(_git(["rev-parse", "--show-toplevel"], cwd=repo).decode().strip())
+
+
+def uncommitted(repo: Path, subdir: str | None = None) -> list[tuple[str, str]]:
+    """(status, path) of every uncommitted change under ``subdir`` of a work tree: staged,
+    unstaged and untracked (ignored files left out). Empty outside a work tree.
+
+    Read only: ``GIT_OPTIONAL_LOCKS=0`` keeps ``git status`` from refreshing the index."""
+    if toplevel(repo) is None:
+        return []
+    out = _git(["status", "--porcelain=v1", "-z", "--untracked-files=all", "--no-renames",
+                "--", (subdir or ".").strip("/") or "."], cwd=repo,
+               extra_env={"GIT_OPTIONAL_LOCKS": "0"})
+    rows = []
+    for entry in out.split(b"\0"):
+        if len(entry) > 3:
+            rows.append((entry[:2].decode("ascii", "replace").strip(),
+                         entry[3:].decode("utf-8", "backslashreplace")))
+    return rows
 
 
 def resolve_tree(repo: Path, ref: str, subdir: str | None = None) -> str:

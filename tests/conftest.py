@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
+from runner.gateway.config import UpstreamPolicy, load_upstreams
 from runner.isolation.policy import RolePolicies, RolePolicy, load_policies
 from runner.isolation.sandbox import Mount, RunRecord
-from runner.paths import default_policies
+from runner.paths import default_policies, default_upstreams
 
 RunFn = Callable[..., RunRecord]
 
@@ -19,6 +20,12 @@ RunFn = Callable[..., RunRecord]
 @pytest.fixture(scope="session")
 def policies() -> RolePolicies:
     return load_policies(default_policies())
+
+
+@pytest.fixture(scope="session")
+def upstreams() -> dict[str, UpstreamPolicy]:
+    """The offline scripted upstreams of policies/upstreams.yaml (what sandbox exec uses)."""
+    return load_upstreams(default_upstreams())
 
 
 @pytest.fixture(scope="session")

@@ -8,12 +8,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from runner import interrupts
 from runner.cli.options import HtmlOpt, JsonOpt, JunitOpt, MarkdownOpt, OutOpt
-from runner.cli.output import LineProgress, err, out, report_error
-from runner.errors import EXIT_INTERRUPTED, ConfigError
+from runner.cli.output import LineProgress, err, out, print_terminal, report_error, report_warning
+from runner.errors import EXIT_INTERRUPTED, ConfigError, CycleboxError
 from runner.termsafe import emit_json, safe
 
 if TYPE_CHECKING:
@@ -42,7 +41,7 @@ def freeze(cycle: Annotated[Path, typer.Argument(help="cycle.yaml")], out_dir: O
     from runner.cycle.plan import freeze as do_freeze
 
     plan, h = do_freeze(cycle, out_dir, images=cycle_images,
-                        upstream_override=_upstream_override(cycle, replay))
+                        upstream_override=_upstream_override(cycle, replay), warn=report_warning)
     if json_out:
         emit_json({"plan": str(out_dir / "plan.json"), "plan_hash": h})
     else:
@@ -75,6 +74,7 @@ def cycle_run(
     from runner.report.files import check_targets, write_outputs
 
     check_targets(junit=junit, markdown=markdown, html=html)
+    froze_here = False
     if plan is None:
         if cycle is None or out_dir is None:
             raise ConfigError("CYCLE and --out are required without --plan",
@@ -83,8 +83,9 @@ def cycle_run(
         # Inputs, credentials, then images: only then is --out created (exclusively).
         do_freeze(cycle, out_dir,
                   images=lambda: cycle_images(check_engine=not prepare_only),
-                  upstream_override=_upstream_override(cycle, replay))
+                  upstream_override=_upstream_override(cycle, replay), warn=report_warning)
         plan = out_dir / "plan.json"
+        froze_here = True
         if prepare_only:
             out.print(f"prepared {safe(plan)}", highlight=False)
             return
@@ -100,8 +101,15 @@ def cycle_run(
                 tasks[stage] = bar.add_task(stage, total=total or 1)
             bar.update(tasks[stage], completed=done if total else 1, total=total or 1)
 
-        runner = CycleRunner(plan, progress=lines or progress)
-        outcome = runner.run()
+        try:
+            outcome = CycleRunner(plan, progress=lines or progress).run()
+        except CycleboxError:
+            # Refused before any stage started (no container ran, nothing to keep): the
+            # --out this command just made is removed, so the corrected rerun can use
+            # the same path.
+            if froze_here and out_dir is not None:
+                _discard_unstarted(out_dir)
+            raise
     failure = outcome.failure
     if failure is not None and failure.reason == "environment_failure":
         # Disk full: no receipt, so that nothing claims a complete run (verify fails).
@@ -126,31 +134,20 @@ def cycle_run(
                    "outcome": receipt["outcome"], "timing": outcome.timings,
                    "report": json.loads(report.model_dump_json(by_alias=True))})
     else:
-        _summary(outcome, receipt)
+        # The report's rows (verdict, reasons, pass counts per arm and split, changes,
+        # cost per role with unknown and fixture costs named), then this run's timing.
+        print_terminal(report, extra=(
+            ("time per stage", ", ".join(f"{k} {v:.1f}s" for k, v in outcome.timings.items())),
+            ("receipt", str(outcome.run_dir / "receipt.json"))))
     raise typer.Exit(EXIT_CODES[result.verdict])
 
 
-def _summary(outcome: Any, receipt: dict[str, Any]) -> None:
-    r = outcome.result
-    colour = {"accept_for_review": "green", "reject": "red"}.get(r.verdict, "yellow")
-    t = Table(title=f"cycle {safe(outcome.run_dir.name)}", show_header=False)
-    t.add_column("k")
-    t.add_column("v", overflow="fold")
-    t.add_row("verdict", f"[bold {colour}]{safe(r.verdict)}[/]")
-    for reason in r.reasons:
-        t.add_row("reason", safe(reason))
-    for c in r.improvements:
-        t.add_row("improved", safe(f"{c.case_id} t{c.trial} {c.criterion}"))
-    for c in r.regressions:
-        t.add_row("regressed", safe(f"{c.case_id} t{c.trial} {c.criterion}"))
-    total = receipt["usage"]["total"]
-    t.add_row("model calls", safe(f"{total['calls']} ({total['ok']} ok), cost "
-                                  f"{total['cost_usd']} USD, complete={total['complete']}"
-                                  + (" [fixture]" if receipt["fixture"] else "")))
-    t.add_row("time per stage", safe(", ".join(f"{k} {v:.1f}s"
-                                               for k, v in outcome.timings.items())))
-    t.add_row("receipt", safe(outcome.run_dir / "receipt.json"))
-    out.print(t)
+def _discard_unstarted(out_dir: Path) -> None:
+    """Remove a run directory whose run never started a stage (plan, inputs, empty logs)."""
+    import shutil
+
+    if not any((out_dir / "stages").glob("*")):
+        shutil.rmtree(out_dir, ignore_errors=True)
 
 
 @app.command("schema")

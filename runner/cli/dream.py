@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -35,7 +35,7 @@ def dream_compare(cycle: Annotated[Path, typer.Argument(help="cycle.yaml with dr
     arms = receipt["arms"]
     for label, key in (("verdict", "verdict"), ("model calls", "model_calls"),
                        ("cost USD", "cost_usd")):
-        t.add_row(label, safe(arms["off"][key], 200), safe(arms["on"][key], 200))
+        t.add_row(label, _shown(arms["off"][key]), _shown(arms["on"][key]))
     for side in ("baseline", "candidate"):
         t.add_row(f"held-out {side}",
                   *[safe(f"{(arms[a]['heldout'][side] or {}).get('passed')}/"
@@ -45,6 +45,13 @@ def dream_compare(cycle: Annotated[Path, typer.Argument(help="cycle.yaml with dr
     t.add_row("dream", "-", safe(f"{d.get('accepted')}/{d.get('requested')} accepted; reasons "
                                  f"{ {k: v for k, v in (d.get('reasons') or {}).items() if v} }"))
     out.print(t)
-    out.print(safe(f"held-out delta {receipt['heldout_delta']}, incremental cost "
-                   f"{receipt['incremental_cost_usd']} USD; {receipt['claim']}"), highlight=False)
+    inc = receipt["incremental_cost_usd"]
+    out.print(safe(f"held-out delta {_shown(receipt['heldout_delta'])}, incremental cost "
+                   f"{'unknown' if inc is None else f'{inc} USD'}; {receipt['claim']}"),
+              highlight=False)
     out.print(f"receipt: {safe(out_dir / 'dream-receipt.json')}", highlight=False)
+
+
+def _shown(v: Any) -> str:
+    """A figure for the terminal: ``unknown`` for a missing value, never ``None``."""
+    return "unknown" if v is None else safe(v, 200)

@@ -47,5 +47,9 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
         table.add_row(*(safe(c, 500) for c in cells))
     out.print(table)
     for role, row in totals["per_role"].items():
-        out.print(safe(f"{role}: {row['calls']} calls, {row['tokens']} tokens, "
-                       f"{row['cost_usd']} USD, complete={row['complete']}"), highlight=False)
+        usd = "unknown" if row["cost_usd"] is None else f"{row['cost_usd']} USD"
+        fixture = sum(r.fixture for r in records if r.role == role)
+        out.print(safe(f"{role}: {row['calls']} calls, {row['tokens']} tokens, {usd}, "
+                       f"complete={row['complete']}"
+                       + (f", {fixture} fixture (scripted, not billed)" if fixture else "")),
+                  highlight=False)

@@ -6,13 +6,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from runner.cli.options import HtmlOpt, JsonOpt, JunitOpt, MarkdownOpt
-from runner.cli.output import out
+from runner.cli.output import print_terminal
 from runner.errors import ConfigError
 from runner.report.files import write_outputs
-from runner.report.model import Report
 from runner.termsafe import emit_json_text
 
 commands = typer.Typer()
@@ -35,20 +33,3 @@ def report_cmd(run_dir: Annotated[Path, typer.Argument(help="A cycle run directo
         emit_json_text(report.model_dump_json(by_alias=True))
         return
     print_terminal(report)
-
-
-def print_terminal(report: Report) -> None:
-    """The two-column terminal summary; every value printed with markup off."""
-    from rich.text import Text
-
-    from runner.report.render import terminal_rows
-    from runner.report.text import one_line
-
-    colour = {"accept_for_review": "green", "reject": "red"}.get(report.verdict, "yellow")
-    t = Table(title=Text(one_line(f"cyclebox report {report.name or ''}")),
-              show_header=False)
-    t.add_column("k")
-    t.add_column("v", overflow="fold")
-    for k, v in terminal_rows(report):
-        t.add_row(Text(k), Text(v, style=f"bold {colour}" if k == "verdict" else ""))
-    out.print(t)

@@ -15,7 +15,7 @@ from runner.cli.options import JsonOpt, PoliciesOpt
 from runner.cli.output import err
 from runner.errors import EXIT_ENGINE, EXIT_OUTPUT_REFUSED, ConfigError
 from runner.isolation.sandbox import RunRecord, StopReason
-from runner.paths import default_policies, state_dir
+from runner.paths import default_policies, default_upstreams, state_dir
 from runner.termsafe import StreamSanitizer, emit_json_text, safe
 
 app = typer.Typer(no_args_is_help=True, help="Run commands in role containers.")
@@ -43,6 +43,9 @@ def sandbox_exec(
         "--out", help="Fresh host directory mounted at /out "
                       "(default: build/runs/<id>/out).")] = None,
     policies: PoliciesOpt = default_policies(),
+    upstreams: Annotated[Path, typer.Option(
+        "--upstreams", help="Upstreams file (schema: 1, upstreams: {...}) for a role that "
+                            "reaches a model.")] = default_upstreams(),
     json_out: JsonOpt = False,
 ) -> None:
     """Run CMD in a ROLE container under that role's policy; exit with its exit code.
@@ -57,6 +60,7 @@ def sandbox_exec(
     """
     from runner.cli.engine import role_image, sandbox
     from runner.gateway.calllog import CallLog
+    from runner.gateway.config import load_upstreams
     from runner.gateway.server import Gateway
     from runner.isolation.policy import load_policies
     from runner.isolation.roles import fresh_output_dir, parse_mount_flag, role_spec
@@ -91,7 +95,7 @@ def sandbox_exec(
     with contextlib.ExitStack() as stack:
         if policy.upstream:
             gateway = stack.enter_context(Gateway(
-                run_dir, run_id, pols.upstreams, {role: policy.upstream}))
+                run_dir, run_id, load_upstreams(upstreams), {role: policy.upstream}))
             binding = stack.enter_context(gateway.bound(role, stage="exec", uid=uid))
             mounts.append(binding.mount())
         spec = role_spec(policy, role=role, run_id=run_id, image=image, command=command,

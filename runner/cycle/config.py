@@ -88,10 +88,13 @@ class CycleFile(Frozen):
     policy: str
     """Comparison policy file (YAML or JSON)."""
     roles: str | None = None
-    """Role policy file (hardening, resources, default upstreams); omitted: the role
-    policies shipped with cyclebox (policies/roles.yaml), so a project carries no copy."""
+    """Role policy file: hardening and resources per role, and which upstream each role
+    may reach; it defines no upstream. Omitted: the role policies shipped with cyclebox
+    (policies/roles.yaml), so a project carries no copy."""
     upstreams: dict[str, UpstreamPolicy] = Field(default_factory=dict)
-    """Overrides for the role file's upstreams (e.g. offline scripts for a demo)."""
+    """The model upstreams, defined here only: target (the analyst's model), optimizer
+    (the worker's) and judge (the evaluator's, used only when ``judge`` is set). Only the
+    upstreams a role of this cycle uses are frozen and have their credentials read."""
     budget: BudgetPolicy = BudgetPolicy()
     """Spending limits over every model call of the run (USD and call counts)."""
     edit: EditSpec
@@ -181,7 +184,7 @@ def check_inputs(cycle: CycleFile, path: Path, base: Path) -> CycleInputs:
                           path=where, field="data_dir",
                           fix="use a directory holding only the data stores")
     repo = dir_at("project.repo", cycle.project.repo, "point project.repo at a git repository "
-                        "(git init && git add -A && git commit -m base)")
+                        f"({GIT_INIT})")
     brief = None
     if cycle.brief.mode == "file":
         if not cycle.brief.file:
@@ -199,6 +202,10 @@ def check_inputs(cycle: CycleFile, path: Path, base: Path) -> CycleInputs:
                        repo=repo, brief=brief)
 
 
+GIT_INIT = "git init && git add -A && git commit -m init"
+"""The fix for a project that is not yet a git repository (run in the project directory)."""
+
+
 def check_repo(repo: Path, ref: str, subdir: str | None, *, path: str | None,
                fields: tuple[str, str, str] = ("project.repo", "project.base_ref",
                                                "project.subdir")) -> str:
@@ -212,8 +219,7 @@ def check_repo(repo: Path, ref: str, subdir: str | None, *, path: str | None,
         usable = False
     if not usable:
         raise ConfigError(f"{show(str(repo))} does not exist or is not a directory", path=path,
-                          field=f_repo, fix="point at a git repository "
-                          "(git init && git add -A && git commit -m base)")
+                          field=f_repo, fix=f"point at a git repository ({GIT_INIT})")
     if not ref or ref.startswith("-") or not ref.isprintable() or any(c.isspace() for c in ref):
         raise ConfigError(f"{show(ref)} is not a git ref", path=path, field=f_ref,
                           fix="use a branch, tag or commit id")
@@ -223,17 +229,27 @@ def check_repo(repo: Path, ref: str, subdir: str | None, *, path: str | None,
 
     try:
         gitops.git_dir_of(repo)
+        top = gitops.toplevel(repo)
     except (ConfigError, OSError):
         raise ConfigError(f"{show(str(repo))} is not a git repository", path=path,
-                          field=f_repo,
-                          fix="git init && git add -A && git commit -m base") from None
+                          field=f_repo, fix=f"cd {show(str(repo))} && {GIT_INIT}") from None
+    if top is not None and top.resolve() != repo.resolve():
+        # git would answer for the enclosing repository: its root tree, not this directory.
+        rel = repo.resolve().relative_to(top.resolve()).as_posix()
+        inner = f"{rel}/{subdir.strip('/')}" if subdir else rel
+        raise ConfigError(f"{show(str(repo))} is not the root of a git repository; it lies "
+                          f"inside {show(str(top))}", path=path, field=f_repo,
+                          fix=f"point at the repository root and the directory inside it "
+                          f"(repo: {show(str(top))}, subdir: {show(inner)}), or make it its "
+                          f"own repository: cd {show(str(repo))} && {GIT_INIT}")
     try:
         gitops.resolve_tree(repo, "HEAD")
     except (ConfigError, OSError):
         if ref == "HEAD":
             raise ConfigError(f"{show(str(repo))} has no commit yet (HEAD does not resolve)",
                               path=path, field=f_ref,
-                              fix="git add -A && git commit -m base") from None
+                              fix=f"cd {show(str(repo))} && git add -A && git commit -m init"
+                              ) from None
     try:
         gitops.resolve_tree(repo, ref)
     except (ConfigError, OSError):
@@ -247,3 +263,29 @@ def check_repo(repo: Path, ref: str, subdir: str | None, *, path: str | None,
         raise ConfigError(f"{show(str(subdir))} is not a directory in {show(ref)} of "
                           f"{show(str(repo))}", path=path, field=f_subdir,
                           fix="a directory committed in the repository at base_ref") from None
+
+
+_STATUS = {"?": "untracked", "M": "modified", "A": "added", "D": "deleted", "R": "renamed",
+           "C": "copied", "T": "type changed", "U": "unmerged"}
+
+
+def uncommitted_warning(repo: Path, ref: str, subdir: str | None, *,
+                        path: str | None, field: str = "project.repo",
+                        limit: int = 5) -> str | None:
+    """A warning naming the uncommitted changes under the project's directory, which the
+    run leaves out (it exports the committed tree of ``ref``); None when there are none."""
+    from runner import gitops
+
+    try:
+        rows = gitops.uncommitted(repo, subdir)
+    except (ConfigError, OSError):
+        return None  # a repository git cannot read was refused by check_repo already
+    if not rows:
+        return None
+    shown = ", ".join(f"{show(p, 80)} ({_STATUS.get(st[:1], st)})" for st, p in rows[:limit])
+    more = f" and {len(rows) - limit} more" if len(rows) > limit else ""
+    where = f"{show(subdir)} in {show(str(repo))}" if subdir else show(str(repo))
+    head = ": ".join(x for x in (path, field) if x)
+    return (f"{head}: {len(rows)} uncommitted change(s) under {where} are not part of the "
+            f"run, which uses the committed tree of {show(ref)}: {shown}{more}. To include "
+            "them: git add -A && git commit")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.cycle.config import DreamSpec, load_cycle
-from runner.cycle.models import Record
+from runner.cycle.models import DEVELOPMENT, Record
 from runner.cycle.plan import check_cycle, freeze, make_fresh_dir, refuse_existing
 from runner.cycle.receipt import build
 from runner.cycle.run import CycleRunner, Progress
@@ -40,7 +40,7 @@ def _arm(cycle: Path, out: Path, *, images: dict[str, str], spec: DreamSpec,
     plan = json.loads((out / "plan.json").read_text())["plan"]
     manifest = json.loads((out / "inputs" / "manifest.json").read_text())
     split = {s["id"]: s["split"] for s in manifest["scenarios"]}
-    cases = {c for c in plan["policy"]["cases"] if split.get(c) != "development"}
+    cases = {c for c in plan["policy"]["cases"] if split.get(c) != DEVELOPMENT}
     stages = out / "stages"
     total = receipt["usage"]["total"]
     return {

@@ -13,9 +13,15 @@ from runner.isolation.sandbox import Frozen
 
 Criterion = Literal["correctness", "evidence", "refusal"]
 CRITERIA: tuple[Criterion, ...] = ("correctness", "evidence", "refusal")
-SPLITS = ("development", "acceptance", "reserved", "train")
-"""The documented splits: development (briefed to the worker), acceptance and reserved
-(held out; never reach the worker), train (dream variants, generated)."""
+DEVELOPMENT = "development"
+"""The split the worker learns from: its failing cases (and only these) go into the brief."""
+TRAIN = "train"
+"""The split of generated dream variants (never written by hand)."""
+SPLITS = (DEVELOPMENT, "acceptance", "reserved", TRAIN)
+"""The documented splits, the only names a manifest may use: development (run on the
+baseline; its failures are briefed to the worker), acceptance and reserved (held out:
+compared, never shown to the worker), train (dream variants, generated). Any other name
+is refused when the manifest is loaded, naming this set."""
 
 
 def check_split(value: str) -> str:

@@ -15,13 +15,12 @@ from runner.gateway.config import UpstreamPolicy
 
 
 def replay_upstreams(cycle_path: Path, recording: Path) -> dict[str, UpstreamPolicy]:
-    """The cycle's upstreams (role policy file's, then the cycle file's own), each answered
-    from ``recording`` (a recorded run directory) instead of its provider."""
-    from runner.cycle.config import load_cycle, roles_file
-    from runner.isolation.policy import load_policies
+    """The cycle file's upstreams, each answered from ``recording`` (a recorded run
+    directory) instead of its provider."""
+    from runner.cycle.config import load_cycle
 
-    cycle, base = load_cycle(cycle_path)
-    ups = {**load_policies(roles_file(cycle, base)).upstreams, **cycle.upstreams}
+    cycle, _ = load_cycle(cycle_path)
+    ups = cycle.upstreams
     return {name: UpstreamPolicy.model_validate(
                 {**up.model_dump(mode="json"), "provider": "replay",
                  "replay_from": str(recording.resolve()), "script": None, "base_url": None,

@@ -25,9 +25,16 @@ from typing import Any
 
 from runner import gitops, interrupts
 from runner.cycle.apply import apply_proposal
-from runner.cycle.brief import build_brief
+from runner.cycle.brief import build_brief, failing_development, nothing_to_brief
 from runner.cycle.compare import compare
-from runner.cycle.models import ComparisonResult, Grades, Identities, Record, Scenario
+from runner.cycle.models import (
+    DEVELOPMENT,
+    ComparisonResult,
+    Grades,
+    Identities,
+    Record,
+    Scenario,
+)
 from runner.cycle.plan import (
     check_drift,
     check_upstreams,
@@ -228,7 +235,7 @@ class CycleRunner:
 
     def _stages(self, o: Outcome) -> Outcome:
         pol = self.plan.policy
-        dev = [s.id for s in self.manifest.scenarios if s.split == "development"]
+        dev = [s.id for s in self.manifest.scenarios if s.split == DEVELOPMENT]
         base_cases = list(dict.fromkeys([*pol.cases, *dev]))
         src = self._stage("export", self._export_base)
         if self.plan.dream.mode != "off":
@@ -294,12 +301,20 @@ class CycleRunner:
         with self._containers_lock:
             self.containers.write(json.dumps(row, sort_keys=True) + "\n")
             self.containers.flush()
-        logs = out.parent / "logs"
-        logs.mkdir(exist_ok=True)
-        name = f"{role}" + (f"-{case}-t{trial}" if case is not None else "")
-        (logs / f"{name}.stdout").write_bytes(safe_text(rec.stdout_tail).encode())
-        (logs / f"{name}.stderr").write_bytes(safe_text(rec.stderr_tail).encode())
+        stderr = _stderr_log(out, role, case, trial)
+        stderr.parent.mkdir(exist_ok=True)
+        stderr.with_suffix(".stdout").write_bytes(safe_text(rec.stdout_tail).encode())
+        stderr.write_bytes(safe_text(rec.stderr_tail).encode())
         return rec
+
+    def _stderr_note(self, rec: RunRecord, out: Path, role: str, case: str | None = None,
+                     trial: int | None = None) -> str:
+        """`` (stderr: LOG, ends: TAIL)`` for a reason: where the container's stderr was
+        kept (relative to the run directory) and its last lines, so a failing case says
+        where to look and what it said."""
+        log = _stderr_log(out, role, case, trial).relative_to(self.dir)
+        tail = stderr_tail(rec.stderr_tail)
+        return f" (stderr: {log}, " + (f"ends: {tail})" if tail else "empty)")
 
     def _fresh(self, path: Path) -> Path:
         return fresh_output_dir(path, uid=self.uid)
@@ -384,15 +399,18 @@ class CycleRunner:
         infra = [c.error for c in calls if c.status == "infra_error"]
         if infra:
             return Record(**common, status="infra_invalid", reason=f"gateway: {infra[0]}")
+        note = self._stderr_note(rec, out, "analyst", sc.id, trial)
         if rec.stop_reason is not StopReason.OK:
             return Record(**common, status="infra_invalid",
-                          reason=f"{rec.stop_reason.value}: {rec.detail}")
+                          reason=f"{rec.stop_reason.value}: {rec.detail}{note}")
         try:
             answer = collect(out, self._limits("analyst")).json("answer.json")
         except OutputRejected as exc:
-            return Record(**common, status="infra_invalid", reason=f"invalid_output: {exc}")
+            return Record(**common, status="infra_invalid",
+                          reason=f"invalid_output: {exc}{note}")
         if not isinstance(answer, dict):
-            return Record(**common, status="infra_invalid", reason="answer.json not an object")
+            return Record(**common, status="infra_invalid",
+                          reason=f"invalid_output: answer.json is not a JSON object{note}")
         return Record(**common, status="ok", answer=answer)
 
     def _evaluate(self, side: str, records: list[Record]) -> list[Record]:
@@ -417,8 +435,8 @@ class CycleRunner:
                                 Mount(source=d / "ref", target="/ref"),
                                 Mount(source=d / "cfg", target="/cfg")])
         if rec.stop_reason is not StopReason.OK:
-            raise StageFailed(f"{stage}: evaluator {rec.stop_reason.value}: {rec.detail} "
-                              f"{rec.stderr_tail[-300:]}")
+            raise StageFailed(f"{stage}: evaluator {rec.stop_reason.value}: {rec.detail}"
+                              + self._stderr_note(rec, out, "evaluator"))
         try:
             raw = collect(out, self._limits("evaluator")).files.get("grades.jsonl", b"")
             rows = [loads_strict(line, source="grades.jsonl")
@@ -433,6 +451,8 @@ class CycleRunner:
         return graded
 
     def _brief(self, baseline: list[Record]) -> str:
+        """The worker's brief; a generated one with no development failure in it ends the
+        cycle here (the worker is not called), with the reason named."""
         d = self.dir / "stages" / "brief"
         d.mkdir(parents=True)
         if self.plan.brief.mode == "file":
@@ -440,6 +460,9 @@ class CycleRunner:
         else:
             text = build_brief(baseline, self.scenarios)
         (d / "brief.md").write_text(text)
+        if self.plan.brief.mode == "generate" and not failing_development(baseline,
+                                                                          self.scenarios):
+            raise StageFailed(nothing_to_brief(baseline, self.scenarios))
         return text
 
     def _base_files(self) -> list[dict[str, Any]]:
@@ -467,8 +490,10 @@ class CycleRunner:
             raise StageFailed(f"no candidate: proposal refused ({err.get('reason')}: "
                               f"{err.get('message')})")
         if rec.stop_reason is not StopReason.OK or "proposal.json" not in got.files:
-            raise StageFailed(f"no candidate: worker {rec.stop_reason.value} {rec.detail} "
-                              f"{rec.stderr_tail[-300:]}")
+            what = (f"{rec.stop_reason.value}: {rec.detail}" if rec.stop_reason is not
+                    StopReason.OK else "exited without writing proposal.json")
+            raise StageFailed(f"no candidate: worker {what}"
+                              + self._stderr_note(rec, out, "worker"))
         proposal: dict[str, Any] = got.json("proposal.json")
         return proposal
 
@@ -502,7 +527,7 @@ class CycleRunner:
         spec = self.plan.dream
         d = self.dir / "stages" / "dream"
         d.mkdir(parents=True)
-        dev = [s for s in self.manifest.scenarios if s.split == "development"]
+        dev = [s for s in self.manifest.scenarios if s.split == DEVELOPMENT]
         key = spec.intent_key
         parents = {s.id: s for s in dev}
         if spec.mode == "template":
@@ -549,6 +574,25 @@ class CycleRunner:
 
     def _leftovers(self) -> list[str]:
         return self.backend.leftovers(self.run_id)
+
+
+def _stderr_log(out: Path, role: str, case: str | None, trial: int | None) -> Path:
+    """Where :meth:`CycleRunner._run` keeps a container's stderr: ``logs/`` beside its
+    output directory, named by role (and case and trial)."""
+    name = role + (f"-{case}-t{trial}" if case is not None else "")
+    return out.parent / "logs" / f"{name}.stderr"
+
+
+STDERR_TAIL_CHARS = 240
+"""Characters of a container's stderr quoted in a reason (its last lines)."""
+
+
+def stderr_tail(text: str, *, lines: int = 3, limit: int = STDERR_TAIL_CHARS) -> str:
+    """The last ``lines`` non-empty lines of ``text`` as one line (`` / `` between them),
+    at most ``limit`` characters (the end kept), control characters escaped."""
+    kept = [ln.strip() for ln in text.splitlines() if ln.strip()][-lines:]
+    flat = one_line(" / ".join(kept), limit=len(" / ".join(kept)) + 1)
+    return flat if len(flat) <= limit else "..." + flat[-(limit - 3):]
 
 
 def _invalid(reason: str) -> ComparisonResult:

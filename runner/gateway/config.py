@@ -12,16 +12,16 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from runner.errors import ConfigError, PrerequisiteError
+from runner.errors import PrerequisiteError
 from runner.isolation.sandbox import Frozen
 
 
 class CredentialSource(Frozen):
     """Where the host reads a provider key: exactly one of an env var name or a file path."""
 
-    env: str | None = None
+    env: str | None = Field(default=None, min_length=1)
     """Name of a host environment variable holding the key."""
-    file: str | None = None
+    file: str | None = Field(default=None, min_length=1)
     """Path of a host file holding the key (first line)."""
 
     @model_validator(mode="after")
@@ -103,13 +103,15 @@ class UpstreamPolicy(Frozen):
     provider: Literal["openai", "scripted", "replay"]
     """openai: any OpenAI-compatible server; scripted: offline fixture replies from a
     script file; replay: byte-exact answers from a recorded call log."""
-    base_url: str | None = None
+    base_url: str | None = Field(default=None, min_length=1)
     """openai: the server's base URL, e.g. https://api.example.com/v1."""
     credential: CredentialSource | None = None
-    """openai: where the host reads the key."""
-    script: str | None = None
-    """scripted: path of the script file (relative paths resolve against the policy file)."""
-    replay_from: str | None = None
+    """openai: where the host reads the key. Read (and required) only when a role of the
+    cycle uses this upstream."""
+    script: str | None = Field(default=None, min_length=1)
+    """scripted: path of the script file (relative paths resolve against the file that
+    defines the upstream, e.g. cycle.yaml)."""
+    replay_from: str | None = Field(default=None, min_length=1)
     """replay: a run directory whose gateway/calls.jsonl is replayed."""
     models: tuple[str, ...] = Field(min_length=1)
     """Model allowlist; any other model is refused and recorded."""
@@ -167,12 +169,43 @@ def read_credential(name: str, src: CredentialSource) -> str:
     return value
 
 
-def resolve_path(value: str, *, base: Path) -> Path:
-    p = Path(value).expanduser()
-    return p if p.is_absolute() else (base / p).resolve()
+class UpstreamsFile(Frozen):
+    """A file of upstream definitions for ``cyclebox sandbox exec`` (a cycle defines its
+    own in cycle.yaml): ``policies/upstreams.yaml`` holds the offline scripted fixtures."""
+
+    schema_: int = Field(alias="schema")
+    """File format version; this code reads version 1."""
+    upstreams: dict[str, UpstreamPolicy]
+    """Upstream name (target, optimizer, judge) -> provider settings; credential names only."""
 
 
-def check_script(path: Path, *, field: str) -> None:
-    if not path.is_file():
-        raise ConfigError(f"script {path} does not exist", field=field,
-                          fix="point to a scripted-provider YAML file")
+UPSTREAMS_FIX = ("a mapping with schema: 1 and upstreams: {NAME: {provider: ..., models: "
+                 "[...]}} (the same keys as cycle.yaml's upstreams)")
+
+
+def load_upstreams(path: Path) -> dict[str, UpstreamPolicy]:
+    """Upstreams from an upstreams file; script and replay paths resolved against it and
+    every script loaded. ConfigError naming the file and field otherwise."""
+    from runner.gateway.providers import load_script
+    from runner.loading import checked_path, load_model, resolve_under, show
+
+    doc = load_model(path, UpstreamsFile, fmt="yaml", what="upstreams file", schema=1,
+                     fix=UPSTREAMS_FIX)
+    where, base = show(str(path)), path.resolve().parent
+    out: dict[str, UpstreamPolicy] = {}
+    for name, up in doc.upstreams.items():
+        field = f"upstreams.{name}"
+        upd: dict[str, str] = {}
+        if up.script:
+            fix = "point to a scripted-provider YAML file, relative to this file"
+            script = checked_path(resolve_under(base, up.script, path=where,
+                                                field=f"{field}.script", fix=fix),
+                                  kind="file", path=where, field=f"{field}.script", fix=fix)
+            load_script(script, ref=(where, f"{field}.script"))
+            upd["script"] = str(script)
+        if up.replay_from:
+            upd["replay_from"] = str(resolve_under(base, up.replay_from, path=where,
+                                                   field=f"{field}.replay_from",
+                                                   fix="point at a finished run directory"))
+        out[name] = up.model_copy(update=upd)
+    return out

@@ -17,16 +17,17 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from runner.errors import ConfigError, PolicyViolation
-from runner.gateway.config import UpstreamPolicy, resolve_path
 from runner.isolation.sandbox import Frozen
 from runner.isolation.seccomp import load_profile
-from runner.loading import check_schema, checked_path, load_data, resolve_under, show, validate
+from runner.loading import check_schema, load_data, show, validate
 
 SCHEMA_VERSION = 1
 ROLES = ("analyst", "worker", "evaluator", "apply", "trainer")
 ROLE_UPSTREAM = {"analyst": "target", "worker": "optimizer", "evaluator": "judge"}
 """The only upstream each model-using role may name: the worker spends optimizer
-credentials only, the analyst target credentials only, the judge its own."""
+credentials only, the analyst target credentials only, the judge its own. The upstreams
+themselves (provider, models, prices, credential names) are defined in the cycle file
+only; this file says which role may reach which of them."""
 
 # CIS Docker Benchmark 5.5 lists these; the engine's own state and sockets join them.
 SENSITIVE_HOST_PATHS = (
@@ -111,7 +112,9 @@ class RolePolicy(Frozen):
     mounts: tuple[PolicyMount, ...] = ()
     """Fixed read-only input mounts."""
     upstream: str | None = None
-    """Model upstream reached through the gateway (see ROLE_UPSTREAM); none: no model access."""
+    """Model upstream this role may reach through the gateway (see ROLE_UPSTREAM); none: no
+    model access. Its definition comes from the cycle file's ``upstreams``; a cycle that
+    does not use it (e.g. no ``judge:``) mounts no gateway socket into the role."""
     # Fields below exist so that a policy asking for them is refused by name
     # rather than silently ignored.
     network: str = "none"
@@ -150,14 +153,12 @@ class RolePolicy(Frozen):
 
 
 class RolePolicies(Frozen):
-    """The whole ``roles.yaml``."""
+    """The whole ``roles.yaml``: hardening and resources per role, nothing else."""
 
     schema_: int = Field(alias="schema")
     """File format version; this code reads version 1."""
     roles: dict[str, RolePolicy]
     """Role name -> policy."""
-    upstreams: dict[str, UpstreamPolicy] = Field(default_factory=dict)
-    """Upstream name (target, optimizer, judge) -> provider settings; credential names only."""
 
 
 def _is_within(path: PurePosixPath, parent: PurePosixPath) -> bool:
@@ -286,9 +287,18 @@ def memory_needed(p: RolePolicy) -> int:
     return sum(p.tmpfs.values()) + p.output_cap + SHM_BYTES + MEMORY_HEADROOM
 
 
+UPSTREAMS_MOVED = ("model upstreams are defined in the cycle file, not the role policy "
+                   "file (which carries hardening only)")
+UPSTREAMS_MOVED_FIX = ("move this upstreams: mapping into cycle.yaml (same keys; script "
+                       "paths then resolve against the cycle file) and delete it here")
+
+
 def parse_policies(data: Any, *, path: str) -> RolePolicies:
     """Validate parsed YAML into policies, refusing forbidden settings by field."""
     check_schema(data, SCHEMA_VERSION, path=path)
+    if isinstance(data, dict) and "upstreams" in data:
+        raise ConfigError(UPSTREAMS_MOVED, path=path, field="upstreams",
+                          fix=UPSTREAMS_MOVED_FIX)
     pols = validate(RolePolicies, data, path=path, fix=POLICIES_FIX)
     for role, pol in pols.roles.items():
         if pol.upstream is not None:
@@ -299,10 +309,6 @@ def parse_policies(data: Any, *, path: str) -> RolePolicies:
                     + (f"; only {allowed!r}" if allowed else "; it has no model access"),
                     path=path, field=f"roles.{role}.upstream",
                     fix=f"set upstream: {allowed}" if allowed else "remove upstream")
-            if pol.upstream not in pols.upstreams:
-                raise ConfigError(f"upstream {pol.upstream!r} is not defined", path=path,
-                                  field=f"roles.{role}.upstream",
-                                  fix=f"add upstreams.{pol.upstream} to the file")
         problems = policy_violations(role, pol)
         if problems:
             field, reason, fix = problems[0]
@@ -312,36 +318,17 @@ def parse_policies(data: Any, *, path: str) -> RolePolicies:
 
 
 def load_policies(path: Path, *, ref: tuple[str, str] | None = None) -> RolePolicies:
-    """Read and validate a roles file; relative script/replay paths resolve against it, and
-    every script must exist and load."""
-    from runner.gateway.providers import load_script
-
+    """Read and validate a roles file; a relative seccomp path resolves against it."""
     data = load_data(path, fmt="yaml", what="role policy file", ref=ref,
                      fix="pass an existing roles.yaml (default policies/roles.yaml)")
-    where = show(str(path))
-    pols = parse_policies(data, path=where)
+    pols = parse_policies(data, path=show(str(path)))
     base = path.resolve().parent
     roles = dict(pols.roles)
     for name, pol in pols.roles.items():
         if pol.seccomp:
             # Checked now so a bad profile is refused by field before any work starts.
-            prof = load_profile(resolve_path(pol.seccomp, base=base),
+            seccomp = Path(pol.seccomp).expanduser()
+            prof = load_profile(seccomp if seccomp.is_absolute() else (base / seccomp).resolve(),
                                 field=f"roles.{name}.seccomp")
             roles[name] = pol.model_copy(update={"seccomp": prof.path})
-    fixed = {}
-    for name, up in pols.upstreams.items():
-        upd: dict[str, str] = {}
-        field = f"upstreams.{name}"
-        if up.script:
-            fix = "point to a scripted-provider YAML file"
-            script = checked_path(resolve_under(base, up.script, path=where,
-                                                field=f"{field}.script", fix=fix),
-                                  kind="file", path=where, field=f"{field}.script", fix=fix)
-            load_script(script, ref=(where, f"{field}.script"))
-            upd["script"] = str(script)
-        if up.replay_from:
-            upd["replay_from"] = str(resolve_under(base, up.replay_from, path=where,
-                                                   field=f"{field}.replay_from",
-                                                   fix="point at a finished run directory"))
-        fixed[name] = up.model_copy(update=upd)
-    return pols.model_copy(update={"upstreams": fixed, "roles": roles})
+    return pols.model_copy(update={"roles": roles})

@@ -115,8 +115,9 @@ print(json.dumps(out))
 
 
 def test_scripted_provider_from_inside_a_container(tmp_path: Path, policies: RolePolicies,
+                                                   upstreams: dict[str, Any],
                                                    backend: Any) -> None:
-    with Gateway(tmp_path, "gwtest", dict(policies.upstreams), {"analyst": "target"}) as gw:
+    with Gateway(tmp_path, "gwtest", dict(upstreams), {"analyst": "target"}) as gw:
         rec = run_in_role(gw, policies, backend, "analyst",
                           CALL % "[('fixture-target', False), ('fixture-target', True)]")
     assert rec.stop_reason is StopReason.OK, rec.stderr_tail
@@ -226,10 +227,10 @@ def test_canary_key_never_reaches_the_container(tmp_path: Path, policies: RolePo
 
 
 def test_foreign_token_and_model_refused(tmp_path: Path, policies: RolePolicies,
-                                         backend: Any) -> None:
+                                         upstreams: dict[str, Any], backend: Any) -> None:
     alien = tmp_path / "alien"
     alien.mkdir()
-    with Gateway(tmp_path / "run", "gwtest", dict(policies.upstreams),
+    with Gateway(tmp_path / "run", "gwtest", dict(upstreams),
                  {"analyst": "target", "worker": "optimizer"}) as gw:
         (alien / "token").write_text(gw.token_for("analyst"))
         os.chmod(alien, 0o755)

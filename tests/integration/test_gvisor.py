@@ -186,7 +186,7 @@ print(json.dumps({"reply": reply, "hits": hits}))
 
 
 def test_gateway_via_openai_sdk_and_no_credential_visible(
-        tmp_path: Path, policies: RolePolicies, backend: Any,
+        tmp_path: Path, policies: RolePolicies, upstreams: dict[str, Any], backend: Any,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The real openai SDK reaches the gateway socket through gVisor (--host-uds=open);
     a canary credential on the host (env var and key file) is nowhere inside."""
@@ -195,7 +195,7 @@ def test_gateway_via_openai_sdk_and_no_credential_visible(
     keyfile = tmp_path / "keys" / "judge.key"
     keyfile.parent.mkdir()
     keyfile.write_text(canary + "\n")
-    ups = dict(policies.upstreams)
+    ups = dict(upstreams)
     ups["judge"] = ups["judge"].model_copy(update={
         "credential": CredentialSource(file=str(keyfile))})
     policy = policies.roles["analyst"].model_copy(update={"runtime": "runsc"})
@@ -224,8 +224,6 @@ def test_doctor_probes_seccomp_under_runsc_when_a_policy_asks(tmp_path: Path) ->
     from runner.paths import PROJECT_ROOT
 
     doc = yaml.safe_load((PROJECT_ROOT / "policies" / "roles.yaml").read_text())
-    for up in doc["upstreams"].values():
-        up["script"] = str(PROJECT_ROOT / "policies" / up["script"])
     doc["roles"]["analyst"]["runtime"] = "runsc"
     roles = tmp_path / "roles.yaml"
     roles.write_text(yaml.safe_dump(doc))

@@ -55,7 +55,8 @@ def test_the_cycle_file_checks_out_once_committed_and_uses_the_shipped_roles(
     gitops.init_fixed(project, "base")
     checked = check_cycle(project / "cycle.yaml")
     assert checked.inputs.roles == default_policies()
-    assert set(checked.upstreams) == {"target", "optimizer", "judge"}
+    # only the upstreams a role of this cycle uses; no judge is configured
+    assert set(checked.upstreams) == {"target", "optimizer"}
     assert set(checked.policy.cases) == {s.id for s in checked.manifest.scenarios}
 
 
