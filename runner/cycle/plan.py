@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import fnmatch
 import json
 import os
 import shutil
@@ -44,7 +45,7 @@ from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_js
 from runner.isolation.policy import ROLE_UPSTREAM, RolePolicies, RolePolicy, load_policies
 from runner.isolation.sandbox import Frozen
 from runner.isolation.seccomp import load_profile
-from runner.loading import is_inside, load_data, load_model, show, validate
+from runner.loading import is_inside, load_data, load_model, relative_inside, show, validate
 from runner.paths import sandbox_src
 from sandbox.proposal import Refused, check_changes, check_path
 
@@ -169,6 +170,37 @@ class _Checked:
     tree: str
     upstreams: dict[str, UpstreamPolicy]
     """Upstreams the roles use, scripts and replay paths resolved to the originals."""
+    requirements: str | None = None
+    """The agent's checked requirement lines (project.requirements), if it declares any."""
+
+
+AGENT_REQUIREMENTS = "agent-requirements.txt"
+"""The inputs/ copy of the agent's checked requirement lines."""
+
+
+def _agent_requirements(cycle: CycleFile, repo: Path, tree: str, where: str) -> str | None:
+    """project.requirements read from the frozen base tree and checked; None when absent.
+
+    Refused when the edit allowlist covers it: baseline and candidate run in one derived
+    image, built from the base tree's requirements."""
+    if cycle.project.requirements is None:
+        return None
+    from runner import gitops
+    from runner.isolation.docker.agent_image import check_requirements
+
+    field = "project.requirements"
+    fix = ("a pip requirements file committed in the agent's source tree, relative to "
+           "project.subdir")
+    rel = relative_inside(cycle.project.requirements, path=where, field=field, fix=fix)
+    if any(fnmatch.fnmatchcase(rel, g) for g in cycle.edit.allowlist):
+        raise ConfigError(f"{rel} matches edit.allowlist, but the agent's requirements are "
+                          "installed once, from the base tree, for both arms", path=where,
+                          field=field, fix="keep the requirements file outside edit.allowlist")
+    data = gitops.read_blob(repo, tree, rel)
+    if data is None:
+        raise ConfigError(f"{rel} is not a file in the base tree {tree[:12]}", path=where,
+                          field=field, fix=fix)
+    return check_requirements(data, source=rel, path=where, field=field)
 
 
 def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy] | None = None,
@@ -212,8 +244,9 @@ def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy
                               f"allowlist {list(allowed)}", path=where, field=field,
                               fix=f"use one of {list(allowed)} or add it to "
                               f"upstreams.{up_name}.models")
+    requirements = _agent_requirements(cycle, inputs.repo, tree, where)
     return _Checked(cycle=cycle, inputs=inputs, manifest=manifest, policy=policy, pols=pols,
-                    tree=tree, upstreams=frozen)
+                    tree=tree, upstreams=frozen, requirements=requirements)
 
 
 def check_upstreams(upstreams: dict[str, UpstreamPolicy], *, path: str,
@@ -238,13 +271,16 @@ def check_upstreams(upstreams: dict[str, UpstreamPolicy], *, path: str,
 def freeze(cycle_path: Path, out: Path, *, images: ImagesArg,
            upstream_override: dict[str, UpstreamPolicy] | None = None,
            dream_override: DreamSpec | None = None,
-           check_credentials: bool = True) -> tuple[Plan, str]:
+           check_credentials: bool = True,
+           log: Callable[[str], None] | None = None) -> tuple[Plan, str]:
     """Write ``out/plan.json``; return (plan, plan_hash).
 
     Every input, credential and image is checked first; only then is ``out`` created, with
     an exclusive mkdir (an existing directory is refused, and of two racers one wins and
     the other gets that refusal). A failure while writing removes ``out`` again, so the
-    corrected rerun can use the same path.
+    corrected rerun can use the same path. A project with ``project.requirements`` gets
+    the analyst image derived for them (built offline when missing, ``log`` hears the
+    steps), and the plan freezes that image's id as the analyst's.
     """
     refuse_existing(out)
     c = check_cycle(cycle_path, upstream_override=upstream_override,
@@ -253,6 +289,12 @@ def freeze(cycle_path: Path, out: Path, *, images: ImagesArg,
     missing = [r for r in CYCLE_ROLES if r not in image_ids]
     if missing:
         raise PrerequisiteError(f"no image for roles {missing}. Fix: cyclebox images build")
+    if c.requirements is not None:
+        from runner.isolation.docker.agent_image import ensure_agent_image
+
+        agent = ensure_agent_image(image_ids["analyst"], c.requirements,
+                                   log or (lambda _line: None))
+        image_ids = {**image_ids, "analyst": agent.id}
     created = make_fresh_dir(out)
     try:
         return _write_frozen(c, cycle_path, out, image_ids, dream_override)
@@ -284,6 +326,9 @@ def _write_frozen(c: _Checked, cycle_path: Path, out: Path, images: dict[str, st
         frozen_ups[name] = up
         up_ids[name] = sha256_bytes(canonical_bytes(
             up.model_dump(mode="json", exclude={"script", "replay_from"})) + extra)
+    if c.requirements is not None:
+        (inputs_dir / AGENT_REQUIREMENTS).write_text(c.requirements)
+        table[AGENT_REQUIREMENTS] = sha256_file(inputs_dir / AGENT_REQUIREMENTS)
     brief_sha = None
     if c.inputs.brief is not None:
         dest = _copy_input(c.inputs.brief, inputs_dir, "brief.md", table)
