@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -37,11 +38,12 @@ def _upstream_override(cycle: Path, replay: Path | None) -> dict[str, UpstreamPo
 def freeze(cycle: Annotated[Path, typer.Argument(help="cycle.yaml")], out_dir: OutOpt,
            replay: ReplayOpt = None, json_out: JsonOpt = False) -> None:
     """Freeze a cycle into OUT/plan.json (refuses an existing OUT)."""
-    from runner.cli.engine import cycle_images
+    from runner.cli.engine import cycle_images, derive_analyst
     from runner.cycle.plan import freeze as do_freeze
 
     plan, h = do_freeze(cycle, out_dir, images=cycle_images,
-                        upstream_override=_upstream_override(cycle, replay), warn=report_warning)
+                        upstream_override=_upstream_override(cycle, replay), warn=report_warning,
+                        derive_analyst=_derive(derive_analyst))
     if json_out:
         emit_json({"plan": str(out_dir / "plan.json"), "plan_hash": h})
     else:
@@ -66,7 +68,7 @@ def cycle_run(
     Exit 0 accept_for_review, 1 reject, 2 invalid_comparison; 3 bad input, 5 missing
     prerequisite, 6 engine lost, 9 disk full, 130 interrupted (each after writing the
     verdict and receipt when it can), 10 unexpected; `cyclebox --help` has the table."""
-    from runner.cli.engine import cycle_images
+    from runner.cli.engine import cycle_images, derive_analyst
     from runner.cycle.compare import EXIT_CODES
     from runner.cycle.plan import freeze as do_freeze
     from runner.cycle.receipt import build
@@ -83,7 +85,8 @@ def cycle_run(
         # Inputs, credentials, then images: only then is --out created (exclusively).
         do_freeze(cycle, out_dir,
                   images=lambda: cycle_images(check_engine=not prepare_only),
-                  upstream_override=_upstream_override(cycle, replay), warn=report_warning)
+                  upstream_override=_upstream_override(cycle, replay), warn=report_warning,
+                        derive_analyst=_derive(derive_analyst))
         plan = out_dir / "plan.json"
         froze_here = True
         if prepare_only:
@@ -140,6 +143,14 @@ def cycle_run(
             ("time per stage", ", ".join(f"{k} {v:.1f}s" for k, v in outcome.timings.items())),
             ("receipt", str(outcome.run_dir / "receipt.json"))))
     raise typer.Exit(EXIT_CODES[result.verdict])
+
+
+def _derive(build: Callable[..., str]) -> Callable[[str, str], str]:
+    """The derived-image builder for freeze, its steps printed on stderr."""
+    def log(line: str) -> None:
+        err.print(safe(line, 300), highlight=False)
+
+    return lambda analyst_id, requirements: build(analyst_id, requirements, log=log)
 
 
 def _discard_unstarted(out_dir: Path) -> None:

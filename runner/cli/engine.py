@@ -8,6 +8,8 @@ and never import the Docker backend.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from runner.errors import PrerequisiteError
 from runner.isolation.sandbox import Sandbox
 
@@ -39,3 +41,12 @@ def cycle_images(*, check_engine: bool = False) -> dict[str, str]:
             raise PrerequisiteError(f"images for {gone} are in the lock file but not in the "
                                     "engine. Fix: cyclebox images build")
     return ids
+
+
+def derive_analyst(analyst_id: str, requirements: str, *,
+                   log: Callable[[str], None]) -> str:
+    """Id of the analyst image extended with a project's checked requirements, built
+    offline on first use (``log`` hears the steps) and reused while unchanged."""
+    from runner.isolation.docker.agent_image import ensure_agent_image
+
+    return ensure_agent_image(analyst_id, requirements, log).id

@@ -28,6 +28,10 @@ class ProjectSpec(Frozen):
     """Directory inside the repository that is the agent's source tree."""
     entry: tuple[str, ...] = Field(min_length=1)
     """Command run in the analyst container; the source tree is mounted at /src."""
+    requirements: str | None = None
+    """The agent's own pip requirements: a file in the source tree (relative to subdir),
+    read from the frozen base tree. The analyst then runs in an image derived from the
+    analyst image with these packages (docs/agent-dependencies.md)."""
 
 
 class EditSpec(Frozen):

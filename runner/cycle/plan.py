@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import fnmatch
 import json
 import os
 import shutil
@@ -52,7 +53,7 @@ from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_js
 from runner.isolation.policy import RolePolicies, RolePolicy, load_policies
 from runner.isolation.sandbox import Frozen
 from runner.isolation.seccomp import load_profile
-from runner.loading import is_inside, load_data, load_model, show, validate
+from runner.loading import is_inside, load_data, load_model, relative_inside, show, validate
 from runner.paths import sandbox_src
 from sandbox.proposal import Refused, check_changes, check_path
 
@@ -181,6 +182,38 @@ class _Checked:
     warnings: tuple[str, ...] = ()
     """Things the operator should know that do not stop the cycle (uncommitted edits)."""
 
+    requirements: str | None = None
+    """The agent's checked requirement lines (project.requirements), if it declares any."""
+
+
+AGENT_REQUIREMENTS = "agent-requirements.txt"
+"""The inputs/ copy of the agent's checked requirement lines."""
+
+
+def _agent_requirements(cycle: CycleFile, repo: Path, tree: str, where: str) -> str | None:
+    """project.requirements read from the frozen base tree and checked; None when absent.
+
+    Refused when the edit allowlist covers it: baseline and candidate run in one derived
+    image, built from the base tree's requirements."""
+    if cycle.project.requirements is None:
+        return None
+    from runner import gitops
+    from runner.requirements import check_requirements
+
+    field = "project.requirements"
+    fix = ("a pip requirements file committed in the agent's source tree, relative to "
+           "project.subdir")
+    rel = relative_inside(cycle.project.requirements, path=where, field=field, fix=fix)
+    if any(fnmatch.fnmatchcase(rel, g) for g in cycle.edit.allowlist):
+        raise ConfigError(f"{rel} matches edit.allowlist, but the agent's requirements are "
+                          "installed once, from the base tree, for both arms", path=where,
+                          field=field, fix="keep the requirements file outside edit.allowlist")
+    data = gitops.read_blob(repo, tree, rel)
+    if data is None:
+        raise ConfigError(f"{rel} is not a file in the base tree {tree[:12]}", path=where,
+                          field=field, fix=fix)
+    return check_requirements(data, source=rel, path=where, field=field)
+
 
 def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy] | None = None,
                 check_credentials: bool = True) -> _Checked:
@@ -233,7 +266,8 @@ def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy
     roles = {r: pols.roles[r].model_copy(update={"upstream": role_upstream.get(r)})
              for r in CYCLE_ROLES}
     return _Checked(cycle=cycle, inputs=inputs, manifest=manifest, policy=policy, roles=roles,
-                    tree=tree, upstreams=frozen, warnings=(dirty,) if dirty else ())
+                    tree=tree, upstreams=frozen, warnings=(dirty,) if dirty else (),
+                    requirements=_agent_requirements(cycle, inputs.repo, tree, where))
 
 
 def used_upstreams(cycle: CycleFile, pols: RolePolicies, *, path: str,
@@ -280,14 +314,18 @@ def freeze(cycle_path: Path, out: Path, *, images: ImagesArg,
            upstream_override: dict[str, UpstreamPolicy] | None = None,
            dream_override: DreamSpec | None = None,
            check_credentials: bool = True,
-           warn: Callable[[str], None] | None = None) -> tuple[Plan, str]:
+           warn: Callable[[str], None] | None = None,
+           derive_analyst: Callable[[str, str], str] | None = None) -> tuple[Plan, str]:
     """Write ``out/plan.json``; return (plan, plan_hash).
 
     Every input, credential and image is checked first; only then is ``out`` created, with
     an exclusive mkdir (an existing directory is refused, and of two racers one wins and
     the other gets that refusal). A failure while writing removes ``out`` again, so the
     corrected rerun can use the same path. ``warn`` is given each warning the checks
-    found (e.g. uncommitted changes the run leaves out).
+    found (e.g. uncommitted changes the run leaves out). A project with
+    ``project.requirements`` gets the analyst image ``derive_analyst(analyst_id,
+    requirements)`` returns (the caller's backend builds it offline when missing), and the
+    plan freezes that image's id as the analyst's.
     """
     refuse_existing(out)
     c = check_cycle(cycle_path, upstream_override=upstream_override,
@@ -299,6 +337,13 @@ def freeze(cycle_path: Path, out: Path, *, images: ImagesArg,
     missing = [r for r in CYCLE_ROLES if r not in image_ids]
     if missing:
         raise PrerequisiteError(f"no image for roles {missing}. Fix: cyclebox images build")
+    if c.requirements is not None:
+        if derive_analyst is None:
+            raise PrerequisiteError("project.requirements is set but this caller cannot build "
+                                    "the derived analyst image. Fix: run the cycle with "
+                                    "`cyclebox cycle run`")
+        image_ids = {**image_ids, "analyst": derive_analyst(image_ids["analyst"],
+                                                             c.requirements)}
     created = make_fresh_dir(out)
     try:
         return _write_frozen(c, cycle_path, out, image_ids, dream_override)
@@ -330,6 +375,9 @@ def _write_frozen(c: _Checked, cycle_path: Path, out: Path, images: dict[str, st
         frozen_ups[name] = up
         up_ids[name] = sha256_bytes(canonical_bytes(
             up.model_dump(mode="json", exclude={"script", "replay_from"})) + extra)
+    if c.requirements is not None:
+        (inputs_dir / AGENT_REQUIREMENTS).write_text(c.requirements)
+        table[AGENT_REQUIREMENTS] = sha256_file(inputs_dir / AGENT_REQUIREMENTS)
     brief_sha = None
     if c.inputs.brief is not None:
         dest = _copy_input(c.inputs.brief, inputs_dir, "brief.md", table)
