@@ -5,11 +5,11 @@ The server's replies come from a rules file generated from the bundled example's
 scripts, so the cycle reaches the same verdict as the offline demo; every rule also
 requires ``Authorization: Bearer <canary>``, and a last catch-all rule answers 401, so
 a call that reached the server without the real key cannot pass unnoticed. The test
-shows: every model call is in the run's call log and nowhere else (the server's own
-count agrees); the key reaches only the server (no container's inspect data, no
-container's files or environment, no file of the run holds it); costs are the
-server's reported usage times the cycle's prices; a replay of the recorded run, with
-no key and no server call, reproduces the outcome hashes.
+shows: every model call is in the run's call log (the server's own count agrees); the
+key reaches only the server (no container's inspect data, no container's files or
+environment, no file of the run holds it); costs are the server's reported usage times
+the cycle's prices; a replay of the recorded run, with no key and no server call,
+reproduces the outcome hashes.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -158,9 +159,8 @@ class Inspector:
             if labels.get("io.cyclebox.run_id", "").startswith(self.prefix):
                 self.seen[cid] = res.stdout
 
-    def roles(self) -> Counter[str]:
-        return Counter(json.loads(doc)[0]["Config"]["Labels"]["io.cyclebox.role"]
-                       for doc in self.seen.values())
+    def names(self) -> set[str]:
+        return {json.loads(doc)[0]["Name"].lstrip("/") for doc in self.seen.values()}
 
     def close(self) -> None:
         self.proc.terminate()
@@ -331,16 +331,18 @@ def test_every_call_is_in_the_call_log_and_the_server_agrees(recorded: dict[str,
 
 def test_key_reaches_only_the_server(recorded: dict[str, Any]) -> None:
     run, canary, inspector = recorded["run"], recorded["canary"], recorded["inspected"]
-    # the engine's view of each container: env, mounts, labels, command
-    roles = inspector.roles()
-    assert roles["analyst"] >= 1 and roles["worker"] == 1 and roles["evaluator"] == 2, roles
+    cases = len(json.loads((EXAMPLE / "manifest.json").read_text())["scenarios"])
+    # the engine's view (env, mounts, labels, command) of every container the run started
+    started = [json.loads(line) for line in (run / "containers.jsonl").read_text().splitlines()]
+    assert Counter(c["role"] for c in started) == {"analyst": 2 * cases, "evaluator": 2,
+                                                   "worker": 1, "apply": 1}
+    assert inspector.names() == {c["container_name"] for c in started}, inspector.missed
     for doc in inspector.seen.values():
         assert canary not in doc and "cbxcanary" not in doc
     # from inside: every analyst container scanned its env, /proc/*/environ and files
     scans = [json.loads(p.read_text()) for p in sorted(
         (run / "stages").glob("*/cases/*/out/canary-scan.json"))]
-    assert len(scans) == 2 * len(json.loads((EXAMPLE / "manifest.json").read_text())
-                                 ["scenarios"])
+    assert len(scans) == 2 * cases
     assert all(s["hits"] == [] for s in scans), [s["hits"] for s in scans if s["hits"]]
     assert all(s["scanned"] > 0 and s["probe"] == ["/src/agent.py"] for s in scans), scans
     full = [s for s in scans if s["full"]]
@@ -351,6 +353,26 @@ def test_key_reaches_only_the_server(recorded: dict[str, Any]) -> None:
             assert canary.encode() not in f.read_bytes(), f"canary in {f}"
     # ... yet the server got it on every call (no request fell through to the 401 rule)
     assert sum(recorded["stats"]["by_rule"].values()) == len(records(run)) > 0
+
+
+def test_the_server_answers_no_other_key(recorded: dict[str, Any]) -> None:
+    """The rules really discriminate: without the canary key the call is refused."""
+    body = json.dumps({"model": MODELS["judge"],
+                       "messages": [{"role": "user", "content": "grade"}]}).encode()
+
+    def status(key: str | None) -> int:
+        headers = {"Content-Type": "application/json"}
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        req = urllib.request.Request(recorded["server"].url + "/v1/chat/completions",
+                                     data=body, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    assert [status(k) for k in (None, "sk-" + "0" * 32, recorded["canary"])] == [401, 401, 200]
 
 
 def fakellm_tokens(text: str) -> int:
