@@ -385,10 +385,9 @@ def _write_frozen(c: _Checked, cycle_path: Path, out: Path, images: dict[str, st
     scorer = sha256_file(sandbox_src() / "evaluator.py")
     judge_id = None
     if cycle.judge:
-        from sandbox.evaluator import JUDGE_PROMPT
-
-        judge_id = sha256_json({"judge": cycle.judge.model_dump(mode="json"),
-                                "prompt": JUDGE_PROMPT, "upstream": up_ids.get("judge")})
+        judge_up = c.upstreams.get("judge")
+        judge_id = judge_identity(cycle.judge, up_ids.get("judge"),
+                                  replay_from=judge_up.replay_from if judge_up else None)
     policy = policy.model_copy(update={"identities": Identities(
         data_hash=manifest.data_hash, reference_hash=manifest.reference_hash, scorer=scorer,
         judge=judge_id)})
@@ -408,6 +407,31 @@ def _write_frozen(c: _Checked, cycle_path: Path, out: Path, images: dict[str, st
         "inputs": table})
     plan_hash = write_plan(plan, out / "plan.json")
     return plan, plan_hash
+
+
+def judge_identity(judge: JudgeSpec, upstream_id: str | None, *,
+                   replay_from: str | None = None) -> str:
+    """The judge's identity (spec, prompt, upstream), frozen into the comparison policy
+    and every graded record.
+
+    A replay answers the judge's calls with the recorded bytes, so its judge *is* the
+    recorded one: it keeps the ``judge_id`` of the recorded plan when that plan froze the
+    same judge spec (a changed prompt changes the request bytes, which then miss).
+    Otherwise the replay upstream's own id (its log's bytes) would make every replayed
+    record differ from the recorded one.
+    """
+    from sandbox.evaluator import JUDGE_PROMPT
+
+    spec = judge.model_dump(mode="json")
+    if replay_from is not None:
+        try:
+            recorded = json.loads((Path(replay_from) / "plan.json").read_text())["plan"]
+        except (OSError, ValueError, KeyError, TypeError):
+            recorded = None
+        if (isinstance(recorded, dict) and recorded.get("judge") == spec
+                and isinstance(recorded.get("judge_id"), str)):
+            return str(recorded["judge_id"])
+    return sha256_json({"judge": spec, "prompt": JUDGE_PROMPT, "upstream": upstream_id})
 
 
 def _freeze_seccomp(role: str, pol: RolePolicy, inputs: Path,

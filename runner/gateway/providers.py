@@ -38,11 +38,22 @@ class ProviderResult:
     been charged, so the cost is a known zero rather than unknown."""
 
 
+@dataclass(frozen=True)
+class CallSite:
+    """Where a call comes from: its container's binding and its turn on that socket."""
+
+    role: str
+    stage: str
+    case: str | None
+    trial: int | None
+    turn: int
+
+
 class Provider(Protocol):
     name: str
 
     async def call(self, request: bytes, body: dict[str, Any], *, role: str,
-                   stream: bool) -> ProviderResult: ...
+                   stream: bool, site: CallSite | None = None) -> ProviderResult: ...
 
     async def aclose(self) -> None: ...
 
@@ -116,7 +127,7 @@ class OpenAIProvider:
         self._key = key
 
     async def call(self, request: bytes, body: dict[str, Any], *, role: str,
-                   stream: bool) -> ProviderResult:
+                   stream: bool, site: CallSite | None = None) -> ProviderResult:
         headers = {"Authorization": f"Bearer {self._key}", "Content-Type": "application/json",
                    "Accept": "text/event-stream" if stream else "application/json"}
         try:
@@ -305,7 +316,7 @@ class ScriptedProvider:
         self.rules, self.default = load_script(script)
 
     async def call(self, request: bytes, body: dict[str, Any], *, role: str,
-                   stream: bool) -> ProviderResult:
+                   stream: bool, site: CallSite | None = None) -> ProviderResult:
         text, last_user = _text_of(body)
         model = str(body.get("model"))
         reply = next((r.reply for r in self.rules if r.matches(role, model, text, last_user)),
@@ -322,8 +333,25 @@ class ScriptedProvider:
 
 
 # -- replay ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Recorded:
+    seq: int
+    site: CallSite
+    http_status: int | None
+    response_sha256: str
+    fixture: bool
+
+
 class ReplayProvider:
-    """Answers byte-exactly from a recorded run by request hash; a miss fails closed."""
+    """Answers byte-exactly from a recorded run by request hash; a miss fails closed.
+
+    The same request bytes can have been answered more than once, differently (a real
+    server's ids and timestamps, a sampled reply per trial), so each call gets the
+    recording made at its own call site (role, stage, case, trial, turn); failing that,
+    the earliest recording of those bytes not yet replayed; once all are replayed, the
+    first again. Serving the first recording to every duplicate made a replayed run's
+    responses differ from the recorded ones.
+    """
 
     name = "replay"
 
@@ -332,24 +360,39 @@ class ReplayProvider:
         if self.log is None or not self.log.index.exists():
             raise ConfigError(f"no recorded call log under {run_dir}/gateway",
                               field="replay_from", fix="point to a finished run directory")
-        self.index: dict[str, tuple[int | None, str, bool]] = {}
+        self.index: dict[str, list[_Recorded]] = {}
+        """Request sha256 -> its recordings, in log order."""
         for rec in self.log.records():
-            if rec.response_sha256 and rec.request_sha256 not in self.index:
-                self.index[rec.request_sha256] = (rec.http_status, rec.response_sha256,
-                                                  rec.fixture)
+            if rec.response_sha256:
+                site = CallSite(rec.role, rec.stage, rec.case, rec.trial, rec.turn)
+                self.index.setdefault(rec.request_sha256, []).append(_Recorded(
+                    rec.seq, site, rec.http_status, rec.response_sha256, rec.fixture))
+        self._replayed: set[int] = set()
+
+    def pick(self, request_sha256: str, site: CallSite | None) -> _Recorded | None:
+        """The recording that answers this call (marked replayed); None on a miss.
+
+        Synchronous, so calls on the gateway's one event loop never race for an entry."""
+        recorded = self.index.get(request_sha256)
+        if not recorded:
+            return None
+        fresh = [r for r in recorded if r.seq not in self._replayed]
+        hit = next((r for r in fresh if r.site == site), fresh[0] if fresh else recorded[0])
+        self._replayed.add(hit.seq)
+        return hit
 
     async def call(self, request: bytes, body: dict[str, Any], *, role: str,
-                   stream: bool) -> ProviderResult:
-        hit = self.index.get(sha256(request))
+                   stream: bool, site: CallSite | None = None) -> ProviderResult:
+        hit = self.pick(sha256(request), site)
         if hit is None:
             return ProviderResult(None, None, "replay_miss", upstream_reached=False)
-        status, digest, fixture = hit
         assert self.log is not None  # noqa: S101 - checked in __init__
-        data = self.log.blob(digest)
-        if status != 200:
-            return ProviderResult(status, data, f"upstream_status_{status}", fixture=fixture)
+        data = self.log.blob(hit.response_sha256)
+        if hit.http_status != 200:
+            return ProviderResult(hit.http_status, data, f"upstream_status_{hit.http_status}",
+                                  fixture=hit.fixture)
         usage, error = inspect(data, stream=stream)
-        return ProviderResult(status, data, error, usage, fixture=fixture)
+        return ProviderResult(hit.http_status, data, error, usage, fixture=hit.fixture)
 
     async def aclose(self) -> None:
         return None

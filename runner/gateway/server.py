@@ -38,6 +38,7 @@ from runner.gateway.calllog import PREFIX_BYTES, CallLog, CallRecord, Usage, sha
 from runner.gateway.config import Price, UpstreamPolicy, read_credential
 from runner.gateway.http import Head, Listener, Reply
 from runner.gateway.providers import (
+    CallSite,
     OpenAIProvider,
     Provider,
     ProviderResult,
@@ -397,8 +398,9 @@ class _Handler:
                                   "stream": stream, "sent": sent}
         try:
             async with asyncio.timeout(up.call_deadline_s):
+                site = CallSite(self.b.role, self.b.stage, self.b.case, self.b.trial, turn)
                 result = await provider.call(sent, vetted.body, role=self.b.role,
-                                             stream=stream)
+                                             stream=stream, site=site)
         except TimeoutError:
             result = ProviderResult(None, None, "upstream_deadline")
         except asyncio.CancelledError:
