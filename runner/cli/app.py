@@ -100,8 +100,9 @@ def doctor(policies: PoliciesOpt = default_policies(), json_out: JsonOpt = False
                                                     "limits are enforced.")] = True) -> None:
     """Check the engine, its limits, the role images and free disk; exit non-zero with the fix."""
     from runner.isolation.docker.doctor import run_checks
+    from runner.isolation.registry import get_sandbox
 
-    checks = run_checks(policies, probe=probe)
+    checks = run_checks(policies, sandbox=lambda: get_sandbox(timeout=10), probe=probe)
     if json_out:
         emit_json([c.as_dict() for c in checks])
     else:
@@ -192,10 +193,11 @@ def sandbox_exec(
     """
     from runner.gateway.calllog import CallLog
     from runner.gateway.server import Gateway
-    from runner.isolation.docker.backend import DockerSandbox
     from runner.isolation.docker.images import resolve_image
+    from runner.isolation.launcher import launch, output_dir
     from runner.isolation.policy import load_policies
-    from runner.isolation.roles import fresh_output_dir, parse_mount_flag, role_spec
+    from runner.isolation.registry import get_sandbox
+    from runner.isolation.roles import parse_mount_flag
     from runner.isolation.sandbox import StopReason
 
     command = list(ctx.args)
@@ -214,9 +216,8 @@ def sandbox_exec(
         run_id = _run_id("exec")
         run_dir = state_dir() / "runs" / run_id
         odir = out_dir or run_dir / "out"
-        uid = int(policy.user.split(":")[0])
         image = resolve_image(role)
-        fresh_output_dir(odir.resolve(), uid=uid)
+        output_dir(policy, odir.resolve())
 
         # The command's output is relayed live, but escaped: it is a container's bytes.
         decoders = {"stdout": StreamSanitizer(), "stderr": StreamSanitizer()}
@@ -229,14 +230,12 @@ def sandbox_exec(
             target.flush()
 
         with contextlib.ExitStack() as stack:
-            if policy.upstream:
-                gateway = stack.enter_context(Gateway(
-                    run_dir, run_id, pols.upstreams, {role: policy.upstream}))
-                binding = stack.enter_context(gateway.bound(role, stage="exec", uid=uid))
-                mounts.append(binding.mount())
-            spec = role_spec(policy, role=role, run_id=run_id, image=image, command=command,
-                             mounts=mounts, output_dir=odir.resolve())
-            record = DockerSandbox().run(spec, on_output=stream)
+            gateway = stack.enter_context(Gateway(
+                run_dir, run_id, pols.upstreams, {role: policy.upstream})
+            ) if policy.upstream else None
+            record = launch(get_sandbox(), policy, role=role, run_id=run_id, image=image,
+                            command=command, mounts=mounts, output_dir=odir.resolve(),
+                            gateway=gateway, stage="exec", on_output=stream)
         if policy.upstream and not json_out:
             n = len(CallLog(run_dir / "gateway").records())
             err.print(f"[dim]gateway ({safe(policy.upstream)}): {n} call(s) recorded in "
@@ -265,13 +264,11 @@ def gc(all_: Annotated[bool, typer.Option("--all", help="Remove every cyclebox c
     would remove)."""
     from dataclasses import asdict
 
-    from runner.isolation.docker.backend import DockerSandbox
-    from runner.isolation.gc import sweep_containers, sweep_socket_dirs, sweep_staging_dirs
+    from runner.isolation.gc import collect_garbage
+    from runner.isolation.registry import get_sandbox
 
     try:
-        results = sweep_containers(DockerSandbox(), only_orphans=not all_, dry_run=dry_run)
-        results += [r for r in sweep_socket_dirs(dry_run=dry_run) if r.would_remove]
-        results += [r for r in sweep_staging_dirs(dry_run=dry_run) if r.would_remove]
+        results = collect_garbage(get_sandbox(), only_orphans=not all_, dry_run=dry_run)
     except CycleboxError as exc:
         _fail(exc)
     if json_out:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -31,21 +32,21 @@ app.add_typer(cycle_app, name="cycle")
 app.add_typer(receipt_app, name="receipt")
 app.add_typer(review_app, name="review")
 
+if TYPE_CHECKING:
+    from runner.isolation.sandbox import Sandbox
+
 OutOpt = Annotated[Path, typer.Option("--out", help="Fresh output directory (must not exist).")]
 
 
-def _images(check_engine: bool = False) -> dict[str, str]:
-    """Role image ids from the lock; with ``check_engine``, each must exist in the engine."""
+def _images(sandbox: Sandbox | None = None) -> dict[str, str]:
+    """Role image ids from the lock; with a ``sandbox``, each must exist in it."""
     from runner.cycle.plan import CYCLE_ROLES
     from runner.errors import PrerequisiteError
     from runner.isolation.docker.images import resolve_image
 
     ids = {r: resolve_image(r) for r in CYCLE_ROLES}
-    if check_engine:
-        from runner.isolation.docker.backend import DockerSandbox
-
-        backend = DockerSandbox()
-        gone = [r for r, i in ids.items() if backend.image_id(i) is None]
+    if sandbox is not None:
+        gone = [r for r, i in ids.items() if sandbox.image_id(i) is None]
         if gone:
             raise PrerequisiteError(f"images for {gone} are in the lock file but not in the "
                                     "engine. Fix: cyclebox images build")
@@ -110,7 +111,9 @@ def cycle_run(
     from runner.cycle.plan import freeze as do_freeze
     from runner.cycle.receipt import build
     from runner.cycle.run import CycleRunner
+    from runner.isolation.registry import get_sandbox
 
+    sandbox = functools.cache(get_sandbox)  # opened once, when first needed
     try:
         check_targets(junit=junit, markdown=markdown, html=html)
         if plan is None:
@@ -118,7 +121,8 @@ def cycle_run(
                 err.print("error: give CYCLE and --out, or --plan DIR/plan.json")
                 raise typer.Exit(3)
             # Inputs, credentials, then images: only then is --out created (exclusively).
-            do_freeze(cycle, out_dir, images=lambda: _images(check_engine=not prepare_only),
+            do_freeze(cycle, out_dir,
+                      images=lambda: _images(None if prepare_only else sandbox()),
                       upstream_override=_replay_override(cycle, replay))
             plan = out_dir / "plan.json"
             if prepare_only:
@@ -136,7 +140,7 @@ def cycle_run(
                     tasks[stage] = bar.add_task(stage, total=total or 1)
                 bar.update(tasks[stage], completed=done if total else 1, total=total or 1)
 
-            runner = CycleRunner(plan, progress=lines or progress)
+            runner = CycleRunner(plan, sandbox=sandbox(), progress=lines or progress)
             outcome = runner.run()
         failure = outcome.failure
         if failure is not None and failure.reason == "environment_failure":
@@ -217,10 +221,10 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")], out
     Exit 2 with the named reason on any refusal."""
     from runner.cycle.apply import apply_proposal, invocation_for
     from runner.cycle.plan import make_fresh_dir, refuse_existing, remove_created
-    from runner.isolation.docker.backend import DockerSandbox
     from runner.isolation.docker.images import resolve_image
+    from runner.isolation.launcher import launch
     from runner.isolation.policy import load_policies
-    from runner.isolation.roles import role_spec
+    from runner.isolation.registry import get_sandbox
     from runner.isolation.sandbox import Mount
     from runner.paths import default_policies
 
@@ -239,16 +243,15 @@ def apply_cmd(proposal: Annotated[Path, typer.Option(help="proposal.json")], out
         except BaseException:
             remove_created(created)
             raise
-        backend = DockerSandbox()
+        sandbox = get_sandbox()
 
         def run(work: Path) -> Any:
-            spec = role_spec(policy, role="apply", run_id="apply", image=image,
-                             command=["python", "-m", "sandbox.apply_main"], output_dir=work,
-                             mounts=[Mount(source=(out_dir / "in").resolve(), target="/in")])
-            return backend.run(spec.model_copy(update={"output_target": "/work"}))
+            return launch(sandbox, policy, role="apply", run_id="apply", image=image,
+                          command=["python", "-m", "sandbox.apply_main"], output_dir=work,
+                          output_target="/work",
+                          mounts=[Mount(source=(out_dir / "in").resolve(), target="/in")])
 
-        uid = int(policy.user.split(":")[0])
-        result = apply_proposal(out_dir.resolve(), repo_path, tree, run=run, uid=uid,
+        result = apply_proposal(out_dir.resolve(), repo_path, tree, run=run, uid=policy.uid,
                                 export_to=out_dir.resolve() / "candidate-src")
     except CycleboxError as exc:
         _fail(exc)
@@ -489,9 +492,10 @@ def dream_compare(cycle: Annotated[Path, typer.Argument(help="cycle.yaml with dr
     Same tasks, models and seeds; the receipt holds held-out scores, verdicts,
     acceptance/fallback rates, the held-out delta and the incremental cost."""
     from runner.cycle.dream_compare import paired
+    from runner.isolation.registry import get_sandbox
 
     try:
-        receipt = paired(cycle, out_dir, images=_images())
+        receipt = paired(cycle, out_dir, images=_images(), sandbox=get_sandbox())
     except CycleboxError as exc:
         _fail(exc)
     if json_out:

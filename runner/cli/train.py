@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -12,6 +12,9 @@ from runner.cli.app import JsonOpt, _fail, app, err, out
 from runner.errors import CycleboxError
 from runner.paths import PROJECT_ROOT, state_dir
 from runner.termsafe import emit_json, safe
+
+if TYPE_CHECKING:
+    from runner.train.host import Trainer
 
 model_app = typer.Typer(no_args_is_help=True, help="Local base models.")
 train_app = typer.Typer(no_args_is_help=True, help="CPU LoRA training in the trainer image.")
@@ -39,6 +42,19 @@ class _Bar:
                           description=safe(f"loss {ev.get('loss')}", 40, newlines=False))
 
 
+def _trainer() -> Trainer:
+    """The trainer role under the shipped policy, its image, on the default sandbox."""
+    from runner.isolation.docker.images import resolve_image
+    from runner.isolation.policy import load_policies
+    from runner.isolation.registry import get_sandbox
+    from runner.paths import default_policies
+    from runner.train.host import Trainer
+
+    policy = load_policies(default_policies()).roles["trainer"]
+    image = resolve_image("trainer")
+    return Trainer(sandbox=get_sandbox(), policy=policy, image=image)
+
+
 def _progress(json_out: bool) -> Progress:
     return Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), console=err, disable=json_out)
@@ -50,7 +66,7 @@ def model_tiny(out_dir: OutOpt, seed: int = 0, json_out: JsonOpt = False) -> Non
     from runner.train.host import make_tiny
 
     try:
-        info = make_tiny(out_dir, lambda _e: None, seed=seed)
+        info = make_tiny(_trainer(), out_dir, lambda _e: None, seed=seed)
     except CycleboxError as exc:
         _fail(exc)
     if json_out:
@@ -75,8 +91,8 @@ def train_proof(persona: Annotated[Path, typer.Option(help="Persona/skill script
     ledger = ledger or state_dir() / "train" / "ledger.jsonl"
     try:
         with _progress(json_out) as p:
-            summary = proof(persona, base_model, out_dir, ledger=ledger, lr=lr, seed=seed,
-                            on_event=_Bar(p, "training"))
+            summary = proof(_trainer(), persona, base_model, out_dir, ledger=ledger, lr=lr,
+                            seed=seed, on_event=_Bar(p, "training"))
     except CycleboxError as exc:
         _fail(exc)
     r = summary["report"]
@@ -121,7 +137,7 @@ def train_sft(corpus: Annotated[Path, typer.Option(help="Exported corpus directo
 
     try:
         with _progress(json_out) as p:
-            receipt = sft(corpus, base_model, out_dir, lr=lr, seed=seed, epochs=epochs,
+            receipt = sft(_trainer(), corpus, base_model, out_dir, lr=lr, seed=seed, epochs=epochs,
                           on_event=_Bar(p, "training"), include_failed=include_failed)
     except CycleboxError as exc:
         _fail(exc)

@@ -13,7 +13,17 @@ from typing import Protocol
 
 from runner.isolation.docker.hardening import LABEL_PREFIX
 from runner.isolation.owner import Owner, current_owner, owner_alive
-from runner.isolation.sandbox import SweepResult
+from runner.isolation.sandbox import Sandbox, SweepResult
+
+
+def collect_garbage(sandbox: Sandbox, *, only_orphans: bool = True,
+                    dry_run: bool = False) -> list[SweepResult]:
+    """What ``cyclebox gc`` removes: the sandbox's containers (every one it looked at)
+    and the owned directories it and the gateway leave (only those found removable)."""
+    swept = sandbox.sweep(only_orphans=only_orphans, dry_run=dry_run)
+    sockets = [r for r in sweep_socket_dirs(dry_run=dry_run) if r.would_remove]
+    return ([r for r in swept if r.kind == "container"] + sockets
+            + [r for r in swept if r.kind != "container" and r.would_remove])
 
 
 def owner_from_labels(labels: dict[str, str]) -> Owner | None:

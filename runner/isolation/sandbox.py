@@ -110,6 +110,16 @@ class RunSpec(Frozen):
     labels: tuple[tuple[str, str], ...] = ()
     """Extra labels (case, trial, stage); run id, role and owner are always added."""
 
+    @property
+    def uid(self) -> int:
+        """The numeric user id of :attr:`user`."""
+        return int(self.user.partition(":")[0])
+
+    @property
+    def gid(self) -> int:
+        """The numeric group id of :attr:`user`."""
+        return int(self.user.partition(":")[2])
+
 
 class RunRecord(Frozen):
     """What one container run produced; goes into receipts as is."""

@@ -233,7 +233,7 @@ def _seed_tar(spec: RunSpec, links: dict[str, str]) -> bytes | None:
     root = spec.output_dir
     if root is None or not any(root.iterdir()):
         return None
-    uid, gid = (int(x) for x in spec.user.split(":"))
+    uid, gid = spec.uid, spec.gid
     buf = io.BytesIO()
     total = 0
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
@@ -425,8 +425,8 @@ class DockerSandbox:
     name = "docker"
 
     def __init__(self, client: docker.DockerClient | None = None,
-                 owner: Owner | None = None) -> None:
-        self.client = client or connect()
+                 owner: Owner | None = None, timeout: int = 60) -> None:
+        self.client = client or connect(timeout=timeout)
         self.owner = owner or current_owner()
 
     # -- running ---------------------------------------------------------------
@@ -667,9 +667,12 @@ class DockerSandbox:
                 and self.remove(cid)]
 
     def sweep(self, *, only_orphans: bool = True, dry_run: bool = False) -> list[SweepResult]:
-        from runner.isolation.gc import sweep_containers
+        """Labelled containers (see :func:`runner.isolation.gc.sweep_containers`), then the
+        input staging copies of controllers that are gone."""
+        from runner.isolation.gc import sweep_containers, sweep_staging_dirs
 
-        return sweep_containers(self, only_orphans=only_orphans, dry_run=dry_run)
+        return [*sweep_containers(self, only_orphans=only_orphans, dry_run=dry_run),
+                *sweep_staging_dirs(dry_run=dry_run)]
 
     # -- images ----------------------------------------------------------------
     def image_id(self, ref: str) -> str | None:

@@ -148,9 +148,8 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str) -> dict[str, Any]:
 def output_tmpfs_opts(spec: RunSpec) -> str:
     """The output tmpfs: ``output_cap_bytes`` of pages and ``output_max_entries`` files
     (plus its root), owned by the role user and private to it."""
-    uid, gid = spec.user.split(":")
     return (f"rw,nosuid,nodev,noexec,size={spec.output_cap_bytes},"
-            f"nr_inodes={spec.output_max_entries + 1},mode=0700,uid={uid},gid={gid}")
+            f"nr_inodes={spec.output_max_entries + 1},mode=0700,uid={spec.uid},gid={spec.gid}")
 
 
 @functools.cache
