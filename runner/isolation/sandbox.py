@@ -239,5 +239,6 @@ class Sandbox(Protocol):
 
     def sweep(self, *, only_orphans: bool = True, dry_run: bool = False) -> list[SweepResult]:
         """Remove cyclebox containers whose owner is gone (or all with
-        ``only_orphans=False``); with ``dry_run`` only report them."""
+        ``only_orphans=False``), then what the backend itself left for gone owners (Docker:
+        input staging copies); with ``dry_run`` only report them."""
         ...
