@@ -30,9 +30,9 @@ def upstreams() -> dict[str, UpstreamPolicy]:
 
 @pytest.fixture(scope="session")
 def backend() -> Any:
-    from runner.isolation.docker.backend import DockerSandbox
+    from runner.isolation.registry import get_sandbox
 
-    return DockerSandbox()
+    return get_sandbox("docker")
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def run_role(backend: Any, policies: RolePolicies, tmp_path: Path,
              request: pytest.FixtureRequest) -> RunFn:
     """Run a command in a role container under its policy, with per-test overrides."""
     from runner.isolation.docker.images import resolve_image
-    from runner.isolation.roles import fresh_output_dir, role_spec
+    from runner.isolation.launcher import launch, output_dir
 
     counter = iter(range(1000))
 
@@ -48,15 +48,11 @@ def run_role(backend: Any, policies: RolePolicies, tmp_path: Path,
             with_output: bool = True, env: dict[str, str] | None = None,
             **overrides: Any) -> RunRecord:
         policy = RolePolicy.model_validate({**policies.roles[role].model_dump(), **overrides})
-        out = None
-        if with_output:
-            out = fresh_output_dir(tmp_path / f"out{next(counter)}",
-                                   uid=int(policy.user.split(":")[0]))
-        spec = role_spec(policy, role=role, run_id=f"test-{request.node.name[:40]}"
-                         .replace("[", "-").replace("]", "").replace("/", "-"),
-                         image=resolve_image(role), command=list(command), mounts=mounts,
-                         output_dir=out, env=env)
-        rec: RunRecord = backend.run(spec)
+        out = output_dir(policy, tmp_path / f"out{next(counter)}") if with_output else None
+        rec = launch(backend, policy, role=role, run_id=f"test-{request.node.name[:40]}"
+                     .replace("[", "-").replace("]", "").replace("/", "-"),
+                     image=resolve_image(role), command=list(command), mounts=mounts,
+                     output_dir=out, env=env)
         rec.__dict__["output_dir"] = out  # convenience for tests only
         return rec
 

@@ -68,7 +68,7 @@ def cycle_run(
     Exit 0 accept_for_review, 1 reject, 2 invalid_comparison; 3 bad input, 5 missing
     prerequisite, 6 engine lost, 9 disk full, 130 interrupted (each after writing the
     verdict and receipt when it can), 10 unexpected; `cyclebox --help` has the table."""
-    from runner.cli.engine import cycle_images, derive_analyst
+    from runner.cli.engine import cycle_images, derive_analyst, sandbox
     from runner.cycle.compare import EXIT_CODES
     from runner.cycle.plan import freeze as do_freeze
     from runner.cycle.receipt import build
@@ -105,7 +105,8 @@ def cycle_run(
             bar.update(tasks[stage], completed=done if total else 1, total=total or 1)
 
         try:
-            outcome = CycleRunner(plan, progress=lines or progress).run()
+            outcome = CycleRunner(plan, sandbox=sandbox(),
+                                  progress=lines or progress).run()
         except CycleboxError:
             # Refused before any stage started (no container ran, nothing to keep): the
             # --out this command just made is removed, so the corrected rerun can use

@@ -22,8 +22,9 @@ def doctor(policies: PoliciesOpt = default_policies(), json_out: JsonOpt = False
                                                     "limits are enforced.")] = True) -> None:
     """Check the engine, its limits, the role images and free disk; exit non-zero with the fix."""
     from runner.isolation.docker.doctor import run_checks
+    from runner.isolation.registry import get_sandbox
 
-    checks = run_checks(policies, probe=probe)
+    checks = run_checks(policies, sandbox=lambda: get_sandbox(timeout=10), probe=probe)
     if json_out:
         emit_json([c.as_dict() for c in checks])
     else:

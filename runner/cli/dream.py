@@ -22,10 +22,10 @@ def dream_compare(cycle: Annotated[Path, typer.Argument(help="cycle.yaml with dr
 
     Same tasks, models and seeds; the receipt holds held-out scores, verdicts,
     acceptance/fallback rates, the held-out delta and the incremental cost."""
-    from runner.cli.engine import cycle_images
+    from runner.cli.engine import cycle_images, sandbox
     from runner.cycle.dream_compare import paired
 
-    receipt = paired(cycle, out_dir, images=cycle_images())
+    receipt = paired(cycle, out_dir, images=cycle_images(), sandbox=sandbox())
     if json_out:
         emit_json(receipt)
         return

@@ -8,14 +8,21 @@ and never import the Docker backend.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from runner.errors import PrerequisiteError
 from runner.isolation.sandbox import Sandbox
 
+if TYPE_CHECKING:
+    from runner.train.host import Trainer
 
+
+@functools.cache
 def sandbox() -> Sandbox:
-    """The isolation backend commands run their containers in."""
+    """The isolation backend commands run their containers in; opened once per process,
+    when first needed (so bad input is reported before an engine is asked)."""
     from runner.isolation.registry import get_sandbox
 
     return get_sandbox()
@@ -50,3 +57,13 @@ def derive_analyst(analyst_id: str, requirements: str, *,
     from runner.isolation.docker.agent_image import ensure_agent_image
 
     return ensure_agent_image(analyst_id, requirements, log).id
+
+
+def trainer() -> Trainer:
+    """The trainer role under the shipped policy, with its image, on the default sandbox."""
+    from runner.isolation.policy import load_policies
+    from runner.paths import default_policies
+    from runner.train.host import Trainer
+
+    policy = load_policies(default_policies()).roles["trainer"]
+    return Trainer(sandbox=sandbox(), policy=policy, image=role_image("trainer"))

@@ -25,11 +25,14 @@ def gc(all_: Annotated[bool, typer.Option("--all", help="Remove every cyclebox c
     from dataclasses import asdict
 
     from runner.cli.engine import sandbox
-    from runner.isolation.gc import sweep_socket_dirs, sweep_staging_dirs
+    from runner.gateway.server import sweep_socket_dirs
 
-    results = sandbox().sweep(only_orphans=not all_, dry_run=dry_run)
-    results += [r for r in sweep_socket_dirs(dry_run=dry_run) if r.would_remove]
-    results += [r for r in sweep_staging_dirs(dry_run=dry_run) if r.would_remove]
+    # The sandbox's containers (every one it looked at), then the owned directories it
+    # and the gateway leave behind (only those found removable).
+    swept = sandbox().sweep(only_orphans=not all_, dry_run=dry_run)
+    results = ([r for r in swept if r.kind == "container"]
+               + [r for r in sweep_socket_dirs(dry_run=dry_run) if r.would_remove]
+               + [r for r in swept if r.kind != "container" and r.would_remove])
     if json_out:
         emit_json([asdict(r) for r in results])
         return

@@ -62,8 +62,9 @@ def sandbox_exec(
     from runner.gateway.calllog import CallLog
     from runner.gateway.config import load_upstreams
     from runner.gateway.server import Gateway
+    from runner.isolation.launcher import launch, output_dir
     from runner.isolation.policy import load_policies
-    from runner.isolation.roles import fresh_output_dir, parse_mount_flag, role_spec
+    from runner.isolation.roles import parse_mount_flag
 
     command = list(ctx.args)
     if not command:
@@ -78,9 +79,8 @@ def sandbox_exec(
     run_id = f"exec-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     run_dir = state_dir() / "runs" / run_id
     odir = out_dir or run_dir / "out"
-    uid = int(policy.user.split(":")[0])
     image = role_image(role)
-    fresh_output_dir(odir.resolve(), uid=uid)
+    output_dir(policy, odir.resolve())
 
     # The command's output is relayed live, but escaped: it is a container's bytes.
     decoders = {"stdout": StreamSanitizer(), "stderr": StreamSanitizer()}
@@ -93,14 +93,12 @@ def sandbox_exec(
         target.flush()
 
     with contextlib.ExitStack() as stack:
-        if policy.upstream:
-            gateway = stack.enter_context(Gateway(
-                run_dir, run_id, load_upstreams(upstreams), {role: policy.upstream}))
-            binding = stack.enter_context(gateway.bound(role, stage="exec", uid=uid))
-            mounts.append(binding.mount())
-        spec = role_spec(policy, role=role, run_id=run_id, image=image, command=command,
-                         mounts=mounts, output_dir=odir.resolve())
-        record = sandbox().run(spec, on_output=stream)
+        gateway = stack.enter_context(Gateway(
+            run_dir, run_id, load_upstreams(upstreams), {role: policy.upstream})
+        ) if policy.upstream else None
+        record = launch(sandbox(), policy, role=role, run_id=run_id, image=image,
+                        command=command, mounts=mounts, output_dir=odir.resolve(),
+                        gateway=gateway, stage="exec", on_output=stream)
     if policy.upstream and not json_out:
         n = len(CallLog(run_dir / "gateway").records())
         err.print(f"[dim]gateway ({safe(policy.upstream)}): {n} call(s) recorded in "

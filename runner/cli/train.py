@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from runner.cli.engine import trainer
 from runner.cli.options import JsonOpt, OutOpt
 from runner.cli.output import err, out
 from runner.errors import CheckFailed
@@ -48,7 +49,7 @@ def model_tiny(out_dir: OutOpt, seed: int = 0, json_out: JsonOpt = False) -> Non
     """Create a tiny Llama-style model and BPE tokenizer offline (in the trainer image)."""
     from runner.train.host import make_tiny
 
-    info = make_tiny(out_dir, lambda _e: None, seed=seed)
+    info = make_tiny(trainer(), out_dir, lambda _e: None, seed=seed)
     if json_out:
         emit_json(info)
     else:
@@ -71,7 +72,7 @@ def train_proof(persona: Annotated[Path, typer.Option(help="Persona/skill script
 
     ledger = ledger or state_dir() / "train" / "ledger.jsonl"
     with _progress(json_out) as p:
-        summary = proof(persona, base_model, out_dir, ledger=ledger, lr=lr, seed=seed,
+        summary = proof(trainer(), persona, base_model, out_dir, ledger=ledger, lr=lr, seed=seed,
                         on_event=_Bar(p, "training"))
     r = summary["report"]
     if json_out:
@@ -116,7 +117,7 @@ def train_sft(corpus: Annotated[Path, typer.Option(help="Exported corpus directo
     from runner.train.host import sft
 
     with _progress(json_out) as p:
-        receipt = sft(corpus, base_model, out_dir, lr=lr, seed=seed, epochs=epochs,
+        receipt = sft(trainer(), corpus, base_model, out_dir, lr=lr, seed=seed, epochs=epochs,
                       on_event=_Bar(p, "training"), include_failed=include_failed)
     if json_out:
         emit_json(receipt)

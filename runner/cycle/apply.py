@@ -184,8 +184,8 @@ def apply_standalone(proposal: Path, out_dir: Path, *, sandbox: Sandbox,
     ``out_dir/result.json`` (``status`` applied or refused, with the named reason); the
     verified tree is exported to ``out_dir/candidate-src``."""
     from runner.cycle.plan import make_fresh_dir, refuse_existing, remove_created
+    from runner.isolation.launcher import launch
     from runner.isolation.policy import load_policies
-    from runner.isolation.roles import role_spec
     from runner.paths import default_policies
 
     refuse_existing(out_dir)
@@ -204,13 +204,11 @@ def apply_standalone(proposal: Path, out_dir: Path, *, sandbox: Sandbox,
         raise
 
     def run(work: Path) -> RunRecord:
-        spec = role_spec(policy, role="apply", run_id="apply", image=image_id,
-                         command=APPLY_COMMAND, output_dir=work,
-                         mounts=[Mount(source=(out_dir / "in").resolve(), target="/in")])
-        return sandbox.run(spec.model_copy(update={"output_target": "/work"}))
+        return launch(sandbox, policy, role="apply", run_id="apply", image=image_id,
+                      command=APPLY_COMMAND, output_dir=work, output_target="/work",
+                      mounts=[Mount(source=(out_dir / "in").resolve(), target="/in")])
 
-    uid = int(policy.user.split(":")[0])
-    return apply_proposal(out_dir.resolve(), repo_path, tree, run=run, uid=uid,
+    return apply_proposal(out_dir.resolve(), repo_path, tree, run=run, uid=policy.uid,
                           export_to=out_dir.resolve() / "candidate-src")
 
 def _refuse(stage_dir: Path, reason: str, message: str) -> dict[str, Any]:

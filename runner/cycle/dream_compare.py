@@ -21,6 +21,7 @@ from runner.cycle.receipt import build
 from runner.cycle.run import CycleRunner, Progress
 from runner.errors import ConfigError
 from runner.hashing import canonical_bytes, sha256_file
+from runner.isolation.sandbox import Sandbox
 
 
 def heldout(records_file: Path, cases: set[str]) -> dict[str, Any]:
@@ -33,9 +34,9 @@ def heldout(records_file: Path, cases: set[str]) -> dict[str, Any]:
 
 
 def _arm(cycle: Path, out: Path, *, images: dict[str, str], spec: DreamSpec,
-         progress: Progress | None) -> dict[str, Any]:
+         sandbox: Sandbox, progress: Progress | None) -> dict[str, Any]:
     _, plan_hash = freeze(cycle, out, images=images, dream_override=spec)
-    outcome = CycleRunner(out / "plan.json", progress=progress).run()
+    outcome = CycleRunner(out / "plan.json", sandbox=sandbox, progress=progress).run()
     receipt = build(outcome)
     plan = json.loads((out / "plan.json").read_text())["plan"]
     manifest = json.loads((out / "inputs" / "manifest.json").read_text())
@@ -57,7 +58,7 @@ def _arm(cycle: Path, out: Path, *, images: dict[str, str], spec: DreamSpec,
     }
 
 
-def paired(cycle: Path, out: Path, *, images: dict[str, str],
+def paired(cycle: Path, out: Path, *, images: dict[str, str], sandbox: Sandbox,
            progress_for: Callable[[str], Progress | None] = lambda _a: None) -> dict[str, Any]:
     """Run both arms under ``out/off`` and ``out/on``; write ``out/dream-receipt.json``."""
     parsed, _ = load_cycle(cycle)
@@ -69,8 +70,9 @@ def paired(cycle: Path, out: Path, *, images: dict[str, str],
     check_cycle(cycle)
     make_fresh_dir(out)
     off = _arm(cycle, out / "off", images=images, spec=DreamSpec(mode="off"),
-               progress=progress_for("off"))
-    on = _arm(cycle, out / "on", images=images, spec=parsed.dream, progress=progress_for("on"))
+               sandbox=sandbox, progress=progress_for("off"))
+    on = _arm(cycle, out / "on", images=images, spec=parsed.dream, sandbox=sandbox,
+              progress=progress_for("on"))
     d = on["dream"] or {}
     requested = d.get("requested") or 0
     rate_off = (off["heldout"]["candidate"] or {}).get("rate")

@@ -50,9 +50,8 @@ from runner.gateway.report import summarize
 from runner.gateway.server import Gateway
 from runner.hashing import safe_text, sha256_bytes, write_json
 from runner.isolation.collect import Limits, collect, loads_strict
-from runner.isolation.docker.backend import DockerSandbox
-from runner.isolation.roles import fresh_output_dir, role_spec
-from runner.isolation.sandbox import Mount, RunRecord, StopReason
+from runner.isolation.launcher import launch, output_dir
+from runner.isolation.sandbox import Mount, RunRecord, Sandbox, StopReason
 
 STOP_GRACE_S = 6.0
 """How long, after a stop, the run's containers are swept while case threads return."""
@@ -85,9 +84,10 @@ class Outcome:
 
 
 class CycleRunner:
-    """Runs one prepared plan; one instance per run directory."""
+    """Runs one prepared plan on ``sandbox``; one instance per run directory."""
 
-    def __init__(self, plan_path: Path, *, progress: Progress | None = None) -> None:
+    def __init__(self, plan_path: Path, *, sandbox: Sandbox,
+                 progress: Progress | None = None) -> None:
         self.plan_path = plan_path.resolve()
         self.dir = self.plan_path.parent
         self.plan, self.plan_hash = load_plan(self.plan_path)
@@ -97,7 +97,7 @@ class CycleRunner:
         self.progress = progress or (lambda _s, _d, _t: None)
         self.budget = RunBudget(self.plan.budget)
         self.timings: dict[str, float] = {}
-        self.uid = int(self.plan.roles["analyst"].user.split(":")[0])
+        self.backend = sandbox
         # The agent's model is the first of its upstream's allowlist (docs/contracts.md).
         target = self.plan.upstreams.get(self.plan.roles["analyst"].upstream or "")
         self._model_env = {"CYCLEBOX_MODEL": target.models[0]} if target else {}
@@ -116,9 +116,8 @@ class CycleRunner:
                               "attempt is kept", field="--plan",
                               fix="freeze again into a new directory")
         check_upstreams(dict(self.plan.upstreams), path=str(self.plan_path))
-        backend = DockerSandbox()
         for role, image in self.plan.images.items():
-            if backend.image_id(image) is None:
+            if self.backend.image_id(image) is None:
                 raise IntegrityError(f"frozen image for {role} ({image}) is not present; "
                                      "rebuild the same inputs or freeze again")
         try:
@@ -127,7 +126,6 @@ class CycleRunner:
             raise ConfigError(f"{self.dir} was already executed (stages/ exists); every "
                               "attempt is kept", field="--plan",
                               fix="freeze again into a new directory") from None
-        self.backend = backend
         self.containers = (self.dir / "containers.jsonl").open("a", encoding="utf-8")
         self._containers_lock = threading.Lock()
         self._stopping = threading.Event()
@@ -280,21 +278,11 @@ class CycleRunner:
              output_target: str = "/out", env: dict[str, str] | None = None) -> RunRecord:
         if self._stopping.is_set():
             raise StageFailed("stopping: no new container is started")
-        policy = frozen_role(self.plan, self.dir, role)
-        labels = {"io.cyclebox.stage": stage}
-        if case is not None:
-            labels["io.cyclebox.case"] = case
-            labels["io.cyclebox.trial"] = str(trial)
-        image = self.plan.images[role]
-        with contextlib.ExitStack() as stack:
-            if policy.upstream:
-                b = stack.enter_context(self.gw.bound(role, stage=stage, uid=self.uid,
-                                                      case=case, trial=trial))
-                mounts = [*mounts, b.mount()]
-            spec = role_spec(policy, role=role, run_id=self.run_id, image=image,
-                             command=command, output_dir=out, env=env, labels=labels,
-                             mounts=mounts).model_copy(update={"output_target": output_target})
-            rec = self.backend.run(spec, cancel=self._stopping)
+        rec = launch(self.backend, frozen_role(self.plan, self.dir, role), role=role,
+                     run_id=self.run_id, image=self.plan.images[role], command=command,
+                     mounts=mounts, output_dir=out, output_target=output_target, env=env,
+                     gateway=self.gw, stage=stage, case=case, trial=trial,
+                     cancel=self._stopping)
         row = {"stage": stage, "case": case, "trial": trial, **rec.model_dump(mode="json")}
         row.pop("stdout_tail")
         row.pop("stderr_tail")
@@ -316,8 +304,9 @@ class CycleRunner:
         tail = stderr_tail(rec.stderr_tail)
         return f" (stderr: {log}, " + (f"ends: {tail})" if tail else "empty)")
 
-    def _fresh(self, path: Path) -> Path:
-        return fresh_output_dir(path, uid=self.uid)
+    def _fresh(self, role: str, path: Path) -> Path:
+        """A fresh output directory for ``role``'s user."""
+        return output_dir(self.plan.roles[role], path)
 
     def _limits(self, role: str) -> Limits:
         cap = self.plan.roles[role].output_cap
@@ -383,7 +372,7 @@ class CycleRunner:
         case_dir = self.dir / "stages" / stage / "cases" / f"{sc.id}__t{trial}"
         (case_dir / "input").mkdir(parents=True)
         write_json(case_dir / "input" / "input.json", sc.input)
-        out = self._fresh(case_dir / "out")
+        out = self._fresh("analyst", case_dir / "out")
         env = {"CYCLEBOX_SEED": str(self.plan.seeds[trial]), "CYCLEBOX_TRIAL": str(trial),
                "CYCLEBOX_CASE_ID": sc.id, **self._model_env}
         rec = self._run("analyst", list(self.plan.project.spec.entry), stage=stage, case=sc.id,
@@ -429,7 +418,7 @@ class CycleRunner:
         write_json(d / "cfg" / "evaluator.json", {
             "judge": judge.model_dump(mode="json") if judge else None,
             "questions": {c: str(self.scenarios[c].input.get("question", "")) for c in cases}})
-        out = self._fresh(d / "out")
+        out = self._fresh("evaluator", d / "out")
         rec = self._run("evaluator", ["python", "-m", "sandbox.evaluator"], stage=stage, out=out,
                         mounts=[Mount(source=d / "in", target="/in"),
                                 Mount(source=d / "ref", target="/ref"),
@@ -481,7 +470,7 @@ class CycleRunner:
                    "paths": list(self.plan.edit.paths), "allowlist": list(self.plan.edit.allowlist),
                    "model": self.plan.worker.model, "max_tokens": self.plan.worker.max_tokens}
         write_json(d / "in" / "request.json", request)
-        out = self._fresh(d / "out")
+        out = self._fresh("worker", d / "out")
         rec = self._run("worker", ["python", "-m", "sandbox.worker"], stage="propose", out=out,
                         mounts=[Mount(source=d / "in", target="/in")])
         got = collect(out, self._limits("worker"))
@@ -514,7 +503,7 @@ class CycleRunner:
                                     "apply", ["python", "-m", "sandbox.apply_main"],
                                     stage="apply", out=work, output_target="/work",
                                     mounts=[Mount(source=d / "in", target="/in")]),
-                                uid=self.uid, export_to=src)
+                                uid=self.plan.roles["apply"].uid, export_to=src)
         if result.get("status") != "applied":
             raise StageFailed(f"no candidate: apply refused ({result.get('reason')}: "
                               f"{result.get('message')})")
@@ -559,7 +548,7 @@ class CycleRunner:
         write_json(d / "in" / "calls.json", {"model": self.plan.worker.model,
                                               "max_tokens": self.plan.worker.max_tokens,
                                               "calls": calls})
-        out = self._fresh(d / "out")
+        out = self._fresh("worker", d / "out")
         rec = self._run("worker", ["python", "-m", "sandbox.relay"], stage=stage, out=out,
                         mounts=[Mount(source=d / "in", target="/in")])
         try:

@@ -23,8 +23,8 @@ from runner.gateway.calllog import CallLog, sha256
 from runner.gateway.config import CredentialSource, UpstreamPolicy
 from runner.gateway.server import Gateway
 from runner.isolation.docker.images import resolve_image
+from runner.isolation.launcher import launch
 from runner.isolation.policy import RolePolicies
-from runner.isolation.roles import role_spec
 from runner.isolation.sandbox import Mount, RunRecord, StopReason
 
 pytestmark = pytest.mark.docker
@@ -77,19 +77,19 @@ def openai_upstream(url: str, env: str, **kw: Any) -> UpstreamPolicy:
 def run_in_role(gw: Gateway, policies: RolePolicies, backend: Any, role: str, code: str, *,
                 mounts: tuple[Mount, ...] = (), during: Any = None) -> RunRecord:
     """Run python code in a role container with that role's gateway socket mounted."""
-    with gw.bound(role, stage="test", uid=10001, case="c1", trial=0) as b:
-        spec = role_spec(policies.roles[role], role=role, run_id="gwtest",
-                         image=resolve_image(role), command=["python", "-c", code],
-                         mounts=[b.mount(), *mounts])
-        if during is None:
-            rec: RunRecord = backend.run(spec)
-            return rec
-        box: list[RunRecord] = []
-        t = threading.Thread(target=lambda: box.append(backend.run(spec)))
-        t.start()
-        during()
-        t.join()
-        return box[0]
+    def run() -> RunRecord:
+        return launch(backend, policies.roles[role], role=role, run_id="gwtest",
+                      image=resolve_image(role), command=["python", "-c", code],
+                      mounts=mounts, gateway=gw, stage="test", case="c1", trial=0)
+
+    if during is None:
+        return run()
+    box: list[RunRecord] = []
+    t = threading.Thread(target=lambda: box.append(run()))
+    t.start()
+    during()
+    t.join()
+    return box[0]
 
 
 CALL = """

@@ -28,8 +28,8 @@ from runner.gateway.calllog import CallLog
 from runner.gateway.config import CredentialSource
 from runner.gateway.server import Gateway
 from runner.isolation.docker.images import resolve_image
+from runner.isolation.launcher import launch
 from runner.isolation.policy import RolePolicies
-from runner.isolation.roles import role_spec
 from runner.isolation.sandbox import RunRecord, StopReason
 from tests.conftest import RunFn
 from tests.integration.test_isolation import _host_address, host_server  # noqa: F401
@@ -199,13 +199,10 @@ def test_gateway_via_openai_sdk_and_no_credential_visible(
     ups["judge"] = ups["judge"].model_copy(update={
         "credential": CredentialSource(file=str(keyfile))})
     policy = policies.roles["analyst"].model_copy(update={"runtime": "runsc"})
-    with Gateway(tmp_path, "gvtest", ups, {"analyst": "target", "evaluator": "judge"}) as gw, \
-            gw.bound("analyst", stage="test", uid=10001, case="c1", trial=0) as b:
-        spec = role_spec(policy, role="analyst", run_id="gvtest",
-                         image=resolve_image("analyst"),
-                         command=["python", "-c", SDK_AND_SCAN], mounts=[b.mount()])
-        assert spec.runtime == "runsc"
-        rec: RunRecord = backend.run(spec)
+    with Gateway(tmp_path, "gvtest", ups, {"analyst": "target", "evaluator": "judge"}) as gw:
+        rec = launch(backend, policy, role="analyst", run_id="gvtest",
+                     image=resolve_image("analyst"), command=["python", "-c", SDK_AND_SCAN],
+                     gateway=gw, stage="test", case="c1", trial=0)
     assert rec.stop_reason is StopReason.OK, rec.stderr_tail
     out = json.loads(rec.stdout_tail)
     assert out == {"reply": "pong", "hits": []}

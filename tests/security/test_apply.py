@@ -108,10 +108,10 @@ def _hostile_apply(tmp_path: Path, repo: Path, script: str, *, timeout: float = 
     instead of sandbox.apply_main; fails if the host side blocks."""
     from runner.cycle.apply import apply_proposal
     from runner.gitops import resolve_tree
-    from runner.isolation.docker.backend import DockerSandbox
     from runner.isolation.docker.images import resolve_image
+    from runner.isolation.launcher import launch
     from runner.isolation.policy import load_policies
-    from runner.isolation.roles import role_spec
+    from runner.isolation.registry import get_sandbox
     from runner.isolation.sandbox import Mount
     from runner.paths import default_policies
 
@@ -125,17 +125,17 @@ def _hostile_apply(tmp_path: Path, repo: Path, script: str, *, timeout: float = 
     policy = load_policies(default_policies()).roles["apply"]
 
     def run(work: Path) -> Any:
-        spec = role_spec(policy, role="apply", run_id="test-security-apply",
-                         image=resolve_image("apply"), command=["python", "-c", script],
-                         output_dir=work, mounts=[Mount(source=stage / "in", target="/in")])
-        return DockerSandbox().run(spec.model_copy(update={"output_target": "/work"}))
+        return launch(get_sandbox("docker"), policy, role="apply", run_id="test-security-apply",
+                      image=resolve_image("apply"), command=["python", "-c", script],
+                      output_dir=work, output_target="/work",
+                      mounts=[Mount(source=stage / "in", target="/in")])
 
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
             box["result"] = apply_proposal(stage, repo, resolve_tree(repo, "main"), run=run,
-                                           uid=int(policy.user.split(":")[0]),
+                                           uid=policy.uid,
                                            export_to=stage / "candidate-src")
         except BaseException as exc:  # reported to the test thread
             box["error"] = exc

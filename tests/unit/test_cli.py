@@ -183,6 +183,9 @@ def test_train_proof_that_did_not_reproduce_is_check_failed(
               "board": {"decision": "approve", "members": []}}
     summary = {"exit_code": 0, "report": report, "reproduced_in_fresh_process": False}
     monkeypatch.setattr(runner.train.host, "proof", lambda *_a, **_k: summary)
+    import runner.cli.train
+
+    monkeypatch.setattr(runner.cli.train, "trainer", lambda: None)  # no engine, no image
     args = ["train", "proof", "--persona", "p.yaml", "--base-model", "m", "--out",
             str(tmp_path / "o"), "--ledger", str(tmp_path / "ledger.jsonl"), "--json"]
     assert app(args, standalone_mode=False) == EXIT_CHECK_FAILED

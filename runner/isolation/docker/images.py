@@ -269,11 +269,14 @@ def build_roles(roles: list[str], log: Log, *, force: bool = False,
     cache (both for measuring cold builds).
     """
     from runner.isolation.docker.backend import DockerSandbox
+    from runner.isolation.registry import get_sandbox
 
     for r in roles:
         if r not in ROLES:
             raise ConfigError(f"unknown role {r!r}", field="--role", fix=f"one of {ROLES}")
-    backend = DockerSandbox()
+    backend = get_sandbox("docker")
+    if not isinstance(backend, DockerSandbox):  # a backend registered over docker's name
+        raise PrerequisiteError("role images are built by the docker backend")
     base_ref = ensure_base(log)
     base_id = backend.image_id(base_ref)
     if base_id is None:
