@@ -55,9 +55,10 @@ gvisor: docker ## Make runtime runsc (gVisor) usable: install runsc, merge it in
 images: setup docker ## Build the base and role images offline (unchanged inputs: no-op)
 	$(CYCLEBOX) images build
 
-check: setup ## Lint (ruff), type-check (mypy strict on runner and sandbox), lint the CI example (actionlint)
+check: setup ## Lint (ruff), type-check (mypy strict), import contracts (import-linter), lint the CI example (actionlint)
 	$(BIN)/ruff check runner sandbox tests bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	$(BIN)/actionlint examples/ci/*.yml
 
 VERL_VENV := build/verl-venv

@@ -18,15 +18,16 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from bench._report import report
 from bench.overhead import docker_cli_args
-from runner.isolation.docker.backend import DockerSandbox
 from runner.isolation.docker.hardening import create_kwargs
 from runner.isolation.docker.images import resolve_image
 from runner.isolation.policy import load_policies
+from runner.isolation.registry import get_sandbox
 from runner.isolation.roles import role_spec
 from runner.paths import PROJECT_ROOT, default_policies
 
@@ -68,7 +69,7 @@ def main() -> None:
     analyst_runs = sum(c["role"] == "analyst" for c in containers)
 
     policy = load_policies(default_policies()).roles["analyst"]
-    backend = DockerSandbox()
+    backend: Any = get_sandbox("docker")
     spec = role_spec(policy, role="analyst", run_id="bench-raw", image=resolve_image("analyst"),
                      command=RAW_COMMAND)
     raw_args = docker_cli_args(create_kwargs(spec, backend.owner, "raw"))[:-1]

@@ -12,11 +12,12 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from bench._report import report
-from runner.isolation.docker.backend import DockerSandbox
 from runner.isolation.docker.images import resolve_image
 from runner.isolation.policy import RolePolicy, load_policies
+from runner.isolation.registry import get_sandbox
 from runner.isolation.roles import role_spec
 from runner.isolation.sandbox import RunSpec
 from runner.isolation.seccomp import PROFILE_PATH
@@ -58,7 +59,7 @@ def main() -> None:
     from runner.isolation.docker.hardening import create_kwargs
 
     policy = load_policies(default_policies()).roles["analyst"]
-    backend = DockerSandbox()
+    backend: Any = get_sandbox("docker")
     # raw docker gets the same tmpfs mounts, the output one included, as plain flags
     raw_kw = create_kwargs(_spec(policy, Path("/nonexistent")), backend.owner, "raw")
     raw_args = docker_cli_args(raw_kw)

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 from bench._report import report
-from runner.isolation.docker.backend import DockerSandbox
 from runner.isolation.docker.images import resolve_image
 from runner.isolation.policy import load_policies
+from runner.isolation.registry import get_sandbox
 from runner.isolation.roles import role_spec
 from runner.paths import default_policies
 
@@ -30,7 +30,7 @@ def main() -> None:
     a = ap.parse_args()
 
     policy = load_policies(default_policies()).roles["analyst"]
-    backend = DockerSandbox()
+    backend = get_sandbox("docker")
     specs = {name: role_spec(policy.model_copy(update={"runtime": rt}), role="analyst",
                              run_id="bench-runtimes", image=resolve_image("analyst"),
                              command=COMMAND) for name, rt in RUNTIMES.items()}

@@ -15,10 +15,10 @@ from typing import Any
 import yaml
 
 from bench._report import report
-from runner.isolation.roles import fresh_output_dir
+from runner.cli.train import _trainer
 from runner.isolation.sandbox import Mount
 from runner.paths import PROJECT_ROOT
-from runner.train.host import _trainer_uid, make_tiny, run_trainer
+from runner.train.host import make_tiny, run_trainer
 
 
 def main() -> None:
@@ -27,14 +27,15 @@ def main() -> None:
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="cbx-bench-train-"))
     try:
-        make_tiny(work / "model", lambda _e: None)
+        trainer = _trainer()
+        make_tiny(trainer, work / "model", lambda _e: None)
         (work / "in").mkdir(mode=0o755)
         persona = yaml.safe_load((PROJECT_ROOT / "examples/persona/captain.yaml").read_text())
         (work / "in" / "persona.json").write_text(json.dumps(persona))
         (work / "in" / "persona.json").chmod(0o644)
-        out = fresh_output_dir(work / "out", uid=_trainer_uid())
+        out = trainer.fresh_output(work / "out")
         got: dict[str, Any] = {}
-        rec = run_trainer("sandbox.train.bench", out=out, run_id="bench-train",
+        rec = run_trainer(trainer, "sandbox.train.bench", out=out, run_id="bench-train",
                           on_event=got.update,
                           mounts=[Mount(source=work / "model", target="/model"),
                                   Mount(source=work / "in", target="/in")])

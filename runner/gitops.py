@@ -1,20 +1,52 @@
-"""Every git invocation of the controller; the only module that runs git on the host.
+"""Every git access of the controller; the only module that imports GitPython or runs git.
 
-The operator's repository is only ever *read* (rev-parse, archive, cat-file); all
-writing happens in throwaway repositories cyclebox creates itself. Commits made
-here use a fixed identity and fixed dates so that a replayed cycle reproduces the
-same commit and patch ids.
+Two ways in, chosen by who controls the repository being touched:
+
+- **Reads of repositories whose configuration we trust** (the operator's repository, and
+  the bare ``candidate.git`` that :func:`clone_bare_untrusted` makes: its objects are the
+  container's data, but its config, hooks and refs are ours) go through GitPython:
+  refs and revision syntax are resolved in Python, and objects come from one persistent
+  ``git cat-file --batch`` (and ``--batch-check``) process per repository, kept in a small
+  cache, instead of one git process per blob, tree listing or rev-parse. Those two
+  processes are started here, never by GitPython, with the same scrubbed environment as
+  every other git call (:data:`FIXED_ENV`, no inherited ``GIT_*``), and GitPython may
+  run no other git command (:class:`_ReadOnlyGit`). Tree entries are parsed by
+  GitPython's checked parser, which refuses ``.git`` aliases, ``..`` and ``/`` in names;
+  walks are iterative and capped (:data:`MAX_TREE_ENTRIES`). Changed paths are computed
+  from the trees themselves, without rename detection, so a rename lists both paths.
+  Replace refs are ignored (``GIT_NO_REPLACE_OBJECTS``): an id always means its object.
+- **Everything else stays an explicit git invocation** (:func:`_git`): writing the
+  throwaway repositories, ``git archive`` (whose ``.gitattributes`` handling
+  :func:`check_export` then audits), the binary diff whose bytes must equal the
+  container's, and above all :func:`clone_bare_untrusted`, which must read a repository
+  a container wrote without honouring any of its config: only git's pack protocol
+  (``--no-local``) gives that, so it is never opened by a reader here.
+
+The operator's repository is only ever *read* (GitPython reads, archive, and status
+with optional locks off); all writing happens in throwaway repositories cyclebox
+creates itself. Commits made here use a fixed identity and fixed dates so that a
+replayed cycle reproduces the same commit and patch ids. Only sha1 repositories are
+read (GitPython's object model is sha1): a sha256 one is a ConfigError.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import io
 import os
 import stat
 import subprocess
 import tarfile
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+import git
+from git.objects.fun import tree_entries_from_data
 
 from runner.errors import ConfigError, IntegrityError
 
@@ -24,7 +56,22 @@ FIXED_ENV = {
     "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+0000",
     "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+0000",
     "GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0",
+    "GIT_NO_REPLACE_OBJECTS": "1",
 }
+READER_CACHE = 4
+"""Repositories whose two reader processes stay open (least recently used closed first)."""
+MAX_TREE_ENTRIES = 1_000_000
+"""Entries one recursive tree walk visits before it refuses (a tree bomb shares subtrees)."""
+ENV_REFUSED = ("GIT_COMMON_DIR", "GIT_OBJECT_DIRECTORY")
+"""Variables that would make GitPython read another repository's refs or objects."""
+
+
+def _env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(FIXED_ENV)
+    env["HOME"] = env.get("HOME", "/nonexistent")
+    env.update(extra_env or {})
+    return env
 
 
 def _git(args: list[str], *, cwd: Path | None = None, git_dir: Path | None = None,
@@ -34,12 +81,8 @@ def _git(args: list[str], *, cwd: Path | None = None, git_dir: Path | None = Non
     if git_dir is not None:
         cmd += ["--git-dir", str(git_dir)]
     cmd += args
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    env.update(FIXED_ENV)
-    env["HOME"] = env.get("HOME", "/nonexistent")
-    env.update(extra_env or {})
-    proc = subprocess.run(cmd, cwd=cwd, input=input_bytes, capture_output=True, env=env,
-                          check=False)
+    proc = subprocess.run(cmd, cwd=cwd, input=input_bytes, capture_output=True,
+                          env=_env(extra_env), check=False)
     if check and proc.returncode != 0:
         raise ConfigError(f"git {' '.join(args[:3])} failed: "
                           f"{proc.stderr.decode(errors='replace').strip()}",
@@ -47,28 +90,238 @@ def _git(args: list[str], *, cwd: Path | None = None, git_dir: Path | None = Non
     return proc.stdout
 
 
+# -- readers: GitPython over two batch processes per repository ------------------------------
+class _ReadOnlyGit(git.Git):
+    """GitPython's command runner reduced to the two ``cat-file`` batch readers, which it
+    starts lazily through :meth:`_get_persistent_cmd`; here they run with :func:`_env`
+    and ``--git-dir``, and any other git command GitPython might try is refused."""
+
+    def __init__(self, working_dir: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(working_dir)
+        self.reader_git_dir: str | None = None
+
+    def _get_persistent_cmd(self, attr_name: str, cmd_name: str, *args: Any,
+                            **kwargs: Any) -> git.Git.AutoInterrupt:
+        current: git.Git.AutoInterrupt | None = getattr(self, attr_name)
+        if current is not None:
+            return current
+        modes = {k for k, v in kwargs.items() if v}
+        if (cmd_name != "cat_file" or args or self.reader_git_dir is None
+                or modes not in ({"batch"}, {"batch_check"})):
+            raise IntegrityError(f"gitops: unexpected git reader {cmd_name} {args} {kwargs}")
+        argv = ["git", "--git-dir", self.reader_git_dir, "cat-file",
+                "--batch-check" if modes == {"batch_check"} else "--batch"]
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, env=_env(),
+                                cwd=self.reader_git_dir)
+        cmd = git.Git.AutoInterrupt(proc, argv)
+        setattr(self, attr_name, cmd)
+        return cmd
+
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        raise IntegrityError(f"gitops: GitPython tried to run git itself ({args[:1]}); "
+                             "reads go through the batch readers only")
+
+
+class _Repo(git.Repo):
+    GitCommandWrapperType = _ReadOnlyGit
+
+
+_LOOKUP_ERRORS = (ValueError, KeyError, IndexError, TypeError, git.exc.ODBError,
+                  git.exc.GitError)
+"""What GitPython raises for a name that does not resolve or an object it cannot parse."""
+_readers: OrderedDict[tuple[str, int, int], _Repo] = OrderedDict()
+_readers_lock = threading.RLock()
+
+
+def close_readers() -> None:
+    """Stop every cached reader's git processes (at exit, and for tests)."""
+    with _readers_lock:
+        while _readers:
+            _readers.popitem()[1].close()
+
+
+atexit.register(close_readers)
+
+
+def _open_reader(repo: Path) -> tuple[tuple[str, int, int], _Repo]:
+    for name in ENV_REFUSED:
+        if name in os.environ:
+            raise ConfigError(f"{name} is set in the environment; it would redirect reads of "
+                              f"{repo} to another repository", field=name,
+                              fix=f"unset {name} (cyclebox names repositories by path)")
+    try:
+        st = os.stat(repo)
+    except (OSError, ValueError):
+        raise ConfigError(f"repository {repo} does not exist", field="project.repo",
+                          fix="point project.repo at a git repository") from None
+    key = (os.path.abspath(repo), st.st_dev, st.st_ino)
+    found = _readers.get(key)
+    if found is not None:
+        _readers.move_to_end(key)
+        return key, found
+    try:
+        r = _Repo(key[0], search_parent_directories=True)
+    except (git.exc.InvalidGitRepositoryError, git.exc.NoSuchPathError, OSError,
+            ValueError) as exc:
+        raise ConfigError(f"{repo} is not a git repository ({type(exc).__name__})",
+                          path=str(repo), fix="git init && git add -A && git commit -m base"
+                          ) from None
+    fmt = str(r.config_reader("repository").get_value("extensions", "objectformat", "sha1"))
+    if fmt.lower() != "sha1":
+        r.close()
+        raise ConfigError(f"object format {fmt}: only sha1 repositories are read",
+                          path=str(repo), fix="use a sha1 repository (git's default)")
+    if not isinstance(r.git, _ReadOnlyGit):  # GitPython would start its own readers
+        r.close()
+        raise IntegrityError("gitops: GitPython ignored the read-only command wrapper")
+    r.git.reader_git_dir = os.path.abspath(r.git_dir)
+    _readers[key] = r
+    while len(_readers) > READER_CACHE:
+        _readers.popitem(last=False)[1].close()
+    return key, r
+
+
+@contextmanager
+def _reading(repo: Path) -> Iterator[_Repo]:
+    """The cached reader of ``repo``, held alone (the batch protocol is one request at a
+    time). An exception escaping the block discards the reader: a read cut short could
+    leave its process in the middle of an object."""
+    with _readers_lock:
+        key, r = _open_reader(repo)
+        try:
+            yield r
+        except BaseException:
+            _readers.pop(key, None)
+            r.close()
+            raise
+
+
+def _check_rev(rev: str) -> str:
+    if not rev or rev.startswith("-") or not rev.isprintable() or any(
+            c.isspace() for c in rev):
+        raise ValueError(f"{rev[:80]!r} is not a revision")
+    return rev
+
+
+def _object(r: _Repo, binsha: bytes, kind: bytes) -> bytes:
+    """An object's bytes, read whole (the batch stream stays in step), of type ``kind``."""
+    stream = r.odb.stream(binsha)
+    data: bytes = stream.read()
+    if stream.type != kind:
+        raise ValueError(f"object {binsha.hex()} is a {stream.type!r}, not a {kind!r}")
+    return data
+
+
+def _tree_of(r: _Repo, rev: str) -> bytes:
+    """Binary id of the tree that ``rev`` (a tree, commit or tag, any revision syntax
+    GitPython resolves) names."""
+    obj = r.rev_parse(_check_rev(rev))
+    while isinstance(obj, git.TagObject):
+        obj = obj.object
+    if isinstance(obj, git.Commit):
+        return bytes(obj.tree.binsha)
+    if isinstance(obj, git.Tree):
+        return bytes(obj.binsha)
+    raise ValueError(f"{rev[:80]!r} names a {obj.type}, not a tree or commit")
+
+
+def _entries(r: _Repo, tree: bytes) -> list[tuple[bytes, int, str]]:
+    """(binary id, mode, name) of one tree's entries, names checked by GitPython's parser
+    (no ``/``, ``..``, ``.git`` or its aliases)."""
+    return [(bytes(sha), mode, name)
+            for sha, mode, name in tree_entries_from_data(_object(r, tree, b"tree"))]
+
+
+def _lookup(r: _Repo, tree: bytes, path: str) -> tuple[int, bytes] | None:
+    """(mode, binary id) of ``path`` under ``tree``; None when absent."""
+    mode, sha = stat.S_IFDIR, tree
+    for part in path.split("/"):
+        if not stat.S_ISDIR(mode):
+            return None
+        hit = [(m, s) for s, m, n in _entries(r, sha) if n == part]
+        if not hit:
+            return None
+        mode, sha = hit[0]
+    return mode, sha
+
+
+def _walk(r: _Repo, tree: bytes, prefix: str = "") -> Iterator[tuple[str, int, bytes]]:
+    """(path, mode, binary id) of every entry under ``tree``, trees included; iterative
+    and capped at :data:`MAX_TREE_ENTRIES`."""
+    stack, seen = [(prefix, tree)], 0
+    while stack:
+        base, sha = stack.pop()
+        for child, mode, name in _entries(r, sha):
+            seen += 1
+            if seen > MAX_TREE_ENTRIES:
+                raise IntegrityError(f"tree {tree.hex()} has more than {MAX_TREE_ENTRIES} "
+                                     "entries (nested); refused")
+            path = base + name
+            yield path, mode, child
+            if stat.S_ISDIR(mode):
+                stack.append((path + "/", child))
+
+
+def _is_file(mode: int) -> bool:
+    """A blob entry: regular file or symlink (not a tree, not a submodule commit)."""
+    return stat.S_ISREG(mode) or stat.S_ISLNK(mode)
+
+
 def git_dir_of(repo: Path) -> Path:
     """The .git directory of a repository (work tree or bare), checked to exist."""
     if not repo.exists():
         raise ConfigError(f"repository {repo} does not exist", field="project.repo",
                           fix="point project.repo at a git repository")
-    out = _git(["rev-parse", "--absolute-git-dir"], cwd=repo)
-    return Path(out.decode().strip())
+    with _reading(repo) as r:
+        return Path(os.path.abspath(r.git_dir))
+
+
+def toplevel(repo: Path) -> Path | None:
+    """The root of the work tree ``repo`` lies in; None outside any work tree (a bare
+    repository or a ``.git`` directory)."""
+    if _git(["rev-parse", "--is-inside-work-tree"], cwd=repo).decode().strip() != "true":
+        return None
+    return Path(_git(["rev-parse", "--show-toplevel"], cwd=repo).decode().strip())
+
+
+def uncommitted(repo: Path, subdir: str | None = None) -> list[tuple[str, str]]:
+    """(status, path) of every uncommitted change under ``subdir`` of a work tree: staged,
+    unstaged and untracked (ignored files left out). Empty outside a work tree.
+
+    Read only: ``GIT_OPTIONAL_LOCKS=0`` keeps ``git status`` from refreshing the index."""
+    if toplevel(repo) is None:
+        return []
+    out = _git(["status", "--porcelain=v1", "-z", "--untracked-files=all", "--no-renames",
+                "--", (subdir or ".").strip("/") or "."], cwd=repo,
+               extra_env={"GIT_OPTIONAL_LOCKS": "0"})
+    rows = []
+    for entry in out.split(b"\0"):
+        if len(entry) > 3:
+            rows.append((entry[:2].decode("ascii", "replace").strip(),
+                         entry[3:].decode("utf-8", "backslashreplace")))
+    return rows
 
 
 def resolve_tree(repo: Path, ref: str, subdir: str | None = None) -> str:
     """The git tree id of ``ref`` (or of ``ref:subdir``)."""
     spec = f"{ref}^{{tree}}" if not subdir else f"{ref}:{subdir.strip('/')}"
-    try:
-        out = _git(["rev-parse", "--verify", "--quiet", spec], cwd=repo)
-    except ConfigError:
-        raise ConfigError(f"ref {spec!r} does not resolve to a tree in {repo}",
-                          field="project.base_ref", fix="use a branch, tag or commit id") from None
-    tree = out.decode().strip()
-    kind = _git(["cat-file", "-t", tree], cwd=repo).decode().strip()
-    if kind != "tree":
+    unresolved = ConfigError(f"ref {spec!r} does not resolve to a tree in {repo}",
+                             field="project.base_ref", fix="use a branch, tag or commit id")
+    with _reading(repo) as r:
+        try:
+            tree = _tree_of(r, ref)
+            parts = [p for p in (subdir or "").split("/") if p not in ("", ".")]
+            entry = _lookup(r, tree, "/".join(parts)) if parts else (stat.S_IFDIR, tree)
+        except _LOOKUP_ERRORS:
+            raise unresolved from None
+    if entry is None:
+        raise unresolved
+    mode, sha = entry
+    if not stat.S_ISDIR(mode):
+        kind = "blob" if _is_file(mode) else "commit"
         raise ConfigError(f"{spec} is a {kind}, not a directory", field="project.subdir")
-    return tree
+    return sha.hex()
 
 
 def export_tree(repo: Path, tree: str, dest: Path) -> None:
@@ -101,14 +354,8 @@ def check_export(repo: Path, tree: str, dest: Path) -> list[str]:
     """Paths where the files under ``dest`` differ from ``tree``'s blobs (both directions).
 
     Regular files are hashed as git blobs, symlinks by their target; nothing is followed."""
-    out = _git(["ls-tree", "-r", "-z", "--full-tree", tree], cwd=repo)
-    want: dict[str, tuple[str, str]] = {}
-    for entry in out.split(b"\0"):
-        if entry:
-            meta, path = entry.split(b"\t", 1)
-            mode, kind, oid = meta.decode().split()
-            if kind == "blob":
-                want[path.decode("utf-8", "surrogateescape")] = (mode, oid)
+    want = {path: (f"{mode:06o}", sha.hex()) for path, mode, sha in _walked(repo, tree)
+            if _is_file(mode)}
     algo = "sha256" if any(len(oid) == 64 for _, oid in want.values()) else "sha1"
     got: dict[str, tuple[str, str]] = {}
     for dirpath, dirnames, filenames in os.walk(dest, followlinks=False):
@@ -133,23 +380,29 @@ def check_export(repo: Path, tree: str, dest: Path) -> list[str]:
 
 
 def read_blob(repo: Path, tree: str, path: str) -> bytes | None:
-    """Bytes of ``path`` in ``tree``, or None when absent (or not a file)."""
-    try:
-        return _git(["cat-file", "blob", f"{tree}:{path}"], cwd=repo)
-    except ConfigError:
-        return None
+    """Bytes of ``path`` in ``tree`` (any tree-ish), or None when absent (or not a file)."""
+    with _reading(repo) as r:
+        try:
+            entry = _lookup(r, _tree_of(r, tree), path)
+            if entry is None or not _is_file(entry[0]):
+                return None
+            return _object(r, entry[1], b"blob")
+        except _LOOKUP_ERRORS:
+            return None
+
+
+def _walked(repo: Path, tree: str) -> list[tuple[str, int, bytes]]:
+    with _reading(repo) as r:
+        try:
+            return list(_walk(r, _tree_of(r, tree)))
+        except _LOOKUP_ERRORS as exc:
+            raise ConfigError(f"cannot list tree {tree[:80]!r}: {exc}", path=str(repo)
+                              ) from None
 
 
 def tree_modes(repo: Path, tree: str) -> dict[str, str]:
-    """path -> git mode for every entry (recursive), e.g. 120000 for symlinks."""
-    out = _git(["ls-tree", "-r", "-t", "-z", tree], cwd=repo)
-    modes = {}
-    for entry in out.split(b"\0"):
-        if not entry:
-            continue
-        meta, path = entry.split(b"\t", 1)
-        modes[path.decode()] = meta.split()[0].decode()
-    return modes
+    """path -> git mode for every entry (recursive, trees too), e.g. 120000 for symlinks."""
+    return {path: f"{mode:06o}" for path, mode, _ in _walked(repo, tree)}
 
 
 def throwaway_repo(source_repo: Path, tree: str, dest: Path) -> str:
@@ -170,16 +423,65 @@ def throwaway_repo(source_repo: Path, tree: str, dest: Path) -> str:
 
 
 def head_tree(repo: Path, ref: str = "HEAD") -> str:
-    return _git(["rev-parse", f"{ref}^{{tree}}"], cwd=repo).decode().strip()
+    """The tree id of ``ref``; ConfigError when it names no tree or commit."""
+    with _reading(repo) as r:
+        try:
+            return _tree_of(r, ref).hex()
+        except _LOOKUP_ERRORS as exc:
+            raise ConfigError(f"{ref[:80]!r} does not resolve to a tree ({exc})",
+                              path=str(repo)) from None
 
 
 def rev(repo: Path, ref: str) -> str:
-    return _git(["rev-parse", ref], cwd=repo).decode().strip()
+    """The object id ``ref`` names (a tag object for an annotated tag, as git does)."""
+    with _reading(repo) as r:
+        try:
+            return str(r.rev_parse(_check_rev(ref)).hexsha)
+        except _LOOKUP_ERRORS as exc:
+            raise ConfigError(f"{ref[:80]!r} does not resolve ({exc})", path=str(repo)
+                              ) from None
 
 
 def changed_paths(repo: Path, a: str, b: str) -> list[str]:
-    out = _git(["diff", "--name-only", "-z", a, b], cwd=repo)
-    return sorted(p.decode() for p in out.split(b"\0") if p)
+    """Every file path whose entry differs between the trees of ``a`` and ``b``: added,
+    removed, or changed in content, mode or type. No rename detection: a rename lists
+    both paths, so a deletion cannot hide behind an addition of the same content."""
+    with _reading(repo) as r:
+        try:
+            return sorted(_tree_diff(r, _tree_of(r, a), _tree_of(r, b)))
+        except _LOOKUP_ERRORS as exc:
+            raise ConfigError(f"cannot compare {a[:80]!r} with {b[:80]!r}: {exc}",
+                              path=str(repo)) from None
+
+
+def _tree_diff(r: _Repo, a: bytes, b: bytes) -> set[str]:
+    out: set[str] = set()
+    stack = [("", a, b)]
+    while stack:
+        base, ta, tb = stack.pop()
+        ea = {n: (m, s) for s, m, n in _entries(r, ta)}
+        eb = {n: (m, s) for s, m, n in _entries(r, tb)}
+        for name in ea.keys() | eb.keys():
+            x, y = ea.get(name), eb.get(name)
+            if x == y:
+                continue
+            path = base + name
+            x_dir = x is not None and stat.S_ISDIR(x[0])
+            y_dir = y is not None and stat.S_ISDIR(y[0])
+            if x is not None and y is not None and x_dir and y_dir:
+                stack.append((path + "/", x[1], y[1]))
+                continue
+            for side, is_dir in ((x, x_dir), (y, y_dir)):
+                if side is None:
+                    continue
+                if is_dir:
+                    out |= {p for p, m, _ in _walk(r, side[1], path + "/")
+                            if not stat.S_ISDIR(m)}
+                else:
+                    out.add(path)
+        if len(out) > MAX_TREE_ENTRIES:
+            raise IntegrityError(f"more than {MAX_TREE_ENTRIES} changed paths; refused")
+    return out
 
 
 def diff(repo: Path, a: str, b: str) -> bytes:
@@ -224,7 +526,12 @@ def commit_tree(git_dir: Path, commit: str) -> str:
     when it does not; ConfigError when git cannot read it."""
     if len(commit) not in (40, 64) or any(c not in "0123456789abcdef" for c in commit):
         raise IntegrityError(f"{commit[:80]!r} is not a git object id")
-    body = _git(["cat-file", "commit", commit], git_dir=git_dir)
+    with _reading(git_dir) as r:
+        try:
+            body = _object(r, bytes.fromhex(commit), b"commit")
+        except _LOOKUP_ERRORS as exc:
+            raise ConfigError(f"cannot read commit {commit}: {exc}", path=str(git_dir)
+                              ) from None
     algo = hashlib.sha1 if len(commit) == 40 else hashlib.sha256
     if algo(b"commit %d\0" % len(body) + body).hexdigest() != commit:
         raise IntegrityError(f"commit {commit} does not hash to its id (edited object)")

@@ -23,5 +23,10 @@ def default_policies() -> Path:
     return PROJECT_ROOT / "policies" / "roles.yaml"
 
 
+def default_upstreams() -> Path:
+    """Offline scripted upstreams for ``cyclebox sandbox exec`` (a cycle names its own)."""
+    return PROJECT_ROOT / "policies" / "upstreams.yaml"
+
+
 def sandbox_src() -> Path:
     return PROJECT_ROOT / "sandbox"

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
+from runner.gateway.config import UpstreamPolicy, load_upstreams
 from runner.isolation.policy import RolePolicies, RolePolicy, load_policies
 from runner.isolation.sandbox import Mount, RunRecord
-from runner.paths import default_policies
+from runner.paths import default_policies, default_upstreams
 
 RunFn = Callable[..., RunRecord]
 
@@ -22,10 +23,16 @@ def policies() -> RolePolicies:
 
 
 @pytest.fixture(scope="session")
-def backend() -> Any:
-    from runner.isolation.docker.backend import DockerSandbox
+def upstreams() -> dict[str, UpstreamPolicy]:
+    """The offline scripted upstreams of policies/upstreams.yaml (what sandbox exec uses)."""
+    return load_upstreams(default_upstreams())
 
-    return DockerSandbox()
+
+@pytest.fixture(scope="session")
+def backend() -> Any:
+    from runner.isolation.registry import get_sandbox
+
+    return get_sandbox("docker")
 
 
 @pytest.fixture
@@ -33,7 +40,7 @@ def run_role(backend: Any, policies: RolePolicies, tmp_path: Path,
              request: pytest.FixtureRequest) -> RunFn:
     """Run a command in a role container under its policy, with per-test overrides."""
     from runner.isolation.docker.images import resolve_image
-    from runner.isolation.roles import fresh_output_dir, role_spec
+    from runner.isolation.launcher import launch, output_dir
 
     counter = iter(range(1000))
 
@@ -41,15 +48,11 @@ def run_role(backend: Any, policies: RolePolicies, tmp_path: Path,
             with_output: bool = True, env: dict[str, str] | None = None,
             **overrides: Any) -> RunRecord:
         policy = RolePolicy.model_validate({**policies.roles[role].model_dump(), **overrides})
-        out = None
-        if with_output:
-            out = fresh_output_dir(tmp_path / f"out{next(counter)}",
-                                   uid=int(policy.user.split(":")[0]))
-        spec = role_spec(policy, role=role, run_id=f"test-{request.node.name[:40]}"
-                         .replace("[", "-").replace("]", "").replace("/", "-"),
-                         image=resolve_image(role), command=list(command), mounts=mounts,
-                         output_dir=out, env=env)
-        rec: RunRecord = backend.run(spec)
+        out = output_dir(policy, tmp_path / f"out{next(counter)}") if with_output else None
+        rec = launch(backend, policy, role=role, run_id=f"test-{request.node.name[:40]}"
+                     .replace("[", "-").replace("]", "").replace("/", "-"),
+                     image=resolve_image(role), command=list(command), mounts=mounts,
+                     output_dir=out, env=env)
         rec.__dict__["output_dir"] = out  # convenience for tests only
         return rec
 

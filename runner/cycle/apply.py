@@ -18,6 +18,7 @@ proposal (:func:`invocation_for`).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +37,7 @@ from runner.cycle.models import (
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.hashing import write_json
 from runner.isolation.collect import Collected, Limits, collect
-from runner.isolation.sandbox import RunRecord, StopReason
+from runner.isolation.sandbox import Mount, RunRecord, Sandbox, StopReason
 from runner.loading import field_path, load_model, load_with_bytes, parse_model, show
 from sandbox.proposal import Change, Refused, check_changes
 
@@ -195,6 +196,54 @@ def apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
 
 def _write_result(stage_dir: Path, result: Applied | ApplyRefusal) -> None:
     write_json(stage_dir / "result.json", result.model_dump(mode="json"))
+
+
+APPLY_COMMAND = ["python", "-m", "sandbox.apply_main"]
+"""The apply container's command; it reads ``/in`` and edits the repository in ``/work``."""
+
+
+def apply_standalone(proposal: Path, out_dir: Path, *, sandbox: Sandbox,
+                     image: Callable[[], str], repo: Path | None, ref: str | None,
+                     subdir: str | None, paths: list[str] | None, allowlist: list[str] | None,
+                     plan: Path | None, max_file_bytes: int) -> Applied | ApplyRefusal:
+    """``cyclebox apply``: apply one proposal outside a cycle, into a fresh ``out_dir``.
+
+    ``sandbox`` runs the apply container; ``image()`` gives the apply role's image id and
+    is called once the invocation is valid, so bad input is named before a missing image
+    (as in freeze).
+
+    The invocation comes from the operator (:func:`invocation_for`); ``out_dir`` is
+    created only once it is valid (an existing one is refused) and removed again if
+    staging the inputs fails. Returns the result as :func:`apply_proposal` records it in
+    ``out_dir/result.json`` (``status`` applied or refused, with the named reason); the
+    verified tree is exported to ``out_dir/candidate-src``."""
+    from runner.cycle.plan import make_fresh_dir, refuse_existing, remove_created
+    from runner.isolation.launcher import launch
+    from runner.isolation.policy import load_policies
+    from runner.paths import default_policies
+
+    refuse_existing(out_dir)
+    inv, repo_path, tree, raw = invocation_for(
+        proposal, repo=repo, ref=ref, subdir=subdir, paths=paths, allowlist=allowlist,
+        plan=plan, max_file_bytes=max_file_bytes)
+    policy = load_policies(default_policies()).roles["apply"]
+    image_id = image()
+    created = make_fresh_dir(out_dir)
+    try:
+        (out_dir / "in").mkdir()
+        (out_dir / "in" / "proposal.json").write_bytes(raw)
+        (out_dir / "in" / "invocation.json").write_text(json.dumps(inv.model_dump(mode="json")))
+    except BaseException:
+        remove_created(created)
+        raise
+
+    def run(work: Path) -> RunRecord:
+        return launch(sandbox, policy, role="apply", run_id="apply", image=image_id,
+                      command=APPLY_COMMAND, output_dir=work, output_target="/work",
+                      mounts=[Mount(source=(out_dir / "in").resolve(), target="/in")])
+
+    return apply_proposal(out_dir.resolve(), repo_path, tree, run=run, uid=policy.uid,
+                          export_to=out_dir.resolve() / "candidate-src")
 
 
 def _refuse(stage_dir: Path, reason: str, message: str) -> ApplyRefusal:

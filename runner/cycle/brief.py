@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 
-from runner.cycle.models import Record, Scenario
+from runner.cycle.models import DEVELOPMENT, Record, Scenario
 from runner.termsafe import DATA_NOTE, fence, plain
 
-BRIEF_SPLIT = "development"
+BRIEF_SPLIT = DEVELOPMENT
 
 
 def briefable(scenarios: dict[str, Scenario]) -> dict[str, Scenario]:
@@ -24,6 +24,34 @@ def briefable(scenarios: dict[str, Scenario]) -> dict[str, Scenario]:
     dev.update({k: s for k, s in scenarios.items() if s.origin == "dream"
                 and s.derived_from in dev})
     return dev
+
+
+def failing_development(records: list[Record], scenarios: dict[str, Scenario]) -> list[Record]:
+    """Graded development records (or of their dream variants) that failed a criterion:
+    exactly what a generated brief quotes, in (case, trial) order."""
+    dev = briefable(scenarios)
+    return [r for r in sorted(records, key=lambda r: (r.case_id, r.trial))
+            if r.case_id in dev and r.status == "ok" and r.grades is not None
+            and not r.grades.passed()]
+
+
+def nothing_to_brief(records: list[Record], scenarios: dict[str, Scenario]) -> str:
+    """The named reason a cycle ends when no development failure can be briefed (the
+    worker is then not called): ``nothing_to_improve`` when every development run passed,
+    ``no_failure_to_brief`` when some did not complete (the first one's reason quoted)."""
+    dev = briefable(scenarios)
+    runs = sorted((r for r in records if r.case_id in dev), key=lambda r: (r.case_id, r.trial))
+    not_ok = [r for r in runs if r.status != "ok"]
+    if not not_ok:
+        return (f"nothing_to_improve: all {len(runs)} development run(s) passed on the "
+                "baseline, so there is no failure to brief; the worker was not called. "
+                "Add development cases the agent fails, or give a fixed brief "
+                "(brief: {mode: file})")
+    first = not_ok[0]
+    return (f"no_failure_to_brief: no development run failed a graded criterion and "
+            f"{len(not_ok)} of {len(runs)} did not complete, so there is nothing to brief; "
+            f"the worker was not called. First: {first.case_id} t{first.trial} "
+            f"{first.status}: {first.reason or 'no reason recorded'}")
 
 
 ITEM_LIMIT = 2000
@@ -46,10 +74,9 @@ def build_brief(records: list[Record], scenarios: dict[str, Scenario]) -> str:
     size = sum(len(x) + 1 for x in head)
     failing = 0
     omitted = 0
-    for r in sorted(records, key=lambda r: (r.case_id, r.trial)):
-        s = dev.get(r.case_id)
-        if s is None or r.status != "ok" or r.grades is None or r.grades.passed():
-            continue
+    for r in failing_development(records, scenarios):
+        s = dev[r.case_id]
+        assert r.grades is not None  # noqa: S101 - failing_development keeps graded ones
         failing += 1
         failed = [c for c in ("correctness", "evidence", "refusal", "judge_pass")
                   if getattr(r.grades, c) is False]

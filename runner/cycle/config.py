@@ -28,6 +28,10 @@ class ProjectSpec(Frozen):
     """Directory inside the repository that is the agent's source tree."""
     entry: tuple[str, ...] = Field(min_length=1)
     """Command run in the analyst container; the source tree is mounted at /src."""
+    requirements: str | None = None
+    """The agent's own pip requirements: a file in the source tree (relative to subdir),
+    read from the frozen base tree. The analyst then runs in an image derived from the
+    analyst image with these packages (docs/agent-dependencies.md)."""
 
 
 class EditSpec(Frozen):
@@ -36,24 +40,31 @@ class EditSpec(Frozen):
     paths: tuple[str, ...] = Field(min_length=1)
     """This invocation's exact path set; each must match the allowlist."""
     max_file_bytes: int = Field(default=256 * 1024, gt=0)
+    """Largest file (bytes) an edit may write; a larger one is refused by name."""
 
 
 class BriefSpec(Frozen):
     mode: Literal["generate", "file"] = "generate"
     """generate: from development-split failures of the baseline; file: a fixed brief."""
     file: str | None = None
+    """mode file: the Markdown brief handed to the worker (relative to the cycle file)."""
 
 
 class JudgeSpec(Frozen):
     model: str
+    """Judge model; must be in the judge upstream's ``models`` allowlist."""
     threshold: float = Field(ge=0, le=1)
+    """A judge score at or above this passes the case's judge criterion."""
     required: bool = True
     """A required judge that fails makes the comparison invalid."""
 
 
 class WorkerSpec(Frozen):
     model: str
+    """Optimizer model the coding worker calls; must be in the optimizer upstream's
+    ``models`` allowlist."""
     max_tokens: int = Field(default=4096, gt=0)
+    """Cap on the worker's reply (max_tokens of its one model call)."""
 
 
 class DreamSpec(Frozen):
@@ -69,28 +80,43 @@ class CycleFile(Frozen):
     """A cycle: project, scenarios, policy, roles, budget, edit rules, trials."""
 
     schema_: int = Field(alias="schema")
+    """File format version; this code reads version 1."""
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,40}$")
+    """Cycle name: part of the run id and of every container's name."""
     project: ProjectSpec
+    """The agent under improvement: repository, base ref, source subdirectory, entry."""
     scenarios: str
     """Scenario manifest (JSON)."""
     data_dir: str
     """Directory the manifest's store paths are relative to; mounted read-only at /data."""
     policy: str
     """Comparison policy file (YAML or JSON)."""
-    roles: str
-    """Role policy file (hardening, resources, upstreams)."""
+    roles: str | None = None
+    """Role policy file: hardening and resources per role, and which upstream each role
+    may reach; it defines no upstream. Omitted: the role policies shipped with cyclebox
+    (policies/roles.yaml), so a project carries no copy."""
     upstreams: dict[str, UpstreamPolicy] = Field(default_factory=dict)
-    """Overrides for the role file's upstreams (e.g. offline scripts for a demo)."""
+    """The model upstreams, defined here only: target (the analyst's model), optimizer
+    (the worker's) and judge (the evaluator's, used only when ``judge`` is set). Only the
+    upstreams a role of this cycle uses are frozen and have their credentials read."""
     budget: BudgetPolicy = BudgetPolicy()
+    """Spending limits over every model call of the run (USD and call counts)."""
     edit: EditSpec
+    """Which files of the source tree the worker may change."""
     brief: BriefSpec = BriefSpec()
+    """Where the worker's failure brief comes from."""
     worker: WorkerSpec
+    """The coding worker's model and reply cap."""
     judge: JudgeSpec | None = None
+    """Optional model judge in the evaluator; none: deterministic scoring only."""
     dream: DreamSpec = DreamSpec()
+    """Dream variants of development tasks (off by default)."""
     trials: int = Field(default=1, ge=1, le=100)
+    """Runs of every case per side; must equal the comparison policy's trials."""
     seeds: tuple[int, ...] = ()
     """Per-trial seeds, recorded in the plan; defaults to 0..trials-1."""
     concurrency: int = Field(default=2, ge=1, le=64)
+    """Analyst containers run at once."""
 
     @model_validator(mode="after")
     def _seeds(self) -> CycleFile:
@@ -112,6 +138,13 @@ def load_cycle(path: Path) -> tuple[CycleFile, Path]:
 def resolve(base: Path, value: str) -> Path:
     p = Path(value).expanduser()
     return p if p.is_absolute() else (base / p).resolve()
+
+
+def roles_file(cycle: CycleFile, base: Path) -> Path:
+    """The cycle's role policy file: its ``roles``, or the shipped policies/roles.yaml."""
+    from runner.paths import default_policies
+
+    return default_policies() if cycle.roles is None else resolve(base, cycle.roles)
 
 
 @dataclass(frozen=True)
@@ -144,8 +177,9 @@ def check_inputs(cycle: CycleFile, path: Path, base: Path) -> CycleInputs:
                        "manifest (JSON), relative to the cycle file")
     policy = file_at("policy", cycle.policy, "point policy at the comparison policy "
                      "(*.yaml, *.yml or *.json)")
-    roles = file_at("roles", cycle.roles, "point roles at a role policy file "
-                    "(e.g. policies/roles.yaml)")
+    roles = (file_at("roles", cycle.roles, "point roles at a role policy file, or omit "
+                     "roles to use the shipped policies/roles.yaml")
+             if cycle.roles is not None else roles_file(cycle, base))
     data_dir = dir_at("data_dir", cycle.data_dir,
                       "point data_dir at the directory holding the data stores")
     why = mount_violation(str(data_dir), read_only=True)
@@ -154,7 +188,7 @@ def check_inputs(cycle: CycleFile, path: Path, base: Path) -> CycleInputs:
                           path=where, field="data_dir",
                           fix="use a directory holding only the data stores")
     repo = dir_at("project.repo", cycle.project.repo, "point project.repo at a git repository "
-                        "(git init && git add -A && git commit -m base)")
+                        f"({GIT_INIT})")
     brief = None
     if cycle.brief.mode == "file":
         if not cycle.brief.file:
@@ -172,6 +206,10 @@ def check_inputs(cycle: CycleFile, path: Path, base: Path) -> CycleInputs:
                        repo=repo, brief=brief)
 
 
+GIT_INIT = "git init && git add -A && git commit -m init"
+"""The fix for a project that is not yet a git repository (run in the project directory)."""
+
+
 def check_repo(repo: Path, ref: str, subdir: str | None, *, path: str | None,
                fields: tuple[str, str, str] = ("project.repo", "project.base_ref",
                                                "project.subdir")) -> str:
@@ -185,8 +223,7 @@ def check_repo(repo: Path, ref: str, subdir: str | None, *, path: str | None,
         usable = False
     if not usable:
         raise ConfigError(f"{show(str(repo))} does not exist or is not a directory", path=path,
-                          field=f_repo, fix="point at a git repository "
-                          "(git init && git add -A && git commit -m base)")
+                          field=f_repo, fix=f"point at a git repository ({GIT_INIT})")
     if not ref or ref.startswith("-") or not ref.isprintable() or any(c.isspace() for c in ref):
         raise ConfigError(f"{show(ref)} is not a git ref", path=path, field=f_ref,
                           fix="use a branch, tag or commit id")
@@ -196,17 +233,27 @@ def check_repo(repo: Path, ref: str, subdir: str | None, *, path: str | None,
 
     try:
         gitops.git_dir_of(repo)
+        top = gitops.toplevel(repo)
     except (ConfigError, OSError):
         raise ConfigError(f"{show(str(repo))} is not a git repository", path=path,
-                          field=f_repo,
-                          fix="git init && git add -A && git commit -m base") from None
+                          field=f_repo, fix=f"cd {show(str(repo))} && {GIT_INIT}") from None
+    if top is not None and top.resolve() != repo.resolve():
+        # git would answer for the enclosing repository: its root tree, not this directory.
+        rel = repo.resolve().relative_to(top.resolve()).as_posix()
+        inner = f"{rel}/{subdir.strip('/')}" if subdir else rel
+        raise ConfigError(f"{show(str(repo))} is not the root of a git repository; it lies "
+                          f"inside {show(str(top))}", path=path, field=f_repo,
+                          fix=f"point at the repository root and the directory inside it "
+                          f"(repo: {show(str(top))}, subdir: {show(inner)}), or make it its "
+                          f"own repository: cd {show(str(repo))} && {GIT_INIT}")
     try:
         gitops.resolve_tree(repo, "HEAD")
     except (ConfigError, OSError):
         if ref == "HEAD":
             raise ConfigError(f"{show(str(repo))} has no commit yet (HEAD does not resolve)",
                               path=path, field=f_ref,
-                              fix="git add -A && git commit -m base") from None
+                              fix=f"cd {show(str(repo))} && git add -A && git commit -m init"
+                              ) from None
     try:
         gitops.resolve_tree(repo, ref)
     except (ConfigError, OSError):
@@ -220,3 +267,29 @@ def check_repo(repo: Path, ref: str, subdir: str | None, *, path: str | None,
         raise ConfigError(f"{show(str(subdir))} is not a directory in {show(ref)} of "
                           f"{show(str(repo))}", path=path, field=f_subdir,
                           fix="a directory committed in the repository at base_ref") from None
+
+
+_STATUS = {"?": "untracked", "M": "modified", "A": "added", "D": "deleted", "R": "renamed",
+           "C": "copied", "T": "type changed", "U": "unmerged"}
+
+
+def uncommitted_warning(repo: Path, ref: str, subdir: str | None, *,
+                        path: str | None, field: str = "project.repo",
+                        limit: int = 5) -> str | None:
+    """A warning naming the uncommitted changes under the project's directory, which the
+    run leaves out (it exports the committed tree of ``ref``); None when there are none."""
+    from runner import gitops
+
+    try:
+        rows = gitops.uncommitted(repo, subdir)
+    except (ConfigError, OSError):
+        return None  # a repository git cannot read was refused by check_repo already
+    if not rows:
+        return None
+    shown = ", ".join(f"{show(p, 80)} ({_STATUS.get(st[:1], st)})" for st, p in rows[:limit])
+    more = f" and {len(rows) - limit} more" if len(rows) > limit else ""
+    where = f"{show(subdir)} in {show(str(repo))}" if subdir else show(str(repo))
+    head = ": ".join(x for x in (path, field) if x)
+    return (f"{head}: {len(rows)} uncommitted change(s) under {where} are not part of the "
+            f"run, which uses the committed tree of {show(ref)}: {shown}{more}. To include "
+            "them: git add -A && git commit")

@@ -16,7 +16,7 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from runner.cycle.models import Scenario
+from runner.cycle.models import DEVELOPMENT, TRAIN, Scenario
 from runner.isolation.sandbox import Frozen
 from sandbox.proposal import strict_json, strip_fence
 
@@ -46,7 +46,7 @@ def intent_of(s: Scenario, key: str) -> str:
 def variant(parent: Scenario, k: int, text: str, key: str) -> Scenario:
     """Variant k of a task: same reference/judge, train split, origin dream."""
     return parent.model_copy(update={
-        "id": f"{parent.id}_dream{k}", "split": "train", "origin": "dream",
+        "id": f"{parent.id}_dream{k}", "split": TRAIN, "origin": "dream",
         "derived_from": parent.id, "mandatory": False,
         "input": {**parent.input, key: text}})
 
@@ -236,7 +236,7 @@ Reply = dict[str, Any]
 def generation_calls(dev: list[Scenario], factor: int, key: str) -> list[dict[str, Any]]:
     """One generation call per development task (the only tasks that may be sent)."""
     return [{"id": s.id, "messages": generation_messages(intent_of(s, key), factor)}
-            for s in dev if s.split == "development"]
+            for s in dev if s.split == DEVELOPMENT]
 
 
 def after_generation(dev: list[Scenario], factor: int, key: str, replies: dict[str, Reply],

@@ -18,7 +18,7 @@ from pydantic import Field
 from runner.cycle.compare import load_records
 from runner.cycle.config import DreamSpec, load_cycle
 from runner.cycle.dream import DreamSummary
-from runner.cycle.models import Verdict
+from runner.cycle.models import DEVELOPMENT, Verdict
 from runner.cycle.plan import (
     check_cycle,
     freeze,
@@ -31,7 +31,7 @@ from runner.cycle.receipt import build
 from runner.cycle.run import CycleRunner, Progress
 from runner.errors import ConfigError
 from runner.hashing import canonical_bytes, sha256_file
-from runner.isolation.sandbox import Frozen
+from runner.isolation.sandbox import Frozen, Sandbox
 
 
 class Heldout(Frozen):
@@ -104,13 +104,13 @@ def heldout(records_file: Path, cases: set[str]) -> Heldout:
 
 
 def _arm(cycle: Path, out: Path, *, images: dict[str, str], spec: DreamSpec,
-         progress: Progress | None) -> DreamArm:
+         sandbox: Sandbox, progress: Progress | None) -> DreamArm:
     _, plan_hash = freeze(cycle, out, images=images, dream_override=spec)
-    outcome = CycleRunner(out / "plan.json", progress=progress).run()
+    outcome = CycleRunner(out / "plan.json", sandbox=sandbox, progress=progress).run()
     receipt = build(outcome)
     plan = read_plan_doc(out / "plan.json").plan
     split = {s.id: s.split for s in load_frozen_manifest(out).scenarios}
-    cases = {c for c in plan.policy.cases if split.get(c) != "development"}
+    cases = {c for c in plan.policy.cases if split.get(c) != DEVELOPMENT}
     stages = out / "stages"
     total = receipt.usage.total
 
@@ -130,7 +130,7 @@ def _arm(cycle: Path, out: Path, *, images: dict[str, str], spec: DreamSpec,
     )
 
 
-def paired(cycle: Path, out: Path, *, images: dict[str, str],
+def paired(cycle: Path, out: Path, *, images: dict[str, str], sandbox: Sandbox,
            progress_for: Callable[[str], Progress | None] = lambda _a: None) -> DreamReceipt:
     """Run both arms under ``out/off`` and ``out/on``; write ``out/dream-receipt.json``."""
     parsed, _ = load_cycle(cycle)
@@ -142,8 +142,9 @@ def paired(cycle: Path, out: Path, *, images: dict[str, str],
     check_cycle(cycle)
     make_fresh_dir(out)
     off = _arm(cycle, out / "off", images=images, spec=DreamSpec(mode="off"),
-               progress=progress_for("off"))
-    on = _arm(cycle, out / "on", images=images, spec=parsed.dream, progress=progress_for("on"))
+               sandbox=sandbox, progress=progress_for("off"))
+    on = _arm(cycle, out / "on", images=images, spec=parsed.dream, sandbox=sandbox,
+              progress=progress_for("on"))
     d = on.dream
     requested = d.requested if d else 0
     rate_off = off.heldout.candidate.rate if off.heldout.candidate else None

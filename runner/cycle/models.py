@@ -13,9 +13,15 @@ from runner.isolation.sandbox import Frozen
 
 Criterion = Literal["correctness", "evidence", "refusal"]
 CRITERIA: tuple[Criterion, ...] = ("correctness", "evidence", "refusal")
-SPLITS = ("development", "acceptance", "reserved", "train")
-"""The documented splits: development (briefed to the worker), acceptance and reserved
-(held out; never reach the worker), train (dream variants, generated)."""
+DEVELOPMENT = "development"
+"""The split the worker learns from: its failing cases (and only these) go into the brief."""
+TRAIN = "train"
+"""The split of generated dream variants (never written by hand)."""
+SPLITS = (DEVELOPMENT, "acceptance", "reserved", TRAIN)
+"""The documented splits, the only names a manifest may use: development (run on the
+baseline; its failures are briefed to the worker), acceptance and reserved (held out:
+compared, never shown to the worker), train (dream variants, generated). Any other name
+is refused when the manifest is loaded, naming this set."""
 
 
 def check_split(value: str) -> str:
@@ -31,7 +37,9 @@ class Store(Frozen):
     path: str
     """Path relative to the data directory."""
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    """sha256 of the store's exact bytes (`cyclebox manifest rehash` recomputes it)."""
     size_bytes: int = Field(ge=0)
+    """The store's size in bytes."""
 
     @field_validator("path")
     @classmethod
@@ -54,6 +62,8 @@ class Reference(Frozen):
     """number: numeric answer within tolerance; text: case-insensitive substring;
     refuse: the agent must decline."""
     value: float | str | None = None
+    """The expected answer: a number (kind number), a string (kind text), or null
+    (kind refuse)."""
     tolerance: float = 0.005
     """Relative tolerance for numbers."""
     evidence: tuple[str, ...] = ()
@@ -72,12 +82,16 @@ class Reference(Frozen):
 
 
 class Scenario(Frozen):
+    """One case: what the agent is asked and what a correct answer looks like."""
+
     id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    """Unique case id (letters, digits, ``_ . -``; at most 64 characters)."""
     split: str
     """development (briefed), acceptance or reserved (held out), or train (dream variants)."""
     input: dict[str, object]
     """What the analyst receives as /case/input.json."""
     reference: Reference
+    """The expected answer; never shown to the agent or the worker."""
     mandatory: bool = False
     """A mandatory case failing on the candidate rejects the candidate."""
     store: str
@@ -85,6 +99,7 @@ class Scenario(Frozen):
     origin: str | None = None
     """dream for generated variants; None for real tasks."""
     derived_from: str | None = None
+    """For a dream variant: the id of the development case it paraphrases."""
 
     @field_validator("split")
     @classmethod
@@ -96,7 +111,9 @@ class Manifest(Frozen):
     """The scenario manifest (SPEC §3)."""
 
     schema_: int = Field(alias="schema")
+    """File format version; this code reads version 1."""
     dataset: str
+    """Dataset name, recorded in the plan and the receipt."""
     split: str
     """Which splits this manifest covers, e.g. 'development+acceptance'."""
 
@@ -107,7 +124,9 @@ class Manifest(Frozen):
             check_split(part)
         return v
     scenarios: tuple[Scenario, ...]
+    """Every case, in a fixed order (the order enters reference_hash)."""
     stores: dict[str, Store]
+    """Store id -> data file under data_dir, bound by size and sha256."""
     reference_hash: str
     """sha256 over the canonical list of (id, reference)."""
     data_hash: str
@@ -118,8 +137,11 @@ class Grades(Frozen):
     """Per-criterion pass/fail for one (case, trial); None where the criterion does not apply."""
 
     correctness: bool | None = None
+    """The answer matches the reference value (number within tolerance, or text)."""
     evidence: bool | None = None
+    """The cited evidence mentions every string the reference requires."""
     refusal: bool | None = None
+    """The agent refused exactly when the reference says it must."""
     judge_score: float | None = None
     """Judge method score, when a judge ran."""
     judge_pass: bool | None = None
@@ -136,63 +158,93 @@ class Identities(Frozen):
     """What a record was produced under; compare checks these against the policy."""
 
     data_hash: str
+    """The manifest's data_hash (the stores' identity)."""
     reference_hash: str
+    """The manifest's reference_hash (the expected answers' identity)."""
     scorer: str
+    """sha256 of the scorer source the evaluator ran."""
     judge: str | None = None
+    """Identity of the judge (model, prompt, upstream); None without a judge."""
 
 
 class Record(Frozen):
     """One graded (case, trial) of one side of a comparison."""
 
     case_id: str
+    """The scenario's id."""
     trial: int = Field(ge=0)
+    """Zero-based trial number."""
     split: str
+    """The scenario's split."""
     status: Literal["ok", "infra_invalid", "not_attempted"]
+    """ok: the agent ran and its answer was graded; infra_invalid: the run or its output
+    failed (see reason); not_attempted: the budget was spent before it could run."""
     reason: str | None = None
     """Named reason when status is not ok (e.g. timeout, budget)."""
     answer: dict[str, object] | None = None
     """The analyst's answer.json, as read from its output directory."""
     grades: Grades | None = None
+    """The evaluator's grades; None when the case was not graded."""
     latency_s: float | None = None
+    """Wall-clock seconds of the analyst container."""
     usage: dict[str, dict[str, object]] = Field(default_factory=dict)
     """Per role: calls, tokens, cost_usd (None when unknown), complete."""
     identities: Identities
+    """What the record was produced under (data, references, scorer, judge)."""
 
 
 class ComparisonPolicy(Frozen):
     """Frozen before anyone sees a result (SPEC §6)."""
 
     schema_: int = Field(alias="schema")
+    """File format version; this code reads version 1."""
     cases: tuple[str, ...]
     """Exactly the cases compared (each times every trial)."""
     trials: int = Field(ge=1)
+    """Trials per case; must equal the cycle file's trials."""
     mandatory: tuple[str, ...] = ()
+    """Cases the candidate must pass (scenarios marked mandatory are added)."""
     criteria: tuple[Criterion, ...] = CRITERIA
+    """Criteria compared; a case passes when none of them fails."""
     identities: Identities | None = None
     """Expected identities; filled in by freeze from the plan when absent."""
     require_judge: bool = False
+    """Every graded record must carry a judge score, or the comparison is invalid."""
     max_case_latency_s: float | None = None
+    """A candidate case slower than this is a regression."""
     max_total_cost_usd: float | None = None
+    """A candidate side costing more (or of unknown cost) is rejected."""
     require_improvement: bool = True
+    """Accept only when at least one case improves (not just nothing regressing)."""
 
 
 Verdict = Literal["accept_for_review", "reject", "invalid_comparison"]
 
 
 class CaseChange(Frozen):
+    """One criterion of one (case, trial) that differs between the sides."""
+
     case_id: str
+    """The scenario's id."""
     trial: int
+    """Zero-based trial number."""
     criterion: str
+    """The criterion that changed (correctness, evidence, refusal, judge_pass, ...)."""
     baseline: bool | None
+    """The baseline's grade."""
     candidate: bool | None
+    """The candidate's grade."""
 
 
 class ComparisonResult(Frozen):
     verdict: Verdict
+    """accept_for_review (exit 0), reject (1) or invalid_comparison (2)."""
     reasons: tuple[str, ...]
     """Every reason found, in check order; empty for accept_for_review."""
     regressions: tuple[CaseChange, ...] = ()
+    """Criteria the candidate fails where the baseline passed."""
     improvements: tuple[CaseChange, ...] = ()
+    """Criteria the candidate passes where the baseline failed."""
     usage: dict[str, dict[str, object]] = Field(default_factory=dict)
     """baseline / candidate totals per role."""
     statistics: dict[str, object] | None = None
@@ -212,8 +264,11 @@ class Proposal(Frozen):
     refuses bad paths with named reasons."""
 
     schema_: int = Field(default=1, alias="schema")
+    """File format version; this code reads version 1."""
     files: tuple[ProposedFile, ...]
+    """The files the proposal replaces, each with its whole new content."""
     rationale: str = ""
+    """The worker's explanation of what it changed and why."""
     base: dict[str, str | None] = Field(default_factory=dict)
     """path -> sha256 of the file the proposal was made against (None: a new file)."""
 
@@ -224,7 +279,11 @@ class ProposalFile(Proposal):
     name (``runner.cycle.apply.invocation_for``), not as an unknown key."""
 
     paths: tuple[str, ...] | None = None
+    """Refused when present: the edit's path set is the operator's (``--paths`` or the
+    plan), never the proposal's own."""
     allowlist: tuple[str, ...] | None = None
+    """Refused when present: the allowlist is the operator's (``--allowlist`` or the
+    plan), never the proposal's own."""
 
 
 class Invocation(Frozen):
@@ -237,17 +296,22 @@ class Invocation(Frozen):
     base: dict[str, str | None]
     """path -> sha256 the tree must have before the edit (None: the file is new)."""
     max_file_bytes: int = Field(gt=0)
+    """Largest file the edit may write, in bytes."""
 
 
 class Applied(Frozen):
     """The apply container's claim (and, after the host's re-check, the stage's result)."""
 
     base_commit: str
+    """The commit of the frozen base tree in the throwaway repository."""
     branch: str
+    """The branch the candidate commit is on."""
     changed: tuple[str, ...]
+    """Paths the edit changed."""
     commit: str
     """Checked to be a git object id before the host runs git on it."""
     status: Literal["applied"]
+    """Always ``applied`` for this variant."""
     tree: str
     """The candidate tree; the host replaces it with the tree of its own bare clone."""
 
@@ -256,10 +320,12 @@ class ApplyRefusal(Frozen):
     """Why no candidate came out of the apply stage; ``reason`` is a named rule."""
 
     status: Literal["refused"]
+    """Always ``refused`` for this variant."""
     reason: str
     """A proposal rule (sandbox.proposal), or output_refused, apply_failed,
     host_verification_failed, export_mismatch."""
     message: str
+    """What was wrong, for the operator."""
 
 
 ApplyResult = Annotated[Applied | ApplyRefusal, Field(discriminator="status")]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import fnmatch
 import json
 import os
 import shutil
@@ -34,17 +35,25 @@ from runner.cycle.config import (
     check_repo,
     load_cycle,
     resolve,
+    uncommitted_warning,
 )
 from runner.cycle.manifest import load_manifest, verify_stores
-from runner.cycle.models import ComparisonPolicy, Identities, Manifest, Store
+from runner.cycle.models import (
+    DEVELOPMENT,
+    SPLITS,
+    ComparisonPolicy,
+    Identities,
+    Manifest,
+    Store,
+)
 from runner.errors import ConfigError, IntegrityError, PrerequisiteError
 from runner.gateway.budget import BudgetPolicy
 from runner.gateway.config import UpstreamPolicy, read_credential
 from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_json
-from runner.isolation.policy import ROLE_UPSTREAM, RolePolicies, RolePolicy, load_policies
+from runner.isolation.policy import RolePolicies, RolePolicy, load_policies
 from runner.isolation.sandbox import Frozen
 from runner.isolation.seccomp import load_profile
-from runner.loading import is_inside, load_model, show, validate
+from runner.loading import is_inside, load_model, relative_inside, show, validate
 from runner.paths import sandbox_src
 from sandbox.proposal import Refused, check_changes, check_path
 
@@ -165,10 +174,45 @@ class _Checked:
     inputs: CycleInputs
     manifest: Manifest
     policy: ComparisonPolicy
-    pols: RolePolicies
+    roles: dict[str, RolePolicy]
+    """The cycle's roles; a role that reaches no model in this cycle has upstream None."""
     tree: str
     upstreams: dict[str, UpstreamPolicy]
     """Upstreams the roles use, scripts and replay paths resolved to the originals."""
+    warnings: tuple[str, ...] = ()
+    """Things the operator should know that do not stop the cycle (uncommitted edits)."""
+
+    requirements: str | None = None
+    """The agent's checked requirement lines (project.requirements), if it declares any."""
+
+
+AGENT_REQUIREMENTS = "agent-requirements.txt"
+"""The inputs/ copy of the agent's checked requirement lines."""
+
+
+def _agent_requirements(cycle: CycleFile, repo: Path, tree: str, where: str) -> str | None:
+    """project.requirements read from the frozen base tree and checked; None when absent.
+
+    Refused when the edit allowlist covers it: baseline and candidate run in one derived
+    image, built from the base tree's requirements."""
+    if cycle.project.requirements is None:
+        return None
+    from runner import gitops
+    from runner.requirements import check_requirements
+
+    field = "project.requirements"
+    fix = ("a pip requirements file committed in the agent's source tree, relative to "
+           "project.subdir")
+    rel = relative_inside(cycle.project.requirements, path=where, field=field, fix=fix)
+    if any(fnmatch.fnmatchcase(rel, g) for g in cycle.edit.allowlist):
+        raise ConfigError(f"{rel} matches edit.allowlist, but the agent's requirements are "
+                          "installed once, from the base tree, for both arms", path=where,
+                          field=field, fix="keep the requirements file outside edit.allowlist")
+    data = gitops.read_blob(repo, tree, rel)
+    if data is None:
+        raise ConfigError(f"{rel} is not a file in the base tree {tree[:12]}", path=where,
+                          field=field, fix=fix)
+    return check_requirements(data, source=rel, path=where, field=field)
 
 
 def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy] | None = None,
@@ -179,6 +223,7 @@ def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy
     inputs = check_inputs(cycle, cycle_path, base)
     manifest = load_manifest(inputs.manifest, inputs.data_dir, ref=(where, "scenarios"))
     policy = _policy(load_policy(inputs.policy), manifest, cycle, cycle_path)
+    _check_briefable(cycle, manifest, show(str(inputs.manifest)))
     pols = load_policies(inputs.roles, ref=(where, "roles"))
     missing_roles = [r for r in CYCLE_ROLES if r not in pols.roles]
     if missing_roles:
@@ -186,22 +231,28 @@ def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy
                           field="roles", fix=f"define roles {', '.join(CYCLE_ROLES)}")
     _check_edit(cycle.edit, cycle_path)
     tree = check_repo(inputs.repo, cycle.project.base_ref, cycle.project.subdir, path=where)
+    dirty = uncommitted_warning(inputs.repo, cycle.project.base_ref, cycle.project.subdir,
+                                path=where)
 
-    upstreams: dict[str, UpstreamPolicy] = {**pols.upstreams}
+    upstreams: dict[str, UpstreamPolicy] = {}
     for name, up in cycle.upstreams.items():
         upstreams[name] = up.model_copy(update={
             "script": str(resolve(base, up.script)) if up.script else None,
             "replay_from": str(resolve(base, up.replay_from)) if up.replay_from else None})
     upstreams.update(upstream_override or {})
-    used = {ROLE_UPSTREAM[r] for r in ROLE_UPSTREAM if pols.roles.get(r) and
-            pols.roles[r].upstream}
+    role_upstream = used_upstreams(cycle, pols, path=where, roles_path=show(str(inputs.roles)))
     frozen: dict[str, UpstreamPolicy] = {}
-    for name in sorted(used):
-        if name not in upstreams:
-            raise ConfigError(f"upstream {name!r} is not defined", path=where,
-                              field=f"upstreams.{name}",
-                              fix=f"define upstreams.{name} in the cycle or the roles file")
-        frozen[name] = upstreams[name]
+    for role, used in sorted(role_upstream.items()):
+        if used is None or used in frozen:
+            continue
+        if used not in upstreams:
+            why = "judge: is set" if role == "evaluator" else f"{role} reaches a model"
+            raise ConfigError(f"upstream {used!r} is not defined; role {role} uses it ({why})",
+                              path=where, field=f"upstreams.{used}",
+                              fix=f"define upstreams.{used} in the cycle file (provider, "
+                              "models, script or base_url and credential)"
+                              + (", or remove judge:" if role == "evaluator" else ""))
+        frozen[used] = upstreams[used]
     check_upstreams(frozen, path=where, check_credentials=check_credentials)
     for field, model, up_name in (("worker.model", cycle.worker.model, "optimizer"),
                                   ("judge.model", cycle.judge.model if cycle.judge else None,
@@ -212,8 +263,32 @@ def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy
                               f"allowlist {list(allowed)}", path=where, field=field,
                               fix=f"use one of {list(allowed)} or add it to "
                               f"upstreams.{up_name}.models")
-    return _Checked(cycle=cycle, inputs=inputs, manifest=manifest, policy=policy, pols=pols,
-                    tree=tree, upstreams=frozen)
+    roles = {r: pols.roles[r].model_copy(update={"upstream": role_upstream.get(r)})
+             for r in CYCLE_ROLES}
+    return _Checked(cycle=cycle, inputs=inputs, manifest=manifest, policy=policy, roles=roles,
+                    tree=tree, upstreams=frozen, warnings=(dirty,) if dirty else (),
+                    requirements=_agent_requirements(cycle, inputs.repo, tree, where))
+
+
+def used_upstreams(cycle: CycleFile, pols: RolePolicies, *, path: str,
+                   roles_path: str) -> dict[str, str | None]:
+    """Role -> the upstream it reaches in this cycle (None: no gateway socket at all).
+
+    The roles file says which upstream a role *may* reach; the cycle decides whether it
+    does: the evaluator reaches the judge only when the cycle sets ``judge:``. Only these
+    upstreams are frozen, and only their credentials are read."""
+    out: dict[str, str | None] = {}
+    for role in CYCLE_ROLES:
+        name = pols.roles[role].upstream
+        if role == "evaluator" and cycle.judge is None:
+            name = None
+        out[role] = name
+    if cycle.judge is not None and out["evaluator"] is None:
+        raise ConfigError("judge: is set but the evaluator role has no model access",
+                          path=path, field="judge",
+                          fix=f"set roles.evaluator.upstream: judge in {roles_path}, or "
+                          "remove judge: from the cycle file")
+    return out
 
 
 def check_upstreams(upstreams: dict[str, UpstreamPolicy], *, path: str,
@@ -238,21 +313,37 @@ def check_upstreams(upstreams: dict[str, UpstreamPolicy], *, path: str,
 def freeze(cycle_path: Path, out: Path, *, images: ImagesArg,
            upstream_override: dict[str, UpstreamPolicy] | None = None,
            dream_override: DreamSpec | None = None,
-           check_credentials: bool = True) -> tuple[Plan, str]:
+           check_credentials: bool = True,
+           warn: Callable[[str], None] | None = None,
+           derive_analyst: Callable[[str, str], str] | None = None) -> tuple[Plan, str]:
     """Write ``out/plan.json``; return (plan, plan_hash).
 
     Every input, credential and image is checked first; only then is ``out`` created, with
     an exclusive mkdir (an existing directory is refused, and of two racers one wins and
     the other gets that refusal). A failure while writing removes ``out`` again, so the
-    corrected rerun can use the same path.
+    corrected rerun can use the same path. ``warn`` is given each warning the checks
+    found (e.g. uncommitted changes the run leaves out). A project with
+    ``project.requirements`` gets the analyst image ``derive_analyst(analyst_id,
+    requirements)`` returns (the caller's backend builds it offline when missing), and the
+    plan freezes that image's id as the analyst's.
     """
     refuse_existing(out)
     c = check_cycle(cycle_path, upstream_override=upstream_override,
                     check_credentials=check_credentials)
+    if warn is not None:
+        for w in c.warnings:
+            warn(w)
     image_ids = images() if callable(images) else images
     missing = [r for r in CYCLE_ROLES if r not in image_ids]
     if missing:
         raise PrerequisiteError(f"no image for roles {missing}. Fix: cyclebox images build")
+    if c.requirements is not None:
+        if derive_analyst is None:
+            raise PrerequisiteError("project.requirements is set but this caller cannot build "
+                                    "the derived analyst image. Fix: run the cycle with "
+                                    "`cyclebox cycle run`")
+        image_ids = {**image_ids, "analyst": derive_analyst(image_ids["analyst"],
+                                                             c.requirements)}
     created = make_fresh_dir(out)
     try:
         return _write_frozen(c, cycle_path, out, image_ids, dream_override)
@@ -270,7 +361,7 @@ def _write_frozen(c: _Checked, cycle_path: Path, out: Path, images: dict[str, st
     _copy_input(c.inputs.manifest, inputs_dir, "manifest.json", table)
     _copy_input(c.inputs.policy, inputs_dir, "policy" + c.inputs.policy.suffix, table)
     _copy_input(c.inputs.roles, inputs_dir, "roles.yaml", table)
-    roles = {r: _freeze_seccomp(r, c.pols.roles[r], inputs_dir, table) for r in CYCLE_ROLES}
+    roles = {r: _freeze_seccomp(r, c.roles[r], inputs_dir, table) for r in CYCLE_ROLES}
     frozen_ups: dict[str, UpstreamPolicy] = {}
     up_ids: dict[str, str] = {}
     for name, orig in sorted(c.upstreams.items()):
@@ -284,6 +375,9 @@ def _write_frozen(c: _Checked, cycle_path: Path, out: Path, images: dict[str, st
         frozen_ups[name] = up
         up_ids[name] = sha256_bytes(canonical_bytes(
             up.model_dump(mode="json", exclude={"script", "replay_from"})) + extra)
+    if c.requirements is not None:
+        (inputs_dir / AGENT_REQUIREMENTS).write_text(c.requirements)
+        table[AGENT_REQUIREMENTS] = sha256_file(inputs_dir / AGENT_REQUIREMENTS)
     brief_sha = None
     if c.inputs.brief is not None:
         dest = _copy_input(c.inputs.brief, inputs_dir, "brief.md", table)
@@ -291,10 +385,9 @@ def _write_frozen(c: _Checked, cycle_path: Path, out: Path, images: dict[str, st
     scorer = sha256_file(sandbox_src() / "evaluator.py")
     judge_id = None
     if cycle.judge:
-        from sandbox.evaluator import JUDGE_PROMPT
-
-        judge_id = sha256_json({"judge": cycle.judge.model_dump(mode="json"),
-                                "prompt": JUDGE_PROMPT, "upstream": up_ids.get("judge")})
+        judge_up = c.upstreams.get("judge")
+        judge_id = judge_identity(cycle.judge, up_ids.get("judge"),
+                                  replay_from=judge_up.replay_from if judge_up else None)
     policy = policy.model_copy(update={"identities": Identities(
         data_hash=manifest.data_hash, reference_hash=manifest.reference_hash, scorer=scorer,
         judge=judge_id)})
@@ -314,6 +407,31 @@ def _write_frozen(c: _Checked, cycle_path: Path, out: Path, images: dict[str, st
         "inputs": table})
     plan_hash = write_plan(plan, out / "plan.json")
     return plan, plan_hash
+
+
+def judge_identity(judge: JudgeSpec, upstream_id: str | None, *,
+                   replay_from: str | None = None) -> str:
+    """The judge's identity (spec, prompt, upstream), frozen into the comparison policy
+    and every graded record.
+
+    A replay answers the judge's calls with the recorded bytes, so its judge *is* the
+    recorded one: it keeps the ``judge_id`` of the recorded plan when that plan froze the
+    same judge spec (a changed prompt changes the request bytes, which then miss).
+    Otherwise the replay upstream's own id (its log's bytes) would make every replayed
+    record differ from the recorded one.
+    """
+    from sandbox.evaluator import JUDGE_PROMPT
+
+    spec = judge.model_dump(mode="json")
+    if replay_from is not None:
+        try:
+            recorded = json.loads((Path(replay_from) / "plan.json").read_text())["plan"]
+        except (OSError, ValueError, KeyError, TypeError):
+            recorded = None
+        if (isinstance(recorded, dict) and recorded.get("judge") == spec
+                and isinstance(recorded.get("judge_id"), str)):
+            return str(recorded["judge_id"])
+    return sha256_json({"judge": spec, "prompt": JUDGE_PROMPT, "upstream": upstream_id})
 
 
 def _freeze_seccomp(role: str, pol: RolePolicy, inputs: Path,
@@ -355,6 +473,23 @@ def _policy(policy: ComparisonPolicy, manifest: Manifest, cycle: CycleFile,
     mandatory = sorted(set(policy.mandatory) | {s.id for s in manifest.scenarios
                                                 if s.mandatory and s.id in policy.cases})
     return policy.model_copy(update={"mandatory": tuple(mandatory)})
+
+
+def _check_briefable(cycle: CycleFile, manifest: Manifest, where: str) -> None:
+    """A generated brief (or dream) needs development cases: refuse a manifest with none,
+    rather than run a cycle whose worker could only ever get an empty brief."""
+    if any(s.split == DEVELOPMENT for s in manifest.scenarios):
+        return
+    uses = [w for w, on in (("brief.mode generate", cycle.brief.mode == "generate"),
+                            (f"dream.mode {cycle.dream.mode}", cycle.dream.mode != "off")) if on]
+    if uses:
+        got = sorted({s.split for s in manifest.scenarios})
+        raise ConfigError(f"no scenario has split {DEVELOPMENT!r} (splits here: "
+                          f"{', '.join(got) or 'none'}), but the cycle's {' and '.join(uses)} "
+                          "works from development cases", path=where, field="scenarios[].split",
+                          fix=f"mark the cases the worker may learn from split: {DEVELOPMENT} "
+                          f"(the splits are {', '.join(SPLITS)}), or give a fixed brief "
+                          "(brief: {mode: file, file: BRIEF.md}) with dream off")
 
 
 def _check_edit(edit: EditSpec, cycle_path: Path) -> None:

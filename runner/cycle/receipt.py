@@ -629,3 +629,4 @@ def _candidate_problems(root_fd: int, run_dir: Path, tree: str | None) -> list[s
     if got != tree:
         return [f"{where}: tree of commit {commit} is {got}, the receipt says {tree}"]
     return []
+

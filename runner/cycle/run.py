@@ -25,9 +25,10 @@ from typing import Any
 
 from runner import gitops, interrupts
 from runner.cycle.apply import apply_proposal, read_proposal
-from runner.cycle.brief import build_brief
+from runner.cycle.brief import build_brief, failing_development, nothing_to_brief
 from runner.cycle.compare import compare
 from runner.cycle.models import (
+    DEVELOPMENT,
     ComparisonResult,
     Grades,
     Identities,
@@ -51,9 +52,8 @@ from runner.gateway.report import summarize
 from runner.gateway.server import Gateway
 from runner.hashing import safe_text, sha256_bytes, write_json
 from runner.isolation.collect import Limits, collect, loads_strict
-from runner.isolation.docker.backend import DockerSandbox
-from runner.isolation.roles import fresh_output_dir, role_spec
-from runner.isolation.sandbox import Mount, RunRecord, StopReason
+from runner.isolation.launcher import launch, output_dir
+from runner.isolation.sandbox import Mount, RunRecord, Sandbox, StopReason
 
 STOP_GRACE_S = 6.0
 """How long, after a stop, the run's containers are swept while case threads return."""
@@ -86,9 +86,10 @@ class Outcome:
 
 
 class CycleRunner:
-    """Runs one prepared plan; one instance per run directory."""
+    """Runs one prepared plan on ``sandbox``; one instance per run directory."""
 
-    def __init__(self, plan_path: Path, *, progress: Progress | None = None) -> None:
+    def __init__(self, plan_path: Path, *, sandbox: Sandbox,
+                 progress: Progress | None = None) -> None:
         self.plan_path = plan_path.resolve()
         self.dir = self.plan_path.parent
         self.plan, self.plan_hash = load_plan(self.plan_path)
@@ -98,7 +99,10 @@ class CycleRunner:
         self.progress = progress or (lambda _s, _d, _t: None)
         self.budget = RunBudget(self.plan.budget)
         self.timings: dict[str, float] = {}
-        self.uid = int(self.plan.roles["analyst"].user.split(":")[0])
+        self.backend = sandbox
+        # The agent's model is the first of its upstream's allowlist (docs/contracts.md).
+        target = self.plan.upstreams.get(self.plan.roles["analyst"].upstream or "")
+        self._model_env = {"CYCLEBOX_MODEL": target.models[0]} if target else {}
 
     # -- entry -------------------------------------------------------------------
     def run(self) -> Outcome:
@@ -114,9 +118,8 @@ class CycleRunner:
                               "attempt is kept", field="--plan",
                               fix="freeze again into a new directory")
         check_upstreams(dict(self.plan.upstreams), path=str(self.plan_path))
-        backend = DockerSandbox()
         for role, image in self.plan.images.items():
-            if backend.image_id(image) is None:
+            if self.backend.image_id(image) is None:
                 raise IntegrityError(f"frozen image for {role} ({image}) is not present; "
                                      "rebuild the same inputs or freeze again")
         try:
@@ -125,7 +128,6 @@ class CycleRunner:
             raise ConfigError(f"{self.dir} was already executed (stages/ exists); every "
                               "attempt is kept", field="--plan",
                               fix="freeze again into a new directory") from None
-        self.backend = backend
         self.containers = (self.dir / "containers.jsonl").open("a", encoding="utf-8")
         self._containers_lock = threading.Lock()
         self._stopping = threading.Event()
@@ -233,7 +235,7 @@ class CycleRunner:
 
     def _stages(self, o: Outcome) -> Outcome:
         pol = self.plan.policy
-        dev = [s.id for s in self.manifest.scenarios if s.split == "development"]
+        dev = [s.id for s in self.manifest.scenarios if s.split == DEVELOPMENT]
         base_cases = list(dict.fromkeys([*pol.cases, *dev]))
         src = self._stage("export", self._export_base)
         if self.plan.dream.mode != "off":
@@ -278,36 +280,35 @@ class CycleRunner:
              output_target: str = "/out", env: dict[str, str] | None = None) -> RunRecord:
         if self._stopping.is_set():
             raise StageFailed("stopping: no new container is started")
-        policy = frozen_role(self.plan, self.dir, role)
-        labels = {"io.cyclebox.stage": stage}
-        if case is not None:
-            labels["io.cyclebox.case"] = case
-            labels["io.cyclebox.trial"] = str(trial)
-        image = self.plan.images[role]
-        with contextlib.ExitStack() as stack:
-            if policy.upstream:
-                b = stack.enter_context(self.gw.bound(role, stage=stage, uid=self.uid,
-                                                      case=case, trial=trial))
-                mounts = [*mounts, b.mount()]
-            spec = role_spec(policy, role=role, run_id=self.run_id, image=image,
-                             command=command, output_dir=out, env=env, labels=labels,
-                             mounts=mounts).model_copy(update={"output_target": output_target})
-            rec = self.backend.run(spec, cancel=self._stopping)
+        rec = launch(self.backend, frozen_role(self.plan, self.dir, role), role=role,
+                     run_id=self.run_id, image=self.plan.images[role], command=command,
+                     mounts=mounts, output_dir=out, output_target=output_target, env=env,
+                     gateway=self.gw, stage=stage, case=case, trial=trial,
+                     cancel=self._stopping)
         row = {"stage": stage, "case": case, "trial": trial, **rec.model_dump(mode="json")}
         row.pop("stdout_tail")
         row.pop("stderr_tail")
         with self._containers_lock:
             self.containers.write(json.dumps(row, sort_keys=True) + "\n")
             self.containers.flush()
-        logs = out.parent / "logs"
-        logs.mkdir(exist_ok=True)
-        name = f"{role}" + (f"-{case}-t{trial}" if case is not None else "")
-        (logs / f"{name}.stdout").write_bytes(safe_text(rec.stdout_tail).encode())
-        (logs / f"{name}.stderr").write_bytes(safe_text(rec.stderr_tail).encode())
+        stderr = _stderr_log(out, role, case, trial)
+        stderr.parent.mkdir(exist_ok=True)
+        stderr.with_suffix(".stdout").write_bytes(safe_text(rec.stdout_tail).encode())
+        stderr.write_bytes(safe_text(rec.stderr_tail).encode())
         return rec
 
-    def _fresh(self, path: Path) -> Path:
-        return fresh_output_dir(path, uid=self.uid)
+    def _stderr_note(self, rec: RunRecord, out: Path, role: str, case: str | None = None,
+                     trial: int | None = None) -> str:
+        """`` (stderr: LOG, ends: TAIL)`` for a reason: where the container's stderr was
+        kept (relative to the run directory) and its last lines, so a failing case says
+        where to look and what it said."""
+        log = _stderr_log(out, role, case, trial).relative_to(self.dir)
+        tail = stderr_tail(rec.stderr_tail)
+        return f" (stderr: {log}, " + (f"ends: {tail})" if tail else "empty)")
+
+    def _fresh(self, role: str, path: Path) -> Path:
+        """A fresh output directory for ``role``'s user."""
+        return output_dir(self.plan.roles[role], path)
 
     def _limits(self, role: str) -> Limits:
         cap = self.plan.roles[role].output_cap
@@ -373,8 +374,9 @@ class CycleRunner:
         case_dir = self.dir / "stages" / stage / "cases" / f"{sc.id}__t{trial}"
         (case_dir / "input").mkdir(parents=True)
         write_json(case_dir / "input" / "input.json", sc.input)
-        out = self._fresh(case_dir / "out")
-        env = {"CYCLEBOX_SEED": str(self.plan.seeds[trial]), "CYCLEBOX_TRIAL": str(trial)}
+        out = self._fresh("analyst", case_dir / "out")
+        env = {"CYCLEBOX_SEED": str(self.plan.seeds[trial]), "CYCLEBOX_TRIAL": str(trial),
+               "CYCLEBOX_CASE_ID": sc.id, **self._model_env}
         rec = self._run("analyst", list(self.plan.project.spec.entry), stage=stage, case=sc.id,
                         trial=trial, out=out, env=env,
                         mounts=[Mount(source=src, target="/src"),
@@ -388,15 +390,18 @@ class CycleRunner:
         infra = [c.error for c in calls if c.status == "infra_error"]
         if infra:
             return Record(**common, status="infra_invalid", reason=f"gateway: {infra[0]}")
+        note = self._stderr_note(rec, out, "analyst", sc.id, trial)
         if rec.stop_reason is not StopReason.OK:
             return Record(**common, status="infra_invalid",
-                          reason=f"{rec.stop_reason.value}: {rec.detail}")
+                          reason=f"{rec.stop_reason.value}: {rec.detail}{note}")
         try:
             answer = collect(out, self._limits("analyst")).json("answer.json")
         except OutputRejected as exc:
-            return Record(**common, status="infra_invalid", reason=f"invalid_output: {exc}")
+            return Record(**common, status="infra_invalid",
+                          reason=f"invalid_output: {exc}{note}")
         if not isinstance(answer, dict):
-            return Record(**common, status="infra_invalid", reason="answer.json not an object")
+            return Record(**common, status="infra_invalid",
+                          reason=f"invalid_output: answer.json is not a JSON object{note}")
         return Record(**common, status="ok", answer=answer)
 
     def _evaluate(self, side: str, records: list[Record]) -> list[Record]:
@@ -415,14 +420,14 @@ class CycleRunner:
         write_json(d / "cfg" / "evaluator.json", {
             "judge": judge.model_dump(mode="json") if judge else None,
             "questions": {c: str(self.scenarios[c].input.get("question", "")) for c in cases}})
-        out = self._fresh(d / "out")
+        out = self._fresh("evaluator", d / "out")
         rec = self._run("evaluator", ["python", "-m", "sandbox.evaluator"], stage=stage, out=out,
                         mounts=[Mount(source=d / "in", target="/in"),
                                 Mount(source=d / "ref", target="/ref"),
                                 Mount(source=d / "cfg", target="/cfg")])
         if rec.stop_reason is not StopReason.OK:
-            raise StageFailed(f"{stage}: evaluator {rec.stop_reason.value}: {rec.detail} "
-                              f"{rec.stderr_tail[-300:]}")
+            raise StageFailed(f"{stage}: evaluator {rec.stop_reason.value}: {rec.detail}"
+                              + self._stderr_note(rec, out, "evaluator"))
         try:
             raw = collect(out, self._limits("evaluator")).files.get("grades.jsonl", b"")
             rows = [loads_strict(line, source="grades.jsonl")
@@ -437,6 +442,8 @@ class CycleRunner:
         return graded
 
     def _brief(self, baseline: list[Record]) -> str:
+        """The worker's brief; a generated one with no development failure in it ends the
+        cycle here (the worker is not called), with the reason named."""
         d = self.dir / "stages" / "brief"
         d.mkdir(parents=True)
         if self.plan.brief.mode == "file":
@@ -444,6 +451,9 @@ class CycleRunner:
         else:
             text = build_brief(baseline, self.scenarios)
         (d / "brief.md").write_text(text)
+        if self.plan.brief.mode == "generate" and not failing_development(baseline,
+                                                                          self.scenarios):
+            raise StageFailed(nothing_to_brief(baseline, self.scenarios))
         return text
 
     def _base_files(self) -> list[dict[str, Any]]:
@@ -462,7 +472,7 @@ class CycleRunner:
                    "paths": list(self.plan.edit.paths), "allowlist": list(self.plan.edit.allowlist),
                    "model": self.plan.worker.model, "max_tokens": self.plan.worker.max_tokens}
         write_json(d / "in" / "request.json", request)
-        out = self._fresh(d / "out")
+        out = self._fresh("worker", d / "out")
         rec = self._run("worker", ["python", "-m", "sandbox.worker"], stage="propose", out=out,
                         mounts=[Mount(source=d / "in", target="/in")])
         got = collect(out, self._limits("worker"))
@@ -471,8 +481,10 @@ class CycleRunner:
             raise StageFailed(f"no candidate: proposal refused ({err.get('reason')}: "
                               f"{err.get('message')})")
         if rec.stop_reason is not StopReason.OK or "proposal.json" not in got.files:
-            raise StageFailed(f"no candidate: worker {rec.stop_reason.value} {rec.detail} "
-                              f"{rec.stderr_tail[-300:]}")
+            what = (f"{rec.stop_reason.value}: {rec.detail}" if rec.stop_reason is not
+                    StopReason.OK else "exited without writing proposal.json")
+            raise StageFailed(f"no candidate: worker {what}"
+                              + self._stderr_note(rec, out, "worker"))
         try:
             return read_proposal(got.files["proposal.json"])
         except OutputRejected as exc:
@@ -495,7 +507,7 @@ class CycleRunner:
                                     "apply", ["python", "-m", "sandbox.apply_main"],
                                     stage="apply", out=work, output_target="/work",
                                     mounts=[Mount(source=d / "in", target="/in")]),
-                                uid=self.uid, export_to=src)
+                                uid=self.plan.roles["apply"].uid, export_to=src)
         if result.status != "applied":
             raise StageFailed(f"no candidate: apply refused ({result.reason}: "
                               f"{result.message})")
@@ -508,7 +520,7 @@ class CycleRunner:
         spec = self.plan.dream
         d = self.dir / "stages" / "dream"
         d.mkdir(parents=True)
-        dev = [s for s in self.manifest.scenarios if s.split == "development"]
+        dev = [s for s in self.manifest.scenarios if s.split == DEVELOPMENT]
         key = spec.intent_key
         parents = {s.id: s for s in dev}
         if spec.mode == "template":
@@ -537,7 +549,7 @@ class CycleRunner:
         write_json(d / "in" / "calls.json", {"model": self.plan.worker.model,
                                               "max_tokens": self.plan.worker.max_tokens,
                                               "calls": calls})
-        out = self._fresh(d / "out")
+        out = self._fresh("worker", d / "out")
         rec = self._run("worker", ["python", "-m", "sandbox.relay"], stage=stage, out=out,
                         mounts=[Mount(source=d / "in", target="/in")])
         try:
@@ -552,6 +564,25 @@ class CycleRunner:
 
     def _leftovers(self) -> list[str]:
         return self.backend.leftovers(self.run_id)
+
+
+def _stderr_log(out: Path, role: str, case: str | None, trial: int | None) -> Path:
+    """Where :meth:`CycleRunner._run` keeps a container's stderr: ``logs/`` beside its
+    output directory, named by role (and case and trial)."""
+    name = role + (f"-{case}-t{trial}" if case is not None else "")
+    return out.parent / "logs" / f"{name}.stderr"
+
+
+STDERR_TAIL_CHARS = 240
+"""Characters of a container's stderr quoted in a reason (its last lines)."""
+
+
+def stderr_tail(text: str, *, lines: int = 3, limit: int = STDERR_TAIL_CHARS) -> str:
+    """The last ``lines`` non-empty lines of ``text`` as one line (`` / `` between them),
+    at most ``limit`` characters (the end kept), control characters escaped."""
+    kept = [ln.strip() for ln in text.splitlines() if ln.strip()][-lines:]
+    flat = one_line(" / ".join(kept), limit=len(" / ".join(kept)) + 1)
+    return flat if len(flat) <= limit else "..." + flat[-(limit - 3):]
 
 
 def _invalid(reason: str) -> ComparisonResult:

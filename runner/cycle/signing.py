@@ -9,6 +9,7 @@ Keys are PEM files; the private key is written 0600 and never leaves the host.
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import json
 import os
@@ -42,18 +43,45 @@ def keyid(pub: Ed25519PublicKey) -> str:
 
 
 def keygen(path: Path) -> Path:
-    """Write a new private key (0600) at ``path`` and its public key at ``path.pub``."""
+    """Write a new private key (0600) at ``path`` and its public key at ``path.pub``.
+
+    Both are created exclusively (never overwritten, never through a symlink); the
+    directory must exist (ConfigError naming it otherwise: a key is not written into a
+    directory the operator did not make on purpose). Nothing is left on failure."""
     pub_path = path.with_name(path.name + ".pub")
-    if path.exists() or pub_path.exists():
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError(f"directory {parent} does not exist", path=str(path), field="--out",
+                          fix=f"create it first (mkdir -p {parent}) or give a path in an "
+                          "existing directory")
+    if path.exists() or path.is_symlink() or pub_path.exists() or pub_path.is_symlink():
         raise ConfigError(f"{path} or {pub_path} exists; keys are never overwritten",
-                          field="--out")
+                          field="--out", fix="give a new key path")
     key = Ed25519PrivateKey.generate()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                  serialization.NoEncryption()))
-    pub_path.write_bytes(key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    written: list[Path] = []
+    try:
+        for target, mode, data in (
+                (path, 0o600, key.private_bytes(serialization.Encoding.PEM,
+                                                serialization.PrivateFormat.PKCS8,
+                                                serialization.NoEncryption())),
+                (pub_path, 0o644, key.public_key().public_bytes(
+                    serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))):
+            fd = os.open(target, flags, mode)
+            written.append(target)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+    except OSError as exc:
+        for p in written:
+            p.unlink(missing_ok=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE):
+            raise  # the machine, not the input: the CLI maps it to environment_failure
+        if isinstance(exc, FileExistsError):
+            raise ConfigError(f"{exc.filename} exists; keys are never overwritten",
+                              field="--out", fix="give a new key path") from None
+        raise ConfigError(f"cannot write {exc.filename or path}: {exc.strerror}",
+                          path=str(path), field="--out",
+                          fix="give a path in a directory you can write") from None
     return pub_path
 
 

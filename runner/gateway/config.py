@@ -12,16 +12,16 @@ from typing import Annotated, Any, Literal, Self
 
 from pydantic import Field, TypeAdapter, model_validator
 
-from runner.errors import ConfigError, PrerequisiteError
+from runner.errors import PrerequisiteError
 from runner.isolation.sandbox import Frozen
 
 
 class CredentialSource(Frozen):
     """Where the host reads a provider key: exactly one of an env var name or a file path."""
 
-    env: str | None = None
+    env: str | None = Field(default=None, min_length=1)
     """Name of a host environment variable holding the key."""
-    file: str | None = None
+    file: str | None = Field(default=None, min_length=1)
     """Path of a host file holding the key (first line)."""
 
     @model_validator(mode="after")
@@ -38,7 +38,9 @@ class Price(Frozen):
     """USD per million tokens."""
 
     input_per_mtok: float = Field(ge=0)
+    """USD per million prompt (input) tokens."""
     output_per_mtok: float = Field(ge=0)
+    """USD per million completion (output) tokens."""
 
 
 class GatewayLimits(Frozen):
@@ -107,7 +109,9 @@ class _Upstream(Frozen):
     timeout_s: float = Field(default=120, gt=0)
     """Upstream timeout for one call; reaching it is an infra error, never retried."""
     max_request_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    """Largest request body a role may send; a larger one is refused (413) and recorded."""
     max_response_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    """Largest upstream response read; more is an infra error (``response_too_large``)."""
     call_deadline_s: float = Field(default=300, gt=0)
     """Total time one upstream call may take, however slowly bytes trickle in; then it
     is an infra error (``upstream_deadline``), recorded, never retried."""
@@ -150,34 +154,47 @@ class OpenAIUpstream(_Upstream):
     """Any OpenAI-compatible server, reached from the host with a host-side key."""
 
     provider: Literal["openai"]
-    base_url: str
+    """openai: any OpenAI-compatible server."""
+    base_url: str = Field(min_length=1)
     """The server's base URL, e.g. https://api.example.com/v1."""
     credential: CredentialSource
-    """Where the host reads the key."""
+    """Where the host reads the key. The key is read only when a role of the cycle uses
+    this upstream."""
     script: None = None
+    """Not used by this provider (scripted only); always null."""
     replay_from: None = None
+    """Not used by this provider (replay only); always null."""
 
 
 class ScriptedUpstream(_Upstream):
     """Offline fixture replies from a script file (never a real model)."""
 
     provider: Literal["scripted"]
-    script: str
-    """Path of the script file (relative paths resolve against the policy file)."""
+    """scripted: offline fixture replies from a script file."""
+    script: str = Field(min_length=1)
+    """Path of the script file (relative paths resolve against the file that defines the
+    upstream, e.g. cycle.yaml)."""
     base_url: None = None
+    """Not used by this provider (openai only); always null."""
     credential: None = None
+    """Not used by this provider (openai only); always null."""
     replay_from: None = None
+    """Not used by this provider (replay only); always null."""
 
 
 class ReplayUpstream(_Upstream):
     """Byte-exact answers from a recorded call log."""
 
     provider: Literal["replay"]
-    replay_from: str
+    """replay: byte-exact answers from a recorded call log."""
+    replay_from: str = Field(min_length=1)
     """A run directory whose gateway/calls.jsonl is replayed."""
     base_url: None = None
+    """Not used by this provider (openai only); always null."""
     credential: None = None
+    """Not used by this provider (openai only); always null."""
     script: None = None
+    """Not used by this provider (scripted only); always null."""
 
 
 UpstreamPolicy = Annotated[OpenAIUpstream | ScriptedUpstream | ReplayUpstream,
@@ -213,12 +230,43 @@ def read_credential(name: str, src: CredentialSource) -> str:
     return value
 
 
-def resolve_path(value: str, *, base: Path) -> Path:
-    p = Path(value).expanduser()
-    return p if p.is_absolute() else (base / p).resolve()
+class UpstreamsFile(Frozen):
+    """A file of upstream definitions for ``cyclebox sandbox exec`` (a cycle defines its
+    own in cycle.yaml): ``policies/upstreams.yaml`` holds the offline scripted fixtures."""
+
+    schema_: int = Field(alias="schema")
+    """File format version; this code reads version 1."""
+    upstreams: dict[str, UpstreamPolicy]
+    """Upstream name (target, optimizer, judge) -> provider settings; credential names only."""
 
 
-def check_script(path: Path, *, field: str) -> None:
-    if not path.is_file():
-        raise ConfigError(f"script {path} does not exist", field=field,
-                          fix="point to a scripted-provider YAML file")
+UPSTREAMS_FIX = ("a mapping with schema: 1 and upstreams: {NAME: {provider: ..., models: "
+                 "[...]}} (the same keys as cycle.yaml's upstreams)")
+
+
+def load_upstreams(path: Path) -> dict[str, UpstreamPolicy]:
+    """Upstreams from an upstreams file; script and replay paths resolved against it and
+    every script loaded. ConfigError naming the file and field otherwise."""
+    from runner.gateway.providers import load_script
+    from runner.loading import checked_path, load_model, resolve_under, show
+
+    doc = load_model(path, UpstreamsFile, fmt="yaml", what="upstreams file", schema=1,
+                     fix=UPSTREAMS_FIX)
+    where, base = show(str(path)), path.resolve().parent
+    out: dict[str, UpstreamPolicy] = {}
+    for name, up in doc.upstreams.items():
+        field = f"upstreams.{name}"
+        upd: dict[str, str] = {}
+        if up.script:
+            fix = "point to a scripted-provider YAML file, relative to this file"
+            script = checked_path(resolve_under(base, up.script, path=where,
+                                                field=f"{field}.script", fix=fix),
+                                  kind="file", path=where, field=f"{field}.script", fix=fix)
+            load_script(script, ref=(where, f"{field}.script"))
+            upd["script"] = str(script)
+        if up.replay_from:
+            upd["replay_from"] = str(resolve_under(base, up.replay_from, path=where,
+                                                   field=f"{field}.replay_from",
+                                                   fix="point at a finished run directory"))
+        out[name] = up.model_copy(update=upd)
+    return out

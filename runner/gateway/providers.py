@@ -38,11 +38,22 @@ class ProviderResult:
     been charged, so the cost is a known zero rather than unknown."""
 
 
+@dataclass(frozen=True)
+class CallSite:
+    """Where a call comes from: its container's binding and its turn on that socket."""
+
+    role: str
+    stage: str
+    case: str | None
+    trial: int | None
+    turn: int
+
+
 class Provider(Protocol):
     name: str
 
     async def call(self, request: bytes, body: dict[str, Any], *, role: str,
-                   stream: bool) -> ProviderResult: ...
+                   stream: bool, site: CallSite | None = None) -> ProviderResult: ...
 
     async def aclose(self) -> None: ...
 
@@ -116,7 +127,7 @@ class OpenAIProvider:
         self._key = key
 
     async def call(self, request: bytes, body: dict[str, Any], *, role: str,
-                   stream: bool) -> ProviderResult:
+                   stream: bool, site: CallSite | None = None) -> ProviderResult:
         headers = {"Authorization": f"Bearer {self._key}", "Content-Type": "application/json",
                    "Accept": "text/event-stream" if stream else "application/json"}
         try:
@@ -173,15 +184,23 @@ class ScriptRule:
                      or re.search(self.last_user_regex, last_user) is not None))
 
 
-class _ScriptWhen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class ScriptWhen(BaseModel):
+    """When a rule applies: every condition given must hold (an empty ``when`` always does)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     role: str | None = None
+    """The calling role: analyst, worker or evaluator."""
     model: str | None = None
+    """The requested model name."""
     contains: tuple[str, ...] = ()
+    """Strings that must all occur in the request's messages (any role, joined)."""
     not_contains: tuple[str, ...] = ()
+    """Strings none of which may occur in the request's messages."""
     last_user_contains: tuple[str, ...] = ()
+    """Strings that must all occur in the last user message."""
     last_user_regex: str | None = None
+    """A regular expression that must match (re.search) the last user message."""
 
     @field_validator("last_user_regex")
     @classmethod
@@ -194,14 +213,18 @@ class _ScriptWhen(BaseModel):
         return v
 
 
-class _ScriptReply(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class ScriptReply(BaseModel):
+    """A reply: exactly one of ``reply`` (text) or ``reply_json`` (sent as compact JSON)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     reply: str | None = None
+    """The assistant message's text, verbatim."""
     reply_json: Any = None
+    """Any JSON value, sent as its compact serialisation (keys sorted)."""
 
     @model_validator(mode="after")
-    def _one(self) -> _ScriptReply:
+    def _one(self) -> ScriptReply:
         if (self.reply is None) == (self.reply_json is None):
             raise ValueError("give exactly one of reply or reply_json")
         if self.reply_json is not None:
@@ -217,16 +240,24 @@ class _ScriptReply(BaseModel):
         return json.dumps(self.reply_json, separators=(",", ":"), sort_keys=True)
 
 
-class _ScriptRuleSpec(_ScriptReply):
-    when: _ScriptWhen = _ScriptWhen()
+class ScriptRuleSpec(ScriptReply):
+    """One rule: the first rule (in file order) whose ``when`` matches gives the reply."""
+
+    when: ScriptWhen = ScriptWhen()
+    """The conditions; omitted: always matches."""
 
 
-class _ScriptFile(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class ScriptFile(BaseModel):
+    """A scripted-provider file: offline, deterministic model replies (marked fixture)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     schema_: int = Field(alias="schema")
-    rules: tuple[_ScriptRuleSpec, ...] = ()
-    default: _ScriptReply | None = None
+    """File format version; this code reads version 1."""
+    rules: tuple[ScriptRuleSpec, ...] = ()
+    """Tried in order; the first match answers."""
+    default: ScriptReply | None = None
+    """The reply when no rule matches; none: the call fails as ``script_no_match``."""
 
 
 def load_script(path: Path, *, ref: tuple[str, str] | None = None
@@ -234,7 +265,7 @@ def load_script(path: Path, *, ref: tuple[str, str] | None = None
     """Rules and the default reply of a scripted-provider file (runner.loading rules)."""
     from runner.loading import load_model
 
-    doc = load_model(path, _ScriptFile, fmt="yaml", what="script", ref=ref, schema=1,
+    doc = load_model(path, ScriptFile, fmt="yaml", what="script", ref=ref, schema=1,
                      fix="a mapping with schema: 1, rules: [{when: {...}, reply: TEXT}], "
                      "default: {reply: TEXT}")
     rules = [ScriptRule(reply=r.text(), role=r.when.role, model=r.when.model,
@@ -285,7 +316,7 @@ class ScriptedProvider:
         self.rules, self.default = load_script(script)
 
     async def call(self, request: bytes, body: dict[str, Any], *, role: str,
-                   stream: bool) -> ProviderResult:
+                   stream: bool, site: CallSite | None = None) -> ProviderResult:
         text, last_user = _text_of(body)
         model = str(body.get("model"))
         reply = next((r.reply for r in self.rules if r.matches(role, model, text, last_user)),
@@ -302,8 +333,25 @@ class ScriptedProvider:
 
 
 # -- replay ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Recorded:
+    seq: int
+    site: CallSite
+    http_status: int | None
+    response_sha256: str
+    fixture: bool
+
+
 class ReplayProvider:
-    """Answers byte-exactly from a recorded run by request hash; a miss fails closed."""
+    """Answers byte-exactly from a recorded run by request hash; a miss fails closed.
+
+    The same request bytes can have been answered more than once, differently (a real
+    server's ids and timestamps, a sampled reply per trial), so each call gets the
+    recording made at its own call site (role, stage, case, trial, turn); failing that,
+    the earliest recording of those bytes not yet replayed; once all are replayed, the
+    first again. Serving the first recording to every duplicate made a replayed run's
+    responses differ from the recorded ones.
+    """
 
     name = "replay"
 
@@ -312,24 +360,39 @@ class ReplayProvider:
         if self.log is None or not self.log.index.exists():
             raise ConfigError(f"no recorded call log under {run_dir}/gateway",
                               field="replay_from", fix="point to a finished run directory")
-        self.index: dict[str, tuple[int | None, str, bool]] = {}
+        self.index: dict[str, list[_Recorded]] = {}
+        """Request sha256 -> its recordings, in log order."""
         for rec in self.log.records():
-            if rec.response_sha256 and rec.request_sha256 not in self.index:
-                self.index[rec.request_sha256] = (rec.http_status, rec.response_sha256,
-                                                  rec.fixture)
+            if rec.response_sha256:
+                site = CallSite(rec.role, rec.stage, rec.case, rec.trial, rec.turn)
+                self.index.setdefault(rec.request_sha256, []).append(_Recorded(
+                    rec.seq, site, rec.http_status, rec.response_sha256, rec.fixture))
+        self._replayed: set[int] = set()
+
+    def pick(self, request_sha256: str, site: CallSite | None) -> _Recorded | None:
+        """The recording that answers this call (marked replayed); None on a miss.
+
+        Synchronous, so calls on the gateway's one event loop never race for an entry."""
+        recorded = self.index.get(request_sha256)
+        if not recorded:
+            return None
+        fresh = [r for r in recorded if r.seq not in self._replayed]
+        hit = next((r for r in fresh if r.site == site), fresh[0] if fresh else recorded[0])
+        self._replayed.add(hit.seq)
+        return hit
 
     async def call(self, request: bytes, body: dict[str, Any], *, role: str,
-                   stream: bool) -> ProviderResult:
-        hit = self.index.get(sha256(request))
+                   stream: bool, site: CallSite | None = None) -> ProviderResult:
+        hit = self.pick(sha256(request), site)
         if hit is None:
             return ProviderResult(None, None, "replay_miss", upstream_reached=False)
-        status, digest, fixture = hit
         assert self.log is not None  # noqa: S101 - checked in __init__
-        data = self.log.blob(digest)
-        if status != 200:
-            return ProviderResult(status, data, f"upstream_status_{status}", fixture=fixture)
+        data = self.log.blob(hit.response_sha256)
+        if hit.http_status != 200:
+            return ProviderResult(hit.http_status, data, f"upstream_status_{hit.http_status}",
+                                  fixture=hit.fixture)
         usage, error = inspect(data, stream=stream)
-        return ProviderResult(status, data, error, usage, fixture=fixture)
+        return ProviderResult(hit.http_status, data, error, usage, fixture=hit.fixture)
 
     async def aclose(self) -> None:
         return None

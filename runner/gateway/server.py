@@ -45,6 +45,7 @@ from runner.gateway.config import (
 )
 from runner.gateway.http import Head, Listener, Reply
 from runner.gateway.providers import (
+    CallSite,
     OpenAIProvider,
     Provider,
     ProviderResult,
@@ -55,7 +56,7 @@ from runner.gateway.redact import Redactor
 from runner.gateway.vet import Refusal, Vetted, vet, worst_case_usd
 from runner.isolation.collect import loads_strict
 from runner.isolation.owner import current_owner
-from runner.isolation.sandbox import Mount
+from runner.isolation.sandbox import Mount, SweepResult
 
 CONTAINER_DIR = "/run/cyclebox/gateway"
 """Where a role finds ``gateway.sock`` and ``token`` (read-only mount)."""
@@ -402,8 +403,9 @@ class _Handler:
                                   "stream": stream, "sent": sent}
         try:
             async with asyncio.timeout(up.call_deadline_s):
+                site = CallSite(self.b.role, self.b.stage, self.b.case, self.b.trial, turn)
                 result = await provider.call(sent, vetted.body, role=self.b.role,
-                                             stream=stream)
+                                             stream=stream, site=site)
         except TimeoutError:
             result = ProviderResult(None, None, "upstream_deadline")
         except asyncio.CancelledError:
@@ -441,3 +443,14 @@ def _json(status: int, obj: object) -> Reply:
 def _error(status: int, code: str, message: str) -> Reply:
     return _json(status, {"error": {"message": message, "type": "cyclebox_gateway",
                                     "code": code}})
+
+
+def sweep_socket_dirs(tmp: Path | None = None, *, dry_run: bool = False) -> list[SweepResult]:
+    """Remove gateway socket directories whose owning controller is gone."""
+    import tempfile
+
+    from runner.isolation.gc import sweep_owner_dirs
+
+    return sweep_owner_dirs(tmp or Path(tempfile.gettempdir()), SOCKET_DIR_PREFIX + "*",
+                            OWNER_NAME, role="gateway-socket", kind="socket_dir",
+                            dry_run=dry_run)

@@ -14,9 +14,8 @@ from typing import Protocol
 from pydantic import RootModel
 
 from runner.errors import ConfigError
-from runner.isolation.docker.hardening import LABEL_PREFIX
 from runner.isolation.owner import Owner, current_owner, owner_alive
-from runner.isolation.sandbox import SweepResult
+from runner.isolation.sandbox import LABEL_PREFIX, SweepResult
 from runner.loading import load_model
 
 
@@ -96,27 +95,22 @@ def _sweep_owned(dirs: list[tuple[Path, bool | None]], *, role: str, kind: str,
     return results
 
 
-def sweep_socket_dirs(tmp: Path | None = None, *, dry_run: bool = False) -> list[SweepResult]:
-    """Remove gateway socket directories whose owning controller is gone."""
-    import tempfile
-
-    from runner.gateway.server import OWNER_NAME, SOCKET_DIR_PREFIX
-
+def sweep_owner_dirs(root: Path, pattern: str, owner_name: str, *, role: str, kind: str,
+                     dry_run: bool = False) -> list[SweepResult]:
+    """Remove the directories ``root/pattern`` whose recorded owner (``owner_name`` inside
+    each) is gone; report every one. Links are never followed."""
     here = current_owner()
-    dirs = [(d, _recorded_owner_alive(d / OWNER_NAME, here))
-            for d in sorted((tmp or Path(tempfile.gettempdir())).glob(SOCKET_DIR_PREFIX + "*"))
-            if not d.is_symlink() and d.is_dir()]
-    return _sweep_owned(dirs, role="gateway-socket", kind="socket_dir", dry_run=dry_run)
+    dirs = [(d, _recorded_owner_alive(d / owner_name, here))
+            for d in sorted(root.glob(pattern)) if not d.is_symlink() and d.is_dir()]
+    return _sweep_owned(dirs, role=role, kind=kind, dry_run=dry_run)
 
 
-def sweep_staging_dirs(base: Path | None = None, *, dry_run: bool = False
-                       ) -> list[SweepResult]:
+def sweep_staging_dirs(base: Path, *, owner_name: str = "owner.json",
+                       dry_run: bool = False) -> list[SweepResult]:
     """Remove per-run input staging copies whose owning controller is gone (a SIGKILLed
     controller cannot remove its own); only directories holding our owner record or
     named ``<pid>-<start>-...`` by us."""
-    from runner.isolation.docker.backend import STAGING_OWNER, staging_base
-
-    root = base or staging_base()
+    root = base
     if root.is_symlink() or not root.is_dir():
         return []
     here = current_owner()
@@ -124,8 +118,8 @@ def sweep_staging_dirs(base: Path | None = None, *, dry_run: bool = False
     for d in sorted(root.iterdir()):
         if d.is_symlink() or not d.is_dir():
             continue
-        if (d / STAGING_OWNER).is_file():
-            dirs.append((d, _recorded_owner_alive(d / STAGING_OWNER, here)))
+        if (d / owner_name).is_file():
+            dirs.append((d, _recorded_owner_alive(d / owner_name, here)))
             continue
         # killed between creating the copy and writing its record: "<pid>-<start>-"
         pid, _, rest = d.name.partition("-")

@@ -17,16 +17,17 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from runner.errors import ConfigError, PolicyViolation
-from runner.gateway.config import UpstreamPolicy, resolve_path
 from runner.isolation.sandbox import Frozen
 from runner.isolation.seccomp import load_profile
-from runner.loading import check_schema, checked_path, load_model, resolve_under, show, validate
+from runner.loading import check_schema, load_data, show, validate
 
 SCHEMA_VERSION = 1
 ROLES = ("analyst", "worker", "evaluator", "apply", "trainer")
 ROLE_UPSTREAM = {"analyst": "target", "worker": "optimizer", "evaluator": "judge"}
 """The only upstream each model-using role may name: the worker spends optimizer
-credentials only, the analyst target credentials only, the judge its own."""
+credentials only, the analyst target credentials only, the judge its own. The upstreams
+themselves (provider, models, prices, credential names) are defined in the cycle file
+only; this file says which role may reach which of them."""
 
 # CIS Docker Benchmark 5.5 lists these; the engine's own state and sockets join them.
 SENSITIVE_HOST_PATHS = (
@@ -63,6 +64,17 @@ def parse_size(value: object) -> int:
     if n > MAX_SIZE:
         raise ValueError(f"size {str(value)[:40]!r} is larger than {MAX_SIZE} bytes")
     return n
+
+
+_USER = re.compile(r"^([0-9]+):([0-9]+)$")
+
+
+def _id_pair(user: str) -> tuple[int, int]:
+    """(uid, gid) from a numeric ``uid:gid``; ValueError naming the value otherwise."""
+    m = _USER.match(user)
+    if m is None:
+        raise ValueError(f"user must be a numeric uid:gid, got {user[:40]!r}")
+    return int(m.group(1)), int(m.group(2))
 
 
 class PolicyMount(Frozen):
@@ -111,7 +123,9 @@ class RolePolicy(Frozen):
     mounts: tuple[PolicyMount, ...] = ()
     """Fixed read-only input mounts."""
     upstream: str | None = None
-    """Model upstream reached through the gateway (see ROLE_UPSTREAM); none: no model access."""
+    """Model upstream this role may reach through the gateway (see ROLE_UPSTREAM); none: no
+    model access. Its definition comes from the cycle file's ``upstreams``; a cycle that
+    does not use it (e.g. no ``judge:``) mounts no gateway socket into the role."""
     # Fields below exist so that a policy asking for them is refused by name
     # rather than silently ignored.
     network: str = "none"
@@ -130,6 +144,16 @@ class RolePolicy(Frozen):
     """Must be unset."""
     devices: tuple[str, ...] = ()
     """Must be empty."""
+
+    @property
+    def uid(self) -> int:
+        """The numeric user id of :attr:`user` (checked non-root when the file loads)."""
+        return _id_pair(self.user)[0]
+
+    @property
+    def gid(self) -> int:
+        """The numeric group id of :attr:`user`."""
+        return _id_pair(self.user)[1]
 
     @field_validator("memory", "file_size", "stdout_cap", "output_cap", mode="before")
     @classmethod
@@ -150,14 +174,12 @@ class RolePolicy(Frozen):
 
 
 class RolePolicies(Frozen):
-    """The whole ``roles.yaml``."""
+    """The whole ``roles.yaml``: hardening and resources per role, nothing else."""
 
     schema_: int = Field(alias="schema")
     """File format version; this code reads version 1."""
     roles: dict[str, RolePolicy]
     """Role name -> policy."""
-    upstreams: dict[str, UpstreamPolicy] = Field(default_factory=dict)
-    """Upstream name (target, optimizer, judge) -> provider settings; credential names only."""
 
 
 def _is_within(path: PurePosixPath, parent: PurePosixPath) -> bool:
@@ -241,12 +263,9 @@ def policy_violations(role: str, p: RolePolicy) -> list[tuple[str, str, str]]:
     if p.devices:
         out.append((f"{f}.devices", f"host devices may not be exposed: {list(p.devices)}",
                     "remove devices"))
-    uid = p.user.split(":", 1)[0]
     if not re.fullmatch(r"[1-9][0-9]*:[1-9][0-9]*", p.user):
         out.append((f"{f}.user", f"user must be a non-root numeric uid:gid, got {p.user!r}",
                     "use e.g. 10001:10001"))
-    elif uid == "0":
-        out.append((f"{f}.user", "root is forbidden", "use a non-zero uid"))
     for i, m in enumerate(p.mounts):
         if m.mode not in ("ro", "rw"):
             out.append((f"{f}.mounts[{i}].mode", f"mode must be ro, got {m.mode!r}", "use ro"))
@@ -286,16 +305,19 @@ def memory_needed(p: RolePolicy) -> int:
     return sum(p.tmpfs.values()) + p.output_cap + SHM_BYTES + MEMORY_HEADROOM
 
 
+UPSTREAMS_MOVED = ("model upstreams are defined in the cycle file, not the role policy "
+                   "file (which carries hardening only)")
+UPSTREAMS_MOVED_FIX = ("move this upstreams: mapping into cycle.yaml (same keys; script "
+                       "paths then resolve against the cycle file) and delete it here")
+
+
 def parse_policies(data: Any, *, path: str) -> RolePolicies:
     """Validate parsed YAML into policies, refusing forbidden settings by field."""
     check_schema(data, SCHEMA_VERSION, path=path)
-    return check_policies(validate(RolePolicies, data, path=path, fix=POLICIES_FIX),
-                          path=path)
-
-
-def check_policies(pols: RolePolicies, *, path: str) -> RolePolicies:
-    """``pols`` when every role's upstream and isolation settings are allowed;
-    PolicyViolation (or ConfigError) naming the field otherwise."""
+    if isinstance(data, dict) and "upstreams" in data:
+        raise ConfigError(UPSTREAMS_MOVED, path=path, field="upstreams",
+                          fix=UPSTREAMS_MOVED_FIX)
+    pols = validate(RolePolicies, data, path=path, fix=POLICIES_FIX)
     for role, pol in pols.roles.items():
         if pol.upstream is not None:
             allowed = ROLE_UPSTREAM.get(role)
@@ -305,10 +327,6 @@ def check_policies(pols: RolePolicies, *, path: str) -> RolePolicies:
                     + (f"; only {allowed!r}" if allowed else "; it has no model access"),
                     path=path, field=f"roles.{role}.upstream",
                     fix=f"set upstream: {allowed}" if allowed else "remove upstream")
-            if pol.upstream not in pols.upstreams:
-                raise ConfigError(f"upstream {pol.upstream!r} is not defined", path=path,
-                                  field=f"roles.{role}.upstream",
-                                  fix=f"add upstreams.{pol.upstream} to the file")
         problems = policy_violations(role, pol)
         if problems:
             field, reason, fix = problems[0]
@@ -318,36 +336,17 @@ def check_policies(pols: RolePolicies, *, path: str) -> RolePolicies:
 
 
 def load_policies(path: Path, *, ref: tuple[str, str] | None = None) -> RolePolicies:
-    """Read and validate a roles file; relative script/replay paths resolve against it, and
-    every script must exist and load."""
-    from runner.gateway.providers import load_script
-
-    where = show(str(path))
-    pols = check_policies(load_model(path, RolePolicies, fmt="yaml", what="role policy file",
-                                     ref=ref, schema=SCHEMA_VERSION, fix=POLICIES_FIX),
-                          path=where)
+    """Read and validate a roles file; a relative seccomp path resolves against it."""
+    data = load_data(path, fmt="yaml", what="role policy file", ref=ref,
+                     fix="pass an existing roles.yaml (default policies/roles.yaml)")
+    pols = parse_policies(data, path=show(str(path)))
     base = path.resolve().parent
     roles = dict(pols.roles)
     for name, pol in pols.roles.items():
         if pol.seccomp:
             # Checked now so a bad profile is refused by field before any work starts.
-            prof = load_profile(resolve_path(pol.seccomp, base=base),
+            seccomp = Path(pol.seccomp).expanduser()
+            prof = load_profile(seccomp if seccomp.is_absolute() else (base / seccomp).resolve(),
                                 field=f"roles.{name}.seccomp")
             roles[name] = pol.model_copy(update={"seccomp": prof.path})
-    fixed = {}
-    for name, up in pols.upstreams.items():
-        upd: dict[str, str] = {}
-        field = f"upstreams.{name}"
-        if up.script:
-            fix = "point to a scripted-provider YAML file"
-            script = checked_path(resolve_under(base, up.script, path=where,
-                                                field=f"{field}.script", fix=fix),
-                                  kind="file", path=where, field=f"{field}.script", fix=fix)
-            load_script(script, ref=(where, f"{field}.script"))
-            upd["script"] = str(script)
-        if up.replay_from:
-            upd["replay_from"] = str(resolve_under(base, up.replay_from, path=where,
-                                                   field=f"{field}.replay_from",
-                                                   fix="point at a finished run directory"))
-        fixed[name] = up.model_copy(update=upd)
-    return pols.model_copy(update={"upstreams": fixed, "roles": roles})
+    return pols.model_copy(update={"roles": roles})

@@ -16,11 +16,17 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+LABEL_PREFIX = "io.cyclebox"
+"""Every label a backend puts on what it creates starts with this."""
+MANAGED_LABEL = f"{LABEL_PREFIX}.managed"
+"""Set to ``1`` on every container a backend starts; gc looks at nothing else."""
+
 
 class Frozen(BaseModel):
-    """Base for every cyclebox value: immutable, unknown keys refused."""
+    """Base for every cyclebox value: immutable, unknown keys refused. The docstring under
+    a field is its description in the JSON schema (``cyclebox schema NAME``)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
 class StopReason(StrEnum):
@@ -109,6 +115,16 @@ class RunSpec(Frozen):
     ``policies/seccomp.json`` (never the engine's default, which allows io_uring)."""
     labels: tuple[tuple[str, str], ...] = ()
     """Extra labels (case, trial, stage); run id, role and owner are always added."""
+
+    @property
+    def uid(self) -> int:
+        """The numeric user id of :attr:`user`."""
+        return int(self.user.partition(":")[0])
+
+    @property
+    def gid(self) -> int:
+        """The numeric group id of :attr:`user`."""
+        return int(self.user.partition(":")[2])
 
 
 class RunRecord(Frozen):
@@ -229,5 +245,6 @@ class Sandbox(Protocol):
 
     def sweep(self, *, only_orphans: bool = True, dry_run: bool = False) -> list[SweepResult]:
         """Remove cyclebox containers whose owner is gone (or all with
-        ``only_orphans=False``); with ``dry_run`` only report them."""
+        ``only_orphans=False``), then what the backend itself left for gone owners (Docker:
+        input staging copies); with ``dry_run`` only report them."""
         ...

@@ -21,6 +21,16 @@ def cost_text(c: RoleCost) -> str:
     return usd + (", complete" if c.complete else ", INCOMPLETE")
 
 
+def fixture_text(c: RoleCost) -> str:
+    """How many of a role's calls were scripted fixtures: their cost is computed from the
+    cycle's listed prices for made-up replies, not billed by any provider."""
+    if not c.fixture_calls:
+        return ""
+    if c.fixture_calls == c.calls:
+        return ", all fixture (scripted replies, not billed)"
+    return f", {c.fixture_calls} of {c.calls} calls fixture (scripted, not billed)"
+
+
 def change_text(c: Change) -> str:
     return f"{c.case_id} t{c.trial} {c.criterion}: {c.baseline} -> {c.candidate}"
 
@@ -41,8 +51,7 @@ def terminal_rows(r: Report) -> Iterator[tuple[str, str]]:
         yield "regressed", one_line(change_text(ch))
     for rc in r.costs:
         yield f"cost {rc.role}", (f"{rc.calls} calls ({rc.ok} ok), {rc.tokens} tokens, "
-                                  + cost_text(rc)
-                                  + (f", {rc.fixture_calls} fixture" if rc.fixture_calls else ""))
+                                  + cost_text(rc) + fixture_text(rc))
     if r.statistics is not None:
         s = r.statistics
         yield "McNemar", f"b={s.b} c={s.c} pairs={s.pairs} p={s.p_value:.4g} (beside the verdict)"

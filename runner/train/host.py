@@ -12,6 +12,7 @@ import os
 import shutil
 import stat
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,13 +20,10 @@ from pydantic import BaseModel
 
 from runner.errors import ConfigError, IntegrityError, OutputRejected, SandboxError
 from runner.isolation.collect import Collected, Limits, collect
-from runner.isolation.docker.backend import DockerSandbox
-from runner.isolation.docker.images import resolve_image
-from runner.isolation.policy import load_policies
-from runner.isolation.roles import fresh_output_dir, role_spec
-from runner.isolation.sandbox import Mount, RunRecord
+from runner.isolation.launcher import launch, output_dir
+from runner.isolation.policy import RolePolicy
+from runner.isolation.sandbox import Mount, RunRecord, Sandbox
 from runner.loading import load_model, parse_model
-from runner.paths import default_policies
 from runner.train.results import (
     PERSONA_FIX,
     LedgerRow,
@@ -65,23 +63,32 @@ class _Lines:
                 self.on_event(ev)
 
 
-def run_trainer(module: str, *, out: Path, mounts: list[Mount], run_id: str,
+@dataclass(frozen=True)
+class Trainer:
+    """Where the trainer role runs: the sandbox, the trainer policy and its image."""
+
+    sandbox: Sandbox
+    policy: RolePolicy
+    image: str
+
+    def fresh_output(self, path: Path) -> Path:
+        """A fresh output directory for the trainer's user."""
+        return output_dir(self.policy, path)
+
+
+def run_trainer(trainer: Trainer, module: str, *, out: Path, mounts: list[Mount], run_id: str,
                 on_event: Events, args: tuple[str, ...] = ()) -> RunRecord:
     """Run ``python -m module`` in the trainer image under the trainer policy."""
-    policy = load_policies(default_policies()).roles["trainer"]
-    spec = role_spec(policy, role="trainer", run_id=run_id, image=resolve_image("trainer"),
-                     command=["python", "-m", module, *args], mounts=mounts, output_dir=out)
-    return DockerSandbox().run(spec, on_output=_Lines(on_event))
+    return launch(trainer.sandbox, trainer.policy, role="trainer", run_id=run_id,
+                  image=trainer.image, command=["python", "-m", module, *args], mounts=mounts,
+                  output_dir=out, on_output=_Lines(on_event))
 
 
-def _trainer_uid() -> int:
-    return int(load_policies(default_policies()).roles["trainer"].user.split(":")[0])
-
-
-def make_tiny(out: Path, on_event: Events, *, seed: int = 0) -> TinyModel:
+def make_tiny(trainer: Trainer, out: Path, on_event: Events, *, seed: int = 0) -> TinyModel:
     """Create the tiny model and tokenizer in the trainer container, into ``out``."""
-    fresh_output_dir(out.resolve(), uid=_trainer_uid())
-    rec = run_trainer("sandbox.train.tiny", out=out.resolve(), mounts=[], run_id="model-tiny",
+    trainer.fresh_output(out.resolve())
+    rec = run_trainer(trainer, "sandbox.train.tiny", out=out.resolve(), mounts=[],
+                      run_id="model-tiny",
                       on_event=on_event, args=("--out", "/out", "--seed", str(seed)))
     if rec.stop_reason.value != "ok":
         raise SandboxError(f"tiny model creation failed: {rec.stop_reason.value} "
@@ -128,13 +135,13 @@ def verify_receipt(out: Path, kind: type[R]) -> R:
     return receipt
 
 
-def proof(persona_path: Path, base: Path, out: Path, *, ledger: Path, lr: float, seed: int,
-          on_event: Events) -> ProofSummary:
+def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger: Path,
+          lr: float, seed: int, on_event: Events) -> ProofSummary:
     """Run the proof loop; verify the adapter in a fresh container; append the ledger row."""
     persona = load_persona(persona_path)
     _check_model_dir(base)
     out = out.resolve()
-    fresh_output_dir(out, uid=_trainer_uid())
+    trainer.fresh_output(out)
     given = {"persona.json": json.dumps(persona.model_dump(mode="json", exclude_unset=True),
                                         sort_keys=True),
              "config.json": json.dumps({"lr": lr, "seed": seed})}
@@ -142,7 +149,7 @@ def proof(persona_path: Path, base: Path, out: Path, *, ledger: Path, lr: float,
         given["ledger.jsonl"] = ledger.read_text()
     inputs = _fresh_inputs(out, given)
     try:
-        rec = run_trainer("sandbox.train.proof", out=out, run_id="train-proof",
+        rec = run_trainer(trainer, "sandbox.train.proof", out=out, run_id="train-proof",
                           on_event=on_event,
                           mounts=[Mount(source=inputs, target="/in"),
                                   Mount(source=base.resolve(), target="/model")])
@@ -153,12 +160,12 @@ def proof(persona_path: Path, base: Path, out: Path, *, ledger: Path, lr: float,
         report = _collected(files, "report.json", ProofReport)
         receipt = verify_receipt(out, ProofReceipt)
         check = out.parent / f".{out.name}.verify"
-        fresh_output_dir(check, uid=_trainer_uid())
+        trainer.fresh_output(check)
         shutil.copyfile(out / "report.json", inputs / "report.json")
         (inputs / "report.json").chmod(0o644)
         verified: dict[str, Any] = {}
-        vrec = run_trainer("sandbox.train.verify_adapter", out=check, run_id="train-verify",
-                           on_event=verified.update,
+        vrec = run_trainer(trainer, "sandbox.train.verify_adapter", out=check,
+                           run_id="train-verify", on_event=verified.update,
                            mounts=[Mount(source=inputs, target="/in"),
                                    Mount(source=base.resolve(), target="/model"),
                                    Mount(source=out / "adapter", target="/adapter")])
@@ -221,8 +228,8 @@ def hand_over(out: Path) -> None:
                 p.chmod(0o644)
 
 
-def sft(corpus: Path, base: Path, out: Path, *, lr: float, seed: int, epochs: int | None,
-        on_event: Events, include_failed: bool = False) -> SftReceipt:
+def sft(trainer: Trainer, corpus: Path, base: Path, out: Path, *, lr: float, seed: int,
+        epochs: int | None, on_event: Events, include_failed: bool = False) -> SftReceipt:
     """LoRA SFT on the corpus's trajectories that passed (all with ``include_failed``).
 
     The adapter names ``base`` (resolved on the host) as its base model; the receipt keeps
@@ -232,12 +239,13 @@ def sft(corpus: Path, base: Path, out: Path, *, lr: float, seed: int, epochs: in
                           fix="cyclebox export --run RUN --format verl --out CORPUS")
     _check_model_dir(base)
     out = out.resolve()
-    fresh_output_dir(out, uid=_trainer_uid())
+    trainer.fresh_output(out)
     inputs = _fresh_inputs(out, {"config.json": json.dumps({
         "lr": lr, "seed": seed, "epochs": epochs, "include_failed": include_failed,
         "base_model_host": str(base.resolve())})})
     try:
-        rec = run_trainer("sandbox.train.sft", out=out, run_id="train-sft", on_event=on_event,
+        rec = run_trainer(trainer, "sandbox.train.sft", out=out, run_id="train-sft",
+                          on_event=on_event,
                           mounts=[Mount(source=inputs, target="/in"),
                                   Mount(source=corpus.resolve(), target="/corpus"),
                                   Mount(source=base.resolve(), target="/model")])

@@ -7,6 +7,7 @@ works on its own copy (of the example or of the run directory).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -272,3 +273,87 @@ def test_the_loop_closes_export_then_train(demo: tuple[Path, dict[str, Any]], tm
     # only the 21 trajectories that passed are learned from (7 were graded wrong)
     assert receipt["kind"] == "sft" and receipt["figures"]["steps"] == 21
     assert receipt["corpus_sha256"]
+
+
+def _small_example(dest: Path, keep: dict[str, str], **changes: Any) -> Path:
+    """The example with only the ``keep`` scenarios (id -> split), its policy comparing
+    exactly those, so a cycle runs in seconds."""
+    from runner.cycle.manifest import reference_hash
+    from runner.cycle.models import Scenario
+
+    cycle = example_copy(dest, **changes)
+    m = json.loads((dest / "manifest.json").read_text())
+    m["scenarios"] = [{**s, "split": keep[s["id"]]} for s in m["scenarios"] if s["id"] in keep]
+    m["reference_hash"] = reference_hash([Scenario.model_validate(s) for s in m["scenarios"]])
+    (dest / "manifest.json").write_text(json.dumps(m))
+    pol = yaml.safe_load((dest / "policy.yaml").read_text())
+    pol["cases"] = list(keep)
+    pol["mandatory"] = [c for c in pol["mandatory"] if c in keep]
+    (dest / "policy.yaml").write_text(yaml.safe_dump(pol))
+    return cycle
+
+
+def test_nothing_to_improve_ends_before_the_worker(tmp_path: Path) -> None:
+    """Every development case passes on the baseline: the cycle ends invalid_comparison
+    with reason nothing_to_improve, no worker container, no model call by the worker; the
+    receipt still verifies. Plain output (a pipe, no COLUMNS) keeps the reason on one line
+    and shows pass counts per arm and split."""
+    cycle = _small_example(tmp_path / "ex", {"d03-orders-february": "development",
+                                             "d05-password": "development",
+                                             "a01-revenue-april": "acceptance"})
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    res = subprocess.run([CLI, "cycle", "run", str(cycle), "--out", str(run)],
+                         capture_output=True, text=True, timeout=600, check=False, env=env)
+    assert res.returncode == 2, res.stdout + res.stderr
+    verdict = json.loads((run / "stages/compare/verdict.json").read_text())
+    assert verdict["verdict"] == "invalid_comparison"
+    reason = verdict["reasons"][0]
+    assert reason.startswith("nothing_to_improve: all 2 development run(s) passed"), reason
+    assert "the worker was not called" in reason
+    assert not (run / "stages/propose").exists() and not (run / "stages/candidate").exists()
+    roles = {json.loads(line)["role"] for line in
+             (run / "containers.jsonl").read_text().splitlines()}
+    assert roles == {"analyst", "evaluator"}
+    assert verify(run) == []
+    lines = res.stdout.splitlines()
+    assert any(reason in line for line in lines), res.stdout  # not folded at 80 columns
+    assert any("pass baseline development" in line and "2/2" in line for line in lines)
+    assert any("cost analyst" in line and "all fixture" in line for line in lines)
+    assert "None" not in res.stdout
+
+
+CRASHING_AGENT = '''import sys
+print("starting", file=sys.stderr)
+raise SystemExit("agent crashed: no model configured for CASE")
+'''
+
+
+def test_a_crashing_agent_names_its_stderr_log_and_tail(tmp_path: Path) -> None:
+    """A failing case's reason names the log file holding its stderr and quotes the end;
+    with no graded development failure the worker is not called (no_failure_to_brief)."""
+    from tests.fixtures.cycle_project import project_with_agent
+
+    cycle = project_with_agent(tmp_path / "ex", CRASHING_AGENT)
+    keep = {"d01-revenue-march": "development", "a01-revenue-april": "acceptance"}
+    _small_example(tmp_path / "small", keep)
+    doc = yaml.safe_load(cycle.read_text())
+    doc.update(scenarios=str(tmp_path / "small/manifest.json"),
+               policy=str(tmp_path / "small/policy.yaml"))
+    cycle.write_text(yaml.safe_dump(doc))
+    run = tmp_path / "run"
+    res = cyclebox("cycle", "run", str(cycle), "--out", str(run), "--json")
+    assert res.returncode == 2, res.stdout + res.stderr
+    records = [json.loads(line) for line in
+               (run / "stages/baseline/records.jsonl").read_text().splitlines()]
+    d01 = next(r for r in records if r["case_id"] == "d01-revenue-march")
+    log = "stages/baseline/cases/d01-revenue-march__t0/logs/analyst-d01-revenue-march-t0.stderr"
+    assert d01["status"] == "infra_invalid"
+    assert d01["reason"].startswith("process_failed: exit code 1 (stderr: " + log), d01
+    assert d01["reason"].endswith(
+        "ends: starting / agent crashed: no model configured for CASE)"), d01
+    assert "agent crashed" in (run / log).read_text()
+    out = json.loads(res.stdout)
+    assert out["reasons"][0].startswith("no_failure_to_brief:"), out["reasons"]
+    assert "d01-revenue-march t0 infra_invalid: process_failed" in out["reasons"][0]
+    assert not (run / "stages/propose").exists()

@@ -91,8 +91,6 @@ class Env:
 
     def roles_yaml(self, edit: Callable[[dict[str, Any]], None]) -> None:
         doc = yaml.safe_load(ROLES.read_text())
-        for up in doc["upstreams"].values():
-            up["script"] = str(ROLES.parent / up["script"])
         edit(doc)
         self.write("roles.yaml", yaml.safe_dump(doc))
         self.set_cycle(roles=str(self.root / "roles.yaml"))
@@ -342,10 +340,19 @@ def _(e: Env) -> list[str]:
     return e.run_args()
 
 
-@case("repo-not-git", 3, "cycle.yaml", "project.repo", "not a git repository")
+@case("repo-not-git", 3, "cycle.yaml", "project.repo", "not a git repository",
+      "git init && git add -A && git commit -m init")
 def _(e: Env) -> list[str]:
     (e.root / "plain").mkdir()
     e.edit_cycle(lambda d: d["project"].update(repo=str(e.root / "plain"), subdir=None))
+    return e.run_args()
+
+
+@case("repo-inside-another-repo", 3, "cycle.yaml", "project.repo", "not the root",
+      "subdir: examples/shop-analyst/project")
+def _(e: Env) -> list[str]:
+    e.edit_cycle(lambda d: d["project"].update(repo=str(PROJECT_ROOT / "examples/shop-analyst"),
+                                               subdir="project"))
     return e.run_args()
 
 
@@ -441,6 +448,34 @@ def _(e: Env) -> list[str]:
     return e.run_args()
 
 
+@case("script-empty", 3, "cycle.yaml", "upstreams.target.script")
+def _(e: Env) -> list[str]:
+    e.edit_cycle(lambda d: d["upstreams"]["target"].update(script=""))
+    return e.run_args()
+
+
+@case("judge-upstream-undefined", 3, "cycle.yaml", "upstreams.judge", "not defined")
+def _(e: Env) -> list[str]:
+    def edit(d: dict[str, Any]) -> None:
+        del d["upstreams"]["judge"]
+        d["judge"] = {"model": "fixture-judge", "threshold": 0.5}
+    e.edit_cycle(edit)
+    return e.run_args()
+
+
+@case("judge-key-unset-with-judge", 5, "CYCLEBOX_TEST_UNSET_JUDGE_KEY")
+def _(e: Env) -> list[str]:
+    e.vars["CYCLEBOX_TEST_UNSET_JUDGE_KEY"] = ""
+
+    def edit(d: dict[str, Any]) -> None:
+        d["upstreams"]["judge"] = {"provider": "openai", "base_url": "https://j.invalid/v1",
+                                   "credential": {"env": "CYCLEBOX_TEST_UNSET_JUDGE_KEY"},
+                                   "models": ["fixture-judge"]}
+        d["judge"] = {"model": "fixture-judge", "threshold": 0.5}
+    e.edit_cycle(edit)
+    return e.run_args()
+
+
 @case("worker-model-not-allowed", 3, "cycle.yaml", "worker.model")
 def _(e: Env) -> list[str]:
     e.set_cycle(worker={"model": "gpt-unlisted", "max_tokens": 4096})
@@ -513,6 +548,32 @@ def _(e: Env) -> list[str]:
     m = e.manifest()
     m["scenarios"][0]["split"] = "developement"
     e.set_manifest(m)
+    return e.run_args()
+
+
+@case("manifest-split-dev", 3, "manifest.json", "scenarios[0].split",
+      "use one of development, acceptance, reserved, train")
+def _(e: Env) -> list[str]:
+    m = e.manifest()
+    m["scenarios"][0]["split"] = "dev"
+    e.set_manifest(m)
+    return e.run_args()
+
+
+@case("manifest-no-development-case", 3, "manifest.json", "no scenario has split 'development'")
+def _(e: Env) -> list[str]:
+    from runner.cycle.manifest import reference_hash
+    from runner.cycle.models import Scenario
+
+    m = e.manifest()
+    m["scenarios"] = [s for s in m["scenarios"] if s["split"] != "development"]
+    m["split"] = "acceptance"
+    m["reference_hash"] = reference_hash([Scenario.model_validate(s) for s in m["scenarios"]])
+    e.set_manifest(m)
+    pol = yaml.safe_load((e.ex / "policy.yaml").read_text())
+    pol["cases"] = [s["id"] for s in m["scenarios"]]
+    pol["mandatory"] = [c for c in pol["mandatory"] if c in pol["cases"]]
+    (e.ex / "policy.yaml").write_text(yaml.safe_dump(pol))
     return e.run_args()
 
 
@@ -681,6 +742,13 @@ def _(e: Env) -> list[str]:
     return e.run_args()
 
 
+@case("roles-with-upstreams", 3, "roles.yaml", "upstreams", "defined in the cycle file")
+def _(e: Env) -> list[str]:
+    e.roles_yaml(lambda d: d.update(upstreams={"target": {
+        "provider": "scripted", "script": "scripts/default.yaml", "models": ["m"]}}))
+    return e.run_args()
+
+
 @case("roles-missing-apply", 3, "roles.yaml", "roles", "apply")
 def _(e: Env) -> list[str]:
     e.roles_yaml(lambda d: d["roles"].pop("apply"))
@@ -846,6 +914,11 @@ def _(e: Env) -> list[str]:
     return ["receipt", "verify", str(e.root / "no-run")]
 
 
+@case("keygen-missing-directory", 3, "--out", "no-such-dir does not exist")
+def _(e: Env) -> list[str]:
+    return ["receipt", "keygen", "--out", str(e.root / "no-such-dir" / "signing.pem")]
+
+
 @case("receipt-compare-list", 3, "receipt.json", "expected a mapping")
 def _(e: Env) -> list[str]:
     e.write("a/receipt.json", "[]")
@@ -1002,6 +1075,20 @@ def test_same_answers_from_the_installed_command(name: str, tmp_path: Path) -> N
     first = next(ln for ln in res.stderr.splitlines() if ln.strip()).replace(str(tmp_path), "…")
     assert all(s in first for s in c.expect), first
     assert not e.out.exists()
+
+
+def test_the_judge_key_is_not_demanded_without_a_judge(tmp_path: Path) -> None:
+    """The judge upstream needs a key nobody set, but no judge is configured: the cycle
+    prepares (exit 0), and its plan freezes neither the judge upstream nor an evaluator
+    socket."""
+    e = make_env(tmp_path)
+    e.vars["CYCLEBOX_TEST_UNSET_JUDGE_KEY"] = ""
+    e.edit_cycle(lambda d: d["upstreams"].update(judge={
+        "provider": "openai", "base_url": "https://j.invalid/v1",
+        "credential": {"env": "CYCLEBOX_TEST_UNSET_JUDGE_KEY"}, "models": ["fixture-judge"]}))
+    plan = json.loads(e.prepare().read_text())["plan"]
+    assert set(plan["upstreams"]) == {"target", "optimizer"}
+    assert plan["roles"]["evaluator"]["upstream"] is None
 
 
 def test_racing_freezes_get_one_run_and_one_refusal(tmp_path: Path) -> None:

@@ -23,8 +23,8 @@ from runner.gateway.calllog import CallLog, sha256
 from runner.gateway.config import CredentialSource, UpstreamPolicy, parse_upstream
 from runner.gateway.server import Gateway
 from runner.isolation.docker.images import resolve_image
+from runner.isolation.launcher import launch
 from runner.isolation.policy import RolePolicies
-from runner.isolation.roles import role_spec
 from runner.isolation.sandbox import Mount, RunRecord, StopReason
 
 pytestmark = pytest.mark.docker
@@ -77,19 +77,19 @@ def openai_upstream(url: str, env: str, **kw: Any) -> UpstreamPolicy:
 def run_in_role(gw: Gateway, policies: RolePolicies, backend: Any, role: str, code: str, *,
                 mounts: tuple[Mount, ...] = (), during: Any = None) -> RunRecord:
     """Run python code in a role container with that role's gateway socket mounted."""
-    with gw.bound(role, stage="test", uid=10001, case="c1", trial=0) as b:
-        spec = role_spec(policies.roles[role], role=role, run_id="gwtest",
-                         image=resolve_image(role), command=["python", "-c", code],
-                         mounts=[b.mount(), *mounts])
-        if during is None:
-            rec: RunRecord = backend.run(spec)
-            return rec
-        box: list[RunRecord] = []
-        t = threading.Thread(target=lambda: box.append(backend.run(spec)))
-        t.start()
-        during()
-        t.join()
-        return box[0]
+    def run() -> RunRecord:
+        return launch(backend, policies.roles[role], role=role, run_id="gwtest",
+                      image=resolve_image(role), command=["python", "-c", code],
+                      mounts=mounts, gateway=gw, stage="test", case="c1", trial=0)
+
+    if during is None:
+        return run()
+    box: list[RunRecord] = []
+    t = threading.Thread(target=lambda: box.append(run()))
+    t.start()
+    during()
+    t.join()
+    return box[0]
 
 
 CALL = """
@@ -115,8 +115,9 @@ print(json.dumps(out))
 
 
 def test_scripted_provider_from_inside_a_container(tmp_path: Path, policies: RolePolicies,
+                                                   upstreams: dict[str, Any],
                                                    backend: Any) -> None:
-    with Gateway(tmp_path, "gwtest", dict(policies.upstreams), {"analyst": "target"}) as gw:
+    with Gateway(tmp_path, "gwtest", dict(upstreams), {"analyst": "target"}) as gw:
         rec = run_in_role(gw, policies, backend, "analyst",
                           CALL % "[('fixture-target', False), ('fixture-target', True)]")
     assert rec.stop_reason is StopReason.OK, rec.stderr_tail
@@ -226,10 +227,10 @@ def test_canary_key_never_reaches_the_container(tmp_path: Path, policies: RolePo
 
 
 def test_foreign_token_and_model_refused(tmp_path: Path, policies: RolePolicies,
-                                         backend: Any) -> None:
+                                         upstreams: dict[str, Any], backend: Any) -> None:
     alien = tmp_path / "alien"
     alien.mkdir()
-    with Gateway(tmp_path / "run", "gwtest", dict(policies.upstreams),
+    with Gateway(tmp_path / "run", "gwtest", dict(upstreams),
                  {"analyst": "target", "worker": "optimizer"}) as gw:
         (alien / "token").write_text(gw.token_for("analyst"))
         os.chmod(alien, 0o755)

@@ -28,8 +28,8 @@ from runner.gateway.calllog import CallLog
 from runner.gateway.config import CredentialSource
 from runner.gateway.server import Gateway
 from runner.isolation.docker.images import resolve_image
+from runner.isolation.launcher import launch
 from runner.isolation.policy import RolePolicies
-from runner.isolation.roles import role_spec
 from runner.isolation.sandbox import RunRecord, StopReason
 from tests.conftest import RunFn
 from tests.integration.test_isolation import _host_address, host_server  # noqa: F401
@@ -186,7 +186,7 @@ print(json.dumps({"reply": reply, "hits": hits}))
 
 
 def test_gateway_via_openai_sdk_and_no_credential_visible(
-        tmp_path: Path, policies: RolePolicies, backend: Any,
+        tmp_path: Path, policies: RolePolicies, upstreams: dict[str, Any], backend: Any,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The real openai SDK reaches the gateway socket through gVisor (--host-uds=open);
     a canary credential on the host (env var and key file) is nowhere inside."""
@@ -195,17 +195,14 @@ def test_gateway_via_openai_sdk_and_no_credential_visible(
     keyfile = tmp_path / "keys" / "judge.key"
     keyfile.parent.mkdir()
     keyfile.write_text(canary + "\n")
-    ups = dict(policies.upstreams)
+    ups = dict(upstreams)
     ups["judge"] = ups["judge"].model_copy(update={
         "credential": CredentialSource(file=str(keyfile))})
     policy = policies.roles["analyst"].model_copy(update={"runtime": "runsc"})
-    with Gateway(tmp_path, "gvtest", ups, {"analyst": "target", "evaluator": "judge"}) as gw, \
-            gw.bound("analyst", stage="test", uid=10001, case="c1", trial=0) as b:
-        spec = role_spec(policy, role="analyst", run_id="gvtest",
-                         image=resolve_image("analyst"),
-                         command=["python", "-c", SDK_AND_SCAN], mounts=[b.mount()])
-        assert spec.runtime == "runsc"
-        rec: RunRecord = backend.run(spec)
+    with Gateway(tmp_path, "gvtest", ups, {"analyst": "target", "evaluator": "judge"}) as gw:
+        rec = launch(backend, policy, role="analyst", run_id="gvtest",
+                     image=resolve_image("analyst"), command=["python", "-c", SDK_AND_SCAN],
+                     gateway=gw, stage="test", case="c1", trial=0)
     assert rec.stop_reason is StopReason.OK, rec.stderr_tail
     out = json.loads(rec.stdout_tail)
     assert out == {"reply": "pong", "hits": []}
@@ -224,8 +221,6 @@ def test_doctor_probes_seccomp_under_runsc_when_a_policy_asks(tmp_path: Path) ->
     from runner.paths import PROJECT_ROOT
 
     doc = yaml.safe_load((PROJECT_ROOT / "policies" / "roles.yaml").read_text())
-    for up in doc["upstreams"].values():
-        up["script"] = str(PROJECT_ROOT / "policies" / up["script"])
     doc["roles"]["analyst"]["runtime"] = "runsc"
     roles = tmp_path / "roles.yaml"
     roles.write_text(yaml.safe_dump(doc))

@@ -9,6 +9,9 @@ apply container, and whether the exported candidate is the commit that was verif
   refusal, read without following, blocking or exhausting anything.
 - A `.gitattributes` edit inside the allowlist (export-ignore, ident) would make
   the exported candidate differ from the verified commit: refused as export_mismatch.
+- A compromised apply container that renames a file onto the proposal's new path (a
+  deletion that git's rename detection would fold into the addition) is refused: the
+  host's changed paths list both.
 """
 
 from __future__ import annotations
@@ -98,39 +101,41 @@ def test_proposal_carrying_its_own_scope_refused(repo: Path, tmp_path: Path,
 
 # -- a compromised apply container --------------------------------------------------------
 
-def _hostile_apply(tmp_path: Path, repo: Path, script: str, *, timeout: float = 150
-                   ) -> dict[str, Any]:
+def _hostile_apply(tmp_path: Path, repo: Path, script: str, *, timeout: float = 150,
+                   proposal: dict[str, Any] | None = None,
+                   paths: tuple[str, ...] = ("prompts/system.md",)) -> dict[str, Any]:
     """apply_proposal with the real apply image and hardening, running ``script``
     instead of sandbox.apply_main; fails if the host side blocks."""
     from runner.cycle.apply import apply_proposal
     from runner.gitops import resolve_tree
-    from runner.isolation.docker.backend import DockerSandbox
     from runner.isolation.docker.images import resolve_image
+    from runner.isolation.launcher import launch
     from runner.isolation.policy import load_policies
-    from runner.isolation.roles import role_spec
+    from runner.isolation.registry import get_sandbox
     from runner.isolation.sandbox import Mount
     from runner.paths import default_policies
 
     stage = tmp_path / "stage"
     (stage / "in").mkdir(parents=True)
-    (stage / "in" / "proposal.json").write_text(json.dumps(GOOD))
+    proposal = proposal or GOOD
+    (stage / "in" / "proposal.json").write_text(json.dumps(proposal))
     (stage / "in" / "invocation.json").write_text(json.dumps(
-        {"paths": ["prompts/system.md"], "allowlist": ["prompts/*"],
-         "base": GOOD["base"], "max_file_bytes": 1024}))
+        {"paths": list(paths), "allowlist": ["prompts/*"],
+         "base": proposal["base"], "max_file_bytes": 1024}))
     policy = load_policies(default_policies()).roles["apply"]
 
     def run(work: Path) -> Any:
-        spec = role_spec(policy, role="apply", run_id="test-security-apply",
-                         image=resolve_image("apply"), command=["python", "-c", script],
-                         output_dir=work, mounts=[Mount(source=stage / "in", target="/in")])
-        return DockerSandbox().run(spec.model_copy(update={"output_target": "/work"}))
+        return launch(get_sandbox("docker"), policy, role="apply", run_id="test-security-apply",
+                      image=resolve_image("apply"), command=["python", "-c", script],
+                      output_dir=work, output_target="/work",
+                      mounts=[Mount(source=stage / "in", target="/in")])
 
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
             box["result"] = apply_proposal(stage, repo, resolve_tree(repo, "main"), run=run,
-                                           uid=int(policy.user.split(":")[0]),
+                                           uid=policy.uid,
                                            export_to=stage / "candidate-src")
         except BaseException as exc:  # reported to the test thread
             box["error"] = exc
@@ -186,6 +191,38 @@ def test_result_commit_that_is_a_git_option_refused(repo: Path, tmp_path: Path) 
     result = _hostile_apply(tmp_path, repo, script)
     assert result["reason"] == "output_refused", result
     assert "not a git object id" in result["message"]
+
+
+RENAME_ONTO_NEW_PATH = """
+import json, subprocess
+env = {"GIT_AUTHOR_NAME": "x", "GIT_AUTHOR_EMAIL": "x@x", "GIT_COMMITTER_NAME": "x",
+       "GIT_COMMITTER_EMAIL": "x@x", "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/tmp",
+       "PATH": "/usr/bin:/bin"}
+def g(*args):
+    return subprocess.run(["git", "-C", "/work/repo", *args], check=True,
+                          capture_output=True, env=env).stdout
+base = g("rev-parse", "HEAD").decode().strip()
+g("checkout", "-q", "-b", "cyclebox/candidate")
+g("mv", "README.md", "prompts/extra.md")  # the proposal's new file, same content
+g("commit", "-q", "-m", "candidate")
+commit = g("rev-parse", "HEAD").decode().strip()
+open("/work/out/candidate.patch", "wb").write(
+    g("diff", "--binary", "--no-color", "--no-ext-diff", base, commit))
+json.dump({"status": "applied", "commit": commit}, open("/work/out/result.json", "w"))
+"""
+
+
+@pytest.mark.docker
+def test_a_deletion_folded_into_a_rename_is_refused(repo: Path, tmp_path: Path) -> None:
+    # The proposal adds prompts/extra.md with README.md's content; the container commits
+    # it as a rename, deleting README.md. git's default rename detection would report only
+    # prompts/extra.md, matching the proposal, and the patch is git's own.
+    proposal = {"files": [{"path": "prompts/extra.md", "content": "# demo\n"}],
+                "rationale": "test", "base": {"prompts/extra.md": None}}
+    result = _hostile_apply(tmp_path, repo, RENAME_ONTO_NEW_PATH, proposal=proposal,
+                            paths=("prompts/extra.md",))
+    assert result["reason"] == "host_verification_failed", result
+    assert "changed paths ['README.md', 'prompts/extra.md'] differ" in result["message"]
 
 
 # -- .gitattributes inside the allowlist ---------------------------------------------------

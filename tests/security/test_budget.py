@@ -7,6 +7,7 @@ over the USD limit. Each test fails when the attack gets through.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -42,30 +43,38 @@ def policy(url: str, **kw: Any) -> UpstreamPolicy:
 
 
 def run(tmp_path: Path, up: UpstreamPolicy, limit: float, bodies: list[bytes],
-        threads: int = 1) -> tuple[list[int], list[CallRecord], RunBudget]:
+        threads: int = 1, gateways: int = 1) -> tuple[list[int], list[CallRecord], RunBudget]:
+    """Post ``bodies`` on ``threads`` connections, spread over ``gateways`` gateways (each
+    with its own event loop) that share one budget."""
     budget = RunBudget(BudgetPolicy(limit_usd=limit, reservation_usd=0.0001))
     statuses: list[int] = []
     lock = threading.Lock()
-    with Gateway(tmp_path, "b", {"target": up}, {"analyst": "target"}, budget) as gw, \
-            gw.bound("analyst", stage="s", uid=os.getuid()) as b:
-        token = gw.token_for("analyst")
+    dirs = [tmp_path if gateways == 1 else tmp_path / f"gw{g}" for g in range(gateways)]
+    with contextlib.ExitStack() as stack:
+        socks: list[tuple[Path, str]] = []
+        for d in dirs:
+            d.mkdir(exist_ok=True)
+            gw = stack.enter_context(Gateway(d, "b", {"target": up}, {"analyst": "target"},
+                                             budget))
+            b = stack.enter_context(gw.bound("analyst", stage="s", uid=os.getuid()))
+            socks.append((b.directory / "gateway.sock", gw.token_for("analyst")))
 
-        def worker(mine: list[bytes]) -> None:
-            with httpx2.Client(transport=httpx2.HTTPTransport(
-                    uds=str(b.directory / "gateway.sock")), timeout=60) as c:
+        def worker(mine: list[bytes], sock: Path, token: str) -> None:
+            with httpx2.Client(transport=httpx2.HTTPTransport(uds=str(sock)),
+                               timeout=60) as c:
                 for body in mine:
                     r = c.post("http://gw/v1/chat/completions", content=body,
                                headers={"Authorization": f"Bearer {token}"})
                     with lock:
                         statuses.append(r.status_code)
 
-        ts = [threading.Thread(target=worker, args=(bodies[i::threads],))
+        ts = [threading.Thread(target=worker, args=(bodies[i::threads], *socks[i % gateways]))
               for i in range(threads)]
         for t in ts:
             t.start()
         for t in ts:
             t.join()
-    return statuses, CallLog(tmp_path / "gateway").records(), budget
+    return statuses, [r for d in dirs for r in CallLog(d / "gateway").records()], budget
 
 
 def spent(budget: RunBudget) -> float:
@@ -126,6 +135,10 @@ def test_missing_max_tokens_is_set_to_the_cap(tmp_path: Path,
 
 
 def test_concurrent_calls_never_overshoot(tmp_path: Path, worst: tuple[str, Upstream]) -> None:
+    """Calls in flight at once (one gateway: admitted one at a time on its event loop,
+    then awaiting the upstream together) are held at their worst case until they settle:
+    admission that reserved nothing would overshoot here. It cannot see the budget's lock
+    (one loop never admits two calls at once); the next test can."""
     url, _ = worst
     # Each call's worst case is ~0.03 USD; 64 calls on 16 connections against 0.25 USD.
     st, _recs, budget = run(tmp_path, policy(url), 0.25, [msg()] * 64, threads=16)
@@ -135,6 +148,40 @@ def test_concurrent_calls_never_overshoot(tmp_path: Path, worst: tuple[str, Upst
     assert overshoot <= 1e-12
     assert st.count(200) + st.count(429) == 64 and st.count(429) > 0
     assert budget.halted is None, "a charge above its reservation got through"
+
+
+def test_gateways_sharing_a_budget_never_overshoot(tmp_path: Path, worst: tuple[str, Upstream],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The budget is shared and thread-safe by contract: two gateways, each admitting on
+    its own event-loop thread, race for one limit. The last call that fits waits (up to
+    2 s) between its check and its reservation for a second admission to pass its check
+    too, as the lock must prevent: without ``RunBudget``'s lock both are admitted and
+    spend plus open reservations pass the limit; with it the second one waits for the
+    first's reservation and is refused."""
+    url, _ = worst
+    check, admit = RunBudget._check, RunBudget.admit
+    boundary = threading.Barrier(2, timeout=2)
+    committed: list[float] = []
+
+    def racing_check(acct: Any, amount: float, limit: float | None, *rest: str) -> None:
+        check(acct, amount, limit, *rest)
+        if limit is not None and acct.spent + acct.reserved + 2 * amount > limit:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                boundary.wait()  # fits, but a second one would not: wait for a rival
+
+    def watched_admit(self: RunBudget, role: str, worst_case_usd: float | None = 0.0) -> Any:
+        res = admit(self, role, worst_case_usd)
+        committed.append(self._total.spent + self._total.reserved)
+        return res
+
+    monkeypatch.setattr(RunBudget, "_check", staticmethod(racing_check))
+    monkeypatch.setattr(RunBudget, "admit", watched_admit)
+    st, _recs, budget = run(tmp_path, policy(url), 0.25, [msg()] * 64, threads=16, gateways=2)
+    print(f"two gateways: {st.count(200)} admitted, spent {spent(budget):.6f}, at most "
+          f"{max(committed):.6f} committed of 0.25 USD")
+    assert max(committed) <= 0.25 + 1e-12, "spend plus open reservations passed the limit"
+    assert spent(budget) <= 0.25 + 1e-12
+    assert st.count(200) + st.count(429) == 64 and st.count(429) > 0
 
 
 @pytest.mark.parametrize(("extra", "code"), [

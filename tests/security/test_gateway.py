@@ -537,18 +537,16 @@ print(json.dumps(out))
 
 @pytest.mark.docker
 def test_attacks_from_inside_a_hardened_container(tmp_path: Path, policies: Any,
-                                                  backend: Any) -> None:
+                                                  upstreams: Any, backend: Any) -> None:
     """The same attacks from a real analyst container through its read-only socket mount."""
     from runner.isolation.docker.images import resolve_image
-    from runner.isolation.roles import role_spec
+    from runner.isolation.launcher import launch
     from runner.isolation.sandbox import StopReason
 
-    with Gateway(tmp_path, "sec", dict(policies.upstreams), {"analyst": "target"}) as gw, \
-            gw.bound("analyst", stage="attack", uid=10001) as b:
-        spec = role_spec(policies.roles["analyst"], role="analyst", run_id="sec-gw",
-                         image=resolve_image("analyst"),
-                         command=["python", "-c", CONTAINER_ATTACK], mounts=[b.mount()])
-        rec = backend.run(spec)
+    with Gateway(tmp_path, "sec", dict(upstreams), {"analyst": "target"}) as gw:
+        rec = launch(backend, policies.roles["analyst"], role="analyst", run_id="sec-gw",
+                     image=resolve_image("analyst"), command=["python", "-c", CONTAINER_ATTACK],
+                     gateway=gw, stage="attack")
     assert rec.stop_reason is StopReason.OK, rec.stderr_tail
     out = json.loads(rec.stdout_tail)
     assert out["header"][0] == 431 and out["header"][1] < 4 * MiB

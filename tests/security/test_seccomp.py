@@ -43,9 +43,6 @@ def _roles_with(tmp_path: Path, profile: str | None, *, role: str = "analyst") -
     import yaml
 
     doc = yaml.safe_load((PROJECT_ROOT / "policies" / "roles.yaml").read_text())
-    for up in doc["upstreams"].values():
-        if up.get("script"):
-            up["script"] = str(PROJECT_ROOT / "policies" / up["script"])
     if profile is not None:
         doc["roles"][role]["seccomp"] = profile
     path = tmp_path / "roles.yaml"

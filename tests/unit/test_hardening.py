@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from runner.errors import PolicyViolation
-from runner.isolation.docker.hardening import MANAGED_LABEL, create_kwargs, exec_kwargs
+from runner.isolation.docker.hardening import create_kwargs, exec_kwargs
 from runner.isolation.owner import Owner
 from runner.isolation.policy import load_policies
 from runner.isolation.roles import parse_mount_flag, resolve_user, role_spec
-from runner.isolation.sandbox import Mount, Resources, RunSpec
+from runner.isolation.sandbox import MANAGED_LABEL, Mount, Resources, RunSpec
 from runner.isolation.seccomp import load_profile
 from runner.paths import default_policies
 

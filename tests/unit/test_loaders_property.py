@@ -150,8 +150,6 @@ def _abs_cycle() -> bytes:
 
 def _abs_roles() -> bytes:
     doc = yaml.safe_load(ROLES.read_text())
-    for up in doc["upstreams"].values():
-        up["script"] = str(ROLES.parent / up["script"])
     return yaml.safe_dump(doc, sort_keys=False).encode()
 
 

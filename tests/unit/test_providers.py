@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from runner.errors import ConfigError
+from runner.gateway.calllog import CallLog, CallRecord
 from runner.gateway.config import (
     Price,
     ReplayUpstream,
@@ -17,6 +18,7 @@ from runner.gateway.config import (
     parse_upstream,
 )
 from runner.gateway.providers import (
+    CallSite,
     ReplayProvider,
     ScriptedProvider,
     inspect_completion,
@@ -95,6 +97,46 @@ def test_script_errors_name_field(tmp_path: Path) -> None:
                                             "    reply: y\n"))
     with pytest.raises(ConfigError, match="schema"):
         ScriptedProvider(_script(tmp_path, "rules: []\n"))
+
+
+def _completion(text: str) -> bytes:
+    return json.dumps({"id": text, "choices": [{"message": {"content": text}}],
+                       "usage": {"prompt_tokens": 1, "completion_tokens": 1}}).encode()
+
+
+def test_replay_answers_duplicate_requests_as_recorded(tmp_path: Path) -> None:
+    """A real server answers the same bytes differently (ids, sampling): each replayed
+    call must get the recording of its own call site, not the first one made."""
+    log = CallLog(tmp_path / "gateway")
+    request = b'{"model":"m","messages":[{"role":"user","content":"grade this"}]}'
+    sites = [CallSite("evaluator", "evaluate-baseline", None, None, 3),
+             CallSite("analyst", "baseline", "c1", 0, 0),
+             CallSite("analyst", "baseline", "c1", 1, 0)]
+    for n, site in enumerate(sites):
+        log.append(CallRecord(
+            seq=log.next_seq(), ts=CallLog.now(), run_id="r", role=site.role, upstream="u",
+            stage=site.stage, case=site.case, trial=site.trial, turn=site.turn,
+            provider="openai", model="m", fixture=False, status="ok", http_status=200,
+            latency_s=0.1, request_sha256=log.put_blob(request),
+            response_sha256=log.put_blob(_completion(f"reply-{n}"))))
+    log.close()
+
+    def replay(prov: ReplayProvider, site: CallSite | None) -> str:
+        res = asyncio.run(prov.call(request, {}, role="x", stream=False, site=site))
+        assert res.error is None and res.usage is not None
+        return str(json.loads(res.response or b"")["id"])
+
+    prov = ReplayProvider(tmp_path)
+    # out of order, as concurrent containers may call: each gets its own recording
+    assert [replay(prov, sites[i]) for i in (2, 0, 1)] == ["reply-2", "reply-0", "reply-1"]
+    assert replay(prov, sites[1]) == "reply-0"  # all replayed: the first again
+    prov = ReplayProvider(tmp_path)
+    # no or an unknown site: the earliest recording not yet replayed
+    other = CallSite("analyst", "elsewhere", None, None, 9)
+    assert [replay(prov, s) for s in (None, other, sites[0], None)] == [
+        "reply-0", "reply-1", "reply-2", "reply-0"]
+    miss = asyncio.run(prov.call(b"{}", {}, role="x", stream=False, site=sites[0]))
+    assert miss.error == "replay_miss" and not miss.upstream_reached
 
 
 def test_redactor_catches_raw_escaped_and_encoded_keys() -> None:

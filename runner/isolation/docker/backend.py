@@ -23,7 +23,7 @@ import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,16 +36,12 @@ from docker.models.containers import _create_container_args
 from runner.errors import OutputRejected, PolicyViolation, PrerequisiteError, SandboxError
 from runner.isolation.collect import loads_strict
 from runner.isolation.copyout import CopyLimits, CopyRefused, Extracted, extract
-from runner.isolation.docker.hardening import (
-    LABEL_PREFIX,
-    MANAGED_LABEL,
-    create_kwargs,
-    exec_kwargs,
-    holder_argv,
-)
+from runner.isolation.docker.hardening import create_kwargs, exec_kwargs, holder_argv
 from runner.isolation.owner import Owner, current_owner
 from runner.isolation.policy import mount_violation
 from runner.isolation.sandbox import (
+    LABEL_PREFIX,
+    MANAGED_LABEL,
     OutputCallback,
     RunFlags,
     RunRecord,
@@ -233,7 +229,7 @@ def _seed_tar(spec: RunSpec, links: dict[str, str]) -> bytes | None:
     root = spec.output_dir
     if root is None or not any(root.iterdir()):
         return None
-    uid, gid = (int(x) for x in spec.user.split(":"))
+    uid, gid = spec.uid, spec.gid
     buf = io.BytesIO()
     total = 0
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
@@ -419,14 +415,50 @@ class _Tail:
         return self.buf.decode("utf-8", errors="replace")
 
 
+def exec_state(info: Mapping[str, Any] | None) -> tuple[int | None, bool]:
+    """(exit code, still running) from an exec's inspect JSON.
+
+    None (the engine dropped the exec with its container): gone, its code unknown. Ended
+    means not running *and* an exit code: an exec the engine has not started yet shows
+    neither, and counts as still running."""
+    if info is None:
+        return None, False
+    code = info.get("ExitCode")
+    if not info.get("Running") and code is not None:
+        return int(code), False
+    return None, True
+
+
+def flags_from_inspect(container: Mapping[str, Any], exec_info: Mapping[str, Any] | None, *,
+                       oom_kills: int = 0, timed_out: bool = False,
+                       stream_exceeded: bool = False, output_dir_exceeded: bool = False,
+                       output_invalid: bool = False, output_detail: str = "",
+                       cleanup_confirmed: bool = True) -> RunFlags:
+    """What :func:`runner.isolation.sandbox.classify_stop` decides on, from the engine's
+    JSON (``container``: container inspect; ``exec_info``: the role command's exec
+    inspect, None when the engine dropped it) and what the controller saw itself.
+
+    The exit code is the exec's (the container's own is the holder's). The engine sets
+    ``State.OOMKilled`` only when the kernel killed PID 1, so an OOM-killed role command
+    is known by the ``oom_kill`` count the holder read from the cgroup (``oom_kills``).
+    Pure; tested on captured ``docker inspect`` output (``tests/fixtures/inspect/``).
+    """
+    state = container.get("State")
+    engine_oom = bool(state.get("OOMKilled")) if isinstance(state, Mapping) else False
+    return RunFlags(exit_code=exec_state(exec_info)[0], oom_killed=engine_oom or oom_kills > 0,
+                    timed_out=timed_out, stream_exceeded=stream_exceeded,
+                    output_dir_exceeded=output_dir_exceeded, output_detail=output_detail,
+                    output_invalid=output_invalid, cleanup_confirmed=cleanup_confirmed)
+
+
 class DockerSandbox:
     """Runs role containers on the local Docker engine under the isolation contract."""
 
     name = "docker"
 
     def __init__(self, client: docker.DockerClient | None = None,
-                 owner: Owner | None = None) -> None:
-        self.client = client or connect()
+                 owner: Owner | None = None, timeout: int = 60) -> None:
+        self.client = client or connect(timeout=timeout)
         self.owner = owner or current_owner()
 
     # -- running ---------------------------------------------------------------
@@ -453,8 +485,8 @@ class DockerSandbox:
         stream_exceeded = threading.Event()
         stopping = threading.Event()
         timed_out = False
-        exit_code: int | None = None
-        oom = False
+        exec_info: dict[str, Any] | None = None
+        state: dict[str, Any] = {}
         fin = _Finish()
         image_id = spec.image
         cid: str | None = None
@@ -536,13 +568,13 @@ class DockerSandbox:
 
             pumper = threading.Thread(target=pump, daemon=True)
             pumper.start()
-            exit_code, running = self._wait_exec(exec_id, pumper, deadline)
+            exec_info = self._wait_exec(exec_id, pumper, deadline)
+            running = exec_state(exec_info)[1]
             if running:
                 timed_out = True
             stop_role(None)  # also stops what the command left running in the background
             if running:
-                exit_code, running = self._wait_exec(exec_id, pumper,
-                                                      time.monotonic() + STOP_GRACE_S)
+                exec_info = self._wait_exec(exec_id, pumper, time.monotonic() + STOP_GRACE_S)
             copy.done.wait(STOP_GRACE_S + FINISH_BASE_S
                            + spec.output_cap_bytes / FINISH_BYTES_PER_S)
             if not copy.done.is_set():
@@ -552,19 +584,18 @@ class DockerSandbox:
             pumper.join(timeout=STOP_GRACE_S)
             fin = copy.result()
             state = api.inspect_container(cid)
-            oom = bool(state.get("State", {}).get("OOMKilled")) or fin.oom_kills > 0
             image_id = str(state.get("Image", spec.image))
         finally:
             confirmed = self._remove(cid) if cid else True
             staged.cleanup()
-        flags = RunFlags(exit_code=exit_code, oom_killed=oom, timed_out=timed_out,
-                         stream_exceeded=stream_exceeded.is_set(),
-                         output_dir_exceeded=fin.limit, output_invalid=fin.invalid,
-                         output_detail=fin.detail, cleanup_confirmed=confirmed)
+        flags = flags_from_inspect(state, exec_info, oom_kills=fin.oom_kills,
+                                   timed_out=timed_out, stream_exceeded=stream_exceeded.is_set(),
+                                   output_dir_exceeded=fin.limit, output_invalid=fin.invalid,
+                                   output_detail=fin.detail, cleanup_confirmed=confirmed)
         reason, detail = classify_stop(flags)
         return RunRecord(
             run_id=spec.run_id, role=spec.role, image_id=image_id,
-            container_name=str(kwargs["name"]), exit_code=exit_code, stop_reason=reason,
+            container_name=str(kwargs["name"]), exit_code=flags.exit_code, stop_reason=reason,
             detail=detail, wall_s=round(time.monotonic() - started, 3),
             stdout_bytes=out.total, stderr_bytes=err.total,
             stdout_tail=out.text(), stderr_tail=err.text(), cleanup_confirmed=confirmed,
@@ -572,27 +603,23 @@ class DockerSandbox:
         )
 
     def _wait_exec(self, exec_id: str, pumper: threading.Thread,
-                   deadline: float) -> tuple[int | None, bool]:
-        """(exit code, still running) of an exec, polled until it ends or ``deadline``.
+                   deadline: float) -> dict[str, Any] | None:
+        """An exec's inspect JSON, polled until it ends or ``deadline`` (see
+        :func:`exec_state`); None when the engine no longer knows it.
 
         The output stream usually ends with the process, so the poll waits on it first;
-        a process that closed its stdio is still caught by the exec record. An exec the
-        engine has not started yet reports neither running nor an exit code."""
+        a process that closed its stdio is still caught by the exec record."""
         step = 0.01
         while True:
             try:
-                info = self.client.api.exec_inspect(exec_id)
+                info: dict[str, Any] = self.client.api.exec_inspect(exec_id)
             except docker.errors.NotFound:
                 # The engine drops an exec with its container (the holder exited after a
                 # stop): the command is gone and its code unknown.
-                return None, False
-            code = info.get("ExitCode")
-            # not running *and* an exit code: an exec not yet started shows neither
-            if not info.get("Running") and code is not None:
-                return int(code), False
+                return None
             now = time.monotonic()
-            if now >= deadline:
-                return None, True
+            if not exec_state(info)[1] or now >= deadline:
+                return info
             wait = min(step, deadline - now)
             if pumper.is_alive():
                 pumper.join(timeout=wait)
@@ -616,7 +643,8 @@ class DockerSandbox:
                 seen += 1
         finally:
             raw.close()
-        code, running = self._wait_exec(eid, threading.Thread(), time.monotonic() + 30)
+        code, running = exec_state(self._wait_exec(eid, threading.Thread(),
+                                                   time.monotonic() + 30))
         if running or code != 0:
             raise SandboxError(f"could not seed the {spec.role} output directory "
                                f"(exit {code})")
@@ -667,9 +695,13 @@ class DockerSandbox:
                 and self.remove(cid)]
 
     def sweep(self, *, only_orphans: bool = True, dry_run: bool = False) -> list[SweepResult]:
-        from runner.isolation.gc import sweep_containers
+        """Labelled containers (see :func:`runner.isolation.gc.sweep_containers`), then the
+        input staging copies of controllers that are gone."""
+        from runner.isolation.gc import sweep_containers, sweep_staging_dirs
 
-        return sweep_containers(self, only_orphans=only_orphans, dry_run=dry_run)
+        return [*sweep_containers(self, only_orphans=only_orphans, dry_run=dry_run),
+                *sweep_staging_dirs(staging_base(), owner_name=STAGING_OWNER,
+                                    dry_run=dry_run)]
 
     # -- images ----------------------------------------------------------------
     def image_id(self, ref: str) -> str | None:

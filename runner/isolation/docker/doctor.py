@@ -8,6 +8,7 @@ observed from inside against the role policy.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,9 +18,8 @@ from runner.isolation.policy import ROLES
 from runner.paths import state_dir
 
 if TYPE_CHECKING:
-    from runner.isolation.docker.backend import DockerSandbox
     from runner.isolation.policy import RolePolicies, RolePolicy
-    from runner.isolation.sandbox import RunRecord
+    from runner.isolation.sandbox import RunRecord, Sandbox
 
 MIN_FREE_BYTES = 5 * 1024**3
 
@@ -37,8 +37,13 @@ class Check:
         return asdict(self)
 
 
-def run_checks(policies_path: Path, *, probe: bool = True) -> list[Check]:
-    from runner.isolation.docker.backend import DockerSandbox, connect, engine_info
+def run_checks(policies_path: Path, *, sandbox: Callable[[], Sandbox],
+               probe: bool = True) -> list[Check]:
+    """Every check, in order; ``sandbox`` opens the sandbox to check (an engine it cannot
+    reach is reported as the failed ``engine`` check, not raised). The engine facts and
+    the runtime checks are Docker's; image presence and the probes go through the
+    sandbox."""
+    from runner.isolation.docker.backend import DockerSandbox, engine_info
     from runner.isolation.docker.images import read_lock
     from runner.isolation.policy import load_policies
 
@@ -49,18 +54,22 @@ def run_checks(policies_path: Path, *, probe: bool = True) -> list[Check]:
     except CycleboxError as exc:
         return [Check("policies", False, str(exc), "fix the field named above")]
     try:
-        client = connect(timeout=10)
+        backend = sandbox()
     except CycleboxError as exc:
         return [*checks, Check("engine", False, str(exc), "make docker")]
-    info = engine_info(client)
-    checks.append(Check("engine", True, f"Docker {info.version} (API {info.api_version}), "
-                        f"{info.storage_driver}, cgroup v{info.cgroup_version}"))
-    seccomp = any("seccomp" in s for s in info.security_options)
-    checks.append(Check("seccomp", seccomp, ", ".join(info.security_options) or "none reported",
-                        "use an engine built with seccomp support"))
+    info = engine_info(backend.client) if isinstance(backend, DockerSandbox) else None
+    if info is None:
+        checks.append(Check("engine", True, f"sandbox backend {backend.name} (no Docker "
+                            "engine facts to check)"))
+    else:
+        checks.append(Check("engine", True, f"Docker {info.version} (API {info.api_version}), "
+                            f"{info.storage_driver}, cgroup v{info.cgroup_version}"))
+        seccomp = any("seccomp" in s for s in info.security_options)
+        checks.append(Check("seccomp", seccomp, ", ".join(info.security_options)
+                            or "none reported", "use an engine built with seccomp support"))
     checks.append(seccomp_profile_check())
-    checks.extend(runtime_checks(pols, info.runtimes))
-    backend = DockerSandbox(client)
+    if info is not None:
+        checks.extend(runtime_checks(pols, info.runtimes))
     lock = read_lock()
     for role in ROLES:
         row = lock.get(role)
@@ -68,8 +77,10 @@ def run_checks(policies_path: Path, *, probe: bool = True) -> list[Check]:
         detail = (f"{row.tag} {row.id[:19]} {row.size_bytes / 1e6:.0f} MB" if row and present
                   else "not built")
         checks.append(Check(f"image {role}", present, detail, "cyclebox images build"))
-    for label, path in (("disk (state dir)", state_dir()), ("disk (engine root)",
-                                                            Path(info.docker_root))):
+    disks = [("disk (state dir)", state_dir())]
+    if info is not None:
+        disks.append(("disk (engine root)", Path(info.docker_root)))
+    for label, path in disks:
         target = path if path.exists() else path.parent
         try:
             free = shutil.disk_usage(target).free
@@ -84,7 +95,7 @@ def run_checks(policies_path: Path, *, probe: bool = True) -> list[Check]:
         analyst = pols.roles["analyst"].model_copy(update={"runtime": None})
         checks.extend(_probe_limits(backend, analyst, lock["analyst"].id))
         for runtime in sorted(wanted_runtimes(pols)):
-            if runtime in info.runtimes:
+            if info is not None and runtime in info.runtimes:
                 checks.append(_probe_seccomp(backend, analyst.model_copy(
                     update={"runtime": runtime}), lock["analyst"].id))
     return checks
@@ -142,7 +153,7 @@ def seccomp_problems(facts: dict[str, object]) -> list[str]:
     return problems
 
 
-def _probe_seccomp(backend: DockerSandbox, policy: RolePolicy, image: str) -> Check:
+def _probe_seccomp(backend: Sandbox, policy: RolePolicy, image: str) -> Check:
     name = f"seccomp enforced ({policy.runtime or 'default runtime'})"
     rec, facts = _run_probe(backend, policy, image)
     if facts is None:
@@ -155,13 +166,12 @@ def _probe_seccomp(backend: DockerSandbox, policy: RolePolicy, image: str) -> Ch
         "--oci-seccomp: make gvisor")
 
 
-def _run_probe(backend: DockerSandbox, policy: RolePolicy,
+def _run_probe(backend: Sandbox, policy: RolePolicy,
                image: str) -> tuple[RunRecord, dict[str, Any] | None]:
-    from runner.isolation.roles import role_spec
+    from runner.isolation.launcher import launch
 
-    spec = role_spec(policy, role="analyst", run_id="doctor", image=image,
-                     command=["python", "-m", "sandbox.probe", "--role", "analyst"])
-    rec = backend.run(spec)
+    rec = launch(backend, policy, role="analyst", run_id="doctor", image=image,
+                 command=["python", "-m", "sandbox.probe", "--role", "analyst"])
     if rec.stop_reason.value != "ok":
         return rec, None
     from runner.errors import OutputRejected
@@ -174,7 +184,7 @@ def _run_probe(backend: DockerSandbox, policy: RolePolicy,
     return rec, facts if isinstance(facts, dict) else None
 
 
-def _probe_limits(backend: DockerSandbox, policy: RolePolicy, image: str) -> list[Check]:
+def _probe_limits(backend: Sandbox, policy: RolePolicy, image: str) -> list[Check]:
     """Run sandbox.probe in the analyst image and compare what it saw with the policy."""
     rec, facts = _run_probe(backend, policy, image)
     if facts is None:

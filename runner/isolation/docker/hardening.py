@@ -45,12 +45,10 @@ from typing import Any
 from runner.errors import PolicyViolation
 from runner.isolation.owner import Owner
 from runner.isolation.policy import mount_violation
-from runner.isolation.sandbox import RunSpec
+from runner.isolation.sandbox import LABEL_PREFIX, MANAGED_LABEL, RunSpec
 from runner.isolation.seccomp import load_profile
 from sandbox import holder
 
-LABEL_PREFIX = "io.cyclebox"
-MANAGED_LABEL = f"{LABEL_PREFIX}.managed"
 SHM_BYTES = 16 * 1024 * 1024
 
 
@@ -148,9 +146,8 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str) -> dict[str, Any]:
 def output_tmpfs_opts(spec: RunSpec) -> str:
     """The output tmpfs: ``output_cap_bytes`` of pages and ``output_max_entries`` files
     (plus its root), owned by the role user and private to it."""
-    uid, gid = spec.user.split(":")
     return (f"rw,nosuid,nodev,noexec,size={spec.output_cap_bytes},"
-            f"nr_inodes={spec.output_max_entries + 1},mode=0700,uid={uid},gid={gid}")
+            f"nr_inodes={spec.output_max_entries + 1},mode=0700,uid={spec.uid},gid={spec.gid}")
 
 
 @functools.cache

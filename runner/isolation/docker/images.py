@@ -1,11 +1,17 @@
-"""Role images built offline and tagged by a hash of everything they are built from.
+"""Role images built offline from one Dockerfile and tagged by a hash of what each copies in.
 
 The base image comes from ``images/base/bootstrap.sh`` (debootstrap + docker import,
-or ``BASE_IMAGE``). Wheels for each role are downloaded on the host into
-``build/wheels/<role>/`` and the image is built with ``--network none`` from an
-assembled context. The tag ``cyclebox/<role>:<hash>`` covers the base image id,
-the Dockerfile, harden.sh, the requirements, the wheel files and the sandbox
-sources, so an unchanged rebuild finds its tag and does nothing.
+or ``BASE_IMAGE``). Every role builds from ``images/Dockerfile`` with ``--build-arg
+ROLE=<role>``; ``images/roles.yaml`` says what each role copies in (its requirements
+file and which sandbox files). Wheels are downloaded on the host into
+``build/wheels/<role>/`` and the image is built with ``--network none`` from a context
+assembled for that role alone.
+
+Invariant: the tag ``cyclebox/<role>:<hash>`` covers exactly what the role's build reads
+(the base image id, the Dockerfile, harden.sh, the role's roles.yaml entry, its
+requirements, its wheel files and its own sandbox files) and nothing else, so an
+unchanged rebuild finds its tag and does nothing, and an edit under ``sandbox/train``
+rebuilds the trainer only.
 """
 
 from __future__ import annotations
@@ -21,16 +27,39 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pydantic import RootModel
+from pydantic import Field, RootModel
 
 from runner.errors import ConfigError, PrerequisiteError
-from runner.hashing import sha256_file
+from runner.hashing import canonical_bytes, sha256_file
 from runner.isolation.policy import ROLES
-from runner.loading import load_model
+from runner.isolation.sandbox import Frozen
+from runner.loading import load_model, relative_inside, show
 from runner.paths import images_dir, sandbox_src, state_dir
 
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")
+SCHEMA_VERSION = 1
+ROLES_FIX = "see the comment at the top of images/roles.yaml"
 Log = Callable[[str], None]
+
+
+class RoleInputs(Frozen):
+    """What one role's image copies in besides the shared Dockerfile and harden.sh."""
+
+    requirements: str
+    """Pip requirements file, relative to ``images/``."""
+    sandbox: tuple[str, ...] = Field(min_length=1)
+    """Glob patterns relative to ``sandbox/`` (pathlib rules); each must match a file."""
+
+
+class ImageInputs(Frozen):
+    """The whole ``images/roles.yaml``."""
+
+    schema_: int = Field(alias="schema")
+    """File format version; this code reads version 1."""
+    host_only: tuple[str, ...] = ()
+    """Files under ``sandbox/`` that no image copies (the host passes them in itself)."""
+    roles: dict[str, RoleInputs]
+    """Role name -> its inputs; exactly the roles of :data:`runner.isolation.policy.ROLES`."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +80,59 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def load_inputs(images: Path | None = None) -> ImageInputs:
+    """``images/roles.yaml``, checked: every role present, paths relative and inside."""
+    path = (images or images_dir()) / "roles.yaml"
+    inputs = load_model(path, ImageInputs, fix=ROLES_FIX, schema=SCHEMA_VERSION)
+    where = show(str(path))
+    if set(inputs.roles) != set(ROLES):
+        missing = sorted(set(ROLES) - set(inputs.roles))
+        extra = sorted(set(inputs.roles) - set(ROLES))
+        raise ConfigError(f"roles must be exactly {list(ROLES)}; missing {missing}, unknown "
+                          f"{extra}", path=where, field="roles", fix=ROLES_FIX)
+    for i, name in enumerate(inputs.host_only):
+        relative_inside(name, path=where, field=f"host_only[{i}]", fix=ROLES_FIX)
+    for role, spec in inputs.roles.items():
+        relative_inside(spec.requirements, path=where, field=f"roles.{role}.requirements",
+                        fix=ROLES_FIX)
+        for i, pattern in enumerate(spec.sandbox):
+            relative_inside(pattern, path=where, field=f"roles.{role}.sandbox[{i}]",
+                            fix=ROLES_FIX)
+    return inputs
+
+
+def requirements_file(role: str, inputs: ImageInputs, images: Path | None = None) -> Path:
+    """The role's requirements file; ConfigError naming the roles.yaml field when absent."""
+    root = images or images_dir()
+    req = root / inputs.roles[role].requirements
+    if not req.is_file():
+        raise ConfigError(f"{req} does not exist", path=str(root / "roles.yaml"),
+                          field=f"roles.{role}.requirements",
+                          fix="every role image needs a requirements file (comments only "
+                              "when it needs nothing beyond the base image)")
+    return req
+
+
+def role_files(role: str, inputs: ImageInputs, sandbox: Path | None = None) -> list[Path]:
+    """The sandbox files the role copies in (regular files only, sorted, no bytecode).
+
+    ConfigError naming ``roles.<role>.sandbox[i]`` when a pattern matches nothing, so a
+    typo cannot silently leave a module out of an image."""
+    root = sandbox or sandbox_src()
+    skip = {root / name for name in inputs.host_only}
+    files: set[Path] = set()
+    for i, pattern in enumerate(inputs.roles[role].sandbox):
+        hits = {p for p in root.glob(pattern)
+                if p.is_file() and not p.is_symlink() and "__pycache__" not in p.parts
+                and p.suffix != ".pyc" and p not in skip}
+        if not hits:
+            raise ConfigError(f"pattern {pattern!r} matches no file under {root}",
+                              path=str(images_dir() / "roles.yaml"),
+                              field=f"roles.{role}.sandbox[{i}]", fix=ROLES_FIX)
+        files |= hits
+    return sorted(files)
+
+
 def ensure_base(log: Log) -> str:
     """Image reference of the base image, bootstrapping it when missing."""
     script = images_dir() / "base" / "bootstrap.sh"
@@ -68,14 +150,17 @@ def wheel_dir(role: str) -> Path:
     return state_dir() / "wheels" / role
 
 
-def ensure_wheels(role: str, log: Log) -> Path:
+def ensure_wheels(role: str, log: Log, inputs: ImageInputs | None = None) -> Path:
     """Download the role's wheels once per requirements content; return the directory."""
-    req = images_dir() / role / "requirements.txt"
-    if not req.is_file():
-        raise ConfigError("missing", path=str(req), fix="every role image needs requirements.txt")
+    req = requirements_file(role, inputs or load_inputs())
+    return download_wheels(req, wheel_dir(role), log, what=f"the {role} image")
+
+
+def download_wheels(req: Path, wdir: Path, log: Log, *, what: str) -> Path:
+    """Wheels for ``req`` (cp311 manylinux) into ``wdir``, once per requirements content
+    and ``PIP_DOWNLOAD_ARGS``; ``wdir/.digest`` is the digest of the wheel set."""
     extra = os.environ.get("PIP_DOWNLOAD_ARGS", "")
     stamp_value = _sha(req.read_bytes() + extra.encode())
-    wdir = wheel_dir(role)
     stamp = wdir / ".stamp"
     if stamp.is_file() and stamp.read_text().strip() == stamp_value:
         return wdir
@@ -90,10 +175,10 @@ def ensure_wheels(role: str, log: Log) -> Path:
         for plat in PLATFORMS:
             cmd += ["--platform", plat]
         cmd += extra.split()
-        log(f"downloading wheels for {role} into {wdir}")
+        log(f"downloading wheels for {what} into {wdir}")
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
-            raise PrerequisiteError(f"pip download for the {role} image failed:\n"
+            raise PrerequisiteError(f"pip download for {what} failed:\n"
                                     f"{proc.stderr.strip()[-2000:]}\nFix: check network access "
                                     "to the package index, or PIP_DOWNLOAD_ARGS.")
     # Digest of the wheel set, computed once here (hashing torch each build is slow).
@@ -105,41 +190,51 @@ def ensure_wheels(role: str, log: Log) -> Path:
     return wdir
 
 
-def _sandbox_files() -> list[Path]:
-    root = sandbox_src()
-    return sorted(p for p in root.rglob("*")
-                  if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
+def input_hash(role: str, base_id: str, wheels_digest: str, *,
+               inputs: ImageInputs | None = None, images: Path | None = None,
+               sandbox: Path | None = None) -> str:
+    """Hash of everything the role's image build reads, and of nothing else.
 
-
-def input_hash(role: str, base_id: str, wheels: Path) -> str:
-    """Hash of everything the role image is built from."""
+    Shared: the base image id, ``images/Dockerfile`` and ``images/harden.sh``. The role's
+    own: its roles.yaml entry, its requirements file, the digest of its wheels and the
+    sandbox files it copies in (path and bytes). Another role's inputs never enter it."""
+    images = images or images_dir()
+    sandbox = sandbox or sandbox_src()
+    inputs = inputs or load_inputs(images)
     h = hashlib.sha256()
     h.update(f"role={role}\nbase={base_id}\n".encode())
-    for f in (images_dir() / role / "Dockerfile", images_dir() / role / "requirements.txt",
-              images_dir() / "harden.sh"):
-        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    h.update(b"wheels=" + (wheels / ".digest").read_bytes() + b"\n")
-    root = sandbox_src()
-    for f in _sandbox_files():
-        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    h.update(b"inputs=" + canonical_bytes(inputs.roles[role].model_dump()) + b"\n")
+    for name, f in (("Dockerfile", images / "Dockerfile"), ("harden.sh", images / "harden.sh"),
+                    ("requirements.txt", requirements_file(role, inputs, images))):
+        h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
+    h.update(b"wheels=" + wheels_digest.encode() + b"\n")
+    for f in role_files(role, inputs, sandbox):
+        h.update(b"sandbox/" + str(f.relative_to(sandbox)).encode() + b"\0"
+                 + f.read_bytes() + b"\0")
     return h.hexdigest()
 
 
-def _assemble_context(role: str, wheels: Path) -> Path:
+def link_or_copy(src: Path, dest: Path) -> None:
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copy2(src, dest)
+
+
+def _assemble_context(role: str, wheels: Path, inputs: ImageInputs) -> Path:
+    """The role's build context: the Dockerfile, its requirements and wheels, harden.sh
+    and exactly the sandbox files :func:`input_hash` covered."""
     ctx = state_dir() / "context" / role
     if ctx.exists():
         shutil.rmtree(ctx)
     (ctx / "wheels").mkdir(parents=True)
-    shutil.copy2(images_dir() / role / "Dockerfile", ctx / "Dockerfile")
-    shutil.copy2(images_dir() / role / "requirements.txt", ctx / "requirements.txt")
+    shutil.copy2(images_dir() / "Dockerfile", ctx / "Dockerfile")
+    shutil.copy2(requirements_file(role, inputs), ctx / "requirements.txt")
     shutil.copy2(images_dir() / "harden.sh", ctx / "harden.sh")
     for whl in wheels.glob("*.whl"):
-        try:
-            os.link(whl, ctx / "wheels" / whl.name)
-        except OSError:
-            shutil.copy2(whl, ctx / "wheels" / whl.name)
+        link_or_copy(whl, ctx / "wheels" / whl.name)
     root = sandbox_src()
-    for f in _sandbox_files():
+    for f in role_files(role, inputs):
         dest = ctx / "sandbox" / f.relative_to(root)
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(f, dest)
@@ -179,29 +274,34 @@ def build_roles(roles: list[str], log: Log, *, force: bool = False,
     cache (both for measuring cold builds).
     """
     from runner.isolation.docker.backend import DockerSandbox
+    from runner.isolation.registry import get_sandbox
 
     for r in roles:
         if r not in ROLES:
             raise ConfigError(f"unknown role {r!r}", field="--role", fix=f"one of {ROLES}")
-    backend = DockerSandbox()
+    backend = get_sandbox("docker")
+    if not isinstance(backend, DockerSandbox):  # a backend registered over docker's name
+        raise PrerequisiteError("role images are built by the docker backend")
     base_ref = ensure_base(log)
     base_id = backend.image_id(base_ref)
     if base_id is None:
         raise PrerequisiteError(f"base image {base_ref} not found after bootstrap")
+    inputs = load_inputs()
     lock = read_lock()
     out = []
     for role in roles:
         t0 = time.monotonic()
-        wheels = ensure_wheels(role, log)
-        ih = input_hash(role, base_id, wheels)
+        wheels = ensure_wheels(role, log, inputs)
+        ih = input_hash(role, base_id, (wheels / ".digest").read_text().strip(),
+                        inputs=inputs)
         tag = f"cyclebox/{role}:{ih[:16]}"
         existing = backend.image_id(tag)
         built = existing is None or force
         if built:
-            ctx = _assemble_context(role, wheels)
+            ctx = _assemble_context(role, wheels, inputs)
             log(f"building {tag} (network none)")
             for line in backend.build(ctx, tag, nocache=nocache,
-                                      buildargs={"BASE_IMAGE": base_ref},
+                                      buildargs={"BASE_IMAGE": base_ref, "ROLE": role},
                                       labels={"io.cyclebox.role": role,
                                               "io.cyclebox.input_hash": ih,
                                               "io.cyclebox.base": base_id}):

@@ -1,0 +1,69 @@
+"""What the command line picks for everything else: the isolation backend and the role
+images it runs.
+
+The CLI is where a backend is chosen (``runner.isolation.registry``) and where image ids
+are read from the image lock; the cycle and training receive a ``Sandbox`` and image ids
+and never import the Docker backend.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from runner.errors import PrerequisiteError
+from runner.isolation.sandbox import Sandbox
+
+if TYPE_CHECKING:
+    from runner.train.host import Trainer
+
+
+@functools.cache
+def sandbox() -> Sandbox:
+    """The isolation backend commands run their containers in; opened once per process,
+    when first needed (so bad input is reported before an engine is asked)."""
+    from runner.isolation.registry import get_sandbox
+
+    return get_sandbox()
+
+
+def role_image(role: str) -> str:
+    """Image id of ``role`` from the image lock (PrerequisiteError naming the fix if absent)."""
+    from runner.isolation.docker.images import resolve_image
+
+    return resolve_image(role)
+
+
+def cycle_images(*, check_engine: bool = False) -> dict[str, str]:
+    """Image id per cycle role from the image lock; with ``check_engine``, each must also
+    exist in the backend (PrerequisiteError naming the fix)."""
+    from runner.cycle.plan import CYCLE_ROLES
+
+    ids = {r: role_image(r) for r in CYCLE_ROLES}
+    if check_engine:
+        backend = sandbox()
+        gone = [r for r, i in ids.items() if backend.image_id(i) is None]
+        if gone:
+            raise PrerequisiteError(f"images for {gone} are in the lock file but not in the "
+                                    "engine. Fix: cyclebox images build")
+    return ids
+
+
+def derive_analyst(analyst_id: str, requirements: str, *,
+                   log: Callable[[str], None]) -> str:
+    """Id of the analyst image extended with a project's checked requirements, built
+    offline on first use (``log`` hears the steps) and reused while unchanged."""
+    from runner.isolation.docker.agent_image import ensure_agent_image
+
+    return ensure_agent_image(analyst_id, requirements, log).id
+
+
+def trainer() -> Trainer:
+    """The trainer role under the shipped policy, with its image, on the default sandbox."""
+    from runner.isolation.policy import load_policies
+    from runner.paths import default_policies
+    from runner.train.host import Trainer
+
+    policy = load_policies(default_policies()).roles["trainer"]
+    return Trainer(sandbox=sandbox(), policy=policy, image=role_image("trainer"))

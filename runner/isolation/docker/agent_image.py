@@ -1,0 +1,124 @@
+"""The analyst image plus a project's own requirements: derived offline, reused while unchanged.
+
+A project may declare pip requirements (``project.requirements`` in cycle.yaml: a file in
+its source tree, read from the frozen base tree; see docs/agent-dependencies.md). Freezing
+then derives an analyst image for it:
+
+1. The requirement lines are checked (:func:`check_requirements`): names, extras and
+   version specifiers only. No pip option, URL, file reference or marker reaches the
+   host's ``pip download``, and only wheels are fetched (``--only-binary=:all:``), so
+   nothing from the project runs on the host.
+2. Their wheels are downloaded on the host into ``build/wheels/agent/<sha>/``, once per
+   requirements content.
+3. ``images/agent.Dockerfile`` builds ``FROM`` the analyst image's id with
+   ``--network none``; the venv's own packages are pip constraints, so an agent
+   requirement cannot move the openai SDK the gateway client relies on.
+
+Invariant: the tag ``cyclebox/analyst-deps:<hash>`` covers the analyst image id, the
+checked requirements, the wheel digest and the Dockerfile; an existing tag is reused
+(nothing is downloaded or built), and the plan freezes the resulting image id as the
+analyst's.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner.errors import ConfigError, PrerequisiteError, SandboxError
+from runner.isolation.docker.images import Log, download_wheels, link_or_copy
+from runner.paths import images_dir, state_dir
+from runner.requirements import check_requirements
+
+TAG_REPO = "cyclebox/analyst-deps"
+
+__all__ = ["TAG_REPO", "AgentImage", "check_requirements", "ensure_agent_image"]
+
+@dataclass(frozen=True)
+class AgentImage:
+    """The derived analyst image for one requirements content."""
+
+    tag: str
+    id: str
+    analyst_id: str
+    """The analyst image it was built from."""
+    requirements_sha256: str
+    """sha256 of the checked requirement lines (as written to the build context)."""
+    wheels_digest: str
+    input_hash: str
+    built: bool
+    """True when this call built it; False when the tag already existed."""
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def agent_input_hash(analyst_id: str, requirements: str, wheels_digest: str,
+                     dockerfile: bytes) -> str:
+    """Hash of everything the derived image is built from."""
+    h = hashlib.sha256()
+    h.update(f"analyst={analyst_id}\nwheels={wheels_digest}\n".encode())
+    h.update(b"requirements\0" + requirements.encode() + b"\0")
+    h.update(b"Dockerfile\0" + dockerfile + b"\0")
+    return h.hexdigest()
+
+
+def ensure_agent_image(analyst_id: str, requirements: str, log: Log, *,
+                       field: str = "project.requirements") -> AgentImage:
+    """The derived analyst image for ``requirements`` (checked lines), building it when
+    its tag is missing. ConfigError naming ``field`` when pip cannot satisfy them offline
+    (a conflict with the analyst's own packages, a wheel that does not fit)."""
+    from runner.isolation.docker.backend import DockerSandbox
+
+    req_sha = _sha(requirements.encode())
+    req_file = state_dir() / "agent" / f"{req_sha[:16]}.txt"
+    req_file.parent.mkdir(parents=True, exist_ok=True)
+    if not req_file.is_file() or req_file.read_text() != requirements:
+        req_file.write_text(requirements)
+    wheels = download_wheels(req_file, state_dir() / "wheels" / "agent" / req_sha[:16], log,
+                             what="the agent's requirements")
+    digest = (wheels / ".digest").read_text().strip()
+    dockerfile = images_dir() / "agent.Dockerfile"
+    ih = agent_input_hash(analyst_id, requirements, digest, dockerfile.read_bytes())
+    tag = f"{TAG_REPO}:{ih[:16]}"
+    backend = DockerSandbox()
+    existing = backend.image_id(tag)
+    built = existing is None
+    if built:
+        (state_dir() / "context").mkdir(parents=True, exist_ok=True)
+        ctx = Path(tempfile.mkdtemp(prefix="agent-", dir=state_dir() / "context"))
+        tail: collections.deque[str] = collections.deque(maxlen=25)
+        try:
+            shutil.copy2(dockerfile, ctx / "Dockerfile")
+            shutil.copy2(req_file, ctx / "requirements.txt")
+            (ctx / "wheels").mkdir()
+            for whl in wheels.glob("*.whl"):
+                link_or_copy(whl, ctx / "wheels" / whl.name)
+            log(f"building {tag} from the analyst image (network none)")
+            for line in backend.build(ctx, tag, buildargs={"ANALYST_IMAGE": analyst_id},
+                                      labels={"io.cyclebox.role": "analyst",
+                                              "io.cyclebox.input_hash": ih,
+                                              "io.cyclebox.base": analyst_id,
+                                              "io.cyclebox.agent_requirements": req_sha}):
+                tail.append(line)
+                log(line)
+        except SandboxError as exc:
+            shown = "\n".join(tail)
+            raise ConfigError(f"the agent's requirements do not install offline into the "
+                              f"analyst image: {exc}\n{shown}", field=field,
+                              fix="pin versions that agree with the analyst's own packages "
+                                  "(images/analyst/requirements.txt) and publish cp311 "
+                                  "manylinux or pure-Python wheels") from None
+        finally:
+            shutil.rmtree(ctx, ignore_errors=True)
+        existing = backend.image_id(tag)
+    if existing is None:
+        raise PrerequisiteError(f"build of {tag} reported success but no image exists")
+    return AgentImage(tag=tag, id=existing, analyst_id=analyst_id,
+                      requirements_sha256=req_sha, wheels_digest=digest, input_hash=ih,
+                      built=built)

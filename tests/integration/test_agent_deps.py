@@ -1,0 +1,175 @@
+"""A project's own requirements (project.requirements): freezing derives an analyst image
+offline with them, reuses it while nothing changed, freezes its id in the plan, and the
+agent imports the package in a real cycle. Uses a small pure-Python wheel from PyPI
+(humanize), downloaded on the host once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from runner.errors import ConfigError
+from tests.fixtures.cycle_project import cli_env, example_agent, project_with_agent, run_cli
+
+REQUIREMENT = "humanize==4.12.3"
+AGENT_PRELUDE = '''
+import humanize  # the project's own dependency, from requirements.txt
+
+Path("/out/deps.txt").write_text(humanize.intcomma(1234567))
+'''
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
+           "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull}
+
+
+def _agent() -> str:
+    anchor = "from sandbox.gateway_client import client\n"
+    src = example_agent()
+    assert anchor in src
+    return src.replace(anchor, anchor + AGENT_PRELUDE, 1)
+
+
+def project(dest: Path, requirements: str | None = REQUIREMENT + "\n",
+            **project_changes: Any) -> Path:
+    """The example with an agent that imports humanize, its requirements.txt committed
+    and named by project.requirements; returns the cycle file."""
+    cycle = project_with_agent(dest, _agent())
+    repo = dest / "repo"
+    if requirements is not None:
+        (repo / "requirements.txt").write_text(requirements)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")} | GIT_ENV
+        for args in (["add", "-A"], ["commit", "-q", "-m", "requirements"]):
+            subprocess.run(["git", "-C", str(repo), *args], check=True, env=env,
+                           capture_output=True)
+    cyc = yaml.safe_load(cycle.read_text())
+    cyc["project"]["requirements"] = "requirements.txt"
+    cyc["project"].update(project_changes)
+    cycle.write_text(yaml.safe_dump(cyc))
+    return cycle
+
+
+def _freeze(cycle: Path, out: Path) -> tuple[dict[str, Any], list[str]]:
+    from runner.cycle.plan import CYCLE_ROLES, freeze
+    from runner.isolation.docker.agent_image import ensure_agent_image
+    from runner.isolation.docker.images import resolve_image
+
+    lines: list[str] = []
+    freeze(cycle, out, images=lambda: {r: resolve_image(r) for r in CYCLE_ROLES},
+           check_credentials=False,
+           derive_analyst=lambda a, req: ensure_agent_image(a, req, lines.append).id)
+    return json.loads((out / "plan.json").read_text())["plan"], lines
+
+
+# -- no Docker: the checks freeze makes --------------------------------------------------
+
+def test_requirements_must_be_committed_plain_and_outside_the_allowlist(
+        tmp_path: Path) -> None:
+    from runner.cycle.plan import check_cycle
+
+    cycle = project(tmp_path / "missing", requirements=None)
+    with pytest.raises(ConfigError, match=r"project\.requirements: requirements\.txt is not "
+                                          r"a file in the base tree"):
+        check_cycle(cycle, check_credentials=False)
+    cycle = project(tmp_path / "option", requirements="--index-url https://x.invalid/\n")
+    with pytest.raises(ConfigError, match=r"project\.requirements: requirements\.txt line 1"):
+        check_cycle(cycle, check_credentials=False)
+    cycle = project(tmp_path / "edited")
+    cyc = yaml.safe_load(cycle.read_text())
+    cyc["edit"]["allowlist"] = [*cyc["edit"]["allowlist"], "*.txt"]
+    cycle.write_text(yaml.safe_dump(cyc))
+    with pytest.raises(ConfigError, match=r"project\.requirements: requirements\.txt matches "
+                                          r"edit\.allowlist"):
+        check_cycle(cycle, check_credentials=False)
+    cycle = project(tmp_path / "dotdot", requirements=None)
+    cyc = yaml.safe_load(cycle.read_text())
+    cyc["project"]["requirements"] = "../outside.txt"
+    cycle.write_text(yaml.safe_dump(cyc))
+    with pytest.raises(ConfigError, match=r"project\.requirements: .*escapes"):
+        check_cycle(cycle, check_credentials=False)
+
+
+# -- Docker -------------------------------------------------------------------------------
+
+@pytest.mark.docker
+def test_freeze_derives_the_analyst_image_and_reuses_it(tmp_path: Path) -> None:
+    from runner.isolation.docker.backend import DockerSandbox
+    from runner.isolation.docker.images import resolve_image
+
+    cycle = project(tmp_path / "p")
+    plan, _ = _freeze(cycle, tmp_path / "one")
+    analyst = plan["images"]["analyst"]
+    assert analyst != resolve_image("analyst")
+    assert {r: i for r, i in plan["images"].items() if r != "analyst"} == {
+        r: resolve_image(r) for r in ("worker", "evaluator", "apply")}
+    labels = DockerSandbox().client.api.inspect_image(analyst)["Config"]["Labels"]
+    assert labels["io.cyclebox.base"] == resolve_image("analyst")
+    assert labels["io.cyclebox.role"] == "analyst"
+    assert (tmp_path / "one" / "inputs" / "agent-requirements.txt").read_text() == (
+        REQUIREMENT + "\n")
+    assert "agent-requirements.txt" in plan["inputs"]
+    assert plan["project"]["spec"]["requirements"] == "requirements.txt"
+    # unchanged inputs: the same image, nothing downloaded or built
+    again, lines = _freeze(cycle, tmp_path / "two")
+    assert again["images"]["analyst"] == analyst
+    assert not [ln for ln in lines if "downloading" in ln or "building" in ln], lines
+
+
+@pytest.mark.docker
+def test_the_derived_image_is_the_hardened_analyst_plus_the_package(tmp_path: Path) -> None:
+    from runner.isolation.docker.agent_image import ensure_agent_image
+    from runner.isolation.docker.backend import DockerSandbox
+    from runner.isolation.docker.images import resolve_image
+    from runner.isolation.policy import load_policies
+    from runner.isolation.roles import role_spec
+    from runner.isolation.sandbox import StopReason
+    from runner.paths import default_policies
+
+    agent = ensure_agent_image(resolve_image("analyst"), REQUIREMENT + "\n", print)
+    policy = load_policies(default_policies()).roles["analyst"]
+    code = ("import json, humanize, openai, sandbox.probe as p\n"
+            "f = p.facts('analyst', ['127.0.0.1:9'])\n"
+            "f['intcomma'] = humanize.intcomma(1234567); f['openai'] = openai.__version__\n"
+            "print(json.dumps(f))")
+    spec = role_spec(policy, role="analyst", run_id="test-agent-deps", image=agent.id,
+                     command=["python", "-c", code])
+    rec = DockerSandbox().run(spec)
+    assert rec.stop_reason is StopReason.OK, rec.stderr_tail
+    facts = json.loads(rec.stdout_tail)
+    assert facts["intcomma"] == "1,234,567"
+    # the analyst's own pins are untouched (images/analyst/requirements.txt)
+    assert facts["openai"] == "3.57.0"
+    assert facts["interfaces"] == ["lo"] and facts["uid"] != 0
+
+
+@pytest.mark.docker
+def test_a_requirement_that_would_move_the_analysts_packages_is_refused(
+        tmp_path: Path) -> None:
+    from runner.isolation.docker.agent_image import ensure_agent_image
+    from runner.isolation.docker.images import resolve_image
+
+    with pytest.raises(ConfigError, match=r"project\.requirements: the agent's requirements "
+                                          r"do not install offline"):
+        ensure_agent_image(resolve_image("analyst"), "typing_extensions==4.0.0\n", print)
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_the_agent_imports_its_dependency_in_a_cycle(tmp_path: Path) -> None:
+    cycle = project(tmp_path / "p")
+    run = tmp_path / "run"
+    res = run_cli("cycle", "run", str(cycle), "--out", str(run), "--json",
+                  env=cli_env(tmp_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    marks = sorted((run / "stages").rglob("deps.txt"))
+    assert marks, "no analyst case ran the agent"
+    assert {m.read_text() for m in marks} == {"1,234,567"}
+    plan = json.loads((run / "plan.json").read_text())["plan"]
+    rows = [json.loads(ln) for ln in (run / "containers.jsonl").read_text().splitlines()]
+    analyst = [r for r in rows if r["role"] == "analyst"]
+    assert analyst and {r["image_id"] for r in analyst} == {plan["images"]["analyst"]}

@@ -1,0 +1,240 @@
+"""runner.gitops reads through GitPython agree with the git CLI on a real repository, run
+two reader processes per repository whatever the number of reads, and ignore what the
+host environment or the repository could use to redirect them (real git, no Docker)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runner import gitops
+from runner.errors import ConfigError
+
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
+           "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull}
+
+
+def git(repo: Path, *args: str, data: bytes | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")} | GIT_ENV
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                          env=env, input=data).stdout.decode("utf-8", "surrogateescape")
+
+
+def commit(repo: Path, message: str) -> str:
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "--allow-empty", "-m", message)
+    return git(repo, "rev-parse", "HEAD").strip()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_readers() -> Iterator[None]:
+    gitops.close_readers()
+    yield
+    gitops.close_readers()
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """Three commits covering files, an executable, a symlink, nesting, a submodule
+    entry, a deletion, a mode change, a file that becomes a directory, and tags."""
+    root = tmp_path / "repo"
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "README.md").write_text("# r\n")
+    (root / "a" / "b" / "deep.txt").write_text("deep\n")
+    (root / "run.sh").write_text("#!/bin/sh\n")
+    (root / "gone.txt").write_text("to be removed\n")
+    (root / "becomes").write_text("a file first\n")
+    os.symlink("a/b", root / "link")
+    git(root, "init", "-q", "-b", "main")
+    git(root, "add", "-A")
+    git(root, "update-index", "--add", "--cacheinfo",
+        f"160000,{'1' * 40},vendor/sub")  # a submodule (gitlink) entry
+    git(root, "commit", "-q", "-m", "one")
+    git(root, "tag", "-a", "-m", "annotated", "v1")
+    (root / "README.md").write_text("# r, edited\n")
+    os.chmod(root / "run.sh", 0o755)
+    (root / "gone.txt").unlink()
+    (root / "becomes").unlink()
+    (root / "becomes").mkdir()
+    (root / "becomes" / "inner.txt").write_text("now a directory\n")
+    commit(root, "two")
+    (root / "a" / "b" / "new.txt").write_text("new\n")
+    commit(root, "three")
+    return root
+
+
+def _cli_modes(repo: Path, rev: str) -> dict[str, str]:
+    out = git(repo, "ls-tree", "-r", "-t", "-z", rev)
+    return {e.split("\t", 1)[1]: e.split()[0] for e in out.split("\0") if e}
+
+
+REVS = ["main", "HEAD", "HEAD~1", "HEAD~2", "v1", "main^", "v1^{commit}"]
+
+
+@pytest.mark.parametrize("rev", REVS)
+def test_trees_and_modes_agree_with_git(repo: Path, rev: str) -> None:
+    want = git(repo, "rev-parse", f"{rev}^{{tree}}").strip()
+    assert gitops.resolve_tree(repo, rev) == want
+    assert gitops.head_tree(repo, rev) == want
+    assert gitops.tree_modes(repo, rev) == _cli_modes(repo, rev)
+    assert gitops.rev(repo, rev) == git(repo, "rev-parse", rev).strip()
+
+
+def test_short_ids_subdirectories_and_their_errors(repo: Path) -> None:
+    short = git(repo, "rev-parse", "--short", "HEAD").strip()
+    assert gitops.resolve_tree(repo, short) == git(repo, "rev-parse", "HEAD^{tree}").strip()
+    assert gitops.resolve_tree(repo, "main", "a/b/") == git(repo, "rev-parse",
+                                                             "main:a/b").strip()
+    assert gitops.resolve_tree(repo, "main", ".") == gitops.resolve_tree(repo, "main")
+    with pytest.raises(ConfigError, match=r"project\.subdir: main:README\.md is a blob"):
+        gitops.resolve_tree(repo, "main", "README.md")
+    with pytest.raises(ConfigError, match=r"project\.subdir: v1:vendor/sub is a commit"):
+        gitops.resolve_tree(repo, "v1", "vendor/sub")
+    for bad in ("nope", "main:README.md", "HEAD~9", "main\nHEAD", "-h", ""):
+        with pytest.raises(ConfigError, match=r"project\.base_ref: .*does not resolve"):
+            gitops.resolve_tree(repo, bad)
+    # the reader is still in step after every refusal
+    assert gitops.rev(repo, "HEAD") == git(repo, "rev-parse", "HEAD").strip()
+
+
+def test_blobs_agree_with_git(repo: Path) -> None:
+    tree = gitops.resolve_tree(repo, "HEAD~2")
+    for path, mode in _cli_modes(repo, tree).items():
+        got = gitops.read_blob(repo, tree, path)
+        if mode in ("100644", "100755", "120000"):
+            raw = subprocess.run(["git", "-C", str(repo), "cat-file", "blob",
+                                  f"{tree}:{path}"], check=True, capture_output=True).stdout
+            assert got == raw, path
+        else:
+            assert got is None, path  # trees and submodule commits are not files
+    assert gitops.read_blob(repo, tree, "link") == b"a/b"  # the link target, not followed
+    assert gitops.read_blob(repo, "HEAD", "gone.txt") is None
+    assert gitops.read_blob(repo, "HEAD~2", "gone.txt") == b"to be removed\n"
+    assert gitops.read_blob(repo, "v1", "README.md") == b"# r\n"  # a tag peels to its tree
+    assert gitops.read_blob(repo, "no-such-ref", "README.md") is None
+    assert gitops.read_blob(repo, "HEAD", "README.md/x") is None
+
+
+@pytest.mark.parametrize(("a", "b"), [("HEAD~2", "HEAD~1"), ("HEAD~1", "HEAD"),
+                                      ("HEAD~2", "HEAD"), ("HEAD", "HEAD~2"),
+                                      ("HEAD", "HEAD")])
+def test_changed_paths_agree_with_git_without_renames(repo: Path, a: str, b: str) -> None:
+    want = sorted(p for p in git(repo, "diff", "--name-only", "--no-renames", "-z",
+                                 a, b).split("\0") if p)
+    assert gitops.changed_paths(repo, a, b) == want
+
+
+def test_a_rename_lists_both_paths(repo: Path) -> None:
+    git(repo, "mv", "README.md", "a/renamed.md")
+    commit(repo, "rename")
+    # git's own default (diff.renames) would print only a/renamed.md, hiding a deletion
+    assert git(repo, "diff", "--name-only", "HEAD~1", "HEAD").split() == ["a/renamed.md"]
+    assert gitops.changed_paths(repo, "HEAD~1", "HEAD") == ["README.md", "a/renamed.md"]
+
+
+def test_many_reads_share_two_reader_processes(repo: Path) -> None:
+    tree = gitops.resolve_tree(repo, "HEAD")
+    for _ in range(50):
+        assert gitops.read_blob(repo, tree, "a/b/deep.txt") == b"deep\n"
+    gitops.tree_modes(repo, tree)
+    gitops.changed_paths(repo, "HEAD~2", "HEAD")
+    (reader,) = gitops._readers.values()
+    procs = [reader.git.cat_file_all, reader.git.cat_file_header]
+    assert all(p is not None and p.proc is not None and p.proc.poll() is None for p in procs)
+    # started by gitops with --git-dir and the scrubbed environment, not by GitPython
+    assert sorted(p.args[-1] for p in procs if p is not None) == ["--batch", "--batch-check"]
+    assert all(p.args[1:3] == ["--git-dir", str(repo / ".git")] for p in procs if p)
+    pids = [p.proc.pid for p in procs if p and p.proc]
+    gitops.read_blob(repo, tree, "README.md")
+    assert [p.proc.pid for p in procs if p and p.proc] == pids
+    gitops.close_readers()
+    assert all(p.proc is None for p in procs if p)
+
+
+def test_gitpython_may_run_no_other_git_command(repo: Path) -> None:
+    gitops.resolve_tree(repo, "HEAD")
+    (reader,) = gitops._readers.values()
+    with pytest.raises(gitops.IntegrityError, match="GitPython tried to run git"):
+        reader.git.status()
+
+
+def test_host_environment_cannot_redirect_reads(repo: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "README.md").write_text("other\n")
+    git(other, "init", "-q", "-b", "main")
+    commit(other, "other")
+    monkeypatch.setenv("GIT_DIR", str(other / ".git"))
+    monkeypatch.setenv("GIT_WORK_TREE", str(other))
+    monkeypatch.setenv("GIT_CONFIG_PARAMETERS", "'core.bogus'")  # would break git itself
+    assert gitops.read_blob(repo, "HEAD", "README.md") == b"# r, edited\n"
+    assert gitops.resolve_tree(repo, "HEAD") == git(repo, "rev-parse", "HEAD^{tree}").strip()
+    monkeypatch.setenv("GIT_COMMON_DIR", str(other / ".git"))
+    gitops.close_readers()
+    with pytest.raises(ConfigError, match="GIT_COMMON_DIR: GIT_COMMON_DIR is set"):
+        gitops.resolve_tree(repo, "HEAD")
+
+
+def test_replace_refs_are_ignored(repo: Path) -> None:
+    blob = git(repo, "rev-parse", "HEAD:README.md").strip()
+    fake = git(repo, "hash-object", "-w", "--stdin", data=b"replaced\n").strip()
+    git(repo, "replace", blob, fake)
+    assert git(repo, "cat-file", "blob", blob) == "replaced\n"  # git honours it by default
+    assert gitops.read_blob(repo, "HEAD", "README.md") == b"# r, edited\n"
+    dest = repo.parent / "export"
+    gitops.export_tree(repo, gitops.resolve_tree(repo, "HEAD"), dest)
+    assert (dest / "README.md").read_text() == "# r, edited\n"
+
+
+def test_a_tree_entry_git_metadata_could_alias_is_refused(repo: Path) -> None:
+    blob = git(repo, "rev-parse", "HEAD:README.md").strip()
+    bad = git(repo, "mktree", data=f"100644 blob {blob}\t.GIT\n".encode()).strip()
+    assert gitops.read_blob(repo, bad, ".GIT") is None
+    with pytest.raises(ConfigError, match="cannot list tree"):
+        gitops.tree_modes(repo, bad)
+    with pytest.raises(ConfigError, match="cannot compare"):
+        gitops.changed_paths(repo, "HEAD", bad)
+
+
+def test_a_repository_replaced_at_the_same_path_is_read_afresh(repo: Path) -> None:
+    first = gitops.resolve_tree(repo, "HEAD")
+    shutil.rmtree(repo)
+    repo.mkdir()
+    (repo / "only.txt").write_text("new repository\n")
+    git(repo, "init", "-q", "-b", "main")
+    commit(repo, "fresh")
+    second = gitops.resolve_tree(repo, "HEAD")
+    assert second != first
+    assert gitops.read_blob(repo, "HEAD", "only.txt") == b"new repository\n"
+
+
+def test_not_a_repository_and_sha256_are_config_errors(tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with pytest.raises(ConfigError, match="is not a git repository"):
+        gitops.git_dir_of(plain)
+    with pytest.raises(ConfigError, match=r"project\.repo: repository .* does not exist"):
+        gitops.resolve_tree(tmp_path / "missing", "HEAD")
+    s256 = tmp_path / "s256"
+    s256.mkdir()
+    git(s256, "init", "-q", "--object-format=sha256")
+    with pytest.raises(ConfigError, match="only sha1 repositories"):
+        gitops.resolve_tree(s256, "HEAD")
+
+
+def test_commit_tree_reads_and_checks_the_commit_object(repo: Path) -> None:
+    head = git(repo, "rev-parse", "HEAD").strip()
+    assert gitops.commit_tree(repo / ".git", head) == git(repo, "rev-parse",
+                                                          "HEAD^{tree}").strip()
+    with pytest.raises(ConfigError, match="cannot read commit"):
+        gitops.commit_tree(repo / ".git", "0" * 40)
+    tree = git(repo, "rev-parse", "HEAD^{tree}").strip()
+    with pytest.raises(ConfigError, match="cannot read commit"):
+        gitops.commit_tree(repo / ".git", tree)  # a tree is not a commit

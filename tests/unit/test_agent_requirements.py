@@ -1,0 +1,61 @@
+"""The agent's requirement lines: only plain requirements reach the host's pip download,
+and the derived image's tag hashes everything it is built from (no Docker)."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner.errors import ConfigError
+from runner.isolation.docker.agent_image import agent_input_hash
+from runner.requirements import MAX_REQUIREMENTS_BYTES, check_requirements
+
+
+def _check(data: bytes) -> str:
+    return check_requirements(data, source="requirements.txt", path="cycle.yaml",
+                              field="project.requirements")
+
+
+def test_plain_requirements_are_normalised() -> None:
+    text = (b"# the agent's own packages\n\nhumanize==4.12.3  # numbers\n"
+            b"tabulate>=0.9,<0.11\nrich[jupyter] ~= 13.0\n  attrs\n")
+    assert _check(text) == ("humanize==4.12.3\ntabulate>=0.9,<0.11\nrich[jupyter] ~= 13.0\n"
+                            "attrs\n")
+
+
+@pytest.mark.parametrize("line", [
+    "-r /etc/passwd",                        # a host file
+    "--index-url https://evil.example/simple",
+    "--extra-index-url=https://evil.example/simple",
+    "-e git+https://example.com/x.git#egg=x",
+    "x @ https://example.com/x-1.0-py3-none-any.whl",
+    "./local/path",
+    "/abs/x.whl",
+    "humanize==4.12.3 --hash=sha256:00",
+    "humanize; python_version < '3.12'",     # markers: the image is fixed
+    "humanize==4.12.3\x1b[2J",
+    "hu manize",
+    "humanize===",
+])
+def test_anything_but_a_plain_requirement_is_refused_naming_the_line(line: str) -> None:
+    with pytest.raises(ConfigError, match=r"cycle\.yaml: project\.requirements: "
+                                          r"requirements\.txt line 2: .* is not a plain"):
+        _check(f"humanize==4.12.3\n{line}\n".encode())
+
+
+def test_size_encoding_and_emptiness_are_refused() -> None:
+    with pytest.raises(ConfigError, match="at most"):
+        _check(b"a\n" * (MAX_REQUIREMENTS_BYTES // 2 + 1))
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        _check(b"humanize\xff\n")
+    with pytest.raises(ConfigError, match="lists no requirement"):
+        _check(b"# nothing\n\n")
+
+
+def test_the_derived_tag_covers_each_input() -> None:
+    base = agent_input_hash("sha256:a", "humanize==4.12.3\n", "w", b"FROM x\n")
+    assert base == agent_input_hash("sha256:a", "humanize==4.12.3\n", "w", b"FROM x\n")
+    assert len({base,
+                agent_input_hash("sha256:b", "humanize==4.12.3\n", "w", b"FROM x\n"),
+                agent_input_hash("sha256:a", "humanize==4.12.2\n", "w", b"FROM x\n"),
+                agent_input_hash("sha256:a", "humanize==4.12.3\n", "v", b"FROM x\n"),
+                agent_input_hash("sha256:a", "humanize==4.12.3\n", "w", b"FROM y\n")}) == 5

@@ -1,0 +1,396 @@
+"""CycleRunner driven through a scripted Sandbox (tests/fixtures/fake_sandbox.py): no Docker.
+
+Everything but the containers is real: the frozen plan, the host gateway (a fake
+analyst can call it through the socket it was given), the apply role's own code (run
+in process on the stage's output directory), the host's re-verification of the
+candidate, collect and compare. The fake is the seam: it records every RunSpec and
+returns scripted records and output files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+import yaml
+
+from runner.cycle.plan import freeze, load_plan
+from runner.cycle.run import CycleRunner, Outcome
+from runner.errors import ConfigError, IntegrityError, SandboxError
+from runner.gateway.server import CONTAINER_DIR
+from runner.isolation.sandbox import StopReason
+from tests.fixtures.cycle_project import EXAMPLE, example_agent, project_with_agent
+from tests.fixtures.fake_sandbox import Behaviour, Call, FakeSandbox, Result
+
+ROLES = ("analyst", "worker", "evaluator", "apply")
+IMAGES = {r: "sha256:" + hashlib.sha256(r.encode()).hexdigest() for r in ROLES}
+MANIFEST = json.loads((EXAMPLE / "manifest.json").read_text())
+REFS: dict[str, dict[str, Any]] = {s["id"]: s["reference"] for s in MANIFEST["scenarios"]}
+POLICY_CASES = 14
+"""Cases in the example's policy (all of its scenarios)."""
+IMPROVED = "a01-revenue-april"
+"""The case the scripted baseline gets wrong and the candidate gets right."""
+BRIEFED = "d01-revenue-march"
+"""A development case the baseline also gets wrong: without a development failure there is
+nothing to brief and the worker is never called (``nothing_to_improve``)."""
+STAGES = ["export", "baseline", "evaluate-baseline", "brief", "propose", "apply",
+          "candidate", "evaluate-candidate"]
+
+
+# -- scripted roles ------------------------------------------------------------------------
+
+def right_answer(case: str) -> dict[str, Any]:
+    ref = REFS[case]
+    if ref["kind"] == "refuse":
+        return {"refused": True, "answer": None, "evidence": []}
+    return {"refused": False, "answer": ref["value"], "evidence": list(ref.get("evidence", []))}
+
+
+def analyst(call: Call) -> Result:
+    """Right on every case, except IMPROVED and BRIEFED in the baseline."""
+    assert call.case is not None
+    answer = right_answer(call.case)
+    if call.stage == "baseline" and call.case in (IMPROVED, BRIEFED):
+        answer = {"refused": False, "answer": 1.0, "evidence": []}
+    return Result(files={"answer.json": json.dumps(answer)})
+
+
+def evaluator(call: Call) -> Result:
+    """The real deterministic scorer over the stage's inputs."""
+    from sandbox.evaluator import score
+
+    refs = json.loads((call.mount("/ref") / "references.json").read_text())
+    rows = [json.loads(x) for x in (call.mount("/in") / "answers.jsonl").read_text().splitlines()]
+    lines = [json.dumps({"case_id": r["case_id"], "trial": r["trial"],
+                         "grades": score(r["answer"], refs[r["case_id"]])}) + "\n" for r in rows]
+    return Result(files={"grades.jsonl": "".join(lines)})
+
+
+def worker(call: Call) -> Result:
+    req = json.loads((call.mount("/in") / "request.json").read_text())
+    f = req["files"][0]
+    proposal = {"schema": 1, "rationale": "be careful",
+                "files": [{"path": f["path"], "content": f["content"] + "\nBe careful.\n"}],
+                "base": {f["path"]: f["sha256"]}}
+    return Result(files={"proposal.json": json.dumps(proposal)})
+
+
+def apply_role(call: Call) -> Result:
+    """The apply container's own code, in process, on the seeded work directory."""
+    from sandbox.apply import main
+
+    assert call.spec.output_target == "/work"
+    repo = call.out / "repo"
+    # In its container, git runs as the owner of the work directory (the role's uid, to
+    # which the host chowns it when it runs as root); in process here it does not.
+    trusted = {"GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "safe.directory",
+               "GIT_CONFIG_VALUE_0": str(repo)}
+    with mock.patch.dict(os.environ, trusted):
+        rc = main(in_dir=call.mount("/in"), repo=repo, out_dir=call.out / "out")
+    return Result(exit_code=rc)
+
+
+def script(**overrides: Behaviour) -> dict[str, Behaviour]:
+    return {"analyst": analyst, "evaluator": evaluator, "worker": worker, "apply": apply_role,
+            **overrides}
+
+
+# -- a frozen plan -----------------------------------------------------------------------
+
+Freeze = Callable[..., Path]
+
+
+@pytest.fixture
+def planned(tmp_path: Path) -> Freeze:
+    """Freeze the example cycle (with top-level ``changes``) and return its plan.json."""
+    def make(**changes: Any) -> Path:
+        cycle = project_with_agent(tmp_path / "project", example_agent(), **changes)
+        # The scripted analysts mostly make no model call: no usage, so no cost ceiling.
+        policy = yaml.safe_load((cycle.parent / "policy.yaml").read_text())
+        policy.pop("max_total_cost_usd")
+        (cycle.parent / "policy.yaml").write_text(yaml.safe_dump(policy))
+        freeze(cycle, tmp_path / "run", images=IMAGES)
+        return tmp_path / "run" / "plan.json"
+    return make
+
+
+def run(plan: Path, box: FakeSandbox, stages: list[str] | None = None) -> Outcome:
+    def progress(stage: str, _done: int, _total: int) -> None:
+        if stages is not None and stage not in stages:
+            stages.append(stage)
+    return CycleRunner(plan, sandbox=box, progress=progress).run()
+
+
+def records(plan: Path, side: str) -> dict[str, dict[str, Any]]:
+    lines = (plan.parent / "stages" / side / "records.jsonl").read_text().splitlines()
+    return {r["case_id"]: r for r in map(json.loads, lines)}
+
+
+def fake(behaviours: dict[str, Behaviour], **kw: Any) -> FakeSandbox:
+    return FakeSandbox(behaviours, images=IMAGES.values(), **kw)
+
+
+# -- tests ---------------------------------------------------------------------------------
+
+def test_stages_run_in_order_and_the_improvement_is_accepted(planned: Freeze) -> None:
+    plan = planned()
+    box = fake(script())
+    stages: list[str] = []
+    outcome = run(plan, box, stages)
+    assert outcome.failure is None
+    assert outcome.result.verdict == "accept_for_review", outcome.result.reasons
+    assert [(c.case_id, c.criterion) for c in outcome.result.improvements] == [
+        (IMPROVED, "correctness"), (IMPROVED, "evidence"),
+        (BRIEFED, "correctness"), (BRIEFED, "evidence")]
+    assert stages == STAGES
+    assert box.roles() == (["analyst"] * POLICY_CASES + ["evaluator", "worker", "apply"]
+                           + ["analyst"] * POLICY_CASES + ["evaluator"])
+    rows = (plan.parent / "containers.jsonl").read_text().splitlines()
+    assert len(rows) == len(box.specs)
+    assert outcome.proposal_sha256 and outcome.patch_sha256 and outcome.candidate_tree
+    patch = (plan.parent / "stages" / "apply" / "candidate.patch").read_text()
+    assert "+Be careful." in patch
+    assert outcome.leftovers == []
+    assert box.leftover_calls[-1] == CycleRunner(plan, sandbox=box).run_id
+
+
+def test_every_container_runs_under_its_roles_frozen_policy(planned: Freeze) -> None:
+    plan_path = planned()
+    box = fake(script())
+    run(plan_path, box)
+    plan, plan_hash = load_plan(plan_path)
+    for spec in box.specs:
+        pol = plan.roles[spec.role]
+        labels = dict(spec.labels)
+        assert spec.image == plan.images[spec.role]
+        assert spec.run_id == f"{plan.name}-{plan_hash[:10]}"
+        assert spec.resources.memory_bytes == pol.memory
+        assert spec.timeout_s == pol.timeout_s
+        assert spec.output_cap_bytes == pol.output_cap
+        assert spec.output_dir is not None and spec.output_dir.is_dir()
+        assert "io.cyclebox.stage" in labels
+        assert ("io.cyclebox.case" in labels) == (spec.role == "analyst")
+        gateway = [m for m in spec.mounts if m.gateway]
+        # model access only for a role whose policy names an upstream, one socket each
+        assert len(gateway) == (1 if pol.upstream else 0), spec.role
+        assert all(m.target == CONTAINER_DIR for m in gateway)
+        assert all(m.read_only for m in spec.mounts)
+    analyst = next(s for s in box.specs if s.role == "analyst")
+    assert {m.target for m in analyst.mounts} >= {"/src", "/case", "/data"}
+    assert next(s for s in box.specs if s.role == "apply").output_target == "/work"
+
+
+def test_a_missing_image_is_refused_before_any_stage(planned: Freeze) -> None:
+    plan = planned()
+    box = FakeSandbox(script(), images=[i for r, i in IMAGES.items() if r != "apply"])
+    with pytest.raises(IntegrityError, match="frozen image for apply"):
+        run(plan, box)
+    assert box.specs == []
+    assert not (plan.parent / "stages").exists()
+
+
+def test_a_plan_runs_once(planned: Freeze) -> None:
+    plan = planned()
+    run(plan, fake(script()))
+    with pytest.raises(ConfigError, match="already executed") as exc:
+        run(plan, fake(script()))
+    assert exc.value.field == "--plan"
+
+
+@pytest.mark.parametrize(("victim", "reason"), [
+    ("plan.json", "after baseline: plan drift"),
+    ("data", "after baseline: data drift"),
+])
+def test_drift_during_a_stage_ends_the_cycle_invalid(planned: Freeze, victim: str,
+                                                     reason: str) -> None:
+    plan_path = planned()
+    plan, _ = load_plan(plan_path)
+    target = (plan_path if victim == "plan.json"
+              else next(p for p in Path(plan.data_dir).iterdir() if p.is_file()))
+
+    def drifting(call: Call) -> Result:
+        # someone else changes a frozen input meanwhile
+        if victim == "plan.json":
+            doc = json.loads(target.read_text())
+            doc["plan"]["concurrency"] = 1
+            target.write_text(json.dumps(doc))
+        else:
+            with target.open("ab") as f:
+                f.write(b"\0")
+        return analyst(call)
+
+    box = fake(script(**{"analyst@baseline": drifting}))
+    outcome = run(plan_path, box)
+    assert outcome.result.verdict == "invalid_comparison"
+    assert outcome.result.reasons[0].startswith(reason), outcome.result.reasons
+    assert "worker" not in box.roles()  # nothing after the drifted stage ran
+    verdict = json.loads((plan_path.parent / "stages/compare/verdict.json").read_text())
+    assert verdict["reasons"] == list(outcome.result.reasons)
+
+
+def test_an_exhausted_budget_leaves_cases_not_attempted(planned: Freeze) -> None:
+    plan = planned(budget={"max_calls": 1, "reservation_usd": 0.01})
+    refused: list[str] = []
+
+    def calling(call: Call) -> Result:
+        """An analyst that asks the model through the gateway socket it was given."""
+        from sandbox.gateway_client import client
+
+        try:
+            client(gateway_dir=call.mount(CONTAINER_DIR), timeout_s=30).chat.completions.create(
+                model="fixture-target", messages=[{"role": "user", "content": "hello"}])
+        except Exception as exc:  # the refusal arrives as an API error
+            refused.append(type(exc).__name__)
+        return analyst(call)
+
+    box = fake(script(analyst=calling))
+    outcome = run(plan, box)
+    base = records(plan, "baseline")
+    not_attempted = [c for c, r in base.items() if r["status"] == "not_attempted"]
+    assert len(not_attempted) == POLICY_CASES - 1, base
+    assert all(base[c]["reason"] == "budget: call refused" for c in not_attempted)
+    assert len(refused) >= POLICY_CASES - 1
+    assert outcome.result.verdict != "accept_for_review"
+
+
+_REFUSED = ("no candidate: worker proposal refused (invalid_output: "
+            "stages/propose/out/proposal.json: ")
+
+
+# The host reads the worker's proposal into its model before any apply container runs:
+# bad JSON and a wrong shape are both refused there, naming the file and the field.
+@pytest.mark.parametrize(("proposal", "reason"), [
+    (b'{"files": [', _REFUSED + "invalid JSON: Expecting value: line 1 column 12 (char 11) "
+                     "Fix: plain JSON: no NaN/Infinity, duplicate keys or nesting deeper "
+                     "than 64)"),
+    (b'{"files": [], "files": []}', _REFUSED + "invalid JSON: duplicate key 'files' Fix: "
+                                    "plain JSON: no NaN/Infinity, duplicate keys or nesting "
+                                    "deeper than 64)"),
+    (b'{"files": "prompts/system.md"}', _REFUSED + "files: Input should be a valid tuple Fix: "
+                                        "a proposal.json as the worker writes it: {files: "
+                                        "[{path, content}], ...})"),
+])
+def test_a_malformed_proposal_ends_with_a_named_reason(planned: Freeze, proposal: bytes,
+                                                       reason: str) -> None:
+    plan = planned()
+    box = fake(script(worker=lambda _c: Result(files={"proposal.json": proposal})))
+    outcome = run(plan, box)
+    assert outcome.result.reasons == (reason,)
+    assert outcome.failure is None  # a verdict, not a crash
+    stages = {dict(s.labels).get("io.cyclebox.stage") for s in box.specs}
+    assert "candidate" not in stages and "apply" not in stages
+
+
+def test_a_refused_proposal_names_the_workers_reason(planned: Freeze) -> None:
+    plan = planned()
+    err = {"reason": "path_not_allowed", "message": "etc/passwd is not an allowed path"}
+    box = fake(script(worker=lambda _c: Result(files={"proposal-error.json": json.dumps(err)},
+                                               exit_code=3)))
+    outcome = run(plan, box)
+    assert outcome.result.reasons == (
+        "no candidate: proposal refused (path_not_allowed: etc/passwd is not an allowed path)",)
+    assert box.roles()[-1] == "worker"
+
+
+def test_hostile_or_failed_analyst_output_invalidates_that_case_only(planned: Freeze) -> None:
+    plan = planned()
+    victims = {"d01-revenue-march": "symlink", "d02-revenue-books": "timeout",
+               "d03-orders-february": "array"}
+
+    def hostile(call: Call) -> Result:
+        how = victims.get(call.case or "")
+        if how == "symlink":
+            return Result(symlinks={"answer.json": "/etc/passwd"})
+        if how == "timeout":
+            return Result(exit_code=None, stop_reason=StopReason.TIMEOUT,
+                          detail="wall-clock limit reached; container killed")
+        if how == "array":
+            return Result(files={"answer.json": "[1, 2]"})
+        return analyst(call)
+
+    outcome = run(plan, fake(script(**{"analyst@baseline": hostile})))
+    base = records(plan, "baseline")
+    assert base["d01-revenue-march"]["status"] == "infra_invalid"
+    assert base["d01-revenue-march"]["reason"].startswith("invalid_output: ")
+    assert base["d02-revenue-books"]["reason"] == (
+        "timeout: wall-clock limit reached; container killed (stderr: stages/baseline/cases/"
+        "d02-revenue-books__t0/logs/analyst-d02-revenue-books-t0.stderr, empty)")
+    assert base["d03-orders-february"]["reason"].startswith(
+        "invalid_output: answer.json is not a JSON object (stderr: ")
+    assert sum(r["status"] == "ok" for r in base.values()) == POLICY_CASES - 3
+    assert outcome.result.verdict == "invalid_comparison"
+
+
+def test_a_failed_evaluator_ends_the_cycle_with_its_stop_reason(planned: Freeze) -> None:
+    plan = planned()
+    box = fake(script(evaluator=lambda _c: Result(
+        exit_code=137, stop_reason=StopReason.OOM, detail="killed by the OOM killer",
+        stderr="MemoryError")))
+    outcome = run(plan, box)
+    assert outcome.result.reasons[0].startswith(
+        "evaluate-baseline: evaluator oom: killed by the OOM killer")
+    assert "MemoryError" in outcome.result.reasons[0]
+    assert box.roles()[-1] == "evaluator"
+
+
+def test_leftovers_the_sandbox_reports_are_recorded(planned: Freeze) -> None:
+    from runner.cycle.receipt import build
+
+    plan = planned()
+    outcome = run(plan, fake(script(), leftover_names=["cyclebox-analyst-stuck"]))
+    assert outcome.leftovers == ["cyclebox-analyst-stuck"]
+    assert build(outcome).leftovers == ("cyclebox-analyst-stuck",)
+
+
+def test_leftovers_that_cannot_be_checked_are_named(planned: Freeze) -> None:
+    plan = planned()
+    outcome = run(plan, fake(script(), leftovers_error=SandboxError("engine gone")))
+    assert outcome.leftovers == [
+        "unknown: leftovers not checked (SandboxError('engine gone'))"]
+    assert outcome.failure is not None and outcome.failure.reason == "engine_error"
+    assert outcome.result.verdict == "invalid_comparison"
+    assert outcome.result.reasons[0].startswith("engine_error: SandboxError: engine gone")
+
+
+def test_each_role_gets_its_own_uid(planned: Freeze, tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway socket and the apply work directory belong to the role that uses them
+    (the cycle once gave every role the analyst's uid)."""
+    from runner.cycle import run as run_module
+    from runner.gateway.server import Gateway
+    from runner.paths import PROJECT_ROOT
+
+    roles = yaml.safe_load((PROJECT_ROOT / "policies" / "roles.yaml").read_text())
+    uids = {"analyst": 20001, "worker": 20002, "evaluator": 20003, "apply": 20004}
+    for role, uid in uids.items():
+        roles["roles"][role]["user"] = f"{uid}:{uid}"
+    (tmp_path / "roles.yaml").write_text(yaml.safe_dump(roles))
+    plan = planned(roles=str(tmp_path / "roles.yaml"))
+
+    bound: list[tuple[str, int]] = []
+    real_bound = Gateway.bound
+
+    def spy_bound(self: Gateway, role: str, **kw: Any) -> Any:
+        bound.append((role, kw["uid"]))
+        return real_bound(self, role, **kw)
+
+    applied: list[int] = []
+    real_apply = run_module.apply_proposal
+
+    def spy_apply(*args: Any, **kw: Any) -> Any:
+        applied.append(kw["uid"])
+        return real_apply(*args, **kw)
+
+    monkeypatch.setattr(Gateway, "bound", spy_bound)
+    monkeypatch.setattr(run_module, "apply_proposal", spy_apply)
+    outcome = run(plan, fake(script()))
+    assert outcome.result.verdict == "accept_for_review", outcome.result.reasons
+    # no judge in this cycle: the evaluator gets no gateway socket at all
+    assert set(bound) == {("analyst", 20001), ("worker", 20002)}
+    assert applied == [20004]

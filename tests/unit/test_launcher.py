@@ -1,0 +1,126 @@
+"""The role launcher: policy + gateway + spec + run, on whatever Sandbox it is given."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runner.errors import ConfigError
+from runner.isolation.launcher import launch, output_dir, placement_labels
+from runner.isolation.policy import RolePolicy, load_policies
+from runner.isolation.sandbox import Mount
+from runner.paths import default_policies
+from tests.fixtures.fake_sandbox import Call, FakeSandbox, Result
+
+
+@dataclass
+class Binding:
+    directory: Path
+
+    def mount(self) -> Mount:
+        return Mount(source=self.directory, target="/run/cyclebox/gateway", gateway=True)
+
+
+@dataclass
+class FakeGateway:
+    """Records every binding; the socket directory is a plain directory."""
+
+    root: Path
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    open: int = 0
+
+    @contextmanager
+    def bound(self, role: str, *, stage: str, uid: int, case: str | None = None,
+              trial: int | None = None) -> Iterator[Binding]:
+        self.calls.append({"role": role, "stage": stage, "uid": uid, "case": case,
+                           "trial": trial})
+        d = self.root / f"g{len(self.calls)}"
+        d.mkdir()
+        self.open += 1
+        try:
+            yield Binding(d)
+        finally:
+            self.open -= 1
+
+
+def policy(role: str, **update: Any) -> RolePolicy:
+    return load_policies(default_policies()).roles[role].model_copy(update=update)
+
+
+def test_role_policy_uid_and_gid() -> None:
+    p = policy("worker", user="20002:30003")
+    assert (p.uid, p.gid) == (20002, 30003)
+
+
+def test_a_model_role_gets_a_socket_bound_for_its_own_uid(tmp_path: Path) -> None:
+    gw = FakeGateway(tmp_path)
+    seen: list[int] = []
+
+    def worker(call: Call) -> Result:
+        seen.append(gw.open)  # the socket is bound while the container runs
+        return Result(files={"proposal.json": "{}"})
+
+    box = FakeSandbox({"worker": worker})
+    out = output_dir(policy("worker"), tmp_path / "out")
+    cancel = threading.Event()
+    chunks: list[tuple[str, bytes]] = []
+    rec = launch(box, policy("worker", user="20002:20002"), role="worker", run_id="r1",
+                 image="sha256:abc", command=["python", "-m", "sandbox.worker"],
+                 mounts=[Mount(source=tmp_path, target="/in")], output_dir=out,
+                 gateway=gw, stage="propose", cancel=cancel,
+                 on_output=lambda s, b: chunks.append((s, b)))
+    assert gw.calls == [{"role": "worker", "stage": "propose", "uid": 20002, "case": None,
+                         "trial": None}]
+    assert seen == [1] and gw.open == 0
+    [spec] = box.specs
+    assert [m.target for m in spec.mounts] == ["/in", "/run/cyclebox/gateway"]
+    assert spec.mounts[-1].gateway and spec.mounts[-1].read_only
+    assert dict(spec.labels) == {"io.cyclebox.stage": "propose"}
+    assert spec.command == ("python", "-m", "sandbox.worker")
+    assert spec.output_dir == out and (out / "proposal.json").read_text() == "{}"
+    assert rec.stop_reason.value == "ok"
+
+
+def test_a_role_without_upstream_gets_no_socket(tmp_path: Path) -> None:
+    gw = FakeGateway(tmp_path)
+    box = FakeSandbox({"apply": lambda _c: Result()})
+    launch(box, policy("apply"), role="apply", run_id="r1", image="img", command=["true"],
+           output_dir=output_dir(policy("apply"), tmp_path / "work"), output_target="/work",
+           gateway=gw, stage="apply")
+    assert gw.calls == []
+    [spec] = box.specs
+    assert spec.mounts == () and spec.output_target == "/work"
+
+
+def test_without_a_gateway_a_model_role_has_no_model_access(tmp_path: Path) -> None:
+    box = FakeSandbox({"analyst": lambda _c: Result()})
+    launch(box, policy("analyst"), role="analyst", run_id="doctor", image="img",
+           command=["python", "-m", "sandbox.probe"])
+    [spec] = box.specs
+    assert not any(m.gateway for m in spec.mounts)
+    assert spec.labels == () and spec.output_dir is None
+
+
+def test_spec_follows_the_policy(tmp_path: Path) -> None:
+    pol = policy("analyst", memory=300 * 1024**2, timeout_s=7.0, env={"A": "1"})
+    box = FakeSandbox({"analyst": lambda _c: Result()})
+    launch(box, pol, role="analyst", run_id="r1", image="img", command=["x"],
+           env={"B": "2"}, stage="baseline", case="c1", trial=0)
+    [spec] = box.specs
+    assert spec.resources.memory_bytes == 300 * 1024**2 and spec.timeout_s == 7.0
+    assert dict(spec.env) == {"A": "1", "B": "2"}
+    assert dict(spec.labels) == placement_labels("baseline", "c1", 0) == {
+        "io.cyclebox.stage": "baseline", "io.cyclebox.case": "c1", "io.cyclebox.trial": "0"}
+
+
+def test_output_dir_is_fresh(tmp_path: Path) -> None:
+    out = output_dir(policy("analyst"), tmp_path / "a" / "out")
+    assert out.is_dir() and (out.stat().st_mode & 0o777) == 0o700
+    with pytest.raises(ConfigError, match="already exists"):
+        output_dir(policy("analyst"), out)

@@ -1,0 +1,73 @@
+"""A replay keeps the recorded judge's identity, so replayed records compare equal."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runner.cycle.plan import freeze
+from runner.gateway.config import UpstreamPolicy, parse_upstream
+from runner.paths import PROJECT_ROOT
+
+EXAMPLE = PROJECT_ROOT / "examples" / "shop-analyst"
+FAKE = {r: "sha256:" + "0" * 64 for r in ("analyst", "worker", "evaluator", "apply")}
+
+
+def _cycle(tmp_path: Path, judge: dict[str, Any]) -> Path:
+    doc = yaml.safe_load((EXAMPLE / "cycle.yaml").read_text())
+    doc["project"]["repo"] = str(PROJECT_ROOT)
+    doc["roles"] = str(PROJECT_ROOT / "policies" / "roles.yaml")
+    for key in ("scenarios", "policy", "data_dir"):
+        doc[key] = str(EXAMPLE / doc[key])
+    for up in doc["upstreams"].values():
+        up["script"] = str((EXAMPLE / up["script"]).resolve())
+    doc["judge"] = judge
+    path = tmp_path / f"cycle-{judge['threshold']}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _replaying(cycle: Path, recorded: Path) -> dict[str, UpstreamPolicy]:
+    """What `cycle run --replay RECORDED` puts in place of every upstream."""
+    doc = yaml.safe_load(cycle.read_text())
+    return {n: parse_upstream({**u, "provider": "replay", "script": None,
+                               "replay_from": str(recorded)})
+            for n, u in doc["upstreams"].items()}
+
+
+def _finished(run: Path) -> Path:
+    """Give a frozen run the (empty) call log a replay source must have."""
+    (run / "gateway").mkdir()
+    (run / "gateway" / "calls.jsonl").write_text("")
+    return run
+
+
+def _plan(run: Path) -> dict[str, Any]:
+    plan: dict[str, Any] = json.loads((run / "plan.json").read_text())["plan"]
+    return plan
+
+
+def test_replay_keeps_the_recorded_judge_identity(tmp_path: Path) -> None:
+    judge = {"model": "fixture-judge", "threshold": 0.5, "required": True}
+    cycle = _cycle(tmp_path, judge)
+    recorded = tmp_path / "recorded"
+    freeze(cycle, recorded, images=FAKE)
+    _finished(recorded)
+    replayed = tmp_path / "replayed"
+    freeze(cycle, replayed, images=FAKE, upstream_override=_replaying(cycle, recorded))
+    a, b = _plan(recorded), _plan(replayed)
+    assert a["upstream_ids"]["judge"] != b["upstream_ids"]["judge"]  # answered differently
+    assert a["judge_id"] is not None and b["judge_id"] == a["judge_id"]
+    assert b["policy"]["identities"] == a["policy"]["identities"]
+    # another judge spec is another judge, replay or not
+    other = _cycle(tmp_path, {**judge, "threshold": 0.9})
+    freeze(other, tmp_path / "other", images=FAKE,
+           upstream_override=_replaying(other, recorded))
+    assert _plan(tmp_path / "other")["judge_id"] not in (None, a["judge_id"])
+    # and a replay of a replay still names the first recording's judge
+    freeze(cycle, tmp_path / "again", images=FAKE,
+           upstream_override=_replaying(cycle, _finished(replayed)))
+    assert _plan(tmp_path / "again")["judge_id"] == a["judge_id"]
