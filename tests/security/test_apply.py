@@ -208,7 +208,12 @@ g("commit", "-q", "-m", "candidate")
 commit = g("rev-parse", "HEAD").decode().strip()
 open("/work/out/candidate.patch", "wb").write(
     g("diff", "--binary", "--no-color", "--no-ext-diff", base, commit))
-json.dump({"status": "applied", "commit": commit}, open("/work/out/result.json", "w"))
+# a complete claim (as sandbox/apply.py writes it), so that only the host's re-check of the
+# changed paths stands between the lie and a candidate
+json.dump({"status": "applied", "commit": commit, "base_commit": base,
+           "branch": "cyclebox/candidate", "changed": ["prompts/extra.md"],
+           "tree": g("rev-parse", "HEAD^{tree}").decode().strip()},
+          open("/work/out/result.json", "w"))
 """
 
 
