@@ -24,7 +24,8 @@ SCHEMAS: dict[str, tuple[type[BaseModel], str]] = {
                                  "`cyclebox manifest build`"),
     "manifest": (Manifest, "manifest.json: the cases with every hash (built, never by hand)"),
     "policy": (ComparisonPolicy, "policy.yaml: the comparison policy, frozen before results"),
-    "roles": (RolePolicies, "roles.yaml: role hardening, resources and which upstream each role may reach"),
+    "roles": (RolePolicies, "roles.yaml: role hardening, resources and which upstream each "
+                            "role may reach"),
     "script": (ScriptFile, "scripted-provider file: offline model replies by rule"),
     "answer": (Answer, "answer.json: what the agent writes to /out for each case"),
     "request": (WorkerRequest, "request.json: what the coding worker receives"),
