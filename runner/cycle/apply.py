@@ -217,9 +217,9 @@ def apply_standalone(proposal: Path, out_dir: Path, *, sandbox: Sandbox,
     staging the inputs fails. Returns the result as :func:`apply_proposal` records it in
     ``out_dir/result.json`` (``status`` applied or refused, with the named reason); the
     verified tree is exported to ``out_dir/candidate-src``."""
-    from runner.cycle.plan import make_fresh_dir, refuse_existing, remove_created
     from runner.isolation.launcher import launch
     from runner.isolation.policy import load_policies
+    from runner.outdir import make_fresh_dir, refuse_existing, remove_created
     from runner.paths import default_policies
 
     refuse_existing(out_dir)

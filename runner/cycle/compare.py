@@ -252,7 +252,7 @@ def compare_files(baseline: Path, candidate: Path, policy: Path, out_dir: Path
     """``cyclebox compare``: load both record sets and the policy, compare, and write
     ``out_dir/verdict.json`` into a fresh directory (an existing one is refused before any
     work; the directory is removed again if the write fails)."""
-    from runner.cycle.plan import make_fresh_dir, refuse_existing, remove_created
+    from runner.outdir import make_fresh_dir, refuse_existing, remove_created
 
     refuse_existing(out_dir)
     result = compare(load_records(baseline), load_records(candidate), load_policy(policy))

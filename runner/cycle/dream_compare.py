@@ -23,15 +23,14 @@ from runner.cycle.plan import (
     check_cycle,
     freeze,
     load_frozen_manifest,
-    make_fresh_dir,
     read_plan_doc,
-    refuse_existing,
 )
 from runner.cycle.receipt import build
 from runner.cycle.run import CycleRunner, Progress
 from runner.errors import ConfigError
 from runner.hashing import canonical_bytes, sha256_file
 from runner.isolation.sandbox import Frozen, Sandbox
+from runner.outdir import make_fresh_dir, refuse_existing
 
 
 class Heldout(Frozen):

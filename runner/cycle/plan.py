@@ -54,6 +54,7 @@ from runner.isolation.policy import RolePolicies, RolePolicy, load_policies
 from runner.isolation.sandbox import Frozen
 from runner.isolation.seccomp import load_profile
 from runner.loading import is_inside, load_model, relative_inside, show, validate
+from runner.outdir import make_fresh_dir, refuse_existing, remove_created
 from runner.paths import sandbox_src
 from sandbox.proposal import Refused, check_changes, check_path
 
@@ -115,55 +116,6 @@ def _copy_input(src: Path, inputs: Path, name: str, table: dict[str, str]) -> Pa
 
 ImagesArg = dict[str, str] | Callable[[], dict[str, str]]
 """Image ids, or a function giving them (called only once every input checked out)."""
-
-
-def make_fresh_dir(out: Path) -> list[Path]:
-    """Create ``out`` exclusively (an existing one is refused, also when a racer made it a
-    moment ago); returns the directories created, ``out`` last, for :func:`remove_created`.
-
-    Missing parents are created and, on a refusal, left in place: removing them could pull
-    a directory from under a racer that is about to create its own ``out`` there."""
-    created: list[Path] = []
-    try:
-        for parent in reversed(out.parents):
-            if not parent.exists():
-                with contextlib.suppress(FileExistsError):
-                    parent.mkdir()
-                    created.append(parent)
-        out.mkdir()
-    except FileExistsError:
-        raise ConfigError(f"{out} already exists; prior evidence is never overwritten",
-                          field="--out", fix="choose a new output directory") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot create {out}: {exc.strerror}", field="--out",
-                          fix="choose an output directory you can write") from None
-    created.append(out)
-    return created
-
-
-def refuse_existing(out: Path) -> None:
-    """ConfigError when ``out`` exists (or cannot even be looked at): checked first, so a
-    rerun into used evidence fails before any work; :func:`make_fresh_dir` decides races."""
-    try:
-        taken = out.exists() or out.is_symlink()
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{out} is not a usable output directory ({exc})", field="--out",
-                          fix="choose a new output directory") from None
-    if taken:
-        raise ConfigError(f"{out} already exists; prior evidence is never overwritten",
-                          field="--out", fix="choose a new output directory")
-
-
-def remove_created(created: list[Path]) -> None:
-    """Undo :func:`make_fresh_dir` after a failure before the run started: the last
-    directory (ours, made exclusively) with its content, then parents we made if empty."""
-    if not created:
-        return
-    *parents, out = created
-    shutil.rmtree(out, ignore_errors=True)
-    for d in reversed(parents):
-        with contextlib.suppress(OSError):
-            d.rmdir()
 
 
 @dataclass(frozen=True)

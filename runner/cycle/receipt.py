@@ -16,15 +16,13 @@ import os
 import stat
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
-from runner import gitops
 from runner.cycle.dream import DreamSummary
 from runner.cycle.models import ComparisonResult
 from runner.cycle.plan import read_plan_doc
-from runner.cycle.run import Outcome
 from runner.cycle.signing import ENVELOPE
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.gateway.calllog import CallLog
@@ -110,6 +108,9 @@ class ReceiptIdentities(Frozen):
     scorer: str
     judge_id: str | None
     manifest_sha256: str
+
+if TYPE_CHECKING:
+    from runner.cycle.run import Outcome
 
 
 class ReceiptUpstream(Frozen):
@@ -623,6 +624,8 @@ def _candidate_problems(root_fd: int, run_dir: Path, tree: str | None) -> list[s
         if not stat.S_ISDIR(st.st_mode):
             return [f"{where}: {'/'.join(parts[:i + 1])} is not a directory (links refused)"]
     try:
+        from runner import gitops
+
         got = gitops.commit_tree(run_dir / CANDIDATE_GIT, commit)
     except (ConfigError, IntegrityError) as exc:
         return [f"{where}: cannot recompute the tree of {commit[:80]}: {exc}"]

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from runner.cycle.models import Manifest, Scenario, Store
-from runner.cycle.plan import freeze, make_fresh_dir, plan_lock, remove_created
+from runner.cycle.plan import freeze, plan_lock
 from runner.errors import ConfigError, PrerequisiteError
 from runner.isolation.policy import RolePolicy, parse_size
 from runner.loading import (
@@ -24,6 +24,7 @@ from runner.loading import (
     read_capped,
     validate,
 )
+from runner.outdir import make_fresh_dir, remove_created
 from runner.paths import PROJECT_ROOT
 
 EXAMPLE = PROJECT_ROOT / "examples" / "shop-analyst"
