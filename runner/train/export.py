@@ -118,17 +118,21 @@ def frozen_references(run: Path) -> dict[str, dict[str, Any]]:
         raise IntegrityError(f"{path}: sha256 {sha256_bytes(data)}, plan.json froze {want}; "
                              "the references changed after freeze")
     manifest = Manifest.model_validate(loads_strict(data, source=str(path)))
+    default = manifest.scoring.default if manifest.scoring else None
     return {s.id: {"reference": s.reference.model_dump(mode="json"), "split": s.split,
-                   "mandatory": s.mandatory} for s in manifest.scenarios}
+                   "mandatory": s.mandatory,
+                   "refusal": getattr(s.reference.selected(default), "name", None) == "refusal"}
+            for s in manifest.scenarios}
 
 
 def outcome(rec: Record | None, reference: dict[str, Any] | None
             ) -> tuple[float | None, str | None]:
-    """(r_outcome, what it was graded on). A refuse-kind case is graded on refusal
-    correctness; any other case on correctness; None where that grade is missing."""
+    """(r_outcome, what it was graded on). A case scored by the refusal scorer (kind:
+    refuse) is graded on refusal correctness; any other case on correctness; None where
+    that grade is missing."""
     if rec is None or rec.grades is None:
         return None, None
-    if reference is not None and reference["reference"]["kind"] == "refuse":
+    if reference is not None and reference.get("refusal"):
         v, basis = rec.grades.refusal, "refusal"
     else:
         v, basis = rec.grades.correctness, "correctness"
