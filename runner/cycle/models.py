@@ -334,9 +334,10 @@ class Manifest(Frozen):
     """sha256 over the canonical list of (id, reference)."""
     data_hash: str
     """sha256 over the canonical stores mapping."""
-    scoring: Scoring | None = Field(default=None, exclude_if=_is_none)
-    """Default scorer, project scorer file and evidence vocabulary (docs/scorers.md);
-    absent: every reference chooses its own scorer."""
+    scoring: Scoring | None = Field(
+        default=None, exclude_if=_is_none,
+        description="Default scorer, project scorer file and evidence vocabulary "
+                    "(docs/scorers.md); absent: every reference chooses its own scorer.")
 
     @model_validator(mode="after")
     def _every_case_has_a_scorer(self) -> Manifest:
@@ -370,9 +371,11 @@ class Grades(Frozen):
     """judge_score >= the agreed threshold."""
     judge_error: str | None = None
     """Why the judge produced no score (it failed or could not be funded)."""
-    scorer_error: str | None = Field(default=None, max_length=400, exclude_if=_is_none)
-    """Why the case's scorer produced no grade (a project scorer raised, hung, died or
-    returned something else than criterion booleans); the record is then invalid."""
+    scorer_error: str | None = Field(
+        default=None, max_length=400, exclude_if=_is_none,
+        description="Why the case's scorer produced no grade (a project scorer raised, hung, "
+                    "died or returned something other than criterion booleans); the record "
+                    "is then infra_invalid.")
 
     def passed(self) -> bool:
         if self.scorer_error is not None:

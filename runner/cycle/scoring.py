@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from runner.cycle.models import Grades, Manifest, Record, Reference
-from runner.errors import ConfigError
+from runner.errors import ConfigError, OutputRejected
 from runner.hashing import sha256_bytes, sha256_file, sha256_json
 from runner.isolation.collect import loads_strict
 from runner.loading import is_inside, read_capped, show
@@ -129,7 +129,10 @@ def parse_grades(raw: bytes, expected: Iterable[Key]) -> dict[Key, Grades]:
     if len(lines) > MAX_GRADE_ROWS:
         raise ValueError(f"{len(lines)} rows, more than {MAX_GRADE_ROWS}")
     for n, line in enumerate(lines, 1):
-        row = loads_strict(line, source=f"grades.jsonl line {n}")
+        try:
+            row = loads_strict(line, source=f"grades.jsonl line {n}")
+        except OutputRejected as exc:
+            raise ValueError(str(exc)) from None
         if not isinstance(row, dict) or set(row) != {"case_id", "trial", "grades"}:
             raise ValueError(f"line {n}: expected an object with case_id, trial, grades")
         key = (row["case_id"], row["trial"])
