@@ -403,3 +403,21 @@ def test_evaluator_main_end_to_end_with_a_project_scorer(tmp_path: Path,
     assert got[("p", 0)] == Grades(correctness=True, evidence=True, refusal=True)
     assert got[("n", 0)] == Grades(correctness=True, evidence=True, refusal=True)
     assert sys.modules.get("project_scorer") is None  # never imported in this process
+
+
+def test_the_documented_example_scorer_works(project: Any) -> None:
+    """The contract example in docs/scorers.md passes the host checks and scores."""
+    from runner.cycle.scoring import check_project_source
+
+    doc = (PROJECT_ROOT / "docs" / "scorers.md").read_text()
+    src = next(b.split("```", 1)[0] for b in doc.split("```python\n")[1:]
+               if "def score(answer, reference, case)" in b)
+    check_project_source(src.encode(), path="docs/scorers.md", field="example")
+    p = project(src)
+    ref = {"scorer": {"name": "project", "options": {"unit": "km"}}, "value": 42.195,
+           "evidence": ["marathon"]}
+    for answer, correct in (("42.195 km", True), ("42.3 km", False), ("42.195", False)):
+        g = evaluator.grade({"case_id": "u01", "trial": 0,
+                             "answer": {"answer": answer, "evidence": ["the marathon"]}},
+                            ref, {"scoring": {"vocabulary": [], "max_extra": 0}}, p)
+        assert g == {"correctness": correct, "evidence": True, "refusal": True}, answer
