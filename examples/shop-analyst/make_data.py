@@ -25,7 +25,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 from runner.cycle.manifest import build_manifest, store_entry, write_manifest  # noqa: E402
-from runner.cycle.models import Reference, Scenario, Scoring  # noqa: E402
+from runner.cycle.models import Reference, Scenario  # noqa: E402
+from runner.cycle.scorer_specs import Scoring  # noqa: E402
 
 REFUND_RULE = ("- Exclude refunded orders from revenue and average order value: only paid "
                "and shipped orders count.")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from runner.cycle.models import Manifest, Scenario, Scoring, Store
+from runner.cycle.models import Manifest, Scenario, Store
+from runner.cycle.scorer_specs import Scoring
 from runner.cycle.scoring import project_scorer_file
 from runner.errors import ConfigError, IntegrityError
 from runner.hashing import sha256_file, sha256_json

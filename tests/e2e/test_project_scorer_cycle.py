@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from runner.cycle.manifest import build_manifest, write_manifest
-from runner.cycle.models import Manifest, ProjectScorerFile, Reference, Scoring
+from runner.cycle.models import Manifest, Reference
+from runner.cycle.scorer_specs import ProjectScorerFile, Scoring
 from runner.paths import PROJECT_ROOT
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]

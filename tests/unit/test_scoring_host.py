@@ -18,7 +18,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from runner.cycle import models
+from runner.cycle import scorer_specs as specs
 from runner.cycle.manifest import build_manifest, reference_hash, write_manifest
 from runner.cycle.models import Grades, Identities, Manifest, Record, Reference, Scenario
 from runner.cycle.plan import freeze
@@ -122,15 +122,15 @@ def test_reference_refusals_name_the_problem(ref: dict[str, Any], msg: str) -> N
 def test_project_file_must_stay_relative() -> None:
     for bad in ("/abs/scorer.py", "../scorer.py", "a/../../s.py", "~/s.py", "a\\b.py"):
         with pytest.raises(ValidationError, match="relative path"):
-            models.ProjectScorerFile(file=bad)
+            specs.ProjectScorerFile(file=bad)
 
 
 def test_every_new_schema_field_is_described() -> None:
     new: list[type[BaseModel]] = [
-        models.ExactScorer, models.NormalizedScorer, models.ContainsScorer,
-        models.NumberScorer, models.RegexScorer, models.JsonFieldScorer,
-        models.RefusalScorer, models.ProjectScorerRef, models.ProjectScorerFile,
-        models.Scoring, models.Reference]
+        specs.ExactScorer, specs.NormalizedScorer, specs.ContainsScorer,
+        specs.NumberScorer, specs.RegexScorer, specs.JsonFieldScorer,
+        specs.RefusalScorer, specs.ProjectScorerRef, specs.ProjectScorerFile,
+        specs.Scoring, Reference]
     for model in new:
         props = model.model_json_schema()["properties"]
         missing = [k for k, v in props.items() if not v.get("description")]
@@ -205,7 +205,7 @@ def _cycle_with_project_scorer(tmp_path: Path, scorer_src: str) -> Path:
         {"scorer": {"name": "project", "options": {"unit": "EUR"}},
          "value": s.reference.value, "evidence": s.reference.evidence})})
         if s.id == "d04-customers-lyon" else s for s in m.scenarios]
-    scoring = models.Scoring(project=models.ProjectScorerFile(file="scoring/scorer.py"),
+    scoring = specs.Scoring(project=specs.ProjectScorerFile(file="scoring/scorer.py"),
                              evidence_vocabulary=("customers",))
     write_manifest(build_manifest(m.dataset, m.split, scen, m.stores, scoring),
                    ex / "manifest.json")
