@@ -119,7 +119,8 @@ EXIT_TABLE: tuple[tuple[int, str], ...] = (
     (EXIT_ENGINE, "container engine failure or engine lost"),
     (EXIT_OUTPUT_REFUSED, "a container's output was refused"),
     (EXIT_INTEGRITY, "integrity drift: a frozen hash or receipt does not match"),
-    (EXIT_ENVIRONMENT, "environment failure (disk full, out of file descriptors)"),
+    (EXIT_ENVIRONMENT, "environment failure (disk full, out of file descriptors, output pipe "
+                      "closed)"),
     (EXIT_UNEXPECTED, "unexpected error: one line names the log with the traceback"),
     (EXIT_INTERRUPTED, "interrupted by SIGINT/SIGTERM; what was recorded is kept"),
 )

@@ -75,9 +75,12 @@ def time_limit(seconds: float) -> Iterator[None]:
 
 
 def score(answer: dict[str, Any] | None, ref: dict[str, Any],
-          scoring_cfg: dict[str, Any]) -> dict[str, bool | None]:
-    """Deterministic per-criterion grades for one answer under a built-in scorer."""
+          scoring_cfg: dict[str, Any] | None = None) -> dict[str, bool | None]:
+    """Deterministic per-criterion grades for one answer under a built-in scorer (``ref``
+    resolved, with its ``scorer``; ``scoring_cfg`` the evidence vocabulary and max_extra,
+    none when omitted). Raises ScorerFailed when the scorer runs out of time."""
     answer = answer if isinstance(answer, dict) else {}
+    scoring_cfg = scoring_cfg or {}
     refused = answer.get("refused") is True
     spec = ref["scorer"]
     if spec["name"] == "refusal":

@@ -1,4 +1,7 @@
-"""The ``cyclebox`` command line: one typer app, one sub-module per area."""
+"""The ``cyclebox`` command line: one typer app (``app``), one module per area.
+
+``main`` is the console-script entry point; ``python -m runner.cli`` runs it too.
+"""
 
 from runner.cli.app import app, main
 

@@ -1,3 +1,3 @@
-from runner.cli.app import main
+from runner.cli import main
 
 main()

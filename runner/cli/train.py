@@ -1,4 +1,5 @@
-"""CLI commands for models, training and corpus export."""
+"""``cyclebox model`` and ``cyclebox train``: local base models, LoRA training in the
+trainer image."""
 
 from __future__ import annotations
 
@@ -8,16 +9,14 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from runner.cli.app import JsonOpt, _fail, app, err, out
-from runner.errors import CycleboxError
-from runner.paths import PROJECT_ROOT, state_dir
+from runner.cli.options import JsonOpt, OutOpt
+from runner.cli.output import err, out
+from runner.errors import CheckFailed
+from runner.paths import state_dir
 from runner.termsafe import emit_json, safe
 
 model_app = typer.Typer(no_args_is_help=True, help="Local base models.")
-train_app = typer.Typer(no_args_is_help=True, help="CPU LoRA training in the trainer image.")
-app.add_typer(model_app, name="model")
-app.add_typer(train_app, name="train")
-OutOpt = Annotated[Path, typer.Option("--out", help="Fresh output directory (must not exist).")]
+app = typer.Typer(no_args_is_help=True, help="CPU LoRA training in the trainer image.")
 BaseOpt = Annotated[Path, typer.Option("--base-model", help="Local model directory.")]
 
 
@@ -49,10 +48,7 @@ def model_tiny(out_dir: OutOpt, seed: int = 0, json_out: JsonOpt = False) -> Non
     """Create a tiny Llama-style model and BPE tokenizer offline (in the trainer image)."""
     from runner.train.host import make_tiny
 
-    try:
-        info = make_tiny(out_dir, lambda _e: None, seed=seed)
-    except CycleboxError as exc:
-        _fail(exc)
+    info = make_tiny(out_dir, lambda _e: None, seed=seed)
     if json_out:
         emit_json(info)
     else:
@@ -60,7 +56,7 @@ def model_tiny(out_dir: OutOpt, seed: int = 0, json_out: JsonOpt = False) -> Non
                   f"{info['vocab']}"), highlight=False)
 
 
-@train_app.command("proof")
+@app.command("proof")
 def train_proof(persona: Annotated[Path, typer.Option(help="Persona/skill script (YAML).")],
                 base_model: BaseOpt, out_dir: OutOpt,
                 ledger: Annotated[Path | None, typer.Option(
@@ -68,17 +64,15 @@ def train_proof(persona: Annotated[Path, typer.Option(help="Persona/skill script
                 lr: float = 5e-3, seed: int = 0, json_out: JsonOpt = False) -> None:
     """Train a LoRA adapter on a persona and prove it imprinted.
 
-    Exit 4 when nothing imprinted; 5 when the adapter did not reproduce its answers
-    in a fresh process."""
+    Exit 4 (check failed) when nothing imprinted (the classroom failed) or when the
+    adapter did not reproduce its answers in a fresh process; the adapter, receipt and
+    ledger row are kept either way."""
     from runner.train.host import proof
 
     ledger = ledger or state_dir() / "train" / "ledger.jsonl"
-    try:
-        with _progress(json_out) as p:
-            summary = proof(persona, base_model, out_dir, ledger=ledger, lr=lr, seed=seed,
-                            on_event=_Bar(p, "training"))
-    except CycleboxError as exc:
-        _fail(exc)
+    with _progress(json_out) as p:
+        summary = proof(persona, base_model, out_dir, ledger=ledger, lr=lr, seed=seed,
+                        on_event=_Bar(p, "training"))
     r = summary["report"]
     if json_out:
         emit_json({k: v for k, v in summary.items() if k != "trainer_run"})
@@ -90,12 +84,14 @@ def train_proof(persona: Annotated[Path, typer.Option(help="Persona/skill script
         out.print(safe(f"adapter: {out_dir / 'adapter'}; receipt: "
                        f"{out_dir / 'train-receipt.json'}"), highlight=False)
     if summary["exit_code"] == 4:
-        raise typer.Exit(4)
+        raise CheckFailed(f"nothing imprinted: the classroom failed (board "
+                          f"{r['board']['decision']}); receipt in {out_dir}")
     if not summary["reproduced_in_fresh_process"]:
-        raise typer.Exit(5)
+        raise CheckFailed("the adapter did not reproduce its answers in a fresh process; "
+                          f"receipt in {out_dir}")
 
 
-@train_app.command("sft")
+@app.command("sft")
 def train_sft(corpus: Annotated[Path, typer.Option(help="Exported corpus directory.")],
               base_model: BaseOpt, out_dir: OutOpt, lr: float = 5e-3, seed: int = 0,
               epochs: Annotated[int | None, typer.Option(
@@ -119,12 +115,9 @@ def train_sft(corpus: Annotated[Path, typer.Option(help="Exported corpus directo
     8 the adapter files differ from the receipt."""
     from runner.train.host import sft
 
-    try:
-        with _progress(json_out) as p:
-            receipt = sft(corpus, base_model, out_dir, lr=lr, seed=seed, epochs=epochs,
-                          on_event=_Bar(p, "training"), include_failed=include_failed)
-    except CycleboxError as exc:
-        _fail(exc)
+    with _progress(json_out) as p:
+        receipt = sft(corpus, base_model, out_dir, lr=lr, seed=seed, epochs=epochs,
+                      on_event=_Bar(p, "training"), include_failed=include_failed)
     if json_out:
         emit_json(receipt)
     else:
@@ -134,42 +127,4 @@ def train_sft(corpus: Annotated[Path, typer.Option(help="Exported corpus directo
                   highlight=False)
         out.print(safe(f"trained {f['steps']} steps, {f['tokens_per_s']} tokens/s, final loss "
                        f"{f['final_loss']}; receipt {out_dir / 'train-receipt.json'}"),
-                  highlight=False)
-
-
-@app.command("export")
-def export_cmd(run: Annotated[Path, typer.Option("--run", help="A cycle run directory.")],
-               out_dir: OutOpt,
-               fmt: Annotated[str, typer.Option("--format", help="Corpus format.")] = "verl",
-               calibration: Annotated[Path | None, typer.Option(
-                   help="Calibration result from `cyclebox review calibrate`.")] = None,
-               policy: Annotated[Path, typer.Option(help="Export policy.")] =
-               PROJECT_ROOT / "policies" / "export.yaml",
-               json_out: JsonOpt = False) -> None:
-    """Export a run's call log and grades as training trajectories.
-
-    Writes trajectories.jsonl (byte-exact recorded requests), rl.parquet and sft.parquet
-    (verl's layout: RLHFDataset and MultiTurnSFTDataset read them; sft.parquet holds the
-    trajectories that passed), summary.json and export-receipt.json. Refuse cases are
-    rewarded on refusal correctness; r_outcome is null only where nothing was graded.
-
-    Exit codes: 0 exported; 3 refused, the reason named: calibration_missing,
-    calibration_incomplete, kappa_below_policy, calibration_unbound, run_has_no_receipt,
-    calibration_of_another_run, or --out exists; 8 a recorded blob or the frozen manifest
-    changed since the run."""
-    from runner.train.export import export, load_export_policy
-
-    try:
-        summary = export(run, out_dir, calibration=calibration,
-                         policy=load_export_policy(policy), fmt=fmt)
-    except CycleboxError as exc:
-        _fail(exc)
-    if json_out:
-        emit_json(summary)
-    else:
-        out.print(safe(f"exported {summary['trajectories']} trajectories, {summary['turns']} "
-                       f"turns; r_format {summary['r_format']}, r_outcome {summary['r_outcome']} "
-                       f"(graded on {summary['r_outcome_basis']}), format pass rate "
-                       f"{summary['format_pass_rate']}; verl: rl.parquet {summary['rl_rows']} "
-                       f"rows, sft.parquet {summary['sft_rows']} rows -> {out_dir}"),
                   highlight=False)

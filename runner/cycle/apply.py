@@ -29,7 +29,7 @@ from runner.cycle.models import ProposalFile
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.hashing import write_json
 from runner.isolation.collect import Collected, Limits, collect
-from runner.isolation.sandbox import RunRecord, StopReason
+from runner.isolation.sandbox import Mount, RunRecord, Sandbox, StopReason
 from sandbox.proposal import Change, Refused, check_changes
 
 OUTPUT_LIMITS = Limits(max_file_bytes=8 * 1024 * 1024, max_total_bytes=16 * 1024 * 1024,
@@ -162,6 +162,56 @@ def apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
     write_json(stage_dir / "result.json", result)
     return dict(result)
 
+
+
+APPLY_COMMAND = ["python", "-m", "sandbox.apply_main"]
+"""The apply container's command; it reads ``/in`` and edits the repository in ``/work``."""
+
+
+def apply_standalone(proposal: Path, out_dir: Path, *, sandbox: Sandbox,
+                     image: Callable[[], str], repo: Path | None, ref: str | None,
+                     subdir: str | None, paths: list[str] | None, allowlist: list[str] | None,
+                     plan: Path | None, max_file_bytes: int) -> dict[str, Any]:
+    """``cyclebox apply``: apply one proposal outside a cycle, into a fresh ``out_dir``.
+
+    ``sandbox`` runs the apply container; ``image()`` gives the apply role's image id and
+    is called once the invocation is valid, so bad input is named before a missing image
+    (as in freeze).
+
+    The invocation comes from the operator (:func:`invocation_for`); ``out_dir`` is
+    created only once it is valid (an existing one is refused) and removed again if
+    staging the inputs fails. Returns the result as :func:`apply_proposal` records it in
+    ``out_dir/result.json`` (``status`` applied or refused, with the named reason); the
+    verified tree is exported to ``out_dir/candidate-src``."""
+    from runner.cycle.plan import make_fresh_dir, refuse_existing, remove_created
+    from runner.isolation.policy import load_policies
+    from runner.isolation.roles import role_spec
+    from runner.paths import default_policies
+
+    refuse_existing(out_dir)
+    inv, repo_path, tree, raw = invocation_for(
+        proposal, repo=repo, ref=ref, subdir=subdir, paths=paths, allowlist=allowlist,
+        plan=plan, max_file_bytes=max_file_bytes)
+    policy = load_policies(default_policies()).roles["apply"]
+    image_id = image()
+    created = make_fresh_dir(out_dir)
+    try:
+        (out_dir / "in").mkdir()
+        (out_dir / "in" / "proposal.json").write_bytes(raw)
+        (out_dir / "in" / "invocation.json").write_text(json.dumps(inv))
+    except BaseException:
+        remove_created(created)
+        raise
+
+    def run(work: Path) -> RunRecord:
+        spec = role_spec(policy, role="apply", run_id="apply", image=image_id,
+                         command=APPLY_COMMAND, output_dir=work,
+                         mounts=[Mount(source=(out_dir / "in").resolve(), target="/in")])
+        return sandbox.run(spec.model_copy(update={"output_target": "/work"}))
+
+    uid = int(policy.user.split(":")[0])
+    return apply_proposal(out_dir.resolve(), repo_path, tree, run=run, uid=uid,
+                          export_to=out_dir.resolve() / "candidate-src")
 
 def _refuse(stage_dir: Path, reason: str, message: str) -> dict[str, Any]:
     """Record a host-side refusal in result.json (it replaces the container's claim)."""

@@ -31,10 +31,12 @@ from runner.cycle.models import (
     Record,
     Verdict,
 )
-from runner.errors import ConfigError
+from runner.errors import EXIT_INVALID, EXIT_OK, EXIT_REJECT, ConfigError
 from runner.loading import decode_utf8, load_model, parse_json, read_capped, show, validate
 
-EXIT_CODES: dict[Verdict, int] = {"accept_for_review": 0, "reject": 1, "invalid_comparison": 2}
+EXIT_CODES: dict[Verdict, int] = {"accept_for_review": EXIT_OK, "reject": EXIT_REJECT,
+                                  "invalid_comparison": EXIT_INVALID}
+"""Exit code per verdict (``runner.errors`` holds the one table)."""
 POLICY_SCHEMA = 1
 _IDENTITIES = ("data_hash", "reference_hash", "scorer", "judge")
 _GRADED = (*CRITERIA, "judge_pass")
@@ -251,3 +253,21 @@ def load_policy(path: Path) -> ComparisonPolicy:
         field, problem = problems[0]
         raise ConfigError(problem, path=show(str(path)), field=field, fix=fix)
     return policy
+
+
+def compare_files(baseline: Path, candidate: Path, policy: Path, out_dir: Path
+                  ) -> ComparisonResult:
+    """``cyclebox compare``: load both record sets and the policy, compare, and write
+    ``out_dir/verdict.json`` into a fresh directory (an existing one is refused before any
+    work; the directory is removed again if the write fails)."""
+    from runner.cycle.plan import make_fresh_dir, refuse_existing, remove_created
+
+    refuse_existing(out_dir)
+    result = compare(load_records(baseline), load_records(candidate), load_policy(policy))
+    created = make_fresh_dir(out_dir)
+    try:
+        (out_dir / "verdict.json").write_text(result.model_dump_json(indent=1))
+    except BaseException:
+        remove_created(created)
+        raise
+    return result

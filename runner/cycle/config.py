@@ -36,24 +36,31 @@ class EditSpec(Frozen):
     paths: tuple[str, ...] = Field(min_length=1)
     """This invocation's exact path set; each must match the allowlist."""
     max_file_bytes: int = Field(default=256 * 1024, gt=0)
+    """Largest file (bytes) an edit may write; a larger one is refused by name."""
 
 
 class BriefSpec(Frozen):
     mode: Literal["generate", "file"] = "generate"
     """generate: from development-split failures of the baseline; file: a fixed brief."""
     file: str | None = None
+    """mode file: the Markdown brief handed to the worker (relative to the cycle file)."""
 
 
 class JudgeSpec(Frozen):
     model: str
+    """Judge model; must be in the judge upstream's ``models`` allowlist."""
     threshold: float = Field(ge=0, le=1)
+    """A judge score at or above this passes the case's judge criterion."""
     required: bool = True
     """A required judge that fails makes the comparison invalid."""
 
 
 class WorkerSpec(Frozen):
     model: str
+    """Optimizer model the coding worker calls; must be in the optimizer upstream's
+    ``models`` allowlist."""
     max_tokens: int = Field(default=4096, gt=0)
+    """Cap on the worker's reply (max_tokens of its one model call)."""
 
 
 class DreamSpec(Frozen):
@@ -69,28 +76,40 @@ class CycleFile(Frozen):
     """A cycle: project, scenarios, policy, roles, budget, edit rules, trials."""
 
     schema_: int = Field(alias="schema")
+    """File format version; this code reads version 1."""
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,40}$")
+    """Cycle name: part of the run id and of every container's name."""
     project: ProjectSpec
+    """The agent under improvement: repository, base ref, source subdirectory, entry."""
     scenarios: str
     """Scenario manifest (JSON)."""
     data_dir: str
     """Directory the manifest's store paths are relative to; mounted read-only at /data."""
     policy: str
     """Comparison policy file (YAML or JSON)."""
-    roles: str
-    """Role policy file (hardening, resources, upstreams)."""
+    roles: str | None = None
+    """Role policy file (hardening, resources, default upstreams); omitted: the role
+    policies shipped with cyclebox (policies/roles.yaml), so a project carries no copy."""
     upstreams: dict[str, UpstreamPolicy] = Field(default_factory=dict)
     """Overrides for the role file's upstreams (e.g. offline scripts for a demo)."""
     budget: BudgetPolicy = BudgetPolicy()
+    """Spending limits over every model call of the run (USD and call counts)."""
     edit: EditSpec
+    """Which files of the source tree the worker may change."""
     brief: BriefSpec = BriefSpec()
+    """Where the worker's failure brief comes from."""
     worker: WorkerSpec
+    """The coding worker's model and reply cap."""
     judge: JudgeSpec | None = None
+    """Optional model judge in the evaluator; none: deterministic scoring only."""
     dream: DreamSpec = DreamSpec()
+    """Dream variants of development tasks (off by default)."""
     trials: int = Field(default=1, ge=1, le=100)
+    """Runs of every case per side; must equal the comparison policy's trials."""
     seeds: tuple[int, ...] = ()
     """Per-trial seeds, recorded in the plan; defaults to 0..trials-1."""
     concurrency: int = Field(default=2, ge=1, le=64)
+    """Analyst containers run at once."""
 
     @model_validator(mode="after")
     def _seeds(self) -> CycleFile:
@@ -112,6 +131,13 @@ def load_cycle(path: Path) -> tuple[CycleFile, Path]:
 def resolve(base: Path, value: str) -> Path:
     p = Path(value).expanduser()
     return p if p.is_absolute() else (base / p).resolve()
+
+
+def roles_file(cycle: CycleFile, base: Path) -> Path:
+    """The cycle's role policy file: its ``roles``, or the shipped policies/roles.yaml."""
+    from runner.paths import default_policies
+
+    return default_policies() if cycle.roles is None else resolve(base, cycle.roles)
 
 
 @dataclass(frozen=True)
@@ -144,8 +170,9 @@ def check_inputs(cycle: CycleFile, path: Path, base: Path) -> CycleInputs:
                        "manifest (JSON), relative to the cycle file")
     policy = file_at("policy", cycle.policy, "point policy at the comparison policy "
                      "(*.yaml, *.yml or *.json)")
-    roles = file_at("roles", cycle.roles, "point roles at a role policy file "
-                    "(e.g. policies/roles.yaml)")
+    roles = (file_at("roles", cycle.roles, "point roles at a role policy file, or omit "
+                     "roles to use the shipped policies/roles.yaml")
+             if cycle.roles is not None else roles_file(cycle, base))
     data_dir = dir_at("data_dir", cycle.data_dir,
                       "point data_dir at the directory holding the data stores")
     why = mount_violation(str(data_dir), read_only=True)

@@ -28,8 +28,9 @@ def store_entry(data_dir: Path, rel: str) -> Store:
     return Store(path=rel, sha256=sha256_file(p), size_bytes=p.stat().st_size)
 
 
-MANIFEST_FIX = ("see Manifest in runner/cycle/models.py; regenerate with the dataset's "
-                "builder (e.g. examples/shop-analyst/make_data.py)")
+MANIFEST_FIX = ("`cyclebox schema manifest` shows the format; build it from a scenarios "
+                "file with `cyclebox manifest build`")
+REHASH_FIX = "if the change was intended: cyclebox manifest rehash MANIFEST --data DATA_DIR"
 
 
 def load_manifest(path: Path, data_dir: Path, *, ref: tuple[str, str] | None = None
@@ -39,6 +40,24 @@ def load_manifest(path: Path, data_dir: Path, *, ref: tuple[str, str] | None = N
     m = load_model(path, Manifest, fmt="json", what="scenario manifest", ref=ref, schema=1,
                    fix=MANIFEST_FIX)
     where = show(str(path))
+    check_bindings(m, where, data_dir)
+    if reference_hash(m.scenarios) != m.reference_hash:
+        raise IntegrityError(f"{where}: reference_hash does not match the scenarios' references "
+                             f"(edited without re-hashing?). Fix: {REHASH_FIX}")
+    if data_hash(m.stores) != m.data_hash:
+        raise IntegrityError(f"{where}: data_hash does not match the stores table. "
+                             f"Fix: {REHASH_FIX}")
+    try:
+        verify_stores(m, data_dir)
+    except IntegrityError as exc:
+        raise IntegrityError(f"{exc}. Fix: {REHASH_FIX}") from None
+    project_scorer_file(m, path)
+    return m
+
+
+def check_bindings(m: Manifest, where: str, data_dir: Path) -> None:
+    """Unique ids, known stores, splits covered, store paths inside ``data_dir``;
+    ConfigError naming the field (no hash is checked here)."""
     ids = [s.id for s in m.scenarios]
     dup = sorted({i for i in ids if ids.count(i) > 1})
     if dup:
@@ -61,14 +80,6 @@ def load_manifest(path: Path, data_dir: Path, *, ref: tuple[str, str] | None = N
                               f"the data directory {data_dir} (through a symlink?)",
                               path=where, field=f"stores.{show(sid)}.path",
                               fix="keep every store inside data_dir, without symlinks out")
-    if reference_hash(m.scenarios) != m.reference_hash:
-        raise IntegrityError(f"{where}: reference_hash does not match the scenarios' references "
-                             "(edited without re-hashing?)")
-    if data_hash(m.stores) != m.data_hash:
-        raise IntegrityError(f"{where}: data_hash does not match the stores table")
-    verify_stores(m, data_dir)
-    project_scorer_file(m, path)
-    return m
 
 
 def verify_stores(m: Manifest, data_dir: Path) -> None:

@@ -43,7 +43,9 @@ class Store(Frozen):
     path: str
     """Path relative to the data directory."""
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    """sha256 of the store's exact bytes (`cyclebox manifest rehash` recomputes it)."""
     size_bytes: int = Field(ge=0)
+    """The store's size in bytes."""
 
     @field_validator("path")
     @classmethod
@@ -70,7 +72,8 @@ class Reference(Described):
     """This case's scorer (docs/scorers.md); when absent, ``kind`` decides, else the
     manifest's ``scoring.default``."""
     value: float | str | None = None
-    """The expected answer (a number or a string); unused by regex and refusal."""
+    """The expected answer the scorer compares against: a number or a string; null for
+    refusal (kind refuse); unused by regex."""
     tolerance: float = 0.005
     """Legacy (kind: number only): tolerance * max(1, |value|)."""
     evidence: tuple[str, ...] = Field(default=(), max_length=32)
@@ -130,12 +133,16 @@ class Reference(Described):
 
 
 class Scenario(Frozen):
+    """One case: what the agent is asked and what a correct answer looks like."""
+
     id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    """Unique case id (letters, digits, ``_ . -``; at most 64 characters)."""
     split: str
     """development (briefed), acceptance or reserved (held out), or train (dream variants)."""
     input: dict[str, object]
     """What the analyst receives as /case/input.json."""
     reference: Reference
+    """The expected answer; never shown to the agent or the worker."""
     mandatory: bool = False
     """A mandatory case failing on the candidate rejects the candidate."""
     store: str
@@ -143,6 +150,7 @@ class Scenario(Frozen):
     origin: str | None = None
     """dream for generated variants; None for real tasks."""
     derived_from: str | None = None
+    """For a dream variant: the id of the development case it paraphrases."""
 
     @field_validator("split")
     @classmethod
@@ -154,7 +162,9 @@ class Manifest(Frozen):
     """The scenario manifest (SPEC §3)."""
 
     schema_: int = Field(alias="schema")
+    """File format version; this code reads version 1."""
     dataset: str
+    """Dataset name, recorded in the plan and the receipt."""
     split: str
     """Which splits this manifest covers, e.g. 'development+acceptance'."""
 
@@ -165,7 +175,9 @@ class Manifest(Frozen):
             check_split(part)
         return v
     scenarios: tuple[Scenario, ...]
+    """Every case, in a fixed order (the order enters reference_hash)."""
     stores: dict[str, Store]
+    """Store id -> data file under data_dir, bound by size and sha256."""
     reference_hash: str
     """sha256 over the canonical list of (id, reference)."""
     data_hash: str
@@ -177,30 +189,37 @@ class Manifest(Frozen):
 
     @model_validator(mode="after")
     def _every_case_has_a_scorer(self) -> Manifest:
-        sc = self.scoring
         for i, s in enumerate(self.scenarios):
-            spec = s.reference.selected(sc.default if sc else None)
-            where = f"scenarios[{i}].reference"
-            if spec is None:
-                raise ValueError(f"{where}: no scorer; set its scorer (or kind), or "
-                                 "scoring.default for the whole manifest")
-            if s.reference.scorer is None and s.reference.kind is None:
-                try:
-                    s.reference.check_value(spec)
-                except ValueError as exc:
-                    raise ValueError(f"{where} (scoring.default): {exc}") from None
-            if spec.name == "project" and (sc is None or sc.project is None):
-                raise ValueError(f"{where}: selects the project scorer but the manifest "
-                                 "declares none; add scoring.project.file")
+            problem = scorer_problem(s.reference, self.scoring)
+            if problem:
+                raise ValueError(f"scenarios[{i}].reference: {problem}")
         return self
+
+
+def scorer_problem(ref: Reference, scoring: Scoring | None) -> str | None:
+    """Why ``ref`` has no usable scorer under the manifest's ``scoring``; None when it has."""
+    spec = ref.selected(scoring.default if scoring else None)
+    if spec is None:
+        return "no scorer; set its scorer (or kind), or scoring.default for the whole manifest"
+    if ref.scorer is None and ref.kind is None:
+        try:
+            ref.check_value(spec)
+        except ValueError as exc:
+            return f"(scoring.default) {exc}"
+    if spec.name == "project" and (scoring is None or scoring.project is None):
+        return "selects the project scorer but none is declared; add scoring.project.file"
+    return None
 
 
 class Grades(Frozen):
     """Per-criterion pass/fail for one (case, trial); None where the criterion does not apply."""
 
     correctness: bool | None = None
+    """The answer matches the reference value (number within tolerance, or text)."""
     evidence: bool | None = None
+    """The cited evidence mentions every string the reference requires."""
     refusal: bool | None = None
+    """The agent refused exactly when the reference says it must."""
     judge_score: float | None = None
     """Judge method score, when a judge ran."""
     judge_pass: bool | None = None
@@ -224,63 +243,93 @@ class Identities(Frozen):
     """What a record was produced under; compare checks these against the policy."""
 
     data_hash: str
+    """The manifest's data_hash (the stores' identity)."""
     reference_hash: str
+    """The manifest's reference_hash (the expected answers' identity)."""
     scorer: str
+    """sha256 of the scorer source the evaluator ran."""
     judge: str | None = None
+    """Identity of the judge (model, prompt, upstream); None without a judge."""
 
 
 class Record(Frozen):
     """One graded (case, trial) of one side of a comparison."""
 
     case_id: str
+    """The scenario's id."""
     trial: int = Field(ge=0)
+    """Zero-based trial number."""
     split: str
+    """The scenario's split."""
     status: Literal["ok", "infra_invalid", "not_attempted"]
+    """ok: the agent ran and its answer was graded; infra_invalid: the run or its output
+    failed (see reason); not_attempted: the budget was spent before it could run."""
     reason: str | None = None
     """Named reason when status is not ok (e.g. timeout, budget)."""
     answer: dict[str, object] | None = None
     """The analyst's answer.json, as read from its output directory."""
     grades: Grades | None = None
+    """The evaluator's grades; None when the case was not graded."""
     latency_s: float | None = None
+    """Wall-clock seconds of the analyst container."""
     usage: dict[str, dict[str, object]] = Field(default_factory=dict)
     """Per role: calls, tokens, cost_usd (None when unknown), complete."""
     identities: Identities
+    """What the record was produced under (data, references, scorer, judge)."""
 
 
 class ComparisonPolicy(Frozen):
     """Frozen before anyone sees a result (SPEC §6)."""
 
     schema_: int = Field(alias="schema")
+    """File format version; this code reads version 1."""
     cases: tuple[str, ...]
     """Exactly the cases compared (each times every trial)."""
     trials: int = Field(ge=1)
+    """Trials per case; must equal the cycle file's trials."""
     mandatory: tuple[str, ...] = ()
+    """Cases the candidate must pass (scenarios marked mandatory are added)."""
     criteria: tuple[Criterion, ...] = CRITERIA
+    """Criteria compared; a case passes when none of them fails."""
     identities: Identities | None = None
     """Expected identities; filled in by freeze from the plan when absent."""
     require_judge: bool = False
+    """Every graded record must carry a judge score, or the comparison is invalid."""
     max_case_latency_s: float | None = None
+    """A candidate case slower than this is a regression."""
     max_total_cost_usd: float | None = None
+    """A candidate side costing more (or of unknown cost) is rejected."""
     require_improvement: bool = True
+    """Accept only when at least one case improves (not just nothing regressing)."""
 
 
 Verdict = Literal["accept_for_review", "reject", "invalid_comparison"]
 
 
 class CaseChange(Frozen):
+    """One criterion of one (case, trial) that differs between the sides."""
+
     case_id: str
+    """The scenario's id."""
     trial: int
+    """Zero-based trial number."""
     criterion: str
+    """The criterion that changed (correctness, evidence, refusal, judge_pass, ...)."""
     baseline: bool | None
+    """The baseline's grade."""
     candidate: bool | None
+    """The candidate's grade."""
 
 
 class ComparisonResult(Frozen):
     verdict: Verdict
+    """accept_for_review (exit 0), reject (1) or invalid_comparison (2)."""
     reasons: tuple[str, ...]
     """Every reason found, in check order; empty for accept_for_review."""
     regressions: tuple[CaseChange, ...] = ()
+    """Criteria the candidate fails where the baseline passed."""
     improvements: tuple[CaseChange, ...] = ()
+    """Criteria the candidate passes where the baseline failed."""
     usage: dict[str, dict[str, object]] = Field(default_factory=dict)
     """baseline / candidate totals per role."""
     statistics: dict[str, object] | None = None
@@ -299,10 +348,14 @@ class ProposalFile(Frozen):
     shape is checked here; the apply container refuses bad paths with named reasons."""
 
     schema_: int = Field(default=1, alias="schema")
+    """File format version; this code reads version 1."""
     files: tuple[ProposedFile, ...]
+    """The files the proposal replaces, each with its whole new content."""
     rationale: str = ""
+    """The worker's explanation of what it changed and why."""
     base: dict[str, str | None] = Field(default_factory=dict)
     """path -> sha256 of the file the proposal was made against (None: a new file)."""
     paths: tuple[str, ...] | None = None
     """The invocation's exact path set; defaults to the proposal's own paths."""
     allowlist: tuple[str, ...] = ("*",)
+    """Globs every changed path must match; the operator's, never the proposal's own."""

@@ -497,3 +497,20 @@ def _candidate_problems(root_fd: int, run_dir: Path, receipt: dict[str, Any]) ->
     if got != tree:
         return [f"{where}: tree of commit {commit} is {got}, the receipt says {tree}"]
     return []
+
+
+def replay_hashes(recorded: dict[str, Any], replayed: dict[str, Any]
+                  ) -> list[tuple[str, Any, Any]]:
+    """(name, recorded value, replayed value) of every hash a replay must reproduce:
+    identities, base tree, images, each frozen input section except how model calls are
+    answered (a replay answers from the recording, not the original provider), and each
+    outcome digest. Timings are not among them."""
+    def value(doc: dict[str, Any], key: str) -> Any:
+        head, _, rest = key.partition(".")
+        return doc[head].get(rest) if rest else doc[head]
+
+    skip = {"upstreams", "upstream_ids", "inputs"}
+    keys = ["identities", "base_tree", "images"]
+    keys += [f"inputs.{k}" for k in sorted(recorded["inputs"]) if k not in skip]
+    keys += [f"outcome.{k}" for k in recorded["outcome"] if k != "inputs"]
+    return [(k, value(recorded, k), value(replayed, k)) for k in keys]

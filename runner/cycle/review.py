@@ -209,6 +209,27 @@ def bind_run(run: Path, records_file: Path) -> RunBinding:
                       records=rel, records_sha256=actual)
 
 
+
+def run_of_records(records_file: Path) -> Path | None:
+    """The run a records file belongs to when it sits where a run writes it
+    (``RUN/stages/<side>/records.jsonl``) and that run has a receipt; else None."""
+    parents = records_file.resolve().parents
+    if len(parents) > 2 and (parents[2] / "receipt.json").is_file():
+        return parents[2]
+    return None
+
+
+def manifest_questions(manifest: Path, intent_key: str = "question") -> dict[str, str]:
+    """Case id -> the task as the agent received it (the scenario input's ``intent_key``,
+    or the whole input as JSON), for the reviewer to judge correctness against."""
+    from runner.cycle.manifest import MANIFEST_FIX
+    from runner.cycle.models import Manifest
+    from runner.loading import load_model
+
+    doc = load_model(manifest, Manifest, fmt="json", what="scenario manifest", schema=1,
+                     fix=MANIFEST_FIX)
+    return {sc.id: str(sc.input.get(intent_key, json.dumps(sc.input))) for sc in doc.scenarios}
+
 def make_packet(records: Sequence[Record], out_dir: Path, *, reviewer: str = "",
                 questions: Mapping[str, str] | None = None,
                 run: RunBinding | None = None) -> Path:

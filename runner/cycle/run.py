@@ -98,6 +98,9 @@ class CycleRunner:
         self.budget = RunBudget(self.plan.budget)
         self.timings: dict[str, float] = {}
         self.uid = int(self.plan.roles["analyst"].user.split(":")[0])
+        # The agent's model is the first of its upstream's allowlist (docs/contracts.md).
+        target = self.plan.upstreams.get(self.plan.roles["analyst"].upstream or "")
+        self._model_env = {"CYCLEBOX_MODEL": target.models[0]} if target else {}
 
     # -- entry -------------------------------------------------------------------
     def run(self) -> Outcome:
@@ -373,7 +376,8 @@ class CycleRunner:
         (case_dir / "input").mkdir(parents=True)
         write_json(case_dir / "input" / "input.json", sc.input)
         out = self._fresh(case_dir / "out")
-        env = {"CYCLEBOX_SEED": str(self.plan.seeds[trial]), "CYCLEBOX_TRIAL": str(trial)}
+        env = {"CYCLEBOX_SEED": str(self.plan.seeds[trial]), "CYCLEBOX_TRIAL": str(trial),
+               "CYCLEBOX_CASE_ID": sc.id, **self._model_env}
         rec = self._run("analyst", list(self.plan.project.spec.entry), stage=stage, case=sc.id,
                         trial=trial, out=out, env=env,
                         mounts=[Mount(source=src, target="/src"),

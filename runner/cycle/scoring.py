@@ -40,9 +40,10 @@ SCORER_FIX = ("see docs/scorers.md: scoring.project.file names a Python file nex
 Key = tuple[str, int]
 
 
-def resolved_reference(ref: Reference, manifest: Manifest) -> dict[str, Any]:
-    """The reference as the evaluator reads it: its fields plus the scorer that applies."""
-    sc = manifest.scoring
+def resolved_reference(ref: Reference, manifest: Manifest | None = None) -> dict[str, Any]:
+    """The reference as the evaluator reads it: its fields plus the scorer that applies
+    (its own, its kind's, or the manifest's default)."""
+    sc = manifest.scoring if manifest else None
     spec = ref.selected(sc.default if sc else None)
     if spec is None:  # the Manifest validator refuses this; never grade by a guess
         raise ValueError("reference without a scorer")

@@ -38,7 +38,9 @@ class Price(Frozen):
     """USD per million tokens."""
 
     input_per_mtok: float = Field(ge=0)
+    """USD per million prompt (input) tokens."""
     output_per_mtok: float = Field(ge=0)
+    """USD per million completion (output) tokens."""
 
 
 class GatewayLimits(Frozen):
@@ -118,7 +120,9 @@ class UpstreamPolicy(Frozen):
     timeout_s: float = Field(default=120, gt=0)
     """Upstream timeout for one call; reaching it is an infra error, never retried."""
     max_request_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    """Largest request body a role may send; a larger one is refused (413) and recorded."""
     max_response_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    """Largest upstream response read; more is an infra error (``response_too_large``)."""
     call_deadline_s: float = Field(default=300, gt=0)
     """Total time one upstream call may take, however slowly bytes trickle in; then it
     is an infra error (``upstream_deadline``), recorded, never retried."""

@@ -173,15 +173,23 @@ class ScriptRule:
                      or re.search(self.last_user_regex, last_user) is not None))
 
 
-class _ScriptWhen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class ScriptWhen(BaseModel):
+    """When a rule applies: every condition given must hold (an empty ``when`` always does)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     role: str | None = None
+    """The calling role: analyst, worker or evaluator."""
     model: str | None = None
+    """The requested model name."""
     contains: tuple[str, ...] = ()
+    """Strings that must all occur in the request's messages (any role, joined)."""
     not_contains: tuple[str, ...] = ()
+    """Strings none of which may occur in the request's messages."""
     last_user_contains: tuple[str, ...] = ()
+    """Strings that must all occur in the last user message."""
     last_user_regex: str | None = None
+    """A regular expression that must match (re.search) the last user message."""
 
     @field_validator("last_user_regex")
     @classmethod
@@ -194,14 +202,18 @@ class _ScriptWhen(BaseModel):
         return v
 
 
-class _ScriptReply(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class ScriptReply(BaseModel):
+    """A reply: exactly one of ``reply`` (text) or ``reply_json`` (sent as compact JSON)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     reply: str | None = None
+    """The assistant message's text, verbatim."""
     reply_json: Any = None
+    """Any JSON value, sent as its compact serialisation (keys sorted)."""
 
     @model_validator(mode="after")
-    def _one(self) -> _ScriptReply:
+    def _one(self) -> ScriptReply:
         if (self.reply is None) == (self.reply_json is None):
             raise ValueError("give exactly one of reply or reply_json")
         if self.reply_json is not None:
@@ -217,16 +229,24 @@ class _ScriptReply(BaseModel):
         return json.dumps(self.reply_json, separators=(",", ":"), sort_keys=True)
 
 
-class _ScriptRuleSpec(_ScriptReply):
-    when: _ScriptWhen = _ScriptWhen()
+class ScriptRuleSpec(ScriptReply):
+    """One rule: the first rule (in file order) whose ``when`` matches gives the reply."""
+
+    when: ScriptWhen = ScriptWhen()
+    """The conditions; omitted: always matches."""
 
 
-class _ScriptFile(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class ScriptFile(BaseModel):
+    """A scripted-provider file: offline, deterministic model replies (marked fixture)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     schema_: int = Field(alias="schema")
-    rules: tuple[_ScriptRuleSpec, ...] = ()
-    default: _ScriptReply | None = None
+    """File format version; this code reads version 1."""
+    rules: tuple[ScriptRuleSpec, ...] = ()
+    """Tried in order; the first match answers."""
+    default: ScriptReply | None = None
+    """The reply when no rule matches; none: the call fails as ``script_no_match``."""
 
 
 def load_script(path: Path, *, ref: tuple[str, str] | None = None
@@ -234,7 +254,7 @@ def load_script(path: Path, *, ref: tuple[str, str] | None = None
     """Rules and the default reply of a scripted-provider file (runner.loading rules)."""
     from runner.loading import load_model
 
-    doc = load_model(path, _ScriptFile, fmt="yaml", what="script", ref=ref, schema=1,
+    doc = load_model(path, ScriptFile, fmt="yaml", what="script", ref=ref, schema=1,
                      fix="a mapping with schema: 1, rules: [{when: {...}, reply: TEXT}], "
                      "default: {reply: TEXT}")
     rules = [ScriptRule(reply=r.text(), role=r.when.role, model=r.when.model,

@@ -18,9 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class Frozen(BaseModel):
-    """Base for every cyclebox value: immutable, unknown keys refused."""
+    """Base for every cyclebox value: immutable, unknown keys refused. The docstring under
+    a field is its description in the JSON schema (``cyclebox schema NAME``)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
 class StopReason(StrEnum):

@@ -142,7 +142,7 @@ def test_compare_reason_and_case_id(tmp_path: Path) -> None:
 
 
 def test_error_message_names_hostile_directory(tmp_path: Path) -> None:
-    # The error path (_fail) names the directory; its name may have been chosen by
+    # The error path (the CLI boundary) names the directory; its name may have been chosen by
     # whoever created it (e.g. iterating over run directories). Escaped, markup shown.
     run = tmp_path / HOSTILE.replace("/", "_")
     run.mkdir()

@@ -200,7 +200,7 @@ def test_not_a_run_directory(tmp_path: Path) -> None:
 
 
 def test_line_progress_prints_stages_and_every_n_cases() -> None:
-    from runner.cli.report import LineProgress
+    from runner.cli.output import LineProgress
 
     buf = io.StringIO()
     p = LineProgress(buf, every=5)
@@ -247,7 +247,7 @@ def test_reads_stop_at_the_cap(run: Path) -> None:
 
 
 def test_output_file_symlink_is_replaced_not_followed(run: Path, tmp_path: Path) -> None:
-    from runner.cli.report import write_outputs
+    from runner.report.files import write_outputs
 
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me")
@@ -259,8 +259,8 @@ def test_output_file_symlink_is_replaced_not_followed(run: Path, tmp_path: Path)
 
 
 def test_output_dir_missing_is_a_config_error(run: Path, tmp_path: Path) -> None:
-    from runner.cli.report import check_targets
     from runner.errors import ConfigError
+    from runner.report.files import check_targets
 
     with pytest.raises(ConfigError, match="--junit"):
         check_targets(junit=tmp_path / "nope" / "j.xml")

@@ -93,7 +93,7 @@ def test_scorer_per_case_shorthand_and_default() -> None:
     ([{"value": "x"}], None, r"scenarios\[0\].reference: no scorer"),
     ([{"value": 3.0}], {"default": "normalized"}, "needs a non-empty string value"),
     ([{"value": "x"}], {"default": "number"}, "needs a finite numeric value"),
-    ([{"scorer": "project"}], None, "declares none; add scoring.project.file"),
+    ([{"scorer": "project"}], None, "none is declared; add scoring.project.file"),
 ])
 def test_manifest_refuses_a_case_without_a_usable_scorer(
         refs: list[dict[str, Any]], scoring: dict[str, Any] | None, msg: str) -> None:
@@ -421,3 +421,50 @@ def test_the_documented_example_scorer_works(project: Any) -> None:
                              "answer": {"answer": answer, "evidence": ["the marathon"]}},
                             ref, {"scoring": {"vocabulary": [], "max_extra": 0}}, p)
         assert g == {"correctness": correct, "evidence": True, "refusal": True}, answer
+
+
+# -- manifests by command carry the scoring section ------------------------------------------
+def _scenarios_file(tmp_path: Path, refs: list[dict[str, Any]],
+                    scoring: dict[str, Any] | None) -> Path:
+    (tmp_path / "data").mkdir(exist_ok=True)
+    (tmp_path / "data" / "facts.json").write_text("{}\n")
+    doc: dict[str, Any] = {
+        "schema": 1, "dataset": "facts", "stores": {"facts": "facts.json"},
+        "scenarios": [{"id": f"c{i}", "split": "development", "input": {"question": "q"},
+                       "reference": r} for i, r in enumerate(refs)]}
+    if scoring is not None:
+        doc["scoring"] = scoring
+    path = tmp_path / "scenarios.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_manifest_build_carries_scoring_and_check_finds_the_scorer_file(tmp_path: Path) -> None:
+    from runner.cycle.manifest import load_manifest
+    from runner.project import manifest_tools as mt
+
+    path = _scenarios_file(tmp_path, [{"value": "Lyon"}, {"scorer": "project"}],
+                           {"default": "normalized", "project": {"file": "scorer.py"},
+                            "evidence_vocabulary": ["facts"]})
+    built = mt.build(path, tmp_path / "data").manifest
+    assert built.scoring is not None and built.scoring.default is not None
+    assert [resolved_reference(s.reference, built)["scorer"]["name"]
+            for s in built.scenarios] == ["normalized", "project"]
+    out = tmp_path / "manifest.json"
+    mt.write_atomic(built, out)
+    with pytest.raises(ConfigError, match="does not exist") as info:
+        mt.check(out, tmp_path / "data")
+    assert info.value.field == "scoring.project.file"
+    (tmp_path / "scorer.py").write_text(GOOD)
+    assert mt.check(out, tmp_path / "data").scoring == built.scoring
+    assert load_manifest(out, tmp_path / "data").scoring == built.scoring
+    assert mt.rehash(out, tmp_path / "data") == []  # scoring is not a hash input
+
+
+def test_manifest_build_names_a_case_without_a_scorer(tmp_path: Path) -> None:
+    from runner.project import manifest_tools as mt
+
+    path = _scenarios_file(tmp_path, [{"kind": "refuse"}, {"value": "Lyon"}], None)
+    with pytest.raises(ConfigError, match="no scorer") as info:
+        mt.build(path, tmp_path / "data")
+    assert info.value.field == "scenarios[1].reference"

@@ -1,0 +1,51 @@
+"""``cyclebox gateway calls``: a run's recorded model calls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from runner.cli.options import JsonOpt
+from runner.cli.output import out
+from runner.errors import ConfigError
+from runner.termsafe import emit_json, safe
+
+app = typer.Typer(no_args_is_help=True, help="Inspect the model gateway's call log.")
+
+
+@app.command("calls")
+def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+                  json_out: JsonOpt = False) -> None:
+    """List every recorded model call of a run, with per-role totals and completeness."""
+    from runner.gateway.calllog import CallLog
+    from runner.gateway.report import summarize
+
+    log_dir = run_dir / "gateway"
+    if not (log_dir / "calls.jsonl").is_file():
+        raise ConfigError("calls.jsonl not found", path=str(log_dir / "calls.jsonl"),
+                          field="RUN_DIR", fix="pass a run directory (e.g. build/runs/<id>)")
+    records = CallLog(log_dir).records()
+    totals = summarize(records)
+    if json_out:
+        emit_json({"calls": [r.model_dump(mode="json") for r in records], "totals": totals})
+        return
+    table = Table(title=f"model calls: {safe(log_dir)}")
+    for col in ("seq", "role", "stage", "case", "trial", "turn", "model", "status", "tokens",
+                "cost", "ms"):
+        table.add_column(col)
+    for r in records:
+        tokens = str(r.usage.total_tokens) if r.usage else "?"
+        cost = "unknown" if r.cost_usd is None else f"{r.cost_usd:.6f}"
+        status = r.status + (f" ({r.error})" if r.error else "") + (" [fixture]" if r.fixture
+                                                                       else "")
+        cells = (str(r.seq), r.role, r.stage, r.case or "-",
+                 "-" if r.trial is None else str(r.trial), str(r.turn), r.model or "-",
+                 status, tokens, cost, f"{r.latency_s * 1000:.1f}")
+        table.add_row(*(safe(c, 500) for c in cells))
+    out.print(table)
+    for role, row in totals["per_role"].items():
+        out.print(safe(f"{role}: {row['calls']} calls, {row['tokens']} tokens, "
+                       f"{row['cost_usd']} USD, complete={row['complete']}"), highlight=False)

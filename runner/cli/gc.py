@@ -1,0 +1,51 @@
+"""``cyclebox gc``: sweep what dead cyclebox processes left behind."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from runner.cli.options import JsonOpt
+from runner.cli.output import out
+from runner.termsafe import emit_json, safe
+
+commands = typer.Typer()
+
+
+@commands.command()
+def gc(all_: Annotated[bool, typer.Option("--all", help="Remove every cyclebox container, "
+                                          "even those whose owner still runs.")] = False,
+       dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be removed; "
+                                             "remove nothing.")] = False,
+       json_out: JsonOpt = False) -> None:
+    """Remove cyclebox-labelled containers whose owner process is gone, and stale gateway
+    socket and input staging directories; print what it removed (or, with --dry-run,
+    would remove)."""
+    from dataclasses import asdict
+
+    from runner.cli.engine import sandbox
+    from runner.isolation.gc import sweep_socket_dirs, sweep_staging_dirs
+
+    results = sandbox().sweep(only_orphans=not all_, dry_run=dry_run)
+    results += [r for r in sweep_socket_dirs(dry_run=dry_run) if r.would_remove]
+    results += [r for r in sweep_staging_dirs(dry_run=dry_run) if r.would_remove]
+    if json_out:
+        emit_json([asdict(r) for r in results])
+        return
+    for r in results:
+        verb = ("would remove" if dry_run and r.would_remove else
+                "removed" if r.removed else "kept")
+        what = {"socket_dir": "socket dir", "staging_dir": "staging dir"}.get(r.kind,
+                                                                            "container")
+        out.print(f"{verb} {safe(r.name)} ({what}, run {safe(r.run_id)}, "
+                  f"role {safe(r.role)}): {safe(r.reason)}", highlight=False)
+    verb = "would be removed" if dry_run else "removed"
+    done = [r for r in results if (r.would_remove if dry_run else r.removed)]
+    n_cont = sum(r.kind == "container" for r in done)
+    kept = sum(r.kind == "container" for r in results) - n_cont
+    n_sock = sum(r.kind == "socket_dir" for r in done)
+    out.print(f"{n_cont} container(s) {verb}, {kept} kept; "
+              f"{n_sock} gateway socket dir(s) {verb}; "
+              f"{len(done) - n_cont - n_sock} input staging dir(s) {verb}"
+              + (" (dry run: nothing removed)" if dry_run else ""), highlight=False)

@@ -1,0 +1,109 @@
+"""``cyclebox sandbox exec``: one command in one role container, under that role's policy."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from runner.cli.options import JsonOpt, PoliciesOpt
+from runner.cli.output import err
+from runner.errors import EXIT_ENGINE, EXIT_OUTPUT_REFUSED, ConfigError
+from runner.isolation.sandbox import RunRecord, StopReason
+from runner.paths import default_policies, state_dir
+from runner.termsafe import StreamSanitizer, emit_json_text, safe
+
+app = typer.Typer(no_args_is_help=True, help="Run commands in role containers.")
+
+STOP_CODES = {StopReason.TIMEOUT: 124, StopReason.OUTPUT_LIMIT: 125, StopReason.OOM: 137,
+              StopReason.CLEANUP_UNCONFIRMED: 126, StopReason.INVALID_OUTPUT: EXIT_OUTPUT_REFUSED}
+"""Exit codes of ``sandbox exec`` beyond the command's own (as ``timeout(1)`` and shells)."""
+
+
+def exec_exit_code(record: RunRecord) -> int:
+    """The command's own exit code, or the stop reason's; 6 when the engine gave none."""
+    if record.stop_reason in STOP_CODES:
+        return STOP_CODES[record.stop_reason]
+    return record.exit_code if record.exit_code is not None else EXIT_ENGINE
+
+
+@app.command("exec", context_settings={"allow_extra_args": True,
+                                       "ignore_unknown_options": True})
+def sandbox_exec(
+    ctx: typer.Context,
+    role: Annotated[str, typer.Option("--role", help="Role whose policy and image to use.")],
+    mount: Annotated[list[str] | None, typer.Option(
+        "--mount", help="SRC:DST[:ro|rw]; ro by default; rw only onto an empty directory.")] = None,
+    out_dir: Annotated[Path | None, typer.Option(
+        "--out", help="Fresh host directory mounted at /out "
+                      "(default: build/runs/<id>/out).")] = None,
+    policies: PoliciesOpt = default_policies(),
+    json_out: JsonOpt = False,
+) -> None:
+    """Run CMD in a ROLE container under that role's policy; exit with its exit code.
+
+    When the role's policy names a model upstream, the gateway is attached: its socket
+    and token are mounted read-only at /run/cyclebox/gateway and every call is recorded
+    under build/runs/<id>/gateway/.
+
+    Usage: cyclebox sandbox exec --role analyst -- python -c 'print(1)'.
+    Exit codes beyond the command's own: 124 timeout, 125 output limit,
+    137 OOM, 126 cleanup unconfirmed, 7 output refused, 6 no exit code from the engine.
+    """
+    from runner.cli.engine import role_image, sandbox
+    from runner.gateway.calllog import CallLog
+    from runner.gateway.server import Gateway
+    from runner.isolation.policy import load_policies
+    from runner.isolation.roles import fresh_output_dir, parse_mount_flag, role_spec
+
+    command = list(ctx.args)
+    if not command:
+        raise ConfigError("no command given", field="CMD",
+                          fix="cyclebox sandbox exec --role ROLE -- CMD...")
+    pols = load_policies(policies)
+    if role not in pols.roles:
+        raise ConfigError(f"no role {role!r} in the policy file", path=str(policies),
+                          field="--role", fix=f"one of {sorted(pols.roles)}")
+    policy = pols.roles[role]
+    mounts = [parse_mount_flag(m) for m in (mount or [])]
+    run_id = f"exec-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    run_dir = state_dir() / "runs" / run_id
+    odir = out_dir or run_dir / "out"
+    uid = int(policy.user.split(":")[0])
+    image = role_image(role)
+    fresh_output_dir(odir.resolve(), uid=uid)
+
+    # The command's output is relayed live, but escaped: it is a container's bytes.
+    decoders = {"stdout": StreamSanitizer(), "stderr": StreamSanitizer()}
+
+    def stream(name: str, chunk: bytes) -> None:
+        if json_out:
+            return
+        target = sys.stdout if name == "stdout" else sys.stderr
+        target.write(decoders[name].feed(chunk))
+        target.flush()
+
+    with contextlib.ExitStack() as stack:
+        if policy.upstream:
+            gateway = stack.enter_context(Gateway(
+                run_dir, run_id, pols.upstreams, {role: policy.upstream}))
+            binding = stack.enter_context(gateway.bound(role, stage="exec", uid=uid))
+            mounts.append(binding.mount())
+        spec = role_spec(policy, role=role, run_id=run_id, image=image, command=command,
+                         mounts=mounts, output_dir=odir.resolve())
+        record = sandbox().run(spec, on_output=stream)
+    if policy.upstream and not json_out:
+        n = len(CallLog(run_dir / "gateway").records())
+        err.print(f"[dim]gateway ({safe(policy.upstream)}): {n} call(s) recorded in "
+                  f"{safe(run_dir / 'gateway')}[/]", highlight=False)
+    if json_out:
+        emit_json_text(record.model_dump_json())
+    elif record.stop_reason is not StopReason.OK:
+        err.print(f"[yellow]cyclebox:[/] {safe(record.stop_reason.value)}: "
+                  f"{safe(record.detail)} (output dir {safe(odir)})", highlight=False)
+    raise typer.Exit(exec_exit_code(record))

@@ -1,0 +1,65 @@
+"""Writing a run's report files (JUnit XML, Markdown, HTML) where the operator asked.
+
+Targets are checked before any work starts (:func:`check_targets`); each file is written
+through a temporary file and a rename, so a symlink planted at the target is replaced,
+never followed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from runner.errors import ConfigError
+from runner.report.model import Report
+
+
+def check_targets(**targets: Path | None) -> None:
+    """Refuse an output path whose directory is missing, before any work starts."""
+    for flag, path in targets.items():
+        if path is None:
+            continue
+        parent = path.parent if str(path.parent) else Path(".")
+        if not parent.is_dir():
+            raise ConfigError(f"{parent} is not a directory", path=str(path),
+                              field=f"--{flag}", fix="create the directory first or pick "
+                              "another path")
+        if path.is_dir():
+            raise ConfigError(f"{path} is a directory", path=str(path), field=f"--{flag}",
+                              fix="give a file name")
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Write via a temporary file and rename: an existing symlink at ``path`` is replaced,
+    never followed."""
+    parent = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_outputs(run_dir: Path, *, junit: Path | None = None, markdown: Path | None = None,
+                  html: Path | None = None) -> Report:
+    """Build the run's report and write the requested files; returns the Report."""
+    from runner.report import build_report
+    from runner.report.html import render_html
+    from runner.report.render import junit as render_junit
+    from runner.report.render import markdown as render_markdown
+
+    check_targets(junit=junit, markdown=markdown, html=html)
+    report = build_report(run_dir)
+    if junit is not None:
+        _write(junit, render_junit(report))
+    if markdown is not None:
+        _write(markdown, render_markdown(report).encode())
+    if html is not None:
+        _write(html, render_html(report, run_dir=run_dir,
+                                 html_dir=html.parent if str(html.parent) else Path("."))
+               .encode())
+    return report

@@ -1,0 +1,244 @@
+"""The CLI package's shape and its one error boundary, without an engine.
+
+The boundary is exercised on a throwaway command group built with the real
+:class:`~runner.cli.boundary.Boundary`; the package rules (import direction, no literal
+exit codes, every command documented) are checked on the real ``cyclebox`` app.
+"""
+
+from __future__ import annotations
+
+import ast
+import errno
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+
+from runner.cli import app
+from runner.cli.boundary import Boundary
+from runner.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_CHECK_FAILED,
+    EXIT_CODES,
+    EXIT_ENGINE,
+    EXIT_ENVIRONMENT,
+    EXIT_INTEGRITY,
+    EXIT_INTERRUPTED,
+    EXIT_OUTPUT_REFUSED,
+    EXIT_PREREQUISITE,
+    EXIT_TABLE,
+    EXIT_UNEXPECTED,
+    CheckFailed,
+    ConfigError,
+    CycleboxError,
+    IntegrityError,
+    OutputRejected,
+    PrerequisiteError,
+    SandboxError,
+)
+
+CLI_DIR = Path(__file__).resolve().parents[2] / "runner" / "cli"
+
+
+@pytest.fixture(autouse=True)
+def _state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Error logs (engine, environment, unexpected) go to a private state directory."""
+    monkeypatch.setenv("CYCLEBOX_STATE_DIR", str(tmp_path / "state"))
+
+
+def _raising(exc: BaseException) -> int:
+    """Exit code of a one-command app (root group: Boundary) whose command raises ``exc``."""
+    probe = typer.Typer(cls=Boundary)
+
+    @probe.command()
+    def boom() -> None:
+        raise exc
+
+    @probe.command()
+    def other() -> None:  # a second command keeps `boom` a sub-command
+        """Unused."""
+
+    code: int = probe(["boom"], standalone_mode=False)
+    return code
+
+
+@pytest.mark.parametrize(("exc", "code"), [
+    (ConfigError("bad", field="--x"), EXIT_BAD_INPUT),
+    (CheckFailed("kappa low"), EXIT_CHECK_FAILED),
+    (PrerequisiteError("no image"), EXIT_PREREQUISITE),
+    (SandboxError("engine gone"), EXIT_ENGINE),
+    (OutputRejected("symlink"), EXIT_OUTPUT_REFUSED),
+    (IntegrityError("hash"), EXIT_INTEGRITY),
+    (OSError(errno.ENOSPC, "No space left on device"), EXIT_ENVIRONMENT),
+    (BrokenPipeError(errno.EPIPE, "Broken pipe"), EXIT_ENVIRONMENT),
+    (KeyboardInterrupt(), EXIT_INTERRUPTED),
+])
+def test_boundary_maps_each_error_to_its_code(exc: BaseException, code: int,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert _raising(exc) == code
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "Traceback" not in err
+    if isinstance(exc, CycleboxError):
+        assert str(exc) in err
+
+
+def test_boundary_unexpected_error_names_a_log(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert _raising(ZeroDivisionError("planted")) == EXIT_UNEXPECTED
+    err = capsys.readouterr().err
+    logs = list((tmp_path / "state" / "logs").glob("error-*.log"))
+    assert len(logs) == 1 and logs[0].name in err.replace("\n", "")
+    assert "Traceback" in logs[0].read_text() and "Traceback" not in err
+
+
+def test_boundary_usage_error_is_bad_input_and_help_is_zero(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert app(["cycle", "run", "--no-such-flag"], standalone_mode=False) == EXIT_BAD_INPUT
+    assert "No such option" in capsys.readouterr().err
+    assert app(["gateway", "calls"], standalone_mode=False) == EXIT_BAD_INPUT  # missing arg
+    assert app(["cycle"], standalone_mode=False) == 0  # no args: help
+    assert app(["--help"], standalone_mode=False) == 0
+
+
+def test_exit_table_gives_each_code_one_meaning() -> None:
+    codes = [code for code, _ in EXIT_TABLE]
+    assert len(codes) == len(set(codes))
+    assert set(EXIT_CODES.values()) <= set(codes)
+
+
+def _commands(group: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    found = []
+    ctx = type(group).context_class(group)
+    for name in group.list_commands(ctx):
+        cmd = group.get_command(ctx, name)
+        found.append(((*path, name), cmd))
+        if hasattr(cmd, "list_commands"):
+            found += _commands(cmd, (*path, name))
+    return found
+
+
+def test_every_command_has_help_and_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    commands = _commands(typer.main.get_command(app))
+    names = {" ".join(p) for p, _ in commands}
+    assert {"cycle run", "apply", "compare", "train proof", "sandbox exec", "receipt verify",
+            "review calibrate", "gc", "doctor", "images build", "export"} <= names
+    for path, cmd in commands:
+        assert (cmd.help or "").strip(), f"{' '.join(path)} has no help text"
+        assert app([*path, "--help"], standalone_mode=False) == 0, path
+        capsys.readouterr()
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "runner.cli":
+            found.update(f"runner.cli.{a.name}" for a in node.names)  # a module or `app`
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+def test_imports_go_one_way_app_to_areas_to_shared() -> None:
+    shared = {"runner.cli.options", "runner.cli.output", "runner.cli.engine"}
+    areas = [p for p in CLI_DIR.glob("*.py") if p.stem not in
+             ("__init__", "__main__", "app", "boundary", "options", "output", "engine")]
+    assert len(areas) >= 10
+    for area in areas:
+        cli_imports = {m for m in _imports(area) if m.startswith("runner.cli")}
+        assert cli_imports <= shared, f"{area.name} imports {cli_imports - shared}"
+    for module in ("options", "output", "engine"):
+        assert not {m for m in _imports(CLI_DIR / f"{module}.py")
+                    if m.startswith("runner.cli")}
+
+
+def test_no_command_exits_with_a_bare_number_or_catches_errors_to_exit() -> None:
+    for path in CLI_DIR.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "Exit"
+                    and node.args):
+                assert not isinstance(node.args[0], ast.Constant), \
+                    f"{path.name}:{node.lineno}: name the exit code (runner.errors)"
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "exit":
+                assert path.name in ("boundary.py", "app.py"), \
+                    f"{path.name}:{node.lineno}: sys.exit outside the boundary"
+        handlers = [n for n in ast.walk(tree) if isinstance(n, ast.ExceptHandler)
+                    and isinstance(n.type, ast.Name) and n.type.id == "CycleboxError"]
+        # Only `receipt verify` catches one: a bad signature is listed with the mismatches.
+        assert len(handlers) == (1 if path.name == "receipt.py" else 0), path.name
+
+
+def test_train_proof_that_did_not_reproduce_is_check_failed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import runner.train.host
+
+    report = {"recall_before": 0.0, "recall_after": 1.0, "scores": {}, "classroom_passed": True,
+              "board": {"decision": "approve", "members": []}}
+    summary = {"exit_code": 0, "report": report, "reproduced_in_fresh_process": False}
+    monkeypatch.setattr(runner.train.host, "proof", lambda *_a, **_k: summary)
+    args = ["train", "proof", "--persona", "p.yaml", "--base-model", "m", "--out",
+            str(tmp_path / "o"), "--ledger", str(tmp_path / "ledger.jsonl"), "--json"]
+    assert app(args, standalone_mode=False) == EXIT_CHECK_FAILED
+    assert "did not reproduce" in capsys.readouterr().err
+    summary["exit_code"] = 4
+    assert app(args, standalone_mode=False) == EXIT_CHECK_FAILED
+    assert "nothing imprinted" in capsys.readouterr().err
+    summary.update(exit_code=0, reproduced_in_fresh_process=True)
+    assert app(args, standalone_mode=False) == 0
+
+
+def test_exec_exit_code_is_the_commands_or_the_stop_reasons() -> None:
+    from runner.cli.sandbox import exec_exit_code
+    from runner.isolation.sandbox import RunRecord, StopReason
+
+    def rec(reason: StopReason, code: int | None) -> RunRecord:
+        return RunRecord(run_id="r", role="worker", image_id="sha256:x", container_name="c",
+                         exit_code=code, stop_reason=reason, wall_s=0.1, stdout_bytes=0,
+                         stderr_bytes=0, stdout_tail="", stderr_tail="",
+                         cleanup_confirmed=True)
+
+    assert exec_exit_code(rec(StopReason.OK, 0)) == 0
+    assert exec_exit_code(rec(StopReason.PROCESS_FAILED, 1)) == 1  # the command's own
+    assert exec_exit_code(rec(StopReason.TIMEOUT, 137)) == 124
+    assert exec_exit_code(rec(StopReason.INVALID_OUTPUT, 0)) == EXIT_OUTPUT_REFUSED
+    assert exec_exit_code(rec(StopReason.PROCESS_FAILED, None)) == EXIT_ENGINE
+
+
+def test_replay_answers_every_upstream_from_the_recording(tmp_path: Path) -> None:
+    from runner.cycle.replay import replay_upstreams
+    from runner.paths import PROJECT_ROOT
+
+    ups = replay_upstreams(PROJECT_ROOT / "examples" / "shop-analyst" / "cycle.yaml",
+                           tmp_path / "rec")
+    assert {"target", "optimizer", "judge"} <= set(ups)
+    for up in ups.values():
+        assert up.provider == "replay" and up.replay_from == str((tmp_path / "rec").resolve())
+        assert up.script is None and up.credential is None and up.base_url is None
+
+
+def test_replay_hashes_leave_out_how_calls_are_answered() -> None:
+    from runner.cycle.receipt import replay_hashes
+
+    a = {"identities": {"s": 1}, "base_tree": "t", "images": {},
+         "inputs": {"manifest": "m", "upstreams": "u1", "upstream_ids": "i1"},
+         "outcome": {"verdict": "v", "inputs": "x"}}
+    b = {**a, "inputs": {"manifest": "m", "upstreams": "u2", "upstream_ids": "i2"},
+         "outcome": {}}
+    rows = replay_hashes(a, b)
+    assert [k for k, _, _ in rows] == ["identities", "base_tree", "images", "inputs.manifest",
+                                       "outcome.verdict"]
+    assert [k for k, x, y in rows if x != y] == ["outcome.verdict"]  # missing: not equal
+
+
+def test_readme_exit_code_table_is_the_one_table() -> None:
+    from runner.paths import PROJECT_ROOT
+
+    text = (PROJECT_ROOT / "README.md").read_text()
+    section = text.split("### Exit codes", 1)[1]
+    rows = [line.strip("|").split("|") for line in section.splitlines()
+            if line.startswith("| ") and line[2].isdigit()]
+    assert [(int(c), m.strip()) for c, m in rows] == list(EXIT_TABLE)
