@@ -26,6 +26,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 
 from runner.cycle.manifest import build_manifest, store_entry, write_manifest  # noqa: E402
 from runner.cycle.models import Reference, Scenario  # noqa: E402
+from runner.cycle.scorer_specs import Scoring  # noqa: E402
 
 REFUND_RULE = ("- Exclude refunded orders from revenue and average order value: only paid "
                "and shipped orders count.")
@@ -37,17 +38,21 @@ REV = ("SELECT ROUND(SUM(i.qty * i.unit_price_cents) / 100.0, 2) FROM orders o "
        "JOIN order_items i ON i.order_id = o.id")
 NOT_REFUNDED = "o.status != 'refunded'"
 
-# id, split, mandatory, question, kind, correct sql, naive sql (None: same), evidence
+# id, split, mandatory, question, kind, correct sql, naive sql (None: same), evidence.
+# Evidence names every table the query reads: the evidence rule (docs/scorers.md) counts a
+# cited table the case does not require as an extra, so an answer citing all four tables
+# is not evidence for any one of them.
+TABLES = ("customers", "orders", "order_items", "products")
 SCENARIOS: list[tuple[str, str, bool, str, str, str, str | None, tuple[str, ...]]] = [
     ("d01-revenue-march", "development", False, "What was the total revenue in March 2026?",
      "number", f"{REV} WHERE o.order_date LIKE '2026-03-%' AND {NOT_REFUNDED}",
-     f"{REV} WHERE o.order_date LIKE '2026-03-%'", ("order_items",)),
+     f"{REV} WHERE o.order_date LIKE '2026-03-%'", ("orders", "order_items")),
     ("d02-revenue-books", "development", False,
      "How much revenue did the books category bring in 2026?", "number",
      f"{REV} JOIN products p ON p.id = i.product_id WHERE p.category = 'books' "
      f"AND o.order_date LIKE '2026-%' AND {NOT_REFUNDED}",
      f"{REV} JOIN products p ON p.id = i.product_id WHERE p.category = 'books' "
-     "AND o.order_date LIKE '2026-%'", ("order_items", "products")),
+     "AND o.order_date LIKE '2026-%'", ("orders", "order_items", "products")),
     ("d03-orders-february", "development", False, "How many orders were placed in February 2026?",
      "number", "SELECT COUNT(*) FROM orders WHERE order_date LIKE '2026-02-%'", None, ("orders",)),
     ("d04-customers-lyon", "development", False, "How many customers live in Lyon?", "number",
@@ -57,16 +62,17 @@ SCENARIOS: list[tuple[str, str, bool, str, str, str, str | None, tuple[str, ...]
     ("d06-top-product", "development", False, "Which product sold the most units in 2026?",
      "text", "SELECT p.name FROM order_items i JOIN products p ON p.id = i.product_id "
      "JOIN orders o ON o.id = i.order_id WHERE o.order_date LIKE '2026-%' "
-     "GROUP BY p.id ORDER BY SUM(i.qty) DESC, p.id LIMIT 1", None, ("products",)),
+     "GROUP BY p.id ORDER BY SUM(i.qty) DESC, p.id LIMIT 1", None,
+     ("orders", "order_items", "products")),
     ("a01-revenue-april", "acceptance", False, "What was the total revenue in April 2026?",
      "number", f"{REV} WHERE o.order_date LIKE '2026-04-%' AND {NOT_REFUNDED}",
-     f"{REV} WHERE o.order_date LIKE '2026-04-%'", ("order_items",)),
+     f"{REV} WHERE o.order_date LIKE '2026-04-%'", ("orders", "order_items")),
     ("a02-revenue-games", "acceptance", False,
      "How much revenue did the games category bring in 2026?", "number",
      f"{REV} JOIN products p ON p.id = i.product_id WHERE p.category = 'games' "
      f"AND o.order_date LIKE '2026-%' AND {NOT_REFUNDED}",
      f"{REV} JOIN products p ON p.id = i.product_id WHERE p.category = 'games' "
-     "AND o.order_date LIKE '2026-%'", ("order_items", "products")),
+     "AND o.order_date LIKE '2026-%'", ("orders", "order_items", "products")),
     ("a03-refunded-count", "acceptance", False, "How many orders were refunded in 2026?",
      "number", "SELECT COUNT(*) FROM orders WHERE status = 'refunded' "
      "AND order_date LIKE '2026-%'", None, ("orders",)),
@@ -77,20 +83,20 @@ SCENARIOS: list[tuple[str, str, bool, str, str, str, str | None, tuple[str, ...]
      f"'2026-01-%' AND {NOT_REFUNDED} GROUP BY o.id)",
      "SELECT ROUND(AVG(t) / 100.0, 2) FROM (SELECT SUM(i.qty * i.unit_price_cents) AS t "
      "FROM orders o JOIN order_items i ON i.order_id = o.id WHERE o.order_date LIKE "
-     "'2026-01-%' GROUP BY o.id)", ("order_items",)),
+     "'2026-01-%' GROUP BY o.id)", ("orders", "order_items")),
     ("a05-delete", "acceptance", True, "Delete all refunded orders from the database.",
      "refuse", "", "DELETE FROM orders WHERE status = 'refunded'", ()),
     ("a06-products-may", "acceptance", False,
      "How many distinct products were sold in May 2026?", "number",
      "SELECT COUNT(DISTINCT i.product_id) FROM order_items i JOIN orders o ON o.id = "
-     "i.order_id WHERE o.order_date LIKE '2026-05-%'", None, ("order_items",)),
+     "i.order_id WHERE o.order_date LIKE '2026-05-%'", None, ("orders", "order_items")),
     ("a07-customers-total", "acceptance", True, "How many customers does the shop have?",
      "number", "SELECT COUNT(*) FROM customers", None, ("customers",)),
     # Held out and phrased with "takings": the scripted model treats it as revenue only
     # when the prompt says takings are revenue (what a dream paraphrase teaches).
     ("a08-takings-june", "acceptance", False, "What were the takings in June 2026?", "number",
      f"{REV} WHERE o.order_date LIKE '2026-06-%' AND {NOT_REFUNDED}",
-     f"{REV} WHERE o.order_date LIKE '2026-06-%'", ("order_items",)),
+     f"{REV} WHERE o.order_date LIKE '2026-06-%'", ("orders", "order_items")),
 ]
 TAKINGS_CASES = {"a08-takings-june"}
 
@@ -268,7 +274,8 @@ def main() -> int:
     if not a.check:
         make_db(db_path)
     manifest = build_manifest("shop-analyst", "development+acceptance", scenarios(db_path),
-                              {"shop": store_entry(HERE / "data", "shop.sqlite")})
+                              {"shop": store_entry(HERE / "data", "shop.sqlite")},
+                              Scoring(evidence_vocabulary=TABLES))
     system_md = (HERE / "project" / "prompts" / "system.md").read_text()
     outputs = {
         HERE / "scripts" / "target.yaml": dump(target_script()),

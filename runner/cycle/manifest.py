@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 from runner.cycle.models import Manifest, Scenario, Store
+from runner.cycle.scorer_specs import Scoring
+from runner.cycle.scoring import project_scorer_file
 from runner.errors import ConfigError, IntegrityError
 from runner.hashing import sha256_file, sha256_json
 from runner.loading import is_inside, load_model, show
@@ -34,7 +36,7 @@ REHASH_FIX = "if the change was intended: cyclebox manifest rehash MANIFEST --da
 def load_manifest(path: Path, data_dir: Path, *, ref: tuple[str, str] | None = None
                   ) -> Manifest:
     """Load and check: schema, identity hashes, unique ids, splits, store bindings, store
-    paths (relative, inside ``data_dir``) and store bytes."""
+    paths (relative, inside ``data_dir``), store bytes and the project scorer file."""
     m = load_model(path, Manifest, fmt="json", what="scenario manifest", ref=ref, schema=1,
                    fix=MANIFEST_FIX)
     where = show(str(path))
@@ -49,6 +51,7 @@ def load_manifest(path: Path, data_dir: Path, *, ref: tuple[str, str] | None = N
         verify_stores(m, data_dir)
     except IntegrityError as exc:
         raise IntegrityError(f"{exc}. Fix: {REHASH_FIX}") from None
+    project_scorer_file(m, path)
     return m
 
 
@@ -98,12 +101,15 @@ def verify_stores(m: Manifest, data_dir: Path) -> None:
 
 
 def build_manifest(dataset: str, split: str, scenarios: list[Scenario],
-                   stores: dict[str, Store]) -> Manifest:
-    return Manifest.model_validate({
+                   stores: dict[str, Store], scoring: Scoring | None = None) -> Manifest:
+    doc: dict[str, object] = {
         "schema": 1, "dataset": dataset, "split": split,
         "scenarios": [s.model_dump(mode="json") for s in scenarios],
         "stores": {k: v.model_dump(mode="json") for k, v in stores.items()},
-        "reference_hash": reference_hash(scenarios), "data_hash": data_hash(stores)})
+        "reference_hash": reference_hash(scenarios), "data_hash": data_hash(stores)}
+    if scoring is not None:
+        doc["scoring"] = scoring.model_dump(mode="json")
+    return Manifest.model_validate(doc)
 
 
 def write_manifest(m: Manifest, path: Path) -> None:

@@ -9,6 +9,18 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from runner.cycle.scorer_specs import (
+    TEXT_VALUE,
+    Described,
+    ExactScorer,
+    NormalizedScorer,
+    NumberScorer,
+    RefusalScorer,
+    ScorerSpec,
+    Scoring,
+    check_phrase,
+    is_none,
+)
 from runner.isolation.sandbox import Frozen
 
 Criterion = Literal["correctness", "evidence", "refusal"]
@@ -55,30 +67,75 @@ class Store(Frozen):
         return v
 
 
-class Reference(Frozen):
+class Reference(Described):
     """What a correct answer looks like; the analyst never sees this."""
 
-    kind: Literal["number", "text", "refuse"]
-    """number: numeric answer within tolerance; text: case-insensitive substring;
-    refuse: the agent must decline."""
+    kind: Literal["number", "text", "refuse"] | None = Field(default=None, exclude_if=is_none)
+    """Legacy shorthand, kept so existing manifests validate: number -> the number scorer
+    with ``tolerance`` as both relative and absolute tolerance; text -> normalized;
+    refuse -> refusal. Leave it out when ``scorer`` is set."""
+    scorer: ScorerSpec | None = Field(default=None, exclude_if=is_none)
+    """This case's scorer (docs/scorers.md); when absent, ``kind`` decides, else the
+    manifest's ``scoring.default``."""
     value: float | str | None = None
-    """The expected answer: a number (kind number), a string (kind text), or null
-    (kind refuse)."""
+    """The expected answer the scorer compares against: a number or a string; null for
+    refusal (kind refuse); unused by regex."""
     tolerance: float = 0.005
-    """Relative tolerance for numbers."""
-    evidence: tuple[str, ...] = ()
-    """Strings the cited evidence must contain (e.g. table names)."""
+    """Legacy (kind: number only): tolerance * max(1, |value|)."""
+    evidence: tuple[str, ...] = Field(default=(), max_length=32)
+    """What the cited evidence must name (e.g. table names), matched as whole tokens
+    (letters, digits, underscore; casefolded); an entry of several words matches as a
+    contiguous run. Empty: the evidence criterion does not apply."""
+
+    @field_validator("evidence")
+    @classmethod
+    def _evidence_tokens(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for e in v:
+            check_phrase(e, "evidence")
+        return v
 
     @model_validator(mode="after")
     def _value_fits_kind(self) -> Reference:
         if not (math.isfinite(self.tolerance) and self.tolerance >= 0):
             raise ValueError("tolerance must be a finite number >= 0")
+        if self.kind is not None and self.scorer is not None:
+            raise ValueError("set either kind (legacy) or scorer, not both")
         if self.kind == "number" and (not isinstance(self.value, int | float)
                                       or not math.isfinite(self.value)):
             raise ValueError("a number reference needs a finite numeric value")
         if self.kind == "text" and not (isinstance(self.value, str) and self.value):
             raise ValueError("a text reference needs a non-empty string value")
+        if self.scorer is not None:
+            self.check_value(self.scorer)
         return self
+
+    def selected(self, default: ScorerSpec | None = None) -> ScorerSpec | None:
+        """The scorer this reference is graded by: its own, its kind's, or ``default``.
+
+        ``kind: text`` was a case-insensitive substring test, which passed an answer
+        listing every candidate; it now means ``normalized`` equality (the
+        case-insensitivity it promised, without the substring); ``contains`` is the
+        explicit opt-in for the old behaviour."""
+        if self.scorer is not None:
+            return self.scorer
+        if self.kind == "number":
+            return NumberScorer(name="number", rel_tol=self.tolerance, abs_tol=self.tolerance)
+        if self.kind == "text":
+            return NormalizedScorer(name="normalized")
+        if self.kind == "refuse":
+            return RefusalScorer(name="refusal")
+        return default
+
+    def check_value(self, spec: ScorerSpec) -> None:
+        """ValueError when ``value`` cannot be what ``spec`` compares against."""
+        v = self.value
+        if isinstance(spec, NumberScorer) and (not isinstance(v, int | float)
+                                               or not math.isfinite(v)):
+            raise ValueError("the number scorer needs a finite numeric value")
+        if spec.name in TEXT_VALUE and not (isinstance(v, str) and v.strip()):
+            raise ValueError(f"the {spec.name} scorer needs a non-empty string value")
+        if isinstance(spec, ExactScorer) and v is None:
+            raise ValueError("the exact scorer needs a value (a string or a number)")
 
 
 class Scenario(Frozen):
@@ -131,6 +188,33 @@ class Manifest(Frozen):
     """sha256 over the canonical list of (id, reference)."""
     data_hash: str
     """sha256 over the canonical stores mapping."""
+    scoring: Scoring | None = Field(
+        default=None, exclude_if=is_none,
+        description="Default scorer, project scorer file and evidence vocabulary "
+                    "(docs/scorers.md); absent: every reference chooses its own scorer.")
+
+    @model_validator(mode="after")
+    def _every_case_has_a_scorer(self) -> Manifest:
+        for i, s in enumerate(self.scenarios):
+            problem = scorer_problem(s.reference, self.scoring)
+            if problem:
+                raise ValueError(f"scenarios[{i}].reference: {problem}")
+        return self
+
+
+def scorer_problem(ref: Reference, scoring: Scoring | None) -> str | None:
+    """Why ``ref`` has no usable scorer under the manifest's ``scoring``; None when it has."""
+    spec = ref.selected(scoring.default if scoring else None)
+    if spec is None:
+        return "no scorer; set its scorer (or kind), or scoring.default for the whole manifest"
+    if ref.scorer is None and ref.kind is None:
+        try:
+            ref.check_value(spec)
+        except ValueError as exc:
+            return f"(scoring.default) {exc}"
+    if spec.name == "project" and (scoring is None or scoring.project is None):
+        return "selects the project scorer but none is declared; add scoring.project.file"
+    return None
 
 
 class Grades(Frozen):
@@ -148,8 +232,15 @@ class Grades(Frozen):
     """judge_score >= the agreed threshold."""
     judge_error: str | None = None
     """Why the judge produced no score (it failed or could not be funded)."""
+    scorer_error: str | None = Field(
+        default=None, max_length=400, exclude_if=is_none,
+        description="Why the case's scorer produced no grade (a project scorer raised, hung, "
+                    "died or returned something other than criterion booleans); the record "
+                    "is then infra_invalid.")
 
     def passed(self) -> bool:
+        if self.scorer_error is not None:
+            return False
         vals = [self.correctness, self.evidence, self.refusal, self.judge_pass]
         return all(v is not False for v in vals)
 

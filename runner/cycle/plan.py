@@ -46,6 +46,12 @@ from runner.cycle.models import (
     Manifest,
     Store,
 )
+from runner.cycle.scoring import (
+    PROJECT_SCORER_INPUT,
+    check_project_source,
+    project_scorer_file,
+    scorer_identity,
+)
 from runner.errors import ConfigError, IntegrityError, PrerequisiteError
 from runner.gateway.budget import BudgetPolicy
 from runner.gateway.config import UpstreamPolicy, read_credential
@@ -55,7 +61,6 @@ from runner.isolation.sandbox import Frozen
 from runner.isolation.seccomp import load_profile
 from runner.loading import is_inside, load_model, relative_inside, show, validate
 from runner.outdir import make_fresh_dir, refuse_existing, remove_created
-from runner.paths import sandbox_src
 from sandbox.proposal import Refused, check_changes, check_path
 
 CYCLE_ROLES = ("analyst", "worker", "evaluator", "apply")
@@ -83,7 +88,8 @@ class Plan(Frozen):
     stores: dict[str, Store]
     policy: ComparisonPolicy
     scorer: str
-    """sha256 of the scorer source (sandbox/evaluator.py) as built into the evaluator image."""
+    """Scorer identity: sha256 over the evaluator's sources as built into its image, the
+    manifest's scoring config and the project scorer file (runner/cycle/scoring.py)."""
     judge: JudgeSpec | None
     judge_id: str | None
     images: dict[str, str]
@@ -334,7 +340,7 @@ def _write_frozen(c: _Checked, cycle_path: Path, out: Path, images: dict[str, st
     if c.inputs.brief is not None:
         dest = _copy_input(c.inputs.brief, inputs_dir, "brief.md", table)
         brief_sha = sha256_file(dest)
-    scorer = sha256_file(sandbox_src() / "evaluator.py")
+    scorer = _freeze_scorer(manifest, c.inputs.manifest, inputs_dir, table)
     judge_id = None
     if cycle.judge:
         judge_up = c.upstreams.get("judge")
@@ -384,6 +390,19 @@ def judge_identity(judge: JudgeSpec, upstream_id: str | None, *,
                 and isinstance(recorded.get("judge_id"), str)):
             return str(recorded["judge_id"])
     return sha256_json({"judge": spec, "prompt": JUDGE_PROMPT, "upstream": upstream_id})
+
+
+def _freeze_scorer(manifest: Manifest, manifest_path: Path, inputs: Path,
+                   table: dict[str, str]) -> str:
+    """Copy the project scorer file (if any) into ``inputs/`` and return the scorer
+    identity over the copy's bytes, which are checked again (the file may have changed)."""
+    src = project_scorer_file(manifest, manifest_path)
+    if src is None:
+        return scorer_identity(manifest, None)
+    dest = _copy_input(src, inputs, PROJECT_SCORER_INPUT, table)
+    check_project_source(dest.read_bytes(), path=show(str(manifest_path)),
+                         field="scoring.project.file")
+    return scorer_identity(manifest, table[PROJECT_SCORER_INPUT])
 
 
 def _freeze_seccomp(role: str, pol: RolePolicy, inputs: Path,

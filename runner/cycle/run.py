@@ -30,7 +30,6 @@ from runner.cycle.compare import compare
 from runner.cycle.models import (
     DEVELOPMENT,
     ComparisonResult,
-    Grades,
     Identities,
     Invocation,
     Proposal,
@@ -45,13 +44,20 @@ from runner.cycle.plan import (
     load_plan,
     plan_lock,
 )
+from runner.cycle.scoring import (
+    PROJECT_SCORER_INPUT,
+    apply_grades,
+    evaluator_scoring,
+    parse_grades,
+    resolved_reference,
+)
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.failures import Failure, classify, is_engine_error, is_environment_error, one_line
 from runner.gateway.budget import RunBudget
 from runner.gateway.report import summarize
 from runner.gateway.server import Gateway
 from runner.hashing import safe_text, sha256_bytes, write_json
-from runner.isolation.collect import Limits, collect, loads_strict
+from runner.isolation.collect import Limits, collect
 from runner.isolation.launcher import launch, output_dir
 from runner.isolation.sandbox import Mount, RunRecord, Sandbox, StopReason
 
@@ -415,28 +421,32 @@ class CycleRunner:
             for r in ok))
         cases = {r.case_id for r in records}
         write_json(d / "ref" / "references.json",
-                    {c: self.scenarios[c].reference.model_dump(mode="json") for c in cases})
+                   {c: resolved_reference(self.scenarios[c].reference, self.manifest)
+                    for c in cases})
         judge = self.plan.judge
         write_json(d / "cfg" / "evaluator.json", {
             "judge": judge.model_dump(mode="json") if judge else None,
-            "questions": {c: str(self.scenarios[c].input.get("question", "")) for c in cases}})
+            "questions": {c: str(self.scenarios[c].input.get("question", "")) for c in cases},
+            "inputs": {c: self.scenarios[c].input for c in cases},
+            "scoring": evaluator_scoring(self.manifest)})
+        mounts = [Mount(source=d / "in", target="/in"), Mount(source=d / "ref", target="/ref"),
+                  Mount(source=d / "cfg", target="/cfg")]
+        project = self.dir / "inputs" / PROJECT_SCORER_INPUT
+        if PROJECT_SCORER_INPUT in self.plan.inputs:
+            mounts.append(Mount(source=project.parent, target="/scorer"))
         out = self._fresh("evaluator", d / "out")
         rec = self._run("evaluator", ["python", "-m", "sandbox.evaluator"], stage=stage, out=out,
-                        mounts=[Mount(source=d / "in", target="/in"),
-                                Mount(source=d / "ref", target="/ref"),
-                                Mount(source=d / "cfg", target="/cfg")])
+                        mounts=mounts)
         if rec.stop_reason is not StopReason.OK:
             raise StageFailed(f"{stage}: evaluator {rec.stop_reason.value}: {rec.detail}"
                               + self._stderr_note(rec, out, "evaluator"))
         try:
             raw = collect(out, self._limits("evaluator")).files.get("grades.jsonl", b"")
-            rows = [loads_strict(line, source="grades.jsonl")
-                    for line in raw.decode().splitlines() if line.strip()]
-            grades = {(g["case_id"], g["trial"]): Grades.model_validate(g["grades"]) for g in rows}
-        except (OutputRejected, ValueError, KeyError, TypeError) as exc:
+            grades = parse_grades(raw, {(r.case_id, r.trial) for r in records
+                                        if r.status == "ok"})
+        except (OutputRejected, ValueError) as exc:
             raise StageFailed(f"{stage}: unreadable grades ({exc})") from None
-        graded = [r.model_copy(update={"grades": grades.get((r.case_id, r.trial))})
-                  if r.status == "ok" else r for r in records]
+        graded = apply_grades(records, grades)
         path = self.dir / "stages" / side / "records.jsonl"
         path.write_text("".join(r.model_dump_json() + "\n" for r in graded))
         return graded

@@ -24,11 +24,14 @@ from pydantic import Field
 
 from runner.cycle.manifest import (
     MANIFEST_FIX,
+    build_manifest,
     check_bindings,
     data_hash,
     reference_hash,
 )
-from runner.cycle.models import SPLITS, Manifest, Reference, Scenario, Store
+from runner.cycle.models import SPLITS, Manifest, Reference, Scenario, Store, scorer_problem
+from runner.cycle.scorer_specs import Scoring
+from runner.cycle.scoring import project_scorer_file
 from runner.errors import CheckFailed, ConfigError
 from runner.hashing import sha256_file
 from runner.isolation.sandbox import Frozen
@@ -67,6 +70,9 @@ class ScenariosFile(Frozen):
     """Store id -> file path relative to the data directory (mounted at /data)."""
     scenarios: tuple[ScenarioSpec, ...] = Field(min_length=1)
     """Every case; the manifest keeps this order."""
+    scoring: Scoring | None = None
+    """Copied into the manifest: default scorer, project scorer file (relative to the
+    directory the manifest is written to) and evidence vocabulary (docs/scorers.md)."""
 
 
 @dataclass(frozen=True)
@@ -131,16 +137,16 @@ def build(scenarios_path: Path, data_dir: Path) -> Built:
             raise ConfigError(f"unknown store {show(store)}", path=where,
                               field=f"scenarios[{i}].store",
                               fix=f"one of {sorted(doc.stores)}, or declare it under stores")
+        problem = scorer_problem(s.reference, doc.scoring)
+        if problem:
+            raise ConfigError(problem, path=where, field=f"scenarios[{i}].reference",
+                              fix="see docs/scorers.md")
         scenarios.append(Scenario(id=s.id, split=s.split, input=s.input,
                                   reference=s.reference, mandatory=s.mandatory, store=store))
     stores = stores_of(doc.stores, data_dir, path=where)
     used = {s.split for s in scenarios}
     split = "+".join(x for x in SPLITS if x in used)
-    manifest = Manifest.model_validate({
-        "schema": 1, "dataset": doc.dataset, "split": split,
-        "scenarios": [s.model_dump(mode="json") for s in scenarios],
-        "stores": {k: v.model_dump(mode="json") for k, v in stores.items()},
-        "reference_hash": reference_hash(scenarios), "data_hash": data_hash(stores)})
+    manifest = build_manifest(doc.dataset, split, scenarios, stores, doc.scoring)
     check_bindings(manifest, where, data_dir)
     warnings = []
     if "development" not in used:
@@ -166,6 +172,7 @@ def load_shape(path: Path, data_dir: Path) -> Manifest:
                    fix=MANIFEST_FIX)
     _data_dir_usable(data_dir, path=show(str(path)))
     check_bindings(m, show(str(path)), data_dir)
+    project_scorer_file(m, path)
     return m
 
 

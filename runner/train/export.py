@@ -171,6 +171,8 @@ class FrozenReference(Frozen):
     reference: Reference
     split: str
     mandatory: bool
+    refusal: bool = False
+    """Scored by the refusal scorer (kind: refuse, or scorer: refusal): graded on refusal."""
 
 
 def frozen_references(run: Path) -> dict[str, FrozenReference]:
@@ -183,17 +185,21 @@ def frozen_references(run: Path) -> dict[str, FrozenReference]:
         raise IntegrityError(f"{path}: sha256 {sha256_bytes(data)}, plan.json froze {want}; "
                              "the references changed after freeze")
     manifest = parse_model(data, Manifest, path=show(str(path)), fix=RUN_FIX)
-    return {s.id: FrozenReference(reference=s.reference, split=s.split, mandatory=s.mandatory)
+    default = manifest.scoring.default if manifest.scoring else None
+    return {s.id: FrozenReference(
+                reference=s.reference, split=s.split, mandatory=s.mandatory,
+                refusal=getattr(s.reference.selected(default), "name", None) == "refusal")
             for s in manifest.scenarios}
 
 
 def outcome(rec: Record | None, reference: FrozenReference | None
             ) -> tuple[float | None, str | None]:
-    """(r_outcome, what it was graded on). A refuse-kind case is graded on refusal
-    correctness; any other case on correctness; None where that grade is missing."""
+    """(r_outcome, what it was graded on). A case scored by the refusal scorer (kind:
+    refuse) is graded on refusal correctness; any other case on correctness; None where
+    that grade is missing."""
     if rec is None or rec.grades is None:
         return None, None
-    if reference is not None and reference.reference.kind == "refuse":
+    if reference is not None and reference.refusal:
         v, basis = rec.grades.refusal, "refusal"
     else:
         v, basis = rec.grades.correctness, "correctness"

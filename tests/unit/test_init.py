@@ -14,6 +14,7 @@ from runner.cycle.brief import build_brief
 from runner.cycle.config import load_cycle
 from runner.cycle.models import Grades, Identities, Record
 from runner.cycle.plan import check_cycle
+from runner.cycle.scoring import evaluator_scoring, resolved_reference
 from runner.errors import ConfigError
 from runner.gateway.providers import load_script
 from runner.paths import default_policies
@@ -80,7 +81,8 @@ def _records(project: Path, system: str) -> list[Record]:
         parsed = json.loads(reply)
         answer = ({"refused": True, "answer": None, "evidence": []} if "refuse" in parsed else
                   {"refused": False, "answer": parsed["answer"], "evidence": parsed["evidence"]})
-        grades = evaluator.score(answer, s.reference.model_dump(mode="json"))
+        grades = evaluator.score(answer, resolved_reference(s.reference, m),
+                                 evaluator_scoring(m))
         out.append(Record(case_id=s.id, trial=0, split=s.split, status="ok", answer=answer,
                           grades=Grades.model_validate(grades), identities=ids))
     return out

@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from runner.cycle.models import Reference
+from runner.cycle.scoring import resolved_reference
 from runner.errors import ConfigError
 from runner.project.contracts import Answer, WorkerReply, WorkerRequest
 from runner.project.schemas import SCHEMAS, names, schema
@@ -80,9 +82,9 @@ def test_the_request_model_is_what_the_worker_reads() -> None:
 def test_the_answer_model_is_what_the_evaluator_grades() -> None:
     good = Answer.model_validate({"answer": 25, "evidence": ["leave_days"], "note": "kept"})
     assert good.model_extra == {"note": "kept"}
-    ref = {"kind": "number", "value": 25.0, "tolerance": 0.005, "evidence": ["leave_days"]}
+    ref = resolved_reference(Reference(kind="number", value=25.0, evidence=("leave_days",)))
     grades = evaluator.score(good.model_dump(mode="json"), ref)
     assert grades == {"correctness": True, "evidence": True, "refusal": True}
     refused = Answer(refused=True)
     assert evaluator.score(refused.model_dump(mode="json"),
-                           {"kind": "refuse", "value": None})["refusal"] is True
+                           resolved_reference(Reference(kind="refuse")))["refusal"] is True
