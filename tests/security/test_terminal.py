@@ -105,16 +105,27 @@ def test_gateway_calls_unbalanced_markup_does_not_crash(tmp_path: Path) -> None:
 
 
 def test_gateway_calls_json_is_ascii_json(tmp_path: Path) -> None:
-    # A lone surrogate and C1/bidi characters: --json must stay valid, ASCII JSON.
-    model = HOSTILE + " \ud800 \u00e9"
+    # C1/bidi characters: --json must stay valid, ASCII JSON.
+    model = HOSTILE + " \u00e9"
     run = _call_log(tmp_path, [_call(1, model=model)])
-    (run / "gateway" / "calls.jsonl").write_text(
-        json.dumps(_call(1, model=model)) + "\n", encoding="utf-8")
     res = run_cli("gateway", "calls", str(run), "--json")
     assert res.returncode == 0, res.stderr.decode()
     assert_clean(res)
     res.stdout.decode("ascii")  # raises on any non-ASCII byte
     assert json.loads(res.stdout)["calls"][0]["model"] == model
+
+
+def test_gateway_calls_refuses_a_lone_surrogate_cleanly(tmp_path: Path) -> None:
+    # The gateway never writes one (its records are strict JSON); a tampered log with a
+    # lone surrogate is refused as unreadable (exit 8, file and line named), escaped.
+    model = HOSTILE + " \ud800"
+    run = _call_log(tmp_path, [_call(1)])
+    (run / "gateway" / "calls.jsonl").write_text(
+        json.dumps(_call(1, model=model)) + "\n", encoding="utf-8")
+    res = run_cli("gateway", "calls", str(run), "--json")
+    assert res.returncode == 8
+    assert_clean(res)
+    assert b"calls.jsonl:1" in res.stderr and b"lone surrogate" in res.stderr
 
 
 # -- compare ----------------------------------------------------------------------------
@@ -203,18 +214,17 @@ def test_cycle_summary_worker_rationale(tmp_path: Path) -> None:
     # verdict's reasons; the summary table prints them. Driven through the CLI's own
     # renderer in a separate process, writing to a real pipe.
     driver = f"""
-import sys
 from pathlib import Path
-from types import SimpleNamespace as NS
-from runner.cli.cycle import _summary
+from runner.cli.output import print_terminal
+from runner.report.model import Report
 reason = "no candidate: proposal refused (malformed_proposal: " + {HOSTILE!r} + ")"
-res = NS(verdict="invalid_comparison", reasons=[reason],
-         improvements=[NS(case_id={HOSTILE!r}, trial=0, criterion="correctness")],
-         regressions=[])
-outcome = NS(result=res, run_dir=Path({str(tmp_path)!r}) / "run\\x1b[2J",
-             timings={{"propose": 1.0}})
-total = {{"calls": 1, "ok": 1, "cost_usd": None, "complete": False}}
-_summary(outcome, {{"usage": {{"total": total}}, "fixture": True}})
+report = Report.model_construct(
+    name={HOSTILE!r}, run_dir=str(Path({str(tmp_path)!r}) / "run\x1b[2J"),
+    verdict="invalid_comparison", exit_code=2, reasons=(reason,), pass_rates=(),
+    improved=(), regressed=(), costs=(), statistics=None, fixture=True,
+    receipt_sha256=None, problems=())
+print_terminal(report, extra=(("time per stage", "propose 1.0s"),
+                              ("receipt", {HOSTILE!r})))
 """
     env = {k: v for k, v in os.environ.items() if k != "FORCE_COLOR"}
     env["COLUMNS"] = "400"
@@ -222,8 +232,11 @@ _summary(outcome, {{"usage": {{"total": total}}, "fixture": True}})
                          check=False, env=env)
     assert res.returncode == 0, res.stderr.decode()
     text = assert_clean(res)
-    assert_shown_escaped(text)
-    assert "run\\x1b[2J" in text
+    # The summary is the report's renderer (runner/report/text.py): JSON-style escapes.
+    assert "\\u001b]0;pwned-title\\u0007" in text and "\\u202eevil" in text, text
+    assert "\\u009b31m" in text and "visible\\u000dOVERWRITE" in text
+    for m in MARKUP:
+        assert m in text, f"markup {m!r} was interpreted, not shown: {text!r}"
 
 
 # -- a container's own output, relayed live ---------------------------------------------------
