@@ -171,12 +171,16 @@ def download_wheels(req: Path, wdir: Path, log: Log, *, what: str) -> Path:
     if reqs:
         cmd = [sys.executable, "-m", "pip", "download", "--only-binary=:all:",
                "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
-               "--abi", "abi3", "--abi", "none", "-q", "-d", str(wdir), "-r", str(req)]
+               "--abi", "abi3", "--abi", "none", "-q", "-d", str(wdir.resolve()),
+               "-r", str(req.resolve())]
         for plat in PLATFORMS:
             cmd += ["--platform", plat]
         cmd += extra.split()
         log(f"downloading wheels for {what} into {wdir}")
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        # cwd: the fresh, empty wheel directory. pip resolves a requirement that looks
+        # like an archive name against its working directory (the operator's, often the
+        # project checkout) and would build an sdist found there on the host.
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=wdir)
         if proc.returncode != 0:
             raise PrerequisiteError(f"pip download for {what} failed:\n"
                                     f"{proc.stderr.strip()[-2000:]}\nFix: check network access "
