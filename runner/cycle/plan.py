@@ -13,6 +13,7 @@ import fcntl
 import fnmatch
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_js
 from runner.isolation.policy import RolePolicies, RolePolicy, load_policies
 from runner.isolation.sandbox import Frozen
 from runner.isolation.seccomp import load_profile
-from runner.loading import is_inside, load_model, relative_inside, show, validate
+from runner.loading import is_inside, load_data, load_model, relative_inside, show, validate
 from runner.outdir import make_fresh_dir, refuse_existing, remove_created
 from sandbox.proposal import Refused, check_changes, check_path
 
@@ -382,12 +383,16 @@ def judge_identity(judge: JudgeSpec, upstream_id: str | None, *,
 
     spec = judge.model_dump(mode="json")
     if replay_from is not None:
+        # The recorded run is hostile input: read capped and strict (a deep nesting was a
+        # RecursionError on the host), and only a digest is kept as an identity.
         try:
-            recorded = json.loads((Path(replay_from) / "plan.json").read_text())["plan"]
-        except (OSError, ValueError, KeyError, TypeError):
-            recorded = None
+            doc = load_data(Path(replay_from) / "plan.json", fmt="json", what="recorded plan")
+        except ConfigError:
+            doc = None
+        recorded = doc.get("plan") if isinstance(doc, dict) else None
         if (isinstance(recorded, dict) and recorded.get("judge") == spec
-                and isinstance(recorded.get("judge_id"), str)):
+                and isinstance(recorded.get("judge_id"), str)
+                and re.fullmatch(r"[0-9a-f]{64}", recorded["judge_id"])):
             return str(recorded["judge_id"])
     return sha256_json({"judge": spec, "prompt": JUDGE_PROMPT, "upstream": upstream_id})
 
