@@ -62,6 +62,8 @@ READER_CACHE = 4
 """Repositories whose two reader processes stay open (least recently used closed first)."""
 MAX_TREE_ENTRIES = 1_000_000
 """Entries one recursive tree walk visits before it refuses (a tree bomb shares subtrees)."""
+MAX_BLOB_BYTES = 32 * 1024 * 1024
+"""Largest object read whole into host memory (a blob of zeros is tiny in git)."""
 ENV_REFUSED = ("GIT_COMMON_DIR", "GIT_OBJECT_DIRECTORY")
 """Variables that would make GitPython read another repository's refs or objects."""
 
@@ -204,8 +206,19 @@ def _check_rev(rev: str) -> str:
     return rev
 
 
-def _object(r: _Repo, binsha: bytes, kind: bytes) -> bytes:
-    """An object's bytes, read whole (the batch stream stays in step), of type ``kind``."""
+class _TooBig(Exception):
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"{size} bytes; at most {limit}")
+        self.size, self.limit = size, limit
+
+
+def _object(r: _Repo, binsha: bytes, kind: bytes, max_bytes: int = MAX_BLOB_BYTES) -> bytes:
+    """An object's bytes, read whole (the batch stream stays in step), of type ``kind``;
+    :class:`_TooBig` when it has more than ``max_bytes``, asked of ``--batch-check``
+    first, so nothing of it is read (GitPython drains an abandoned stream in one read)."""
+    size = r.odb.info(binsha).size
+    if size > max_bytes:
+        raise _TooBig(size, max_bytes)
     stream = r.odb.stream(binsha)
     data: bytes = stream.read()
     if stream.type != kind:
@@ -379,16 +392,24 @@ def check_export(repo: Path, tree: str, dest: Path) -> list[str]:
     return problems
 
 
-def read_blob(repo: Path, tree: str, path: str) -> bytes | None:
-    """Bytes of ``path`` in ``tree`` (any tree-ish), or None when absent (or not a file)."""
-    with _reading(repo) as r:
-        try:
-            entry = _lookup(r, _tree_of(r, tree), path)
-            if entry is None or not _is_file(entry[0]):
+def read_blob(repo: Path, tree: str, path: str, *,
+              max_bytes: int = MAX_BLOB_BYTES) -> bytes | None:
+    """Bytes of ``path`` in ``tree`` (any tree-ish), or None when absent (or not a file);
+    ConfigError naming it when it has more than ``max_bytes`` (nothing of it is read)."""
+    try:
+        with _reading(repo) as r:
+            try:
+                entry = _lookup(r, _tree_of(r, tree), path)
+                if entry is None or not _is_file(entry[0]):
+                    return None
+                return _object(r, entry[1], b"blob", max_bytes)
+            except _LOOKUP_ERRORS:
                 return None
-            return _object(r, entry[1], b"blob")
-        except _LOOKUP_ERRORS:
-            return None
+    except _TooBig as exc:
+        raise ConfigError(f"{path!r} in tree {tree[:12]} has {exc.size} bytes; at most "
+                          f"{exc.limit} are read", path=str(repo),
+                          fix="keep the file small, or out of the files cyclebox reads"
+                          ) from None
 
 
 def _walked(repo: Path, tree: str) -> list[tuple[str, int, bytes]]:

@@ -167,7 +167,14 @@ def _agent_requirements(cycle: CycleFile, repo: Path, tree: str, where: str) -> 
         raise ConfigError(f"{rel} matches edit.allowlist, but the agent's requirements are "
                           "installed once, from the base tree, for both arms", path=where,
                           field=field, fix="keep the requirements file outside edit.allowlist")
-    data = gitops.read_blob(repo, tree, rel)
+    from runner.requirements import MAX_REQUIREMENTS_BYTES
+
+    try:
+        data = gitops.read_blob(repo, tree, rel, max_bytes=MAX_REQUIREMENTS_BYTES)
+    except ConfigError:  # larger than the cap: refused unread
+        raise ConfigError(f"{rel} in the base tree {tree[:12]} has more than "
+                          f"{MAX_REQUIREMENTS_BYTES} bytes", path=where, field=field,
+                          fix=fix) from None
     if data is None:
         raise ConfigError(f"{rel} is not a file in the base tree {tree[:12]}", path=where,
                           field=field, fix=fix)

@@ -1,0 +1,81 @@
+"""A repository the operator points at is hostile input: a huge blob (zeros compress to
+almost nothing in git) must not be read whole into host memory (real git, no Docker)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from runner import gitops
+from runner.errors import ConfigError
+
+BIG = 48 * 1024 * 1024
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")} | {
+    "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
+    "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
+    "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_readers() -> Iterator[None]:
+    gitops.close_readers()
+    yield
+    gitops.close_readers()
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    repo = tmp_path_factory.mktemp("hostile-repo")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True, env=ENV)
+    with open(repo / "requirements.txt", "wb") as f:
+        f.truncate(BIG)                       # sparse on disk, a few KiB in git
+    (repo / "small.txt").write_text("ok\n")
+    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True, env=ENV)
+    subprocess.run(["git", "-C", str(repo), "commit", "-qm", "big"], check=True, env=ENV)
+    (repo / "requirements.txt").unlink()
+    tree = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD^{tree}"], check=True,
+                          env=ENV, capture_output=True, text=True).stdout.strip()
+    return repo, tree
+
+
+def _peak(fn: Any) -> int:
+    tracemalloc.start()
+    try:
+        fn()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+def test_a_huge_requirements_blob_is_refused_unread(repo: tuple[Path, str]) -> None:
+    from runner.cycle.plan import _agent_requirements
+
+    path, tree = repo
+    cycle = SimpleNamespace(project=SimpleNamespace(requirements="requirements.txt"),
+                            edit=SimpleNamespace(allowlist=("src/*",)))
+
+    def read() -> None:
+        with pytest.raises(ConfigError, match=r"requirements\.txt.*bytes"):
+            _agent_requirements(cast(Any, cycle), path, tree, "cycle.yaml")
+    assert _peak(read) < BIG // 4
+    assert gitops.read_blob(path, tree, "small.txt") == b"ok\n"   # the reader is in step
+
+
+def test_read_blob_caps_every_read(repo: tuple[Path, str]) -> None:
+    path, tree = repo
+    with pytest.raises(ConfigError, match="at most 1024"):
+        gitops.read_blob(path, tree, "requirements.txt", max_bytes=1024)
+    assert gitops.read_blob(path, tree, "small.txt") == b"ok\n"   # the reader is in step
+
+    def default() -> None:
+        with pytest.raises(ConfigError, match=r"requirements\.txt"):
+            gitops.read_blob(path, tree, "requirements.txt")
+    assert _peak(default) < BIG // 4
