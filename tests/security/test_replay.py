@@ -40,3 +40,83 @@ def test_a_recorded_digest_is_kept(tmp_path: Path) -> None:
     plan = {"plan": {"judge": JUDGE.model_dump(mode="json"), "judge_id": "ab" * 32}}
     assert judge_identity(JUDGE, "up", replay_from=_recorded(tmp_path, json.dumps(plan))) \
         == "ab" * 32
+
+
+def test_a_recorded_digest_cannot_name_a_file_outside_the_blobs(tmp_path: Path) -> None:
+    """calls.jsonl of a recorded run names its response by digest; a digest that is a
+    path (``../../fifo``) made the host gateway open a file outside the run: a FIFO hung
+    it, /dev/zero filled its memory."""
+    import asyncio
+    import hashlib
+    import os
+    import threading
+
+    from runner.errors import IntegrityError
+    from runner.gateway.calllog import CallLog, CallRecord
+    from runner.gateway.providers import ReplayProvider
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    run = tmp_path / "run"
+    log = CallLog(run / "gateway")
+    request = b'{"model":"m","messages":[]}'
+    traversal = "../" * 3 + "fifo"
+    assert (log.blobs / traversal).resolve() == fifo.resolve()
+    rec = CallRecord(seq=0, ts=CallLog.now(), run_id="r", role="analyst", upstream="u",
+                     stage="baseline", turn=0, provider="openai", model="m",
+                     fixture=False, status="ok", http_status=200, latency_s=0.1,
+                     request_sha256=log.put_blob(request), response_sha256="0" * 64)
+    line = rec.model_dump_json().replace("0" * 64, traversal)
+    log.index.write_text(line + "\n")
+    outcome: list[object] = []
+
+    def replay() -> None:
+        try:
+            prov = ReplayProvider(run)
+            outcome.append(asyncio.run(prov.call(request, {}, role="analyst",
+                                                 stream=False)))
+        except IntegrityError as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=replay, daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():                       # unblock the open() the old code hung in
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(10)
+        pytest.fail("the replay opened a file outside the recorded blobs (hung on a FIFO)")
+    assert len(outcome) == 1 and isinstance(outcome[0], IntegrityError), outcome
+    assert hashlib.sha256(request).hexdigest() != traversal
+
+
+def test_a_recorded_blob_that_is_a_fifo_is_refused_unread(tmp_path: Path) -> None:
+    """A well-formed digest whose blob is a symlink to a FIFO (or /dev/zero) in the
+    recorded run: refused as not a regular file, never opened blocking or read whole."""
+    import hashlib
+    import os
+    import threading
+
+    from runner.errors import IntegrityError
+    from runner.gateway.calllog import CallLog
+
+    log = CallLog(tmp_path / "gateway")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    digest = hashlib.sha256(b"x").hexdigest()
+    (log.blobs / digest).symlink_to(fifo)
+    outcome: list[object] = []
+
+    def read() -> None:
+        try:
+            outcome.append(log.blob(digest))
+        except IntegrityError as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(10)
+        pytest.fail("the recorded blob was opened blocking (hung on a FIFO)")
+    assert len(outcome) == 1 and isinstance(outcome[0], IntegrityError), outcome
