@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import io
 import os
 import stat
 import subprocess
 import tarfile
+import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -64,6 +64,8 @@ MAX_TREE_ENTRIES = 1_000_000
 """Entries one recursive tree walk visits before it refuses (a tree bomb shares subtrees)."""
 MAX_BLOB_BYTES = 32 * 1024 * 1024
 """Largest object read whole into host memory (a blob of zeros is tiny in git)."""
+MAX_EXPORT_BYTES = 2 * 1024 * 1024 * 1024
+"""Largest tree (sum of its blobs) exported to disk; zeros compress to nothing in git."""
 ENV_REFUSED = ("GIT_COMMON_DIR", "GIT_OBJECT_DIRECTORY")
 """Variables that would make GitPython read another repository's refs or objects."""
 
@@ -343,10 +345,29 @@ def export_tree(repo: Path, tree: str, dest: Path) -> None:
     The export is then compared with the tree's blobs (:func:`check_export`), because
     ``git archive`` applies the tree's own ``.gitattributes`` (export-ignore, export-subst,
     ident, eol): IntegrityError naming the first path that differs."""
-    data = _git(["archive", "--format=tar", tree], cwd=repo)
+    total = _tree_bytes(repo, tree)
+    if total > MAX_EXPORT_BYTES:
+        raise ConfigError(f"tree {tree[:12]} holds more than {MAX_EXPORT_BYTES} bytes of "
+                          f"files ({total}); refused before export", path=str(repo),
+                          fix="keep large data out of the agent's source tree (a store)")
     dest.mkdir(parents=True)
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(dest, filter="tar")
+    # Streamed: the archive never sits in host memory whole.
+    with tempfile.TemporaryFile() as errf:
+        proc = subprocess.Popen(["git", "archive", "--format=tar", tree], cwd=repo,
+                                env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=errf)
+        assert proc.stdout is not None  # noqa: S101 - stdout=PIPE above
+        try:
+            with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+                tar.extractall(dest, filter="tar")
+        finally:
+            proc.stdout.close()
+            proc.wait()
+        errf.seek(0)
+        err = errf.read(64 * 1024)
+    if proc.returncode != 0:
+        raise ConfigError(f"git archive {tree[:12]} failed: "
+                          f"{err.decode(errors='replace').strip()}", path=str(repo))
     problems = check_export(repo, tree, dest)
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more"
@@ -356,11 +377,35 @@ def export_tree(repo: Path, tree: str, dest: Path) -> None:
                              "ident/eol rule changes what would run)")
 
 
+def _tree_bytes(repo: Path, tree: str) -> int:
+    """Sum of the sizes of ``tree``'s blobs (``--batch-check``: nothing is read)."""
+    entries = [sha for _, mode, sha in _walked(repo, tree) if _is_file(mode)]
+    with _reading(repo) as r:
+        try:
+            return sum(int(r.odb.info(sha).size) for sha in entries)
+        except _LOOKUP_ERRORS as exc:
+            raise ConfigError(f"cannot size tree {tree[:80]!r}: {exc}", path=str(repo)
+                              ) from None
+
+
 def _blob_id(data: bytes, algo: str) -> str:
     h = hashlib.new(algo)
     h.update(b"blob %d\0" % len(data))
     h.update(data)
     return h.hexdigest()
+
+
+def _file_blob_id(path: str, algo: str) -> str:
+    """:func:`_blob_id` of a regular file, read in chunks (never whole into memory)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h = hashlib.new(algo)
+        h.update(b"blob %d\0" % size)
+        got = 0
+        while chunk := f.read(1 << 20):
+            got += len(chunk)
+            h.update(chunk)
+    return h.hexdigest() if got == size else ""
 
 
 def check_export(repo: Path, tree: str, dest: Path) -> list[str]:
@@ -380,9 +425,8 @@ def check_export(repo: Path, tree: str, dest: Path) -> list[str]:
             if stat.S_ISLNK(st.st_mode):
                 got[rel] = ("120000", _blob_id(os.fsencode(os.readlink(p)), algo))
             elif stat.S_ISREG(st.st_mode):
-                with open(p, "rb") as f:
-                    got[rel] = ("100755" if st.st_mode & 0o111 else "100644",
-                                _blob_id(f.read(), algo))
+                got[rel] = ("100755" if st.st_mode & 0o111 else "100644",
+                            _file_blob_id(p, algo))
             else:
                 got[rel] = ("other", "")
     problems = [f"{p}: missing from the export" for p in sorted(set(want) - set(got))]

@@ -79,3 +79,18 @@ def test_read_blob_caps_every_read(repo: tuple[Path, str]) -> None:
         with pytest.raises(ConfigError, match=r"requirements\.txt"):
             gitops.read_blob(path, tree, "requirements.txt")
     assert _peak(default) < BIG // 4
+
+
+def test_export_streams_and_caps_the_tree(repo: tuple[Path, str], tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent's tree is exported for its container: a zero blob that is tiny in git
+    was a whole ``git archive`` held in host memory, and a tree of any expanded size
+    was written out (a disk-filling bomb)."""
+    path, tree = repo
+    monkeypatch.setattr(gitops, "MAX_EXPORT_BYTES", BIG * 2, raising=False)
+    assert _peak(lambda: gitops.export_tree(path, tree, tmp_path / "a")) < BIG // 4
+    assert (tmp_path / "a" / "requirements.txt").stat().st_size == BIG
+    monkeypatch.setattr(gitops, "MAX_EXPORT_BYTES", BIG - 1, raising=False)
+    with pytest.raises(ConfigError, match=r"more than \d+ bytes"):
+        gitops.export_tree(path, tree, tmp_path / "b")
+    assert not (tmp_path / "b").exists()
