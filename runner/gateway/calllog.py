@@ -12,9 +12,11 @@ stops) makes it survive a machine crash too. Per-call fsync cost ~1 ms on the ho
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+import stat
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
@@ -109,9 +111,12 @@ class CallLog:
         self._dirty = False
         self._fd: int | None = None
         self._seq = 0
-        if self.index.exists():
-            with self.index.open("rb") as f:
-                self._seq = sum(1 for _ in f)
+        # Only a regular file is counted (never followed, never opened blocking): a
+        # replayed run's log is hostile, and records() refuses anything else.
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(os.lstat(self.index).st_mode):
+                with self.index.open("rb") as f:
+                    self._seq = sum(1 for _ in f)
 
     def put_blob(self, data: bytes) -> str:
         digest = sha256(data)

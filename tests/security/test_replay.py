@@ -120,3 +120,33 @@ def test_a_recorded_blob_that_is_a_fifo_is_refused_unread(tmp_path: Path) -> Non
         t.join(10)
         pytest.fail("the recorded blob was opened blocking (hung on a FIFO)")
     assert len(outcome) == 1 and isinstance(outcome[0], IntegrityError), outcome
+
+
+def test_a_recorded_call_log_that_is_a_fifo_is_refused_unread(tmp_path: Path) -> None:
+    """The recorded run can change between freeze (which checks calls.jsonl is a file)
+    and the run: a FIFO there hung the gateway's start (the writer counted its lines)."""
+    import os
+    import threading
+
+    from runner.errors import ConfigError, IntegrityError
+    from runner.gateway.providers import ReplayProvider
+
+    (tmp_path / "gateway" / "blobs").mkdir(parents=True)
+    fifo = tmp_path / "gateway" / "calls.jsonl"
+    os.mkfifo(fifo)
+    outcome: list[object] = []
+
+    def start() -> None:
+        try:
+            outcome.append(ReplayProvider(tmp_path))
+        except (ConfigError, IntegrityError) as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=start, daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(10)
+        pytest.fail("the recorded call log was opened blocking (hung on a FIFO)")
+    assert len(outcome) == 1 and isinstance(outcome[0], ConfigError | IntegrityError), outcome
