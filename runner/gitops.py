@@ -123,8 +123,25 @@ class _ReadOnlyGit(git.Git):
         return cmd
 
     def execute(self, *args: Any, **kwargs: Any) -> Any:
+        argv = args[0] if args and isinstance(args[0], list | tuple) else []
+        if list(argv[:2]) == ["git", "rev-parse"]:  # a revision GitPython cannot parse
+            raise _NeedsGit("this revision syntax (e.g. :/text, ^{/text}) is not read; "
+                            "name a branch, tag or commit")
         raise IntegrityError(f"gitops: GitPython tried to run git itself ({args[:1]}); "
                              "reads go through the batch readers only")
+
+
+class _NeedsGit(git.exc.GitError):
+    """A revision only ``git rev-parse`` itself resolves: an unresolved ref, bad input."""
+
+
+def _why(exc: BaseException) -> str:
+    """``str(exc)``, which for some gitdb errors raises itself (a str where bytes were
+    expected); then the exception's type name."""
+    try:
+        return str(exc)
+    except Exception:  # any failure to describe is described by type
+        return type(exc).__name__
 
 
 class _Repo(git.Repo):
@@ -384,7 +401,7 @@ def _tree_bytes(repo: Path, tree: str) -> int:
         try:
             return sum(int(r.odb.info(sha).size) for sha in entries)
         except _LOOKUP_ERRORS as exc:
-            raise ConfigError(f"cannot size tree {tree[:80]!r}: {exc}", path=str(repo)
+            raise ConfigError(f"cannot size tree {tree[:80]!r}: {_why(exc)}", path=str(repo)
                               ) from None
 
 
@@ -461,7 +478,7 @@ def _walked(repo: Path, tree: str) -> list[tuple[str, int, bytes]]:
         try:
             return list(_walk(r, _tree_of(r, tree)))
         except _LOOKUP_ERRORS as exc:
-            raise ConfigError(f"cannot list tree {tree[:80]!r}: {exc}", path=str(repo)
+            raise ConfigError(f"cannot list tree {tree[:80]!r}: {_why(exc)}", path=str(repo)
                               ) from None
 
 
@@ -493,7 +510,7 @@ def head_tree(repo: Path, ref: str = "HEAD") -> str:
         try:
             return _tree_of(r, ref).hex()
         except _LOOKUP_ERRORS as exc:
-            raise ConfigError(f"{ref[:80]!r} does not resolve to a tree ({exc})",
+            raise ConfigError(f"{ref[:80]!r} does not resolve to a tree ({_why(exc)})",
                               path=str(repo)) from None
 
 
@@ -503,7 +520,7 @@ def rev(repo: Path, ref: str) -> str:
         try:
             return str(r.rev_parse(_check_rev(ref)).hexsha)
         except _LOOKUP_ERRORS as exc:
-            raise ConfigError(f"{ref[:80]!r} does not resolve ({exc})", path=str(repo)
+            raise ConfigError(f"{ref[:80]!r} does not resolve ({_why(exc)})", path=str(repo)
                               ) from None
 
 
@@ -515,7 +532,7 @@ def changed_paths(repo: Path, a: str, b: str) -> list[str]:
         try:
             return sorted(_tree_diff(r, _tree_of(r, a), _tree_of(r, b)))
         except _LOOKUP_ERRORS as exc:
-            raise ConfigError(f"cannot compare {a[:80]!r} with {b[:80]!r}: {exc}",
+            raise ConfigError(f"cannot compare {a[:80]!r} with {b[:80]!r}: {_why(exc)}",
                               path=str(repo)) from None
 
 
@@ -595,7 +612,7 @@ def commit_tree(git_dir: Path, commit: str) -> str:
         try:
             body = _object(r, bytes.fromhex(commit), b"commit")
         except _LOOKUP_ERRORS as exc:
-            raise ConfigError(f"cannot read commit {commit}: {exc}", path=str(git_dir)
+            raise ConfigError(f"cannot read commit {commit}: {_why(exc)}", path=str(git_dir)
                               ) from None
     algo = hashlib.sha1 if len(commit) == 40 else hashlib.sha256
     if algo(b"commit %d\0" % len(body) + body).hexdigest() != commit:

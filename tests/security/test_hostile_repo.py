@@ -94,3 +94,22 @@ def test_export_streams_and_caps_the_tree(repo: tuple[Path, str], tmp_path: Path
     with pytest.raises(ConfigError, match=r"more than \d+ bytes"):
         gitops.export_tree(path, tree, tmp_path / "b")
     assert not (tmp_path / "b").exists()
+
+
+def test_revisions_a_repository_answers_oddly_are_bad_input(tmp_path: Path) -> None:
+    """A dangling HEAD read through its reflog (``HEAD@{0}``) raised a gitdb error whose
+    str() itself raises (TypeError: exit 10); a revision only ``git rev-parse`` resolves
+    (``:/text``) was an IntegrityError. Both are an operator's ref that does not resolve."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True, env=ENV)
+    (tmp_path / "f").write_text("x\n")
+    subprocess.run(["git", "-C", str(tmp_path), "add", "f"], check=True, env=ENV)
+    subprocess.run(["git", "-C", str(tmp_path), "commit", "-qm", "m"], check=True, env=ENV)
+    for ref in (":/m", "HEAD^{/m}"):
+        with pytest.raises(ConfigError, match="does not resolve"):
+            gitops.head_tree(tmp_path, ref)
+    (tmp_path / ".git" / "HEAD").write_text("ref: refs/heads/nowhere\n")
+    for ref in ("HEAD@{0}", "HEAD"):
+        with pytest.raises(ConfigError, match="does not resolve"):
+            gitops.head_tree(tmp_path, ref)
+        with pytest.raises(ConfigError, match="does not resolve"):
+            gitops.rev(tmp_path, ref)
