@@ -32,8 +32,10 @@ read (GitPython's object model is sha1): a sha256 one is a ConfigError.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import os
+import shutil
 import stat
 import subprocess
 import tarfile
@@ -317,16 +319,57 @@ def toplevel(repo: Path) -> Path | None:
     return Path(_git(["rev-parse", "--show-toplevel"], cwd=repo).decode().strip())
 
 
+_SHADOW_CONFIG = ("[core]\n\tbare = false\n\tfsmonitor = false\n"
+                  "\tuntrackedCache = false\n\thooksPath = /dev/null\n")
+
+
+@contextmanager
+def _shadow(repo: Path, *, head: bool = False) -> Iterator[tuple[Path, dict[str, str]]]:
+    """A git directory of our own over ``repo``'s objects (and, with ``head``, its HEAD
+    commit, index and info/exclude): (its path, the environment that points git at it).
+
+    The repository's own config, hooks and info/attributes are never read: they can name
+    commands (``core.fsmonitor``, a filter's ``clean``/``smudge``/``process``, a diff
+    driver) that ``git status`` and ``git archive`` would run on the host, selected by a
+    committed ``.gitattributes``. Drivers named there are undefined here, so inert."""
+    with _reading(repo) as r:
+        common = Path(os.path.abspath(r.common_dir))
+        own = Path(os.path.abspath(r.git_dir))
+        try:
+            commit = r.head.commit.hexsha if head and r.head.is_valid() else None
+        except _LOOKUP_ERRORS:
+            commit = None
+    with tempfile.TemporaryDirectory(prefix="cyclebox-git-") as tmp:
+        shadow = Path(tmp)
+        for sub in ("refs", "objects", "info"):
+            (shadow / sub).mkdir()
+        (shadow / "config").write_text(_SHADOW_CONFIG)
+        (shadow / "HEAD").write_text(f"{commit}\n" if commit else "ref: refs/heads/none\n")
+        env = {"GIT_DIR": str(shadow), "GIT_OBJECT_DIRECTORY": str(common / "objects")}
+        if head:
+            exclude = common / "info" / "exclude"
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.lstat(exclude).st_mode):
+                    shutil.copyfile(exclude, shadow / "info" / "exclude")
+            if (own / "index").is_file():
+                env["GIT_INDEX_FILE"] = str(own / "index")
+        yield shadow, env
+
+
 def uncommitted(repo: Path, subdir: str | None = None) -> list[tuple[str, str]]:
     """(status, path) of every uncommitted change under ``subdir`` of a work tree: staged,
     unstaged and untracked (ignored files left out). Empty outside a work tree.
 
-    Read only: ``GIT_OPTIONAL_LOCKS=0`` keeps ``git status`` from refreshing the index."""
-    if toplevel(repo) is None:
+    Read only: ``GIT_OPTIONAL_LOCKS=0`` keeps ``git status`` from refreshing the index,
+    and it runs over :func:`_shadow` (none of the repository's configured commands)."""
+    top = toplevel(repo)
+    if top is None:
         return []
-    out = _git(["status", "--porcelain=v1", "-z", "--untracked-files=all", "--no-renames",
-                "--", (subdir or ".").strip("/") or "."], cwd=repo,
-               extra_env={"GIT_OPTIONAL_LOCKS": "0"})
+    with _shadow(repo, head=True) as (_, env):
+        out = _git(["status", "--porcelain=v1", "-z", "--untracked-files=all",
+                    "--no-renames", "--ignore-submodules=all", "--",
+                    (subdir or ".").strip("/") or "."], cwd=repo,
+                   extra_env={**env, "GIT_WORK_TREE": str(top), "GIT_OPTIONAL_LOCKS": "0"})
     rows = []
     for entry in out.split(b"\0"):
         if len(entry) > 3:
@@ -369,10 +412,11 @@ def export_tree(repo: Path, tree: str, dest: Path) -> None:
                           fix="keep large data out of the agent's source tree (a store)")
     dest.mkdir(parents=True)
     # Streamed: the archive never sits in host memory whole.
-    with tempfile.TemporaryFile() as errf:
-        proc = subprocess.Popen(["git", "archive", "--format=tar", tree], cwd=repo,
-                                env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=errf)
+    tree_id = head_tree(repo, tree)  # the shadow below has no refs
+    with tempfile.TemporaryFile() as errf, _shadow(repo) as (shadow, env):
+        proc = subprocess.Popen(["git", "archive", "--format=tar", tree_id], cwd=shadow,
+                                env=_env(env), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=errf)
         assert proc.stdout is not None  # noqa: S101 - stdout=PIPE above
         try:
             with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:

@@ -113,3 +113,44 @@ def test_revisions_a_repository_answers_oddly_are_bad_input(tmp_path: Path) -> N
             gitops.head_tree(tmp_path, ref)
         with pytest.raises(ConfigError, match="does not resolve"):
             gitops.rev(tmp_path, ref)
+
+
+@pytest.fixture()
+def armed(tmp_path: Path) -> tuple[Path, Path]:
+    """A repository whose own .git/config names commands (core.fsmonitor, a filter's
+    clean and smudge) and whose committed .gitattributes selects that filter: git runs
+    them from ``git status`` and ``git archive``. Returns (repo, marker directory)."""
+    repo, marks = tmp_path / "repo", tmp_path / "marks"
+    marks.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True, env=ENV)
+    (repo / "f").write_text("x\n")
+    (repo / ".gitattributes").write_text("f filter=x\n")
+    (repo / ".gitignore").write_text("ignored.txt\n")
+    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True, env=ENV)
+    subprocess.run(["git", "-C", str(repo), "commit", "-qm", "m"], check=True, env=ENV)
+    for key, name in (("core.fsmonitor", "fsmonitor"), ("filter.x.clean", "clean"),
+                      ("filter.x.smudge", "smudge"), ("filter.x.process", "process")):
+        cmd = f"sh -c 'touch {marks / name}; cat'" if name != "fsmonitor" else \
+            f"touch {marks / name}; false"
+        subprocess.run(["git", "-C", str(repo), "config", key, cmd], check=True, env=ENV)
+    (repo / "f").write_text("y\n")              # modified: status hashes it (clean filter)
+    (repo / "new.txt").write_text("n\n")
+    (repo / "ignored.txt").write_text("i\n")
+    return repo, marks
+
+
+def test_status_runs_no_command_the_repository_configures(armed: tuple[Path, Path]) -> None:
+    repo, marks = armed
+    rows = gitops.uncommitted(repo)
+    assert sorted(os.listdir(marks)) == [], "git status ran the repository's commands"
+    assert ("M", "f") in rows and ("??", "new.txt") in rows
+    assert not any(p == "ignored.txt" for _, p in rows)
+
+
+def test_export_runs_no_command_the_repository_configures(armed: tuple[Path, Path],
+                                                          tmp_path: Path) -> None:
+    repo, marks = armed
+    tree = gitops.head_tree(repo)
+    gitops.export_tree(repo, tree, tmp_path / "export")
+    assert sorted(os.listdir(marks)) == [], "git archive ran the repository's commands"
+    assert (tmp_path / "export" / "f").read_text() == "x\n"
