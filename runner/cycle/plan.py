@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import fnmatch
+import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +58,7 @@ from runner.cycle.scoring import (
 from runner.errors import ConfigError, IntegrityError, PrerequisiteError
 from runner.gateway.budget import BudgetPolicy
 from runner.gateway.config import UpstreamPolicy, read_credential
-from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_json
+from runner.hashing import canonical_bytes, sha256_file, sha256_json
 from runner.isolation.policy import RolePolicies, RolePolicy, load_policies
 from runner.isolation.sandbox import Frozen
 from runner.isolation.seccomp import load_profile
@@ -331,16 +333,15 @@ def _write_frozen(c: _Checked, cycle_path: Path, out: Path, images: dict[str, st
     frozen_ups: dict[str, UpstreamPolicy] = {}
     up_ids: dict[str, str] = {}
     for name, orig in sorted(c.upstreams.items()):
-        up, extra = orig, b""
+        up, extra = orig, None
         if orig.script:
             dest = _copy_input(Path(orig.script), inputs_dir, f"scripts/{name}.yaml", table)
             up = orig.model_copy(update={"script": str(dest)})
-            extra = dest.read_bytes()
+            extra = dest
         if orig.replay_from:
-            extra = (Path(orig.replay_from) / "gateway" / "calls.jsonl").read_bytes()
+            extra = Path(orig.replay_from) / "gateway" / "calls.jsonl"
         frozen_ups[name] = up
-        up_ids[name] = sha256_bytes(canonical_bytes(
-            up.model_dump(mode="json", exclude={"script", "replay_from"})) + extra)
+        up_ids[name] = upstream_id(up, extra, field=f"upstreams.{name}")
     if c.requirements is not None:
         (inputs_dir / AGENT_REQUIREMENTS).write_text(c.requirements)
         table[AGENT_REQUIREMENTS] = sha256_file(inputs_dir / AGENT_REQUIREMENTS)
@@ -373,6 +374,29 @@ def _write_frozen(c: _Checked, cycle_path: Path, out: Path, images: dict[str, st
         "inputs": table})
     plan_hash = write_plan(plan, out / "plan.json")
     return plan, plan_hash
+
+
+def upstream_id(up: UpstreamPolicy, extra: Path | None, *, field: str) -> str:
+    """sha256 of the upstream's definition plus the bytes of its script or replay log,
+    streamed from a regular file opened non-blocking (a recorded run given to replay is
+    hostile: its log may be huge, or swapped for a FIFO after the check)."""
+    h = hashlib.sha256(canonical_bytes(up.model_dump(mode="json",
+                                                     exclude={"script", "replay_from"})))
+    if extra is None:
+        return h.hexdigest()
+    try:
+        fd = os.open(extra, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"{show(str(extra))} cannot be read ({exc.strerror})", field=field,
+                          fix="point at a finished run directory or an existing script"
+                          ) from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{show(str(extra))} is not a regular file", field=field,
+                              fix="point at a finished run directory or an existing script")
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def judge_identity(judge: JudgeSpec, upstream_id: str | None, *,

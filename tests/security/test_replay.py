@@ -150,3 +150,50 @@ def test_a_recorded_call_log_that_is_a_fifo_is_refused_unread(tmp_path: Path) ->
         t.join(10)
         pytest.fail("the recorded call log was opened blocking (hung on a FIFO)")
     assert len(outcome) == 1 and isinstance(outcome[0], ConfigError | IntegrityError), outcome
+
+
+def test_a_recorded_log_is_hashed_streamed_and_only_as_a_regular_file(
+        tmp_path: Path) -> None:
+    """Freeze binds the replay log's bytes into the upstream id: it read the whole file
+    into memory (a huge sparse log) and opened it blocking (a FIFO swapped in)."""
+    import hashlib
+    import os
+    import threading
+    import tracemalloc
+
+    from runner.cycle.plan import upstream_id
+    from runner.errors import ConfigError
+    from runner.gateway.config import parse_upstream
+    from runner.hashing import canonical_bytes
+
+    up = parse_upstream({"provider": "replay", "replay_from": str(tmp_path), "models": ["m"]})
+    log = tmp_path / "calls.jsonl"
+    with open(log, "wb") as f:
+        f.truncate(48 * 1024 * 1024)
+    tracemalloc.start()
+    try:
+        got = upstream_id(up, log, field="upstreams.target")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    want = hashlib.sha256(canonical_bytes(up.model_dump(
+        mode="json", exclude={"script", "replay_from"})) + log.read_bytes()).hexdigest()
+    assert got == want and peak < 8 * 1024 * 1024
+    log.unlink()
+    os.mkfifo(log)
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(upstream_id(up, log, field="upstreams.target"))
+        except ConfigError as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():
+        os.close(os.open(log, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(10)
+        pytest.fail("the replay log was opened blocking (hung on a FIFO)")
+    assert len(outcome) == 1 and isinstance(outcome[0], ConfigError), outcome
