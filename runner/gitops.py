@@ -32,12 +32,14 @@ read (GitPython's object model is sha1): a sha256 one is a ConfigError.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
-import io
 import os
+import shutil
 import stat
 import subprocess
 import tarfile
+import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -62,6 +64,10 @@ READER_CACHE = 4
 """Repositories whose two reader processes stay open (least recently used closed first)."""
 MAX_TREE_ENTRIES = 1_000_000
 """Entries one recursive tree walk visits before it refuses (a tree bomb shares subtrees)."""
+MAX_BLOB_BYTES = 32 * 1024 * 1024
+"""Largest object read whole into host memory (a blob of zeros is tiny in git)."""
+MAX_EXPORT_BYTES = 2 * 1024 * 1024 * 1024
+"""Largest tree (sum of its blobs) exported to disk; zeros compress to nothing in git."""
 ENV_REFUSED = ("GIT_COMMON_DIR", "GIT_OBJECT_DIRECTORY")
 """Variables that would make GitPython read another repository's refs or objects."""
 
@@ -119,8 +125,25 @@ class _ReadOnlyGit(git.Git):
         return cmd
 
     def execute(self, *args: Any, **kwargs: Any) -> Any:
+        argv = args[0] if args and isinstance(args[0], list | tuple) else []
+        if list(argv[:2]) == ["git", "rev-parse"]:  # a revision GitPython cannot parse
+            raise _NeedsGit("this revision syntax (e.g. :/text, ^{/text}) is not read; "
+                            "name a branch, tag or commit")
         raise IntegrityError(f"gitops: GitPython tried to run git itself ({args[:1]}); "
                              "reads go through the batch readers only")
+
+
+class _NeedsGit(git.exc.GitError):
+    """A revision only ``git rev-parse`` itself resolves: an unresolved ref, bad input."""
+
+
+def _why(exc: BaseException) -> str:
+    """``str(exc)``, which for some gitdb errors raises itself (a str where bytes were
+    expected); then the exception's type name."""
+    try:
+        return str(exc)
+    except Exception:  # any failure to describe is described by type
+        return type(exc).__name__
 
 
 class _Repo(git.Repo):
@@ -204,8 +227,19 @@ def _check_rev(rev: str) -> str:
     return rev
 
 
-def _object(r: _Repo, binsha: bytes, kind: bytes) -> bytes:
-    """An object's bytes, read whole (the batch stream stays in step), of type ``kind``."""
+class _TooBig(Exception):
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"{size} bytes; at most {limit}")
+        self.size, self.limit = size, limit
+
+
+def _object(r: _Repo, binsha: bytes, kind: bytes, max_bytes: int = MAX_BLOB_BYTES) -> bytes:
+    """An object's bytes, read whole (the batch stream stays in step), of type ``kind``;
+    :class:`_TooBig` when it has more than ``max_bytes``, asked of ``--batch-check``
+    first, so nothing of it is read (GitPython drains an abandoned stream in one read)."""
+    size = r.odb.info(binsha).size
+    if size > max_bytes:
+        raise _TooBig(size, max_bytes)
     stream = r.odb.stream(binsha)
     data: bytes = stream.read()
     if stream.type != kind:
@@ -285,16 +319,57 @@ def toplevel(repo: Path) -> Path | None:
     return Path(_git(["rev-parse", "--show-toplevel"], cwd=repo).decode().strip())
 
 
+_SHADOW_CONFIG = ("[core]\n\tbare = false\n\tfsmonitor = false\n"
+                  "\tuntrackedCache = false\n\thooksPath = /dev/null\n")
+
+
+@contextmanager
+def _shadow(repo: Path, *, head: bool = False) -> Iterator[tuple[Path, dict[str, str]]]:
+    """A git directory of our own over ``repo``'s objects (and, with ``head``, its HEAD
+    commit, index and info/exclude): (its path, the environment that points git at it).
+
+    The repository's own config, hooks and info/attributes are never read: they can name
+    commands (``core.fsmonitor``, a filter's ``clean``/``smudge``/``process``, a diff
+    driver) that ``git status`` and ``git archive`` would run on the host, selected by a
+    committed ``.gitattributes``. Drivers named there are undefined here, so inert."""
+    with _reading(repo) as r:
+        common = Path(os.path.abspath(r.common_dir))
+        own = Path(os.path.abspath(r.git_dir))
+        try:
+            commit = r.head.commit.hexsha if head and r.head.is_valid() else None
+        except _LOOKUP_ERRORS:
+            commit = None
+    with tempfile.TemporaryDirectory(prefix="cyclebox-git-") as tmp:
+        shadow = Path(tmp)
+        for sub in ("refs", "objects", "info"):
+            (shadow / sub).mkdir()
+        (shadow / "config").write_text(_SHADOW_CONFIG)
+        (shadow / "HEAD").write_text(f"{commit}\n" if commit else "ref: refs/heads/none\n")
+        env = {"GIT_DIR": str(shadow), "GIT_OBJECT_DIRECTORY": str(common / "objects")}
+        if head:
+            exclude = common / "info" / "exclude"
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.lstat(exclude).st_mode):
+                    shutil.copyfile(exclude, shadow / "info" / "exclude")
+            if (own / "index").is_file():
+                env["GIT_INDEX_FILE"] = str(own / "index")
+        yield shadow, env
+
+
 def uncommitted(repo: Path, subdir: str | None = None) -> list[tuple[str, str]]:
     """(status, path) of every uncommitted change under ``subdir`` of a work tree: staged,
     unstaged and untracked (ignored files left out). Empty outside a work tree.
 
-    Read only: ``GIT_OPTIONAL_LOCKS=0`` keeps ``git status`` from refreshing the index."""
-    if toplevel(repo) is None:
+    Read only: ``GIT_OPTIONAL_LOCKS=0`` keeps ``git status`` from refreshing the index,
+    and it runs over :func:`_shadow` (none of the repository's configured commands)."""
+    top = toplevel(repo)
+    if top is None:
         return []
-    out = _git(["status", "--porcelain=v1", "-z", "--untracked-files=all", "--no-renames",
-                "--", (subdir or ".").strip("/") or "."], cwd=repo,
-               extra_env={"GIT_OPTIONAL_LOCKS": "0"})
+    with _shadow(repo, head=True) as (_, env):
+        out = _git(["status", "--porcelain=v1", "-z", "--untracked-files=all",
+                    "--no-renames", "--ignore-submodules=all", "--",
+                    (subdir or ".").strip("/") or "."], cwd=repo,
+                   extra_env={**env, "GIT_WORK_TREE": str(top), "GIT_OPTIONAL_LOCKS": "0"})
     rows = []
     for entry in out.split(b"\0"):
         if len(entry) > 3:
@@ -330,10 +405,30 @@ def export_tree(repo: Path, tree: str, dest: Path) -> None:
     The export is then compared with the tree's blobs (:func:`check_export`), because
     ``git archive`` applies the tree's own ``.gitattributes`` (export-ignore, export-subst,
     ident, eol): IntegrityError naming the first path that differs."""
-    data = _git(["archive", "--format=tar", tree], cwd=repo)
+    total = _tree_bytes(repo, tree)
+    if total > MAX_EXPORT_BYTES:
+        raise ConfigError(f"tree {tree[:12]} holds more than {MAX_EXPORT_BYTES} bytes of "
+                          f"files ({total}); refused before export", path=str(repo),
+                          fix="keep large data out of the agent's source tree (a store)")
     dest.mkdir(parents=True)
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(dest, filter="tar")
+    # Streamed: the archive never sits in host memory whole.
+    tree_id = head_tree(repo, tree)  # the shadow below has no refs
+    with tempfile.TemporaryFile() as errf, _shadow(repo) as (shadow, env):
+        proc = subprocess.Popen(["git", "archive", "--format=tar", tree_id], cwd=shadow,
+                                env=_env(env), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=errf)
+        assert proc.stdout is not None  # noqa: S101 - stdout=PIPE above
+        try:
+            with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+                tar.extractall(dest, filter="tar")
+        finally:
+            proc.stdout.close()
+            proc.wait()
+        errf.seek(0)
+        err = errf.read(64 * 1024)
+    if proc.returncode != 0:
+        raise ConfigError(f"git archive {tree[:12]} failed: "
+                          f"{err.decode(errors='replace').strip()}", path=str(repo))
     problems = check_export(repo, tree, dest)
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more"
@@ -343,11 +438,35 @@ def export_tree(repo: Path, tree: str, dest: Path) -> None:
                              "ident/eol rule changes what would run)")
 
 
+def _tree_bytes(repo: Path, tree: str) -> int:
+    """Sum of the sizes of ``tree``'s blobs (``--batch-check``: nothing is read)."""
+    entries = [sha for _, mode, sha in _walked(repo, tree) if _is_file(mode)]
+    with _reading(repo) as r:
+        try:
+            return sum(int(r.odb.info(sha).size) for sha in entries)
+        except _LOOKUP_ERRORS as exc:
+            raise ConfigError(f"cannot size tree {tree[:80]!r}: {_why(exc)}", path=str(repo)
+                              ) from None
+
+
 def _blob_id(data: bytes, algo: str) -> str:
     h = hashlib.new(algo)
     h.update(b"blob %d\0" % len(data))
     h.update(data)
     return h.hexdigest()
+
+
+def _file_blob_id(path: str, algo: str) -> str:
+    """:func:`_blob_id` of a regular file, read in chunks (never whole into memory)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h = hashlib.new(algo)
+        h.update(b"blob %d\0" % size)
+        got = 0
+        while chunk := f.read(1 << 20):
+            got += len(chunk)
+            h.update(chunk)
+    return h.hexdigest() if got == size else ""
 
 
 def check_export(repo: Path, tree: str, dest: Path) -> list[str]:
@@ -367,9 +486,8 @@ def check_export(repo: Path, tree: str, dest: Path) -> list[str]:
             if stat.S_ISLNK(st.st_mode):
                 got[rel] = ("120000", _blob_id(os.fsencode(os.readlink(p)), algo))
             elif stat.S_ISREG(st.st_mode):
-                with open(p, "rb") as f:
-                    got[rel] = ("100755" if st.st_mode & 0o111 else "100644",
-                                _blob_id(f.read(), algo))
+                got[rel] = ("100755" if st.st_mode & 0o111 else "100644",
+                            _file_blob_id(p, algo))
             else:
                 got[rel] = ("other", "")
     problems = [f"{p}: missing from the export" for p in sorted(set(want) - set(got))]
@@ -379,16 +497,24 @@ def check_export(repo: Path, tree: str, dest: Path) -> list[str]:
     return problems
 
 
-def read_blob(repo: Path, tree: str, path: str) -> bytes | None:
-    """Bytes of ``path`` in ``tree`` (any tree-ish), or None when absent (or not a file)."""
-    with _reading(repo) as r:
-        try:
-            entry = _lookup(r, _tree_of(r, tree), path)
-            if entry is None or not _is_file(entry[0]):
+def read_blob(repo: Path, tree: str, path: str, *,
+              max_bytes: int = MAX_BLOB_BYTES) -> bytes | None:
+    """Bytes of ``path`` in ``tree`` (any tree-ish), or None when absent (or not a file);
+    ConfigError naming it when it has more than ``max_bytes`` (nothing of it is read)."""
+    try:
+        with _reading(repo) as r:
+            try:
+                entry = _lookup(r, _tree_of(r, tree), path)
+                if entry is None or not _is_file(entry[0]):
+                    return None
+                return _object(r, entry[1], b"blob", max_bytes)
+            except _LOOKUP_ERRORS:
                 return None
-            return _object(r, entry[1], b"blob")
-        except _LOOKUP_ERRORS:
-            return None
+    except _TooBig as exc:
+        raise ConfigError(f"{path!r} in tree {tree[:12]} has {exc.size} bytes; at most "
+                          f"{exc.limit} are read", path=str(repo),
+                          fix="keep the file small, or out of the files cyclebox reads"
+                          ) from None
 
 
 def _walked(repo: Path, tree: str) -> list[tuple[str, int, bytes]]:
@@ -396,7 +522,7 @@ def _walked(repo: Path, tree: str) -> list[tuple[str, int, bytes]]:
         try:
             return list(_walk(r, _tree_of(r, tree)))
         except _LOOKUP_ERRORS as exc:
-            raise ConfigError(f"cannot list tree {tree[:80]!r}: {exc}", path=str(repo)
+            raise ConfigError(f"cannot list tree {tree[:80]!r}: {_why(exc)}", path=str(repo)
                               ) from None
 
 
@@ -428,7 +554,7 @@ def head_tree(repo: Path, ref: str = "HEAD") -> str:
         try:
             return _tree_of(r, ref).hex()
         except _LOOKUP_ERRORS as exc:
-            raise ConfigError(f"{ref[:80]!r} does not resolve to a tree ({exc})",
+            raise ConfigError(f"{ref[:80]!r} does not resolve to a tree ({_why(exc)})",
                               path=str(repo)) from None
 
 
@@ -438,7 +564,7 @@ def rev(repo: Path, ref: str) -> str:
         try:
             return str(r.rev_parse(_check_rev(ref)).hexsha)
         except _LOOKUP_ERRORS as exc:
-            raise ConfigError(f"{ref[:80]!r} does not resolve ({exc})", path=str(repo)
+            raise ConfigError(f"{ref[:80]!r} does not resolve ({_why(exc)})", path=str(repo)
                               ) from None
 
 
@@ -450,7 +576,7 @@ def changed_paths(repo: Path, a: str, b: str) -> list[str]:
         try:
             return sorted(_tree_diff(r, _tree_of(r, a), _tree_of(r, b)))
         except _LOOKUP_ERRORS as exc:
-            raise ConfigError(f"cannot compare {a[:80]!r} with {b[:80]!r}: {exc}",
+            raise ConfigError(f"cannot compare {a[:80]!r} with {b[:80]!r}: {_why(exc)}",
                               path=str(repo)) from None
 
 
@@ -530,7 +656,7 @@ def commit_tree(git_dir: Path, commit: str) -> str:
         try:
             body = _object(r, bytes.fromhex(commit), b"commit")
         except _LOOKUP_ERRORS as exc:
-            raise ConfigError(f"cannot read commit {commit}: {exc}", path=str(git_dir)
+            raise ConfigError(f"cannot read commit {commit}: {_why(exc)}", path=str(git_dir)
                               ) from None
     algo = hashlib.sha1 if len(commit) == 40 else hashlib.sha256
     if algo(b"commit %d\0" % len(body) + body).hexdigest() != commit:

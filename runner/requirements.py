@@ -18,6 +18,10 @@ _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
 _SPEC = r"(?:===|==|!=|~=|<=|>=|<|>)\s*[A-Za-z0-9.*+!_-]+"
 _LINE = re.compile(rf"{_NAME}\s*(?:\[\s*{_NAME}(?:\s*,\s*{_NAME})*\s*\])?\s*"
                    rf"(?:{_SPEC}(?:\s*,\s*{_SPEC})*)?")
+_ARCHIVE = re.compile(r"\.(?:whl|zip|tar|tgz|tbz|txz|tlz|tar\.gz|tar\.bz2|tar\.xz|tar\.lz|"
+                      r"tar\.lzma)\s*(?:\[[^]]*\]\s*)?$", re.IGNORECASE)
+"""A name pip reads as a local archive file (relative to its working directory): an
+sdist there would be built, its code run, on the host even under --only-binary."""
 
 
 def check_requirements(data: bytes, *, source: str, path: str, field: str) -> str:
@@ -38,7 +42,8 @@ def check_requirements(data: bytes, *, source: str, path: str, field: str) -> st
         line = raw.split(" #", 1)[0].strip() if not raw.lstrip().startswith("#") else ""
         if not line:
             continue
-        if not _LINE.fullmatch(line):
+        name = re.split(r"===|==|!=|~=|<=|>=|<|>", line, maxsplit=1)[0]
+        if not _LINE.fullmatch(line) or _ARCHIVE.search(name):
             shown = "".join(c if c.isprintable() else "?" for c in line[:80])
             raise ConfigError(f"{source} line {number}: {shown!r} is not a plain requirement",
                               path=path, field=field, fix=REQUIREMENTS_FIX)

@@ -263,14 +263,26 @@ def _verify_candidate(bare: Path, base: str, commit: str, proposal: Proposal,
                       max_bytes=inv.max_file_bytes)
     except Refused as exc:
         return str(exc)
+
+    def blob(rev: str, path: str) -> object:
+        """The blob, None when absent, or a marker equal to no content when larger than
+        any proposed file may be (the candidate is hostile: never read whole)."""
+        try:
+            return gitops.read_blob(bare, rev, path, max_bytes=inv.max_file_bytes)
+        except ConfigError:
+            return _TOO_BIG
+
     changed = gitops.changed_paths(bare, base, commit)
-    if changed != sorted(c.path for c in changes if gitops.read_blob(bare, base, c.path)
+    if changed != sorted(c.path for c in changes if blob(base, c.path)
                          != c.content.encode()):
         return f"changed paths {changed} differ from the proposal"
     for c in changes:
-        if gitops.read_blob(bare, commit, c.path) != c.content.encode():
+        if blob(commit, c.path) != c.content.encode():
             return f"{c.path}: committed content differs from the proposal"
     return ""
+
+
+_TOO_BIG = object()
 
 
 PROPOSAL_FIX = "a proposal.json as the worker writes it: {files: [{path, content}], ...}"

@@ -11,9 +11,12 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import fnmatch
+import hashlib
 import json
 import os
+import re
 import shutil
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,11 +58,11 @@ from runner.cycle.scoring import (
 from runner.errors import ConfigError, IntegrityError, PrerequisiteError
 from runner.gateway.budget import BudgetPolicy
 from runner.gateway.config import UpstreamPolicy, read_credential
-from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_json
+from runner.hashing import canonical_bytes, sha256_file, sha256_json
 from runner.isolation.policy import RolePolicies, RolePolicy, load_policies
 from runner.isolation.sandbox import Frozen
 from runner.isolation.seccomp import load_profile
-from runner.loading import is_inside, load_model, relative_inside, show, validate
+from runner.loading import is_inside, load_data, load_model, relative_inside, show, validate
 from runner.outdir import make_fresh_dir, refuse_existing, remove_created
 from sandbox.proposal import Refused, check_changes, check_path
 
@@ -166,7 +169,14 @@ def _agent_requirements(cycle: CycleFile, repo: Path, tree: str, where: str) -> 
         raise ConfigError(f"{rel} matches edit.allowlist, but the agent's requirements are "
                           "installed once, from the base tree, for both arms", path=where,
                           field=field, fix="keep the requirements file outside edit.allowlist")
-    data = gitops.read_blob(repo, tree, rel)
+    from runner.requirements import MAX_REQUIREMENTS_BYTES
+
+    try:
+        data = gitops.read_blob(repo, tree, rel, max_bytes=MAX_REQUIREMENTS_BYTES)
+    except ConfigError:  # larger than the cap: refused unread
+        raise ConfigError(f"{rel} in the base tree {tree[:12]} has more than "
+                          f"{MAX_REQUIREMENTS_BYTES} bytes", path=where, field=field,
+                          fix=fix) from None
     if data is None:
         raise ConfigError(f"{rel} is not a file in the base tree {tree[:12]}", path=where,
                           field=field, fix=fix)
@@ -323,16 +333,15 @@ def _write_frozen(c: _Checked, cycle_path: Path, out: Path, images: dict[str, st
     frozen_ups: dict[str, UpstreamPolicy] = {}
     up_ids: dict[str, str] = {}
     for name, orig in sorted(c.upstreams.items()):
-        up, extra = orig, b""
+        up, extra = orig, None
         if orig.script:
             dest = _copy_input(Path(orig.script), inputs_dir, f"scripts/{name}.yaml", table)
             up = orig.model_copy(update={"script": str(dest)})
-            extra = dest.read_bytes()
+            extra = dest
         if orig.replay_from:
-            extra = (Path(orig.replay_from) / "gateway" / "calls.jsonl").read_bytes()
+            extra = Path(orig.replay_from) / "gateway" / "calls.jsonl"
         frozen_ups[name] = up
-        up_ids[name] = sha256_bytes(canonical_bytes(
-            up.model_dump(mode="json", exclude={"script", "replay_from"})) + extra)
+        up_ids[name] = upstream_id(up, extra, field=f"upstreams.{name}")
     if c.requirements is not None:
         (inputs_dir / AGENT_REQUIREMENTS).write_text(c.requirements)
         table[AGENT_REQUIREMENTS] = sha256_file(inputs_dir / AGENT_REQUIREMENTS)
@@ -367,6 +376,29 @@ def _write_frozen(c: _Checked, cycle_path: Path, out: Path, images: dict[str, st
     return plan, plan_hash
 
 
+def upstream_id(up: UpstreamPolicy, extra: Path | None, *, field: str) -> str:
+    """sha256 of the upstream's definition plus the bytes of its script or replay log,
+    streamed from a regular file opened non-blocking (a recorded run given to replay is
+    hostile: its log may be huge, or swapped for a FIFO after the check)."""
+    h = hashlib.sha256(canonical_bytes(up.model_dump(mode="json",
+                                                     exclude={"script", "replay_from"})))
+    if extra is None:
+        return h.hexdigest()
+    try:
+        fd = os.open(extra, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"{show(str(extra))} cannot be read ({exc.strerror})", field=field,
+                          fix="point at a finished run directory or an existing script"
+                          ) from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{show(str(extra))} is not a regular file", field=field,
+                              fix="point at a finished run directory or an existing script")
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def judge_identity(judge: JudgeSpec, upstream_id: str | None, *,
                    replay_from: str | None = None) -> str:
     """The judge's identity (spec, prompt, upstream), frozen into the comparison policy
@@ -382,12 +414,16 @@ def judge_identity(judge: JudgeSpec, upstream_id: str | None, *,
 
     spec = judge.model_dump(mode="json")
     if replay_from is not None:
+        # The recorded run is hostile input: read capped and strict (a deep nesting was a
+        # RecursionError on the host), and only a digest is kept as an identity.
         try:
-            recorded = json.loads((Path(replay_from) / "plan.json").read_text())["plan"]
-        except (OSError, ValueError, KeyError, TypeError):
-            recorded = None
+            doc = load_data(Path(replay_from) / "plan.json", fmt="json", what="recorded plan")
+        except ConfigError:
+            doc = None
+        recorded = doc.get("plan") if isinstance(doc, dict) else None
         if (isinstance(recorded, dict) and recorded.get("judge") == spec
-                and isinstance(recorded.get("judge_id"), str)):
+                and isinstance(recorded.get("judge_id"), str)
+                and re.fullmatch(r"[0-9a-f]{64}", recorded["judge_id"])):
             return str(recorded["judge_id"])
     return sha256_json({"judge": spec, "prompt": JUDGE_PROMPT, "upstream": upstream_id})
 

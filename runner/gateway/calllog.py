@@ -12,8 +12,11 @@ stops) makes it survive a machine crash too. Per-call fsync cost ~1 ms on the ho
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import re
+import stat
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,13 +26,18 @@ from pydantic import Field
 
 from runner.errors import ConfigError, IntegrityError
 from runner.isolation.sandbox import Frozen
-from runner.loading import load_lines
+from runner.loading import load_lines, read_capped
 
 CallStatus = Literal["ok", "refused", "infra_error"]
 PREFIX_BYTES = 256
 """How much of a refused request's body the log keeps."""
 MAX_INDEX_BYTES = 1 << 30
 """Largest calls.jsonl read back (about two million calls)."""
+MAX_BLOB_BYTES = 1 << 30
+"""Largest blob read back (requests and responses are capped far below by policy)."""
+DIGEST = r"^[0-9a-f]{64}$"
+"""A blob name: a recorded run given to replay is hostile, and a digest that is a path
+(``../../x``) would open a file outside ``blobs/``."""
 
 
 class Usage(Frozen):
@@ -69,9 +77,9 @@ class CallRecord(Frozen):
     usage: Usage | None = None
     cost_usd: float | None = None
     """None means unknown (no usage or no price); never silently zero."""
-    request_sha256: str
+    request_sha256: str = Field(pattern=DIGEST)
     """sha256 of the request bytes: as sent upstream, or as received when refused."""
-    response_sha256: str | None = None
+    response_sha256: str | None = Field(default=None, pattern=DIGEST)
     """sha256 of the response bytes as received from upstream (after redaction)."""
     request_stored: bool = True
     """False for refused calls: only hash, length and prefix are kept, never the body
@@ -103,9 +111,12 @@ class CallLog:
         self._dirty = False
         self._fd: int | None = None
         self._seq = 0
-        if self.index.exists():
-            with self.index.open("rb") as f:
-                self._seq = sum(1 for _ in f)
+        # Only a regular file is counted (never followed, never opened blocking): a
+        # replayed run's log is hostile, and records() refuses anything else.
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(os.lstat(self.index).st_mode):
+                with self.index.open("rb") as f:
+                    self._seq = sum(1 for _ in f)
 
     def put_blob(self, data: bytes) -> str:
         digest = sha256(data)
@@ -172,11 +183,14 @@ class CallLog:
 
     def blob(self, digest: str) -> bytes:
         """Bytes of a blob, verified against its name; IntegrityError when missing or altered."""
+        if not re.fullmatch(DIGEST, digest):
+            raise IntegrityError(f"recorded blob name {digest[:80]!r} is not a sha256")
         path = self.blobs / digest
-        try:
-            data = path.read_bytes()
-        except OSError:
-            raise IntegrityError(f"recorded blob {path} is missing") from None
+        try:  # a regular file, opened non-blocking: a FIFO or device is refused unread
+            data = read_capped(path, max_bytes=MAX_BLOB_BYTES, what="recorded blob")
+        except ConfigError as exc:
+            raise IntegrityError(f"recorded blob {path} is missing or unreadable: {exc}"
+                                 ) from None
         if sha256(data) != digest:
             raise IntegrityError(f"recorded blob {path} does not match its sha256 (corrupted)")
         return data

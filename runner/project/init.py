@@ -24,7 +24,7 @@ PLACEHOLDER = "__NAME__"
 RENAMES = {"gitignore": ".gitignore"}
 """Template files stored under another name (package data skips dotfiles)."""
 TEXT_SUFFIXES = (".md", ".py", ".yaml", ".json", "")
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,40}$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,40}")
 
 
 @dataclass(frozen=True)
@@ -44,13 +44,13 @@ def template_root() -> Traversable:
 def project_name(dest: Path, name: str | None) -> str:
     """``name``, or one derived from the directory's name; ConfigError when unusable."""
     if name is not None:
-        if not NAME_RE.match(name):
+        if not NAME_RE.fullmatch(name):
             raise ConfigError(f"{show(name)} is not a usable project name", field="--name",
                               fix="letters, digits, '_', '.', '-'; at most 41 characters, "
                               "starting with a letter or digit")
         return name
     derived = re.sub(r"[^A-Za-z0-9_.-]+", "-", dest.resolve().name).strip("-._")[:41]
-    return derived if NAME_RE.match(derived) else "my-agent"
+    return derived if NAME_RE.fullmatch(derived) else "my-agent"
 
 
 def check_target(dest: Path) -> None:

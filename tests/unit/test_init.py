@@ -158,3 +158,12 @@ def test_a_failure_part_way_leaves_nothing_behind(tmp_path: Path,
     with pytest.raises(ConfigError, match="simulated"):
         scaffold(tmp_path / "empty")
     assert list((tmp_path / "empty").iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["demo\n", "demo\nschema: 2"])
+def test_a_name_with_a_newline_is_refused(tmp_path: Path, name: str) -> None:
+    """``$`` matches before a trailing newline: ``demo\\n`` passed the name check and was
+    written into the template's YAML."""
+    with pytest.raises(ConfigError, match="--name"):
+        scaffold(tmp_path / "p", name=name)
+    assert not (tmp_path / "p").exists()

@@ -36,6 +36,27 @@ from runner.isolation.sandbox import Frozen
 from runner.loading import load_model, relative_inside, show
 from runner.paths import images_dir, sandbox_src, state_dir
 
+PIP_WHEELS_ONLY = """\
+import sys
+from pip._internal.distributions.sdist import SourceDistribution
+from pip._internal.exceptions import InstallationError
+
+
+def refuse(self, *args, **kwargs):
+    raise InstallationError(
+        f"refusing to build {self.req} on the host: only wheels are downloaded (a source "
+        "distribution, direct URL or local path would run its build code here)")
+
+
+SourceDistribution.prepare_distribution_metadata = refuse
+from pip._internal.cli.main import main
+sys.exit(main(["download", *sys.argv[1:]]))
+"""
+"""``pip download`` with every source build refused. ``--only-binary=:all:`` covers index
+candidates only: a wheel's direct-URL dependency (``Requires-Dist: x @ https://...``) or
+a requirement that names a local archive is still built (its code run) to read its
+metadata. Run isolated (``-I``: no working directory on sys.path, no PYTHON* variables)."""
+
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")
 SCHEMA_VERSION = 1
 ROLES_FIX = "see the comment at the top of images/roles.yaml"
@@ -169,14 +190,18 @@ def download_wheels(req: Path, wdir: Path, log: Log, *, what: str) -> Path:
     wdir.mkdir(parents=True)
     reqs = [ln for ln in req.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
     if reqs:
-        cmd = [sys.executable, "-m", "pip", "download", "--only-binary=:all:",
+        cmd = [sys.executable, "-I", "-c", PIP_WHEELS_ONLY, "--only-binary=:all:",
                "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
-               "--abi", "abi3", "--abi", "none", "-q", "-d", str(wdir), "-r", str(req)]
+               "--abi", "abi3", "--abi", "none", "-q", "-d", str(wdir.resolve()),
+               "-r", str(req.resolve())]
         for plat in PLATFORMS:
             cmd += ["--platform", plat]
         cmd += extra.split()
         log(f"downloading wheels for {what} into {wdir}")
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        # cwd: the fresh, empty wheel directory. pip resolves a requirement that looks
+        # like an archive name against its working directory (the operator's, often the
+        # project checkout) and would build an sdist found there on the host.
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=wdir)
         if proc.returncode != 0:
             raise PrerequisiteError(f"pip download for {what} failed:\n"
                                     f"{proc.stderr.strip()[-2000:]}\nFix: check network access "
