@@ -471,7 +471,13 @@ class CycleRunner:
         files = []
         for p in self.plan.edit.paths:
             data = gitops.read_blob(repo, tree, p)
-            files.append({"path": p, "content": "" if data is None else data.decode("utf-8"),
+            try:
+                content = "" if data is None else data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise StageFailed(f"propose: edit.paths {safe_text(p)} is not UTF-8 text in the "
+                                  f"base tree (byte {exc.start}); the worker edits text files "
+                                  "only: take it out of edit.paths") from None
+            files.append({"path": p, "content": content,
                           "sha256": None if data is None else sha256_bytes(data)})
         return files
 
