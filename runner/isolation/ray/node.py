@@ -42,10 +42,14 @@ def node_id() -> str:
     return str(ray.get_runtime_context().get_node_id())
 
 
-def node_base(node: str | None = None) -> Path:
-    root = Path(os.environ.get(NODE_DIR_ENV)
+def node_root() -> Path:
+    """This host's directory for every node it runs (``$CYCLEBOX_RAY_NODE_DIR``)."""
+    return Path(os.environ.get(NODE_DIR_ENV)
                 or Path(tempfile.gettempdir()) / f"cyclebox-ray-{os.getuid()}")
-    return root / (node or node_id())[:16]
+
+
+def node_base(node: str | None = None) -> Path:
+    return node_root() / (node or node_id())[:16]
 
 
 def _sandbox() -> Any:
@@ -124,12 +128,21 @@ def leftovers(run_id: str) -> list[str]:
 
 
 def sweep(only_orphans: bool, dry_run: bool) -> list[SweepResult]:
-    """This node's labelled containers and Docker staging copies, then the run scratch
-    directories (output, relay socket) of node processes that are gone."""
+    """This host's labelled containers and Docker staging copies, then the run scratch
+    directories (output, relay socket) of node processes that are gone: those of every
+    node this host ran, so a node that was lost is cleaned by one that is alive. Owners
+    are judged by pid, start time and boot id, so only this host's are ever removed."""
     from runner.isolation.gc import sweep_staging_dirs
 
-    runs = node_base() / "runs"
-    found = [*_sandbox().sweep(only_orphans=only_orphans, dry_run=dry_run),
-             *sweep_staging_dirs(runs, owner_name=OWNER_NAME, dry_run=dry_run)]
-    return [SweepResult(**{**asdict(r), "kind": "node_run_dir"})
-            if r.kind == "staging_dir" and r.name.startswith(str(runs)) else r for r in found]
+    found = list(_sandbox().sweep(only_orphans=only_orphans, dry_run=dry_run))
+    root = node_root()
+    if root.is_dir() and not root.is_symlink():
+        for base in sorted(root.iterdir()):
+            runs = base / "runs"
+            if base.is_symlink() or runs.is_symlink() or not runs.is_dir():
+                continue
+            found += [SweepResult(**{**asdict(r), "kind": "node_run_dir",
+                                     "role": "ray-node-run"})
+                      for r in sweep_staging_dirs(runs, owner_name=OWNER_NAME,
+                                                  dry_run=dry_run)]
+    return found
