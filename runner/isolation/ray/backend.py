@@ -85,6 +85,54 @@ def _clear(root: Path) -> None:
             os.unlink(entry.path)
 
 
+def check_mounts(spec: RunSpec) -> None:
+    """The local run's mount rules, applied to what the caller named, on the head."""
+    for i, m in enumerate(spec.mounts):
+        if m.gateway:
+            if not (Path(m.source) / node_side.GATEWAY_SOCKET).exists():
+                raise PolicyViolation(f"{m.source} holds no gateway socket",
+                                      field=f"mounts[{i}]", fix="bind it through the "
+                                      "gateway (launcher.launch)")
+            continue
+        why = mount_violation(str(m.source), read_only=m.read_only)
+        if why is not None:
+            raise PolicyViolation(why, field=f"mounts[{i}]",
+                                  fix="mount a project or data directory, read-only")
+        if Path(m.source).is_symlink():
+            raise PolicyViolation(f"{m.source} is a symlink; a mount source must be the "
+                                  "directory or file itself", field=f"mounts[{i}]",
+                                  fix="pass the resolved path")
+
+
+def read_output(spec: RunSpec, rec: RunRecord, data: bytes,
+                seed_links: dict[str, str]) -> RunRecord:
+    """The node's output tar into ``spec.output_dir`` through the safe reader; a
+    refusal turns an ``ok`` record into ``invalid_output`` / ``output_limit``."""
+    assert spec.output_dir is not None  # noqa: S101 - for mypy
+    _clear(spec.output_dir)
+    lim = CopyLimits(max_bytes=spec.output_cap_bytes, max_entries=spec.output_max_entries)
+    try:
+        extract([data], spec.output_dir, lim, seed_links=seed_links)
+    except CopyRefused as exc:
+        if rec.stop_reason is not StopReason.OK:
+            return rec
+        reason = StopReason.OUTPUT_LIMIT if exc.limit else StopReason.INVALID_OUTPUT
+        return rec.model_copy(update={"stop_reason": reason,
+                                      "detail": f"output refused on the head: {exc}"})
+    return rec
+
+
+def lost_record(spec: RunSpec, node: str, wall_s: float, why: str) -> RunRecord:
+    """The record of a run whose node went away: never a pass, never retried; its
+    container (if any) is unknown, so cleanup is not confirmed."""
+    return RunRecord(
+        run_id=spec.run_id, role=spec.role, image_id=spec.image, container_name="",
+        exit_code=None, stop_reason=StopReason.NODE_LOST,
+        detail=f"node {node[:12]} lost during the run ({why})", wall_s=wall_s,
+        stdout_bytes=0, stderr_bytes=0, stdout_tail="", stderr_tail="",
+        cleanup_confirmed=False, labels={**dict(spec.labels), node_side.NODE_LABEL: node})
+
+
 class RaySandbox:
     """Runs role containers on the nodes of a Ray cluster under the isolation contract."""
 
@@ -164,24 +212,6 @@ class RaySandbox:
         return out
 
     # -- inputs ------------------------------------------------------------------
-    def _check_mounts(self, spec: RunSpec) -> None:
-        """The local run's mount rules, applied to what the caller named, on the head."""
-        for i, m in enumerate(spec.mounts):
-            if m.gateway:
-                if not (Path(m.source) / node_side.GATEWAY_SOCKET).exists():
-                    raise PolicyViolation(f"{m.source} holds no gateway socket",
-                                          field=f"mounts[{i}]", fix="bind it through the "
-                                          "gateway (launcher.launch)")
-                continue
-            why = mount_violation(str(m.source), read_only=m.read_only)
-            if why is not None:
-                raise PolicyViolation(why, field=f"mounts[{i}]",
-                                      fix="mount a project or data directory, read-only")
-            if Path(m.source).is_symlink():
-                raise PolicyViolation(f"{m.source} is a symlink; a mount source must be the "
-                                      "directory or file itself", field=f"mounts[{i}]",
-                                      fix="pass the resolved path")
-
     def _input(self, source: Path) -> tuple[str, Any]:
         """(sha256, object ref) of a packed input; reused while the tree is unchanged."""
         key = (str(source), _signature(source))
@@ -210,7 +240,7 @@ class RaySandbox:
     def run(self, spec: RunSpec, *, on_output: OutputCallback | None = None,
             cancel: threading.Event | None = None) -> RunRecord:
         """Run ``spec`` on a cluster node; the record says which (``io.cyclebox.node``)."""
-        self._check_mounts(spec)
+        check_mounts(spec)
         if cancel is not None and cancel.is_set():
             raise SandboxError(f"{spec.role} container not started: the run is stopping")
         started = time.monotonic()
@@ -249,7 +279,7 @@ class RaySandbox:
             raise cls(f"on node {node[:12]}: {got['message']}")
         rec: RunRecord = got["record"]
         if spec.output_dir is not None and got.get("output") is not None:
-            rec = self._read_output(spec, rec, got["output"], seed_links)
+            rec = read_output(spec, rec, got["output"], seed_links)
         if on_output is not None:
             on_output("stdout", rec.stdout_tail.encode())
             on_output("stderr", rec.stderr_tail.encode())
@@ -287,32 +317,7 @@ class RaySandbox:
         return result
 
     def _lost(self, spec: RunSpec, node: str, started: float, why: str) -> RunRecord:
-        """The record of a run whose node went away: never a pass, never retried; its
-        container (if any) is unknown, so cleanup is not confirmed."""
-        return RunRecord(
-            run_id=spec.run_id, role=spec.role, image_id=spec.image, container_name="",
-            exit_code=None, stop_reason=StopReason.NODE_LOST,
-            detail=f"node {node[:12]} lost during the run ({why})",
-            wall_s=round(time.monotonic() - started, 3), stdout_bytes=0, stderr_bytes=0,
-            stdout_tail="", stderr_tail="", cleanup_confirmed=False,
-            labels={**dict(spec.labels), node_side.NODE_LABEL: node})
-
-    def _read_output(self, spec: RunSpec, rec: RunRecord, data: bytes,
-                     seed_links: dict[str, str]) -> RunRecord:
-        """The node's output tar into ``spec.output_dir`` through the safe reader; a
-        refusal turns an ``ok`` record into ``invalid_output`` / ``output_limit``."""
-        assert spec.output_dir is not None  # noqa: S101 - for mypy
-        _clear(spec.output_dir)
-        lim = CopyLimits(max_bytes=spec.output_cap_bytes, max_entries=spec.output_max_entries)
-        try:
-            extract([data], spec.output_dir, lim, seed_links=seed_links)
-        except CopyRefused as exc:
-            if rec.stop_reason is not StopReason.OK:
-                return rec
-            reason = StopReason.OUTPUT_LIMIT if exc.limit else StopReason.INVALID_OUTPUT
-            return rec.model_copy(update={"stop_reason": reason,
-                                          "detail": f"output refused on the head: {exc}"})
-        return rec
+        return lost_record(spec, node, round(time.monotonic() - started, 3), why)
 
     # -- images and cleanup -----------------------------------------------------
     def image_id(self, ref: str) -> str | None:
