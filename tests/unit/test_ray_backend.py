@@ -201,6 +201,9 @@ def test_relay_forwards_bytes_to_the_heads_gateway_socket_only_with_its_ticket(
         raw.sendall(ticket.secret + b"POST")
         assert unanswered(raw)
         relay.close()
+        with pytest.raises(SandboxError, match="CYCLEBOX_RAY_NODE_DIR"):
+            NodeRelay(tmp_path / ("d" * 120), ticket, uid=os.getuid(),
+                      socket_name="gateway.sock", token_name="token")
     finally:
         head.close()
         gw.close()

@@ -24,9 +24,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from runner.errors import SandboxError
+
 TICKET_BYTES = 32
 CHUNK = 64 * 1024
 CONNECT_TIMEOUT_S = 10.0
+SOCKET_PATH_MAX = 107
+"""sun_path holds 108 bytes including the terminating NUL."""
 
 
 @dataclass(frozen=True)
@@ -137,12 +141,16 @@ class NodeRelay:
     def __init__(self, directory: Path, ticket: Ticket, *, uid: int, socket_name: str,
                  token_name: str) -> None:
         self.ticket = ticket
+        path = directory / socket_name
+        if len(os.fsencode(path)) > SOCKET_PATH_MAX:
+            raise SandboxError(f"relay socket path {path} is longer than {SOCKET_PATH_MAX} "
+                               "bytes (the unix socket limit). Fix: set CYCLEBOX_RAY_NODE_DIR "
+                               "on the node to a short directory")
         directory.mkdir(mode=0o700)
         token = directory / token_name
         fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
         with os.fdopen(fd, "wb") as f:
             f.write(ticket.token)
-        path = directory / socket_name
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(str(path))
         os.chmod(path, 0o600)
