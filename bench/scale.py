@@ -25,6 +25,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from bench._report import report
 from bench.cycle import scaled_example
 from runner.paths import PROJECT_ROOT
@@ -95,6 +97,10 @@ def main() -> None:
         for n in (int(x) for x in a.cases.split(",")):
             trials = max(1, round(n / DEMO_CASES))
             cycle = scaled_example(work / f"ex{n}", trials)
+            # the demo's budget (200 calls) is sized for 14 cases: scale it with them
+            cyc = yaml.safe_load(cycle.read_text())
+            cyc["budget"].update(max_calls=10 * DEMO_CASES * trials + 100, limit_usd=100.0)
+            cycle.write_text(yaml.safe_dump(cyc))
             row: dict[str, Any] = {"cases_per_side": DEMO_CASES * trials, "trials": trials}
             for b in backends:
                 row[b] = one(cycle, work / f"run-{n}-{b}", b, address)
