@@ -11,7 +11,15 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from runner import interrupts
-from runner.cli.options import HtmlOpt, JsonOpt, JunitOpt, MarkdownOpt, OutOpt
+from runner.cli.options import (
+    BackendOpt,
+    HtmlOpt,
+    JsonOpt,
+    JunitOpt,
+    MarkdownOpt,
+    OutOpt,
+    RayAddressOpt,
+)
 from runner.cli.output import LineProgress, err, out, print_terminal, report_error, report_warning
 from runner.errors import EXIT_INTERRUPTED, ConfigError, CycleboxError
 from runner.termsafe import emit_json, safe
@@ -62,13 +70,15 @@ def cycle_run(
     junit: JunitOpt = None,
     markdown: MarkdownOpt = None,
     html: HtmlOpt = None,
+    backend: BackendOpt = None,
+    ray_address: RayAddressOpt = None,
 ) -> None:
     """Freeze then run a cycle, or run a prepared plan.
 
     Exit 0 accept_for_review, 1 reject, 2 invalid_comparison; 3 bad input, 5 missing
     prerequisite, 6 engine lost, 9 disk full, 130 interrupted (each after writing the
     verdict and receipt when it can), 10 unexpected; `cyclebox --help` has the table."""
-    from runner.cli.engine import cycle_images, derive_analyst, sandbox
+    from runner.cli.engine import choose_backend, cycle_images, derive_analyst, sandbox
     from runner.cycle.compare import EXIT_CODES
     from runner.cycle.plan import freeze as do_freeze
     from runner.cycle.receipt import build
@@ -76,6 +86,14 @@ def cycle_run(
     from runner.report.files import check_targets, write_outputs
 
     check_targets(junit=junit, markdown=markdown, html=html)
+    if cycle is not None and plan is None:
+        from runner.cycle.config import load_cycle
+
+        chosen, _ = load_cycle(cycle)  # flags win over the cycle file
+        backend = backend or chosen.backend
+        if backend == "ray" and ray_address is None and chosen.ray is not None:
+            ray_address = chosen.ray.address
+    choose_backend(backend, ray_address=ray_address)
     froze_here = False
     if plan is None:
         if cycle is None or out_dir is None:

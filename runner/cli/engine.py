@@ -10,22 +10,44 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from runner.errors import PrerequisiteError
+from runner.errors import ConfigError, PrerequisiteError
 from runner.isolation.sandbox import Sandbox
 
 if TYPE_CHECKING:
     from runner.train.host import Trainer
 
+_choice: dict[str, Any] = {"name": "docker", "options": {}}
+
+
+def choose_backend(name: str | None = None, *, ray_address: str | None = None) -> None:
+    """Pick the backend :func:`sandbox` opens (before it is first opened): ``name``
+    (default docker) and, for ``ray``, the cluster address (default: Ray's ``auto``)."""
+    from runner.isolation.registry import DEFAULT_BACKEND, names
+
+    name = name or DEFAULT_BACKEND
+    if name not in names():
+        raise ConfigError(f"unknown backend {name!r}", field="--backend",
+                          fix=f"use one of: {', '.join(names())}")
+    if ray_address and name != "ray":
+        raise ConfigError("--ray-address is only for the ray backend", field="--ray-address",
+                          fix="add --backend ray, or drop --ray-address")
+    if sandbox.cache_info().currsize:
+        raise ConfigError("the backend was chosen after it was opened", field="--backend",
+                          fix="report this as a bug")
+    _choice["name"] = name
+    _choice["options"] = {"address": ray_address} if name == "ray" else {}
+
 
 @functools.cache
 def sandbox() -> Sandbox:
-    """The isolation backend commands run their containers in; opened once per process,
-    when first needed (so bad input is reported before an engine is asked)."""
+    """The isolation backend commands run their containers in (docker unless
+    :func:`choose_backend` said otherwise); opened once per process, when first needed
+    (so bad input is reported before an engine is asked)."""
     from runner.isolation.registry import get_sandbox
 
-    return get_sandbox()
+    return get_sandbox(str(_choice["name"]), **dict(_choice["options"]))
 
 
 def role_image(role: str) -> str:

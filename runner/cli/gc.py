@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from runner.cli.options import JsonOpt
+from runner.cli.options import BackendOpt, JsonOpt, RayAddressOpt
 from runner.cli.output import out
 from runner.termsafe import emit_json, safe
 
@@ -18,15 +18,17 @@ def gc(all_: Annotated[bool, typer.Option("--all", help="Remove every cyclebox c
                                           "even those whose owner still runs.")] = False,
        dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be removed; "
                                              "remove nothing.")] = False,
-       json_out: JsonOpt = False) -> None:
+       json_out: JsonOpt = False, backend: BackendOpt = None,
+       ray_address: RayAddressOpt = None) -> None:
     """Remove cyclebox-labelled containers whose owner process is gone, and stale gateway
     socket and input staging directories; print what it removed (or, with --dry-run,
     would remove)."""
     from dataclasses import asdict
 
-    from runner.cli.engine import sandbox
+    from runner.cli.engine import choose_backend, sandbox
     from runner.gateway.server import sweep_socket_dirs
 
+    choose_backend(backend, ray_address=ray_address)  # ray: a sweep on every alive node
     # The sandbox's containers (every one it looked at), then the owned directories it
     # and the gateway leave behind (only those found removable).
     swept = sandbox().sweep(only_orphans=not all_, dry_run=dry_run)

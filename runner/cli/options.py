@@ -18,3 +18,9 @@ MarkdownOpt = Annotated[Path | None, typer.Option(
     "--markdown", help="Write a Markdown summary (CI step summary, PR comment).")]
 HtmlOpt = Annotated[Path | None, typer.Option(
     "--html", help="Write one self-contained HTML report (no scripts, strict CSP).")]
+BackendOpt = Annotated[str | None, typer.Option(
+    "--backend", help="Where role containers run: docker (this machine's engine) or ray "
+    "(the nodes of a Ray cluster). Default: the cycle file's `backend`, else docker.")]
+RayAddressOpt = Annotated[str | None, typer.Option(
+    "--ray-address", help="Ray cluster address (HOST:PORT) for --backend ray. Default: the "
+    "cycle file's ray.address, else Ray's `auto`.")]

@@ -76,6 +76,14 @@ class DreamSpec(Frozen):
     """The case-input field holding the task's intent (what gets paraphrased)."""
 
 
+class RaySpec(Frozen):
+    """Where the ray backend finds its cluster."""
+
+    address: str | None = None
+    """The cluster's head (``HOST:PORT``); omitted: Ray's ``auto`` (the cluster this
+    machine belongs to). ``--ray-address`` overrides it."""
+
+
 class CycleFile(Frozen):
     """A cycle: project, scenarios, policy, roles, budget, edit rules, trials."""
 
@@ -117,6 +125,13 @@ class CycleFile(Frozen):
     """Per-trial seeds, recorded in the plan; defaults to 0..trials-1."""
     concurrency: int = Field(default=2, ge=1, le=64)
     """Analyst containers run at once."""
+    backend: Literal["docker", "ray"] = "docker"
+    """Where role containers run: ``docker``, this machine's engine; ``ray``, the nodes of
+    a Ray cluster (each advertising the ``cyclebox`` resource, with Docker and the role
+    images; credentials stay here, see docs/ray.md). ``--backend`` overrides it. Not part
+    of the outcome: the same plan reaches the same verdict on either."""
+    ray: RaySpec | None = None
+    """Ray cluster settings, read only with ``backend: ray``."""
 
     @model_validator(mode="after")
     def _seeds(self) -> CycleFile:

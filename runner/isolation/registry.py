@@ -31,6 +31,15 @@ def _docker(**options: Any) -> Sandbox:
 
 register("docker", _docker)
 
+
+def _ray(**options: Any) -> Sandbox:
+    from runner.isolation.ray.backend import open_ray
+
+    return open_ray(**options)
+
+
+register("ray", _ray)
+
 DEFAULT_BACKEND = "docker"
 
 

@@ -39,6 +39,10 @@ class StopReason(StrEnum):
     PROCESS_FAILED = "process_failed"
     INVALID_OUTPUT = "invalid_output"
     CLEANUP_UNCONFIRMED = "cleanup_unconfirmed"
+    NODE_LOST = "node_lost"
+    """A cluster backend lost the node (or its answer) during the run: the case is
+    ``infra_invalid``; the container's fate is unknown until gc runs on that node.
+    Never produced by :func:`classify_stop` (the local engine has no nodes)."""
 
 
 class Mount(Frozen):

@@ -1,0 +1,372 @@
+"""Ray implementation of :class:`runner.isolation.sandbox.Sandbox` (the head side).
+
+Each :class:`RunSpec` becomes one Ray task, pinned to a node that advertises the
+``cyclebox`` custom resource (one unit per container slot), where the same
+:class:`runner.isolation.docker.backend.DockerSandbox` run happens
+(:mod:`runner.isolation.ray.node`). The head
+
+- checks every mount under the same rules as a local run *before* anything ships;
+- ships inputs as content-addressed tars through the object store (a node fetches one
+  only when its cache lacks that digest);
+- hands a gateway mount to the node as a relay ticket, never as a socket or key
+  (:mod:`runner.isolation.ray.relay`);
+- reads the returned output tar with the same safe reader as a local run
+  (:func:`runner.isolation.copyout.extract`) into ``spec.output_dir``;
+- turns a lost node (or a task that never returned) into a record with stop reason
+  ``node_lost``; it never retries a run (a retry would replace a failure, SPEC §2).
+
+Simplifications, by design: ``on_output`` hears the stdout/stderr tails once the run has
+ended (no live stream); image ids are checked, not shipped (a node without the image
+refuses by name: build or ``docker load`` the images there).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from runner.errors import (
+    ConfigError,
+    CycleboxError,
+    OutputRejected,
+    PolicyViolation,
+    PrerequisiteError,
+    SandboxError,
+)
+from runner.isolation.copyout import CopyLimits, CopyRefused, extract
+from runner.isolation.policy import mount_violation
+from runner.isolation.ray import node as node_side
+from runner.isolation.ray.archive import digest, pack_input, pack_output
+from runner.isolation.ray.relay import HeadForwarder, Ticket
+from runner.isolation.sandbox import (
+    OutputCallback,
+    RunRecord,
+    RunSpec,
+    StopReason,
+    SweepResult,
+)
+
+DEFAULT_RESOURCE = "cyclebox"
+RESULT_GRACE_S = 300.0
+"""Beyond a run's own timeout: how long the head waits for a node's answer (staging,
+input fetch, copy-out, removal) before it records the node as lost."""
+CANCEL_GRACE_S = 30.0
+INPUT_MEMO_BYTES = 256 * 1024 * 1024
+_ERRORS: dict[str, type[CycleboxError]] = {
+    c.__name__: c for c in (SandboxError, PrerequisiteError, OutputRejected)}
+
+
+def _signature(source: Path) -> tuple[Any, ...]:
+    """What must not change for a packed input to be reused: every entry's name, type,
+    size, mtime and inode (read without following links)."""
+    def one(p: Path) -> tuple[Any, ...]:
+        st = p.lstat()
+        return (p.relative_to(source).as_posix(), st.st_mode, st.st_size, st.st_mtime_ns,
+                st.st_ino)
+
+    rows = [one(source)]
+    if source.is_dir() and not source.is_symlink():
+        rows += [one(p) for p in sorted(source.rglob("*"))]
+    return tuple(rows)
+
+
+def _clear(root: Path) -> None:
+    for entry in os.scandir(root):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+
+
+def check_mounts(spec: RunSpec) -> None:
+    """The local run's mount rules, applied to what the caller named, on the head."""
+    for i, m in enumerate(spec.mounts):
+        if m.gateway:
+            if not (Path(m.source) / node_side.GATEWAY_SOCKET).exists():
+                raise PolicyViolation(f"{m.source} holds no gateway socket",
+                                      field=f"mounts[{i}]", fix="bind it through the "
+                                      "gateway (launcher.launch)")
+            continue
+        why = mount_violation(str(m.source), read_only=m.read_only)
+        if why is not None:
+            raise PolicyViolation(why, field=f"mounts[{i}]",
+                                  fix="mount a project or data directory, read-only")
+        if Path(m.source).is_symlink():
+            raise PolicyViolation(f"{m.source} is a symlink; a mount source must be the "
+                                  "directory or file itself", field=f"mounts[{i}]",
+                                  fix="pass the resolved path")
+
+
+def read_output(spec: RunSpec, rec: RunRecord, data: bytes,
+                seed_links: dict[str, str]) -> RunRecord:
+    """The node's output tar into ``spec.output_dir`` through the safe reader; a
+    refusal turns an ``ok`` record into ``invalid_output`` / ``output_limit``."""
+    assert spec.output_dir is not None  # noqa: S101 - for mypy
+    _clear(spec.output_dir)
+    lim = CopyLimits(max_bytes=spec.output_cap_bytes, max_entries=spec.output_max_entries)
+    try:
+        extract([data], spec.output_dir, lim, seed_links=seed_links)
+    except CopyRefused as exc:
+        if rec.stop_reason is not StopReason.OK:
+            return rec
+        reason = StopReason.OUTPUT_LIMIT if exc.limit else StopReason.INVALID_OUTPUT
+        return rec.model_copy(update={"stop_reason": reason,
+                                      "detail": f"output refused on the head: {exc}"})
+    return rec
+
+
+def lost_record(spec: RunSpec, node: str, wall_s: float, why: str) -> RunRecord:
+    """The record of a run whose node went away: never a pass, never retried; its
+    container (if any) is unknown, so cleanup is not confirmed."""
+    return RunRecord(
+        run_id=spec.run_id, role=spec.role, image_id=spec.image, container_name="",
+        exit_code=None, stop_reason=StopReason.NODE_LOST,
+        detail=f"node {node[:12]} lost during the run ({why})", wall_s=wall_s,
+        stdout_bytes=0, stderr_bytes=0, stdout_tail="", stderr_tail="",
+        cleanup_confirmed=False, labels={**dict(spec.labels), node_side.NODE_LABEL: node})
+
+
+class RaySandbox:
+    """Runs role containers on the nodes of a Ray cluster under the isolation contract."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, *, resource: str = DEFAULT_RESOURCE,
+                 relay_host: str | None = None) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise PrerequisiteError("the ray backend needs Ray. Fix: pip install "
+                                    "'cyclebox[ray]'") from None
+        self._ray = ray
+        if not ray.is_initialized():
+            try:
+                ray.init(address=address or "auto", log_to_driver=False,
+                         logging_level=logging.ERROR, namespace="cyclebox")
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise PrerequisiteError(
+                    f"Ray cluster not reachable at {address or 'auto'} ({exc}). Fix: start "
+                    "the cluster (`ray start --head`) or pass --ray-address HOST:PORT"
+                ) from None
+        self.resource = resource
+        self.relay_host = relay_host or str(
+            ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+        self._forwarder: HeadForwarder | None = None
+        self._lock = threading.Lock()
+        self._inflight: dict[str, int] = {}
+        self._turn = 0
+        self._memo: OrderedDict[tuple[Any, ...], tuple[str, Any, int]] = OrderedDict()
+        self._memo_bytes = 0
+        self._run_task = ray.remote(node_side.run)
+
+    # -- nodes -------------------------------------------------------------------
+    def nodes(self) -> list[str]:
+        """Ids of the alive nodes that advertise the cyclebox resource."""
+        return sorted(n["NodeID"] for n in self._ray.nodes()  # type: ignore[no-untyped-call]
+                      if n.get("Alive") and (n.get("Resources") or {}).get(self.resource, 0) > 0)
+
+    def _pick(self) -> str:
+        """The alive cyclebox node with the fewest runs in flight from this head."""
+        nodes = self.nodes()
+        if not nodes:
+            raise PrerequisiteError(f"no alive Ray node advertises the {self.resource!r} "
+                                    f"resource. Fix: ray start ... --resources "
+                                    f"'{{\"{self.resource}\": 2}}' on each Docker node")
+        with self._lock:
+            self._turn += 1
+            order = nodes[self._turn % len(nodes):] + nodes[:self._turn % len(nodes)]
+            node = min(order, key=lambda n: self._inflight.get(n, 0))
+            self._inflight[node] = self._inflight.get(node, 0) + 1
+        return node
+
+    def _release(self, node: str) -> None:
+        with self._lock:
+            self._inflight[node] -= 1
+
+    def _on(self, node: str) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+
+    def _each_node(self, fn: Callable[..., Any], *args: Any) -> list[tuple[str, Any]]:
+        """``fn(*args)`` once on every alive cyclebox node; (node, result) per node that
+        answered (a node lost meanwhile is skipped: its gc runs when it is back)."""
+        task = self._ray.remote(fn)
+        refs = {n: task.options(num_cpus=0, max_retries=0, **self._on(n)).remote(*args)
+                for n in self.nodes()}
+        out = []
+        for n, ref in refs.items():
+            try:
+                out.append((n, self._ray.get(ref, timeout=120)))
+            except self._ray.exceptions.RayTaskError as exc:
+                raise SandboxError(f"on node {n[:12]}: {exc.cause or exc}") from None
+            except (self._ray.exceptions.RayError, TimeoutError):
+                continue
+        return out
+
+    # -- inputs ------------------------------------------------------------------
+    def _input(self, source: Path) -> tuple[str, Any]:
+        """(sha256, object ref) of a packed input; reused while the tree is unchanged."""
+        key = (str(source), _signature(source))
+        with self._lock:
+            hit = self._memo.get(key)
+            if hit is not None:
+                self._memo.move_to_end(key)
+                return hit[0], hit[1]
+        data = pack_input(source)
+        entry = (digest(data), self._ray.put(data), len(data))
+        with self._lock:
+            self._memo[key] = entry
+            self._memo_bytes += entry[2]
+            while self._memo_bytes > INPUT_MEMO_BYTES and len(self._memo) > 1:
+                _, old = self._memo.popitem(last=False)
+                self._memo_bytes -= old[2]
+        return entry[0], entry[1]
+
+    def _forward(self) -> HeadForwarder:
+        with self._lock:
+            if self._forwarder is None:
+                self._forwarder = HeadForwarder(self.relay_host)
+            return self._forwarder
+
+    # -- running -----------------------------------------------------------------
+    def run(self, spec: RunSpec, *, on_output: OutputCallback | None = None,
+            cancel: threading.Event | None = None) -> RunRecord:
+        """Run ``spec`` on a cluster node; the record says which (``io.cyclebox.node``)."""
+        check_mounts(spec)
+        if cancel is not None and cancel.is_set():
+            raise SandboxError(f"{spec.role} container not started: the run is stopping")
+        started = time.monotonic()
+        inputs: list[tuple[int, str, list[Any]]] = []
+        ticket: Ticket | None = None
+        for i, m in enumerate(spec.mounts):
+            if not m.gateway:
+                dg, ref = self._input(Path(m.source))
+                inputs.append((i, dg, [ref]))
+        seed_links: dict[str, str] = {}
+        seed: list[Any] | None = None
+        if spec.output_dir is not None and any(spec.output_dir.iterdir()):
+            for p in spec.output_dir.rglob("*"):
+                if p.is_symlink():
+                    seed_links[p.relative_to(spec.output_dir).as_posix()] = os.readlink(p)
+            seed = [self._ray.put(pack_output(spec.output_dir, spec.output_cap_bytes))]
+        node = self._pick()
+        try:
+            for m in spec.mounts:
+                if m.gateway:
+                    src = Path(m.source)
+                    ticket = self._forward().add(src / node_side.GATEWAY_SOCKET,
+                                                 (src / node_side.GATEWAY_TOKEN).read_bytes())
+            ref = self._run_task.options(
+                num_cpus=0, max_retries=0, resources={self.resource: 1},
+                **self._on(node)).remote(spec, inputs, seed, ticket)
+            got = self._wait(ref, spec, node, cancel, started)
+        finally:
+            self._release(node)
+            if ticket is not None:
+                self._forward().remove(ticket)
+        if isinstance(got, RunRecord):
+            return got
+        if "error" in got:
+            cls = _ERRORS.get(str(got["error"]), SandboxError)
+            raise cls(f"on node {node[:12]}: {got['message']}")
+        rec: RunRecord = got["record"]
+        if spec.output_dir is not None and got.get("output") is not None:
+            rec = read_output(spec, rec, got["output"], seed_links)
+        if on_output is not None:
+            on_output("stdout", rec.stdout_tail.encode())
+            on_output("stderr", rec.stderr_tail.encode())
+        return rec
+
+    def _wait(self, ref: Any, spec: RunSpec, node: str, cancel: threading.Event | None,
+              started: float) -> RunRecord | dict[str, Any]:
+        ray = self._ray
+        deadline = started + spec.timeout_s + RESULT_GRACE_S
+        cancelled = False
+        while True:
+            ready, _ = ray.wait([ref], timeout=0.5)
+            if ready:
+                break
+            if cancel is not None and cancel.is_set() and not cancelled:
+                # KeyboardInterrupt in the task: DockerSandbox.run's finally removes it
+                ray.cancel(ref)
+                cancelled = True
+                deadline = min(deadline, time.monotonic() + CANCEL_GRACE_S)
+            if time.monotonic() > deadline:
+                ray.cancel(ref, force=True)
+                return self._lost(spec, node, started, "no answer from the node within "
+                                  f"{spec.timeout_s + RESULT_GRACE_S:.0f} s")
+        try:
+            result: dict[str, Any] = ray.get(ref)
+        except ray.exceptions.TaskCancelledError:
+            raise SandboxError(f"{spec.role} container on node {node[:12]} stopped: the run "
+                               "is stopping") from None
+        except ray.exceptions.RayTaskError as exc:
+            raise SandboxError(f"on node {node[:12]}: {type(exc.cause).__name__}: "
+                               f"{exc.cause}") from None
+        except ray.exceptions.RayError as exc:
+            return self._lost(spec, node, started, f"{type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}"[:300])
+        return result
+
+    def _lost(self, spec: RunSpec, node: str, started: float, why: str) -> RunRecord:
+        return lost_record(spec, node, round(time.monotonic() - started, 3), why)
+
+    # -- images and cleanup -----------------------------------------------------
+    def image_id(self, ref: str) -> str | None:
+        """The image's id when every cyclebox node has it (the same id everywhere);
+        None when no node has it; PrerequisiteError naming the nodes that lack it."""
+        got = dict(self._each_node(node_side.image_id, ref))
+        ids = {n: i for n, (_, i) in got.items()}
+        if not ids:
+            raise PrerequisiteError(f"no alive Ray node advertises the {self.resource!r} "
+                                    "resource. Fix: start the Docker nodes")
+        present = {i for i in ids.values() if i is not None}
+        if not present:
+            return None
+        missing = sorted(n[:12] for n, i in ids.items() if i is None)
+        if missing or len(present) > 1:
+            raise PrerequisiteError(
+                f"image {ref} is not the same on every node (missing on {missing or 'none'}, "
+                f"ids {sorted(present)}). Fix: `docker save` the images on the head and "
+                "`docker load` them on each node (a rebuild may give other ids)")
+        return str(present.pop())
+
+    def leftovers(self, run_id: str) -> list[str]:
+        """Remove what is still labelled with ``run_id`` on every alive node."""
+        names: set[str] = set()
+        for _, got in self._each_node(node_side.leftovers, run_id):
+            names.update(got)
+        return sorted(names)
+
+    def sweep(self, *, only_orphans: bool = True, dry_run: bool = False) -> list[SweepResult]:
+        """Each alive node's sweep (containers, Docker staging copies, node run
+        directories of gone node processes); one row per thing, whichever node saw it."""
+        rows: dict[tuple[str, str], SweepResult] = {}
+        for _, got in self._each_node(node_side.sweep, only_orphans, dry_run):
+            for r in got:
+                key = (r.kind, r.name)
+                if key not in rows or r.removed:
+                    rows[key] = r
+        return list(rows.values())
+
+    def close(self) -> None:
+        if self._forwarder is not None:
+            self._forwarder.close()
+
+
+def open_ray(address: str | None = None, **options: Any) -> RaySandbox:
+    """The registry's factory: ``get_sandbox("ray", address=...)``."""
+    if address is not None and not address.strip():
+        raise ConfigError("empty Ray address", field="ray.address",
+                          fix="give HOST:PORT of the cluster's head, or omit it for 'auto'")
+    return RaySandbox(address, **options)
+
+

@@ -1,0 +1,148 @@
+"""What a Ray task runs on a node: the same :class:`DockerSandbox` run as locally.
+
+Everything a node keeps lives under ``$CYCLEBOX_RAY_NODE_DIR`` (default
+``<tmp>/cyclebox-ray-<uid>``), one subdirectory per Ray node id: ``inputs/<sha256>``
+(the content-addressed input cache) and ``runs/<pid>-<start>-<rand>`` (one run's output
+directory and gateway relay socket, with an owner record so ``cyclebox gc`` removes
+those of a killed worker). Nothing here reads a model credential; none is ever sent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from runner.errors import CycleboxError
+from runner.isolation.owner import current_owner
+from runner.isolation.ray.archive import cached, pack_output, unpack_input, unpack_seed
+from runner.isolation.ray.relay import NodeRelay, Ticket
+from runner.isolation.roles import fresh_output_dir
+from runner.isolation.sandbox import LABEL_PREFIX, RunSpec, SweepResult
+
+NODE_DIR_ENV = "CYCLEBOX_RAY_NODE_DIR"
+NODE_LABEL = f"{LABEL_PREFIX}.node"
+"""Record label: the Ray node id the container ran on."""
+WORKER_PID_LABEL = f"{LABEL_PREFIX}.node_pid"
+"""Record label: the node process that ran the container and its gateway relay."""
+OWNER_NAME = "owner.json"
+GATEWAY_SOCKET = "gateway.sock"
+GATEWAY_TOKEN = "token"  # noqa: S105 - a file name
+
+_docker: Any = None
+
+
+def node_id() -> str:
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
+def node_root() -> Path:
+    """This host's directory for every node it runs (``$CYCLEBOX_RAY_NODE_DIR``)."""
+    return Path(os.environ.get(NODE_DIR_ENV)
+                or Path(tempfile.gettempdir()) / f"cyclebox-ray-{os.getuid()}")
+
+
+def node_base(node: str | None = None) -> Path:
+    return node_root() / (node or node_id())[:16]
+
+
+def _sandbox() -> Any:
+    """This worker process's Docker backend (one per process, reused across tasks)."""
+    global _docker  # noqa: PLW0603
+    if _docker is None:
+        from runner.isolation.docker.backend import DockerSandbox
+
+        _docker = DockerSandbox()
+    return _docker
+
+
+def _scratch(base: Path) -> Path:
+    runs = base / "runs"
+    runs.mkdir(parents=True, exist_ok=True, mode=0o711)
+    os.chmod(runs, 0o711)  # noqa: S103 - the role uid traverses to its socket
+    me = current_owner()
+    work = Path(tempfile.mkdtemp(prefix=f"{me.pid}-{me.start}-", dir=runs))
+    os.chmod(work, 0o711)  # noqa: S103
+    (work / OWNER_NAME).write_text(json.dumps(asdict(me)))
+    return work
+
+
+def run(spec: RunSpec, inputs: list[tuple[int, str, list[Any]]], seed: list[Any] | None,
+        ticket: Ticket | None) -> dict[str, Any]:
+    """Run ``spec`` here. ``inputs`` are (mount index, sha256, [object ref]) (the ref is
+    fetched only on a cache miss), ``seed`` the output directory's seed tar; returns the
+    record and the output tar, or the error the run raised (by class name)."""
+    import ray
+
+    node = node_id()
+    base = node_base(node)
+    work = _scratch(base)
+    relay: NodeRelay | None = None
+    try:
+        mounts = list(spec.mounts)
+        for i, expected, refs in inputs:
+            path = cached(base / "inputs", expected)
+            if path is None:
+                path = unpack_input(ray.get(refs[0]), expected, base / "inputs")
+            mounts[i] = mounts[i].model_copy(update={"source": path})
+        for i, m in enumerate(mounts):
+            if m.gateway:
+                if ticket is None:
+                    raise CycleboxError("a gateway mount arrived without its relay ticket")
+                relay = NodeRelay(work / "g", ticket, uid=spec.uid, socket_name=GATEWAY_SOCKET,
+                                  token_name=GATEWAY_TOKEN)
+                mounts[i] = m.model_copy(update={"source": work / "g"})
+        out = None
+        if spec.output_dir is not None:
+            out = fresh_output_dir(work / "out")
+            if seed:
+                unpack_seed(ray.get(seed[0]), out)
+        node_spec = spec.model_copy(update={"mounts": tuple(mounts), "output_dir": out})
+        try:
+            rec = _sandbox().run(node_spec)
+        except CycleboxError as exc:
+            return {"error": type(exc).__name__, "message": str(exc), "node": node}
+        output = pack_output(out, spec.output_cap_bytes) if out is not None else None
+        rec = rec.model_copy(update={"labels": {**rec.labels, NODE_LABEL: node,
+                                                WORKER_PID_LABEL: str(os.getpid())}})
+        return {"record": rec, "output": output, "node": node}
+    finally:
+        if relay is not None:
+            relay.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def image_id(ref: str) -> tuple[str, str | None]:
+    """(node id, the image's id on this node's engine or None)."""
+    return node_id(), _sandbox().image_id(ref)
+
+
+def leftovers(run_id: str) -> list[str]:
+    return list(_sandbox().leftovers(run_id))
+
+
+def sweep(only_orphans: bool, dry_run: bool) -> list[SweepResult]:
+    """This host's labelled containers and Docker staging copies, then the run scratch
+    directories (output, relay socket) of node processes that are gone: those of every
+    node this host ran, so a node that was lost is cleaned by one that is alive. Owners
+    are judged by pid, start time and boot id, so only this host's are ever removed."""
+    from runner.isolation.gc import sweep_staging_dirs
+
+    found = list(_sandbox().sweep(only_orphans=only_orphans, dry_run=dry_run))
+    root = node_root()
+    if root.is_dir() and not root.is_symlink():
+        for base in sorted(root.iterdir()):
+            runs = base / "runs"
+            if base.is_symlink() or runs.is_symlink() or not runs.is_dir():
+                continue
+            found += [SweepResult(**{**asdict(r), "kind": "node_run_dir",
+                                     "role": "ray-node-run"})
+                      for r in sweep_staging_dirs(runs, owner_name=OWNER_NAME,
+                                                  dry_run=dry_run)]
+    return found

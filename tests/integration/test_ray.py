@@ -1,0 +1,290 @@
+"""The ray backend on a real multi-node Ray cluster on this machine.
+
+``ray.cluster_utils.Cluster`` starts a head (no cyclebox resource: it only holds the
+object store the controller talks to) and two worker nodes advertising ``cyclebox: 2``;
+the controller is the CLI in a subprocess that joins the cluster by address, exactly as
+on a real cluster. Every node uses this machine's Docker engine (shared with other
+sessions), but each has its own node directory (input cache, relay sockets).
+
+Shown: the demo cycle reaches the same verdict and outcome hashes as the local backend
+with runs spread over both nodes (recorded per run); a canary model key given to the
+controller appears in no worker-node process environment, no node file and no container
+(the cycle goes through a real OpenAI-compatible server, through the per-node relay); a
+node removed mid-cycle gives ``node_lost`` records (infra_invalid cases, every case still
+recorded) and gc leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from runner.paths import PROJECT_ROOT
+from tests.fixtures.cycle_project import EXAMPLE, project_with_agent, run_containers
+from tests.integration.test_openai_server import (
+    KEY_ENV,
+    MODELS,
+    FakeLLM,
+    Inspector,
+    fakellm_rules,
+    no_proxy_env,
+    scanning_agent,
+    upstream,
+)
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+CLI = [sys.executable, "-m", "runner.cli"]
+NODE_LABEL = "io.cyclebox.node"
+PID_LABEL = "io.cyclebox.node_pid"
+STORE = 100 * 1024 * 1024
+
+
+class RayCluster:
+    def __init__(self, node_dir: Path) -> None:
+        self.node_dir = node_dir
+        old = os.environ.get("CYCLEBOX_RAY_NODE_DIR")
+        os.environ["CYCLEBOX_RAY_NODE_DIR"] = str(node_dir)  # inherited by the raylets
+        try:
+            self.cluster = Cluster(initialize_head=True, head_node_args={
+                "num_cpus": 0, "object_store_memory": STORE, "include_dashboard": False})
+            self.workers = [self.add() for _ in range(2)]
+            self.cluster.wait_for_nodes()
+        finally:
+            if old is None:
+                os.environ.pop("CYCLEBOX_RAY_NODE_DIR", None)
+            else:
+                os.environ["CYCLEBOX_RAY_NODE_DIR"] = old
+        self.address = self.cluster.address
+
+    def add(self) -> Any:
+        return self.cluster.add_node(num_cpus=1, resources={"cyclebox": 2},
+                                     object_store_memory=STORE)
+
+    def pids(self) -> set[int]:
+        """Every process of the cluster: the raylets, stores and their workers."""
+        out: set[int] = set()
+        for node in self.cluster.list_all_nodes():
+            for infos in node.all_processes.values():
+                out.update(i.process.pid for i in infos)
+        return out
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
+    node_dir = tmp_path_factory.mktemp("nodes")
+    c = RayCluster(node_dir)
+    try:
+        yield c
+    finally:
+        c.cluster.shutdown()
+
+
+def cli(*args: str, env: dict[str, str] | None = None,
+        timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          check=False, env=env, cwd=PROJECT_ROOT)
+
+
+def containers(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (run / "containers.jsonl").read_text().splitlines()]
+
+
+def test_demo_same_verdict_and_outcome_as_local_spread_over_nodes(
+        cluster: RayCluster, tmp_path: Path) -> None:
+    cycle = str(EXAMPLE / "cycle.yaml")
+    local, remote = tmp_path / "local", tmp_path / "ray"
+    res = cli("cycle", "run", cycle, "--out", str(local), "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = cli("cycle", "run", cycle, "--out", str(remote), "--json", "--backend", "ray",
+              "--ray-address", cluster.address)
+    assert res.returncode == 0, res.stdout + res.stderr
+    a = json.loads((local / "receipt.json").read_text())
+    b = json.loads((remote / "receipt.json").read_text())
+    assert a["outcome"]["verdict"] == b["outcome"]["verdict"] == "accept_for_review"
+    # the upstream identities name the run directory's copy of each script, so the
+    # inputs digest differs between any two runs; everything the run produced is equal
+    assert {k: v for k, v in a["outcome"].items() if k != "inputs"} == {
+        k: v for k, v in b["outcome"].items() if k != "inputs"}
+    res = cli("receipt", "compare", str(local), str(remote))
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = cli("receipt", "verify", str(remote))
+    assert res.returncode == 0, res.stdout + res.stderr
+    # every run recorded its node; the analyst runs used both worker nodes
+    rows = containers(remote)
+    assert all(r["stop_reason"] == "ok" and r["cleanup_confirmed"] for r in rows)
+    workers = {n.node_id for n in cluster.workers}
+    assert {r["labels"][NODE_LABEL] for r in rows} <= workers
+    spread = Counter(r["labels"][NODE_LABEL] for r in rows if r["role"] == "analyst")
+    assert len(spread) == 2 and min(spread.values()) >= 4, spread
+    assert b["leftovers"] == [] and not run_containers(run_id(remote))
+    # inputs travelled content-addressed: each node cached each distinct input once
+    for node in workers:
+        cache = cluster.node_dir / node[:16] / "inputs"
+        assert cache.is_dir() and len(list(cache.iterdir())) >= 3, node
+
+
+def run_id(run: Path) -> str:
+    doc = json.loads((run / "plan.json").read_text())
+    return f"{doc['plan']['name']}-{doc['plan_hash'][:10]}"
+
+
+def ancestors(pid: int) -> set[int]:
+    seen = set()
+    while pid > 1 and pid not in seen:
+        seen.add(pid)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        pid = int(stat.rpartition(")")[2].split()[1])
+    return seen
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200].decode()
+    except OSError:
+        return "?"
+
+
+def environ_holders(marker: bytes, scanned: set[int]) -> set[int]:
+    """Processes whose environment holds ``marker``; every pid read goes into ``scanned``."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            data = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        scanned.add(int(pid))
+        if marker in data:
+            found.add(int(pid))
+    return found
+
+
+def test_canary_key_on_the_head_reaches_no_worker_node(cluster: RayCluster,
+                                                       tmp_path: Path) -> None:
+    base = tmp_path
+    canary = "sk-cbxcanary-" + os.urandom(12).hex()
+    config = base / "fakellm.yaml"
+    config.write_text(yaml.safe_dump(fakellm_rules(canary), sort_keys=False))
+    server = FakeLLM(config, base / "fakellm.log")
+    name = "rayfake-" + os.urandom(4).hex()
+    try:
+        cycle = project_with_agent(
+            base / "ex", scanning_agent(), name=name,
+            upstreams={n: upstream(n, server.url) for n in MODELS},
+            worker={"model": MODELS["optimizer"], "max_tokens": 4096},
+            judge={"model": MODELS["judge"], "threshold": 0.5, "required": True},
+            backend="ray", ray={"address": cluster.address})
+        run = base / "run"
+        inspector = Inspector(name)
+        env = no_proxy_env(base / "tmp", **{KEY_ENV: canary})
+        proc = subprocess.Popen([*CLI, "cycle", "run", str(cycle), "--out", str(run),
+                                 "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, cwd=PROJECT_ROOT)
+        holders: dict[int, tuple[bool, str]] = {}
+        scanned: set[int] = set()
+        try:
+            while proc.poll() is None:  # who holds the key while the cycle runs
+                for p in environ_holders(canary.encode(), scanned) - {os.getpid()} - set(holders):
+                    # judged at once: (started by the controller, command line)
+                    holders[p] = (proc.pid in ancestors(p), cmdline(p))
+                time.sleep(0.1)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            time.sleep(1)
+            inspector.close()
+        assert proc.returncode == 0, out + err
+        assert json.loads(out)["verdict"] == "accept_for_review"
+        stats = server.stats()
+    finally:
+        server.close()
+    # the key was used: every call reached the server with it (a relay that lost the
+    # gateway would have failed the cycle; a call without the key hits the 401 rule)
+    assert stats["total_requests"] > 0 and "unauthorized-or-unknown" not in stats["by_rule"]
+    # only the controller (and what it started, e.g. git) ever held the key; no process
+    # of the cluster, and in particular no node process that ran a relay
+    assert holders, "the scan must see the controller"
+    assert all(ours for ours, _ in holders.values()), holders
+    rows = containers(run)
+    relays = {int(r["labels"][PID_LABEL]) for r in rows}
+    cluster_pids = cluster.pids()
+    # the node processes that ran the containers and their relays were read while alive
+    assert relays and relays <= scanned and len(relays) >= 2
+    assert not (set(holders) & (cluster_pids | relays))
+    assert len({r["labels"][NODE_LABEL] for r in rows}) == 2
+    # nothing any node wrote (input cache, run directories) holds it
+    files = [f for f in cluster.node_dir.rglob("*") if f.is_file() and not f.is_symlink()]
+    assert files
+    for f in files:
+        assert b"cbxcanary" not in f.read_bytes(), f
+    # no container's engine view, nor anything a container could read, holds it
+    assert inspector.seen
+    for doc in inspector.seen.values():
+        assert "cbxcanary" not in doc
+    scans = [json.loads(p.read_text()) for p in (run / "stages").glob(
+        "*/cases/*/out/canary-scan.json")]
+    assert scans and all(s["hits"] == [] and s["scanned"] > 0 for s in scans)
+
+
+def test_node_lost_mid_cycle_is_named_never_lost_and_gc_cleans(cluster: RayCluster,
+                                                               tmp_path: Path) -> None:
+    extra = cluster.add()
+    cluster.cluster.wait_for_nodes()
+    run = tmp_path / "run"
+    proc = subprocess.Popen([*CLI, "cycle", "run", str(EXAMPLE / "cycle.yaml"), "--out",
+                             str(run), "--json", "--backend", "ray", "--ray-address",
+                             cluster.address], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=PROJECT_ROOT)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "containers.jsonl").is_file() or not any(
+                json.loads(x)["labels"].get(NODE_LABEL) == extra.node_id
+                for x in (run / "containers.jsonl").read_text().splitlines()):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no run reached the extra node"
+            time.sleep(0.05)
+        # the next run on that node is under way: take the node away
+        time.sleep(0.5)
+        cluster.cluster.remove_node(extra, allow_graceful=False)
+        out, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rows = containers(run)
+    lost = [r for r in rows if r["stop_reason"] == "node_lost"]
+    assert lost, (out, err[-3000:])
+    assert all(r["labels"][NODE_LABEL] == extra.node_id and not r["cleanup_confirmed"]
+               and "lost" in r["detail"] for r in lost)
+    receipt = json.loads((run / "receipt.json").read_text())
+    # nothing lost: every baseline case has its record; the lost ones are infra_invalid,
+    # named, never a pass
+    cases = len(json.loads((EXAMPLE / "manifest.json").read_text())["scenarios"])
+    records = [json.loads(x) for x in
+               (run / "stages/baseline/records.jsonl").read_text().splitlines()]
+    assert len(records) == cases
+    named = [r for r in records if (r.get("reason") or "").startswith("node_lost")]
+    assert named and all(r["status"] == "infra_invalid" for r in named)
+    assert receipt["outcome"]["verdict"] != "accept_for_review" or len(named) < cases
+    # gc on every alive node: no container of the run and no node run directory is left
+    res = cli("gc", "--backend", "ray", "--ray-address", cluster.address, "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert not run_containers(run_id(run))
+    left = [d for d in cluster.node_dir.glob("*/runs/*") if d.is_dir()]
+    assert left == [], left
