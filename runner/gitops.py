@@ -323,6 +323,10 @@ _SHADOW_CONFIG = ("[core]\n\tbare = false\n\tfsmonitor = false\n"
                   "\tuntrackedCache = false\n\thooksPath = /dev/null\n")
 
 
+SHADOW_PREFIX = "cyclebox-git-"
+"""Temporary git directories of :func:`_shadow`, named ``<prefix><pid>-<start>-*``."""
+
+
 @contextmanager
 def _shadow(repo: Path, *, head: bool = False) -> Iterator[tuple[Path, dict[str, str]]]:
     """A git directory of our own over ``repo``'s objects (and, with ``head``, its HEAD
@@ -339,7 +343,10 @@ def _shadow(repo: Path, *, head: bool = False) -> Iterator[tuple[Path, dict[str,
             commit = r.head.commit.hexsha if head and r.head.is_valid() else None
         except _LOOKUP_ERRORS:
             commit = None
-    with tempfile.TemporaryDirectory(prefix="cyclebox-git-") as tmp:
+    from runner.isolation.owner import current_owner
+
+    me = current_owner()  # in the name, so `cyclebox gc` can remove it after a SIGKILL
+    with tempfile.TemporaryDirectory(prefix=f"{SHADOW_PREFIX}{me.pid}-{me.start}-") as tmp:
         shadow = Path(tmp)
         for sub in ("refs", "objects", "info"):
             (shadow / sub).mkdir()

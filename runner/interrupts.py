@@ -58,3 +58,24 @@ def shielded() -> Iterator[None]:
         yield
     finally:
         _state.shield -= 1
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Hold a first signal across a few steps that must not be cut in half (making a
+    staging copy and handing it to the code that removes it); it unwinds right after,
+    as ``KeyboardInterrupt``, if it arrived meanwhile. Only the main thread is ever
+    interrupted, so elsewhere this holds nothing (a worker thread must not shield the
+    main thread's unwinding)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = _state.pending
+    _state.shield += 1
+    try:
+        yield
+    finally:
+        _state.shield -= 1
+    if _state.pending and not before and not _state.shield:
+        _state.pending = False
+        raise KeyboardInterrupt

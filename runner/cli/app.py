@@ -19,6 +19,7 @@ from runner.cli import (
     cycle,
     doctor,
     dream,
+    engine,
     export,
     gateway,
     gc,
@@ -66,10 +67,31 @@ def main() -> None:
     every exception is mapped to an exit code by the root group, :class:`Boundary`.
     """
     interrupts.install()
+    engine.reset()
     try:
         code = app(standalone_mode=False)
     except SystemExit:
         raise
     except BaseException as exc:  # the command tree itself failed to build: still one line
         code = guarded_exit_for(exc)
+    finally:
+        _remove_own_git_dirs()
     sys.exit(code)
+
+
+def _remove_own_git_dirs() -> None:
+    """Remove this process's temporary git directories that a signal cut short while
+    they were being cleaned up (a SIGKILLed process leaves them to `cyclebox gc`)."""
+    import contextlib
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from runner.gitops import SHADOW_PREFIX
+    from runner.isolation.owner import current_owner
+
+    with contextlib.suppress(Exception):
+        me = current_owner()
+        for d in Path(tempfile.gettempdir()).glob(f"{SHADOW_PREFIX}{me.pid}-{me.start}-*"):
+            if not d.is_symlink() and d.is_dir():
+                shutil.rmtree(d, ignore_errors=True)

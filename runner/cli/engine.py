@@ -40,6 +40,14 @@ def choose_backend(name: str | None = None, *, ray_address: str | None = None) -
     _choice["options"] = {"address": ray_address} if name == "ray" else {}
 
 
+def reset() -> None:
+    """Forget the backend choice and the opened backend: each command invocation chooses
+    its own (``main`` calls this first, so several invocations in one process, as in the
+    tests, do not share one)."""
+    sandbox.cache_clear()
+    _choice["name"], _choice["options"] = "docker", {}
+
+
 @functools.cache
 def sandbox() -> Sandbox:
     """The isolation backend commands run their containers in (docker unless

@@ -23,10 +23,14 @@ def gc(all_: Annotated[bool, typer.Option("--all", help="Remove every cyclebox c
     """Remove cyclebox-labelled containers whose owner process is gone, and stale gateway
     socket and input staging directories; print what it removed (or, with --dry-run,
     would remove)."""
+    import tempfile
     from dataclasses import asdict
+    from pathlib import Path
 
     from runner.cli.engine import choose_backend, sandbox
     from runner.gateway.server import sweep_socket_dirs
+    from runner.gitops import SHADOW_PREFIX
+    from runner.isolation.gc import sweep_pid_named_dirs
 
     choose_backend(backend, ray_address=ray_address)  # ray: a sweep on every alive node
     # The sandbox's containers (every one it looked at), then the owned directories it
@@ -34,15 +38,18 @@ def gc(all_: Annotated[bool, typer.Option("--all", help="Remove every cyclebox c
     swept = sandbox().sweep(only_orphans=not all_, dry_run=dry_run)
     results = ([r for r in swept if r.kind == "container"]
                + [r for r in sweep_socket_dirs(dry_run=dry_run) if r.would_remove]
-               + [r for r in swept if r.kind != "container" and r.would_remove])
+               + [r for r in swept if r.kind != "container" and r.would_remove]
+               + [r for r in sweep_pid_named_dirs(Path(tempfile.gettempdir()), SHADOW_PREFIX,
+                                                  role="git-shadow", kind="git_dir",
+                                                  dry_run=dry_run) if r.would_remove])
     if json_out:
         emit_json([asdict(r) for r in results])
         return
     for r in results:
         verb = ("would remove" if dry_run and r.would_remove else
                 "removed" if r.removed else "kept")
-        what = {"socket_dir": "socket dir", "staging_dir": "staging dir"}.get(r.kind,
-                                                                            "container")
+        what = {"socket_dir": "socket dir", "staging_dir": "staging dir",
+                "git_dir": "git temp dir"}.get(r.kind, "container")
         out.print(f"{verb} {safe(r.name)} ({what}, run {safe(r.run_id)}, "
                   f"role {safe(r.role)}): {safe(r.reason)}", highlight=False)
     verb = "would be removed" if dry_run else "removed"
@@ -50,7 +57,9 @@ def gc(all_: Annotated[bool, typer.Option("--all", help="Remove every cyclebox c
     n_cont = sum(r.kind == "container" for r in done)
     kept = sum(r.kind == "container" for r in results) - n_cont
     n_sock = sum(r.kind == "socket_dir" for r in done)
+    n_git = sum(r.kind == "git_dir" for r in done)
     out.print(f"{n_cont} container(s) {verb}, {kept} kept; "
               f"{n_sock} gateway socket dir(s) {verb}; "
-              f"{len(done) - n_cont - n_sock} input staging dir(s) {verb}"
+              f"{len(done) - n_cont - n_sock - n_git} input staging dir(s) {verb}; "
+              f"{n_git} git temp dir(s) {verb}"
               + (" (dry run: nothing removed)" if dry_run else ""), highlight=False)

@@ -133,3 +133,21 @@ def sweep_staging_dirs(base: Path, *, owner_name: str = "owner.json",
         with contextlib.suppress(OSError):  # the shared base, only when empty
             root.rmdir()
     return results
+
+
+def sweep_pid_named_dirs(root: Path, prefix: str, *, role: str, kind: str,
+                         dry_run: bool = False) -> list[SweepResult]:
+    """Remove ``root/<prefix><pid>-<start>-*`` directories whose named controller is
+    gone (a SIGKILLed controller cannot remove its own temporary directories)."""
+    here = current_owner()
+    dirs: list[tuple[Path, bool | None]] = []
+    for d in sorted(root.glob(prefix + "*")):
+        if d.is_symlink() or not d.is_dir():
+            continue
+        pid, _, rest = d.name[len(prefix):].partition("-")
+        start, _, _ = rest.partition("-")
+        if pid.isdigit() and start.isdigit():
+            dirs.append((d, owner_alive(Owner(pid=int(pid), start=int(start),
+                                              boot_id=here.boot_id, host=here.host),
+                                        here=here)))
+    return _sweep_owned(dirs, role=role, kind=kind, dry_run=dry_run)

@@ -157,3 +157,24 @@ def test_cli_usage_error_is_bad_input_not_a_verdict_code() -> None:
     res = subprocess.run([CLI, "cycle", "run", "--no-such-flag"], capture_output=True,
                          text=True, check=False, timeout=60)
     assert res.returncode == 3, res.stderr
+
+
+def test_a_signal_inside_deferred_unwinds_right_after_it() -> None:
+    """A first signal while a staging copy is made is held, then unwinds as
+    KeyboardInterrupt once the copy is handed over (so its ``finally`` removes it)."""
+    import signal
+
+    from runner import interrupts
+
+    state = interrupts._state
+    saved = (state.signals, state.shield, state.pending)
+    steps: list[str] = []
+    try:
+        state.signals, state.shield, state.pending = 0, 0, False
+        with pytest.raises(KeyboardInterrupt), interrupts.deferred():
+            interrupts._handler(signal.SIGTERM, None)  # held, not raised here
+            steps.append("copy made and handed over")
+        assert steps == ["copy made and handed over"]
+        assert state.pending is False
+    finally:
+        state.signals, state.shield, state.pending = saved

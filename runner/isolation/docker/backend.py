@@ -33,6 +33,7 @@ import docker.errors
 import requests.exceptions
 from docker.models.containers import _create_container_args
 
+from runner import interrupts
 from runner.errors import OutputRejected, PolicyViolation, PrerequisiteError, SandboxError
 from runner.isolation.collect import loads_strict
 from runner.isolation.copyout import CopyLimits, CopyRefused, Extracted, extract
@@ -273,6 +274,13 @@ class _Staging:
 
     def __init__(self, spec: RunSpec) -> None:
         self.dir: Path | None = None
+        try:
+            self._stage(spec)
+        except BaseException:
+            self.cleanup()  # a half-made copy is never left behind
+            raise
+
+    def _stage(self, spec: RunSpec) -> None:
         # The mount rules apply to what the caller named, not to the staged copy (which
         # always lies in a harmless place): every source is checked before any copy.
         for i, m in enumerate(spec.mounts):
@@ -475,8 +483,19 @@ class DockerSandbox:
         SandboxError raised (a caller stopping a run sweeps the containers that exist;
         this closes the gap for one whose creation was in flight during the sweep).
         """
-        staged = _Staging(spec)
-        spec = staged.spec
+        staged: _Staging | None = None
+        try:
+            # A signal while the copy is made would leave it behind: held until the
+            # copy is ours to remove, then it unwinds.
+            with interrupts.deferred():
+                staged = _Staging(spec)
+            return self._run_staged(staged.spec, on_output=on_output, cancel=cancel)
+        finally:
+            if staged is not None:
+                staged.cleanup()
+
+    def _run_staged(self, spec: RunSpec, *, on_output: OutputCallback | None,
+                    cancel: threading.Event | None) -> RunRecord:
         kwargs = create_kwargs(spec, self.owner, secrets.token_hex(4))
         api = self.client.api
         started = time.monotonic()
@@ -587,7 +606,6 @@ class DockerSandbox:
             image_id = str(state.get("Image", spec.image))
         finally:
             confirmed = self._remove(cid) if cid else True
-            staged.cleanup()
         flags = flags_from_inspect(state, exec_info, oom_kills=fin.oom_kills,
                                    timed_out=timed_out, stream_exceeded=stream_exceeded.is_set(),
                                    output_dir_exceeded=fin.limit, output_invalid=fin.invalid,
