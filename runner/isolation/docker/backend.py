@@ -264,6 +264,22 @@ def staging_base() -> Path:
                 or Path(tempfile.gettempdir()) / f"cyclebox-staging-{os.getuid()}")
 
 
+def check_mount_sources(spec: RunSpec) -> None:
+    """The mount rules on every source the caller named (the gateway's own socket
+    directory aside): no system directory, read-only inputs, no symlink as a source."""
+    for i, m in enumerate(spec.mounts):
+        if m.gateway:
+            continue
+        why = mount_violation(str(m.source), read_only=m.read_only)
+        if why is not None:
+            raise PolicyViolation(why, field=f"mounts[{i}]",
+                                  fix="mount a project or data directory, read-only")
+        if Path(m.source).is_symlink():
+            raise PolicyViolation(f"{m.source} is a symlink; a mount source must be the "
+                                  "directory or file itself", field=f"mounts[{i}]",
+                                  fix="pass the resolved path")
+
+
 class _Staging:
     """Bind sources the container cannot map back to the operator's paths.
 
@@ -283,17 +299,7 @@ class _Staging:
     def _stage(self, spec: RunSpec) -> None:
         # The mount rules apply to what the caller named, not to the staged copy (which
         # always lies in a harmless place): every source is checked before any copy.
-        for i, m in enumerate(spec.mounts):
-            if m.gateway:
-                continue
-            why = mount_violation(str(m.source), read_only=m.read_only)
-            if why is not None:
-                raise PolicyViolation(why, field=f"mounts[{i}]",
-                                      fix="mount a project or data directory, read-only")
-            if Path(m.source).is_symlink():
-                raise PolicyViolation(f"{m.source} is a symlink; a mount source must be the "
-                                      "directory or file itself", field=f"mounts[{i}]",
-                                      fix="pass the resolved path")
+        check_mount_sources(spec)
         mounts = []
         for i, m in enumerate(spec.mounts):
             if m.gateway:

@@ -41,7 +41,7 @@ from runner.errors import (
     SandboxError,
 )
 from runner.isolation.copyout import CopyLimits, CopyRefused, extract
-from runner.isolation.policy import mount_violation
+from runner.isolation.docker.backend import check_mount_sources
 from runner.isolation.ray import node as node_side
 from runner.isolation.ray.archive import digest, pack_input, pack_output
 from runner.isolation.ray.relay import HeadForwarder, Ticket
@@ -88,20 +88,11 @@ def _clear(root: Path) -> None:
 def check_mounts(spec: RunSpec) -> None:
     """The local run's mount rules, applied to what the caller named, on the head."""
     for i, m in enumerate(spec.mounts):
-        if m.gateway:
-            if not (Path(m.source) / node_side.GATEWAY_SOCKET).exists():
-                raise PolicyViolation(f"{m.source} holds no gateway socket",
-                                      field=f"mounts[{i}]", fix="bind it through the "
-                                      "gateway (launcher.launch)")
-            continue
-        why = mount_violation(str(m.source), read_only=m.read_only)
-        if why is not None:
-            raise PolicyViolation(why, field=f"mounts[{i}]",
-                                  fix="mount a project or data directory, read-only")
-        if Path(m.source).is_symlink():
-            raise PolicyViolation(f"{m.source} is a symlink; a mount source must be the "
-                                  "directory or file itself", field=f"mounts[{i}]",
-                                  fix="pass the resolved path")
+        if m.gateway and not (Path(m.source) / node_side.GATEWAY_SOCKET).exists():
+            raise PolicyViolation(f"{m.source} holds no gateway socket",
+                                  field=f"mounts[{i}]", fix="bind it through the "
+                                  "gateway (launcher.launch)")
+    check_mount_sources(spec)
 
 
 def read_output(spec: RunSpec, rec: RunRecord, data: bytes,
