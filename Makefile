@@ -124,6 +124,10 @@ bench: setup docker gvisor images ## Run the benchmarks (JSON into build/bench/)
 	$(BIN)/python -m bench.cycle --out build/bench/cycle.json
 	$(BIN)/python -m bench.train --out build/bench/train.json
 
+bench-scale: setup docker images ## Demo grown to ~100 and ~400 cases/side, local vs a local Ray cluster (~25 min; build/bench/scale.json)
+	@mkdir -p build/bench
+	$(BIN)/python -m bench.scale --cases 100,400 --out build/bench/scale.json
+
 gc: setup ## Remove cyclebox containers whose controller is gone
 	$(CYCLEBOX) gc
 
@@ -131,4 +135,4 @@ clean: ## Remove orphaned cyclebox containers and build/ (images are kept)
 	-@[ -x $(CYCLEBOX) ] && $(CYCLEBOX) gc || true
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache
 
-.PHONY: help setup docker chromium gvisor images check test faults unit verl-env demo demo-negative receipt dream smoke bench gc clean
+.PHONY: help setup docker chromium gvisor images check test faults unit verl-env demo demo-negative receipt dream smoke bench bench-scale gc clean

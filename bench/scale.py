@@ -6,8 +6,13 @@ The demo manifest has 14 scenarios; it is grown by trials (14 x trials case runs
 side, the comparison policy's trials set to match), which gives the same number of
 analyst containers as a manifest of that many cases. Per size and backend: freeze time
 (``cycle run --prepare-only``), the run's wall time and wall time per analyst case, the
-controller's peak RSS (``wait4`` of the CLI process), ``receipt verify`` time; per size
-the ratio ray/local of the run's wall time (issue 15 target: <= 1.2).
+controller's peak RSS (``wait4`` of the CLI process; on ray, Ray's own daemons are not
+counted), the time to build the receipt (``timing.receipt`` of the run's JSON) and the
+``receipt verify`` time; per size the ratio ray/local of the run's wall time (issue 15
+target: <= 1.2); and ``growth``, how each figure grows from the smallest size to the largest.
+
+Both backends share this machine's cores: on ray, the Ray daemons (GCS, raylets, object
+stores, workers) compete with the role containers, which a real cluster would not do.
 
     python -m bench.scale --cases 100,400 --out scale.json
 """
@@ -62,6 +67,7 @@ def one(cycle: Path, run: Path, backend: str, address: str | None) -> dict[str, 
     got: dict[str, Any] = {
         "verdict": res["verdict"], "freeze_s": round(freeze_s, 2), "run_s": round(wall, 2),
         "per_case_s": round(wall / max(1, len(analyst)), 3), "controller_peak_rss_mib": rss,
+        "receipt_s": res["timing"].get("receipt"),
         "verify_s": round(verify_s, 2), "analyst_containers": len(analyst),
         "receipt_files": len(json.loads((run / "receipt.json").read_text())["files"]),
         "stages_s": res["timing"]}
@@ -112,7 +118,23 @@ def main() -> None:
         if cluster is not None:
             cluster.shutdown()
     report({"machine_cpus": os.cpu_count(), "concurrency": 2, "sizes": sizes,
-            "work": str(work)}, a.out)
+            "growth": growth(sizes, backends), "work": str(work)}, a.out)
+
+
+def growth(sizes: list[dict[str, Any]], backends: list[str]) -> dict[str, Any]:
+    """From the smallest to the largest size: the case ratio, and per backend the ratio
+    of freeze, run, receipt-building and verify times and of the controller's peak RSS
+    (1.0 per unit of case ratio would be linear growth)."""
+    if len(sizes) < 2:
+        return {}
+    lo, hi = sizes[0], sizes[-1]
+    out: dict[str, Any] = {"cases": f"{lo['cases_per_side']} -> {hi['cases_per_side']}",
+                           "case_ratio": round(hi["cases_per_side"] / lo["cases_per_side"], 2)}
+    for b in backends:
+        out[b] = {k: round(hi[b][k] / lo[b][k], 2) if lo[b].get(k) else None
+                  for k in ("freeze_s", "run_s", "receipt_s", "verify_s",
+                            "controller_peak_rss_mib")}
+    return out
 
 
 if __name__ == "__main__":

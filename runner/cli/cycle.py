@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -138,9 +139,14 @@ def cycle_run(
         report_error(f"{outcome.result.reasons[0]} (no receipt written; partial run "
                      f"in {outcome.run_dir})")
         raise typer.Exit(failure.exit_code)
+    t0 = time.monotonic()
     with interrupts.shielded():
         receipt = build(outcome)
+    t1 = time.monotonic()
     report = write_outputs(outcome.run_dir, junit=junit, markdown=markdown, html=html)
+    # what this command spent after the stages (not in the receipt: it is built first)
+    timings = {**outcome.timings, "receipt": round(t1 - t0, 3),
+               "report": round(time.monotonic() - t1, 3)}
     result = outcome.result
     if failure is not None:
         # The verdict and receipt are written; the exit code says why the cycle stopped.
@@ -154,13 +160,13 @@ def cycle_run(
                    "reasons": list(result.reasons),
                    "receipt": str(outcome.run_dir / "receipt.json"),
                    "outcome": receipt.outcome.model_dump(mode="json"),
-                   "timing": outcome.timings,
+                   "timing": timings,
                    "report": json.loads(report.model_dump_json(by_alias=True))})
     else:
         # The report's rows (verdict, reasons, pass counts per arm and split, changes,
         # cost per role with unknown and fixture costs named), then this run's timing.
         print_terminal(report, extra=(
-            ("time per stage", ", ".join(f"{k} {v:.1f}s" for k, v in outcome.timings.items())),
+            ("time per stage", ", ".join(f"{k} {v:.1f}s" for k, v in timings.items())),
             ("receipt", str(outcome.run_dir / "receipt.json"))))
     raise typer.Exit(EXIT_CODES[result.verdict])
 
