@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from runner.cli.options import JsonOpt, PoliciesOpt
+from runner.cli.options import BackendOpt, JsonOpt, PoliciesOpt, RayAddressOpt
 from runner.cli.output import out
 from runner.errors import EXIT_PREREQUISITE
 from runner.paths import default_policies
@@ -19,12 +19,31 @@ commands = typer.Typer()
 @commands.command()
 def doctor(policies: PoliciesOpt = default_policies(), json_out: JsonOpt = False,
            probe: Annotated[bool, typer.Option(help="Run a probe container to check that "
-                                                    "limits are enforced.")] = True) -> None:
-    """Check the engine, its limits, the role images and free disk; exit non-zero with the fix."""
-    from runner.isolation.docker.doctor import run_checks
+                                                    "limits are enforced.")] = True,
+           backend: BackendOpt = None, ray_address: RayAddressOpt = None) -> None:
+    """Check the engine, its limits, the role images and free disk; exit non-zero with the fix.
+
+    With --backend ray: the cluster's nodes advertising the cyclebox resource, and on
+    each node its engine, images, disk, probe container, relay socket path and the
+    head's relay port."""
+    from runner.cli.engine import choose_backend, sandbox
     from runner.isolation.registry import get_sandbox
 
-    checks = run_checks(policies, sandbox=lambda: get_sandbox(timeout=10), probe=probe)
+    choose_backend(backend, ray_address=ray_address)  # validates the pair
+    if backend == "ray":
+        from runner.isolation.ray.backend import RaySandbox
+        from runner.isolation.ray.doctor import run_checks as ray_checks
+
+        def cluster() -> RaySandbox:
+            rs = sandbox()
+            assert isinstance(rs, RaySandbox)  # noqa: S101 - chosen just above
+            return rs
+
+        checks = ray_checks(policies, sandbox=cluster, probe=probe)
+    else:
+        from runner.isolation.docker.doctor import run_checks
+
+        checks = run_checks(policies, sandbox=lambda: get_sandbox(timeout=10), probe=probe)
     if json_out:
         emit_json([c.as_dict() for c in checks])
     else:

@@ -243,6 +243,34 @@ def test_canary_key_on_the_head_reaches_no_worker_node(cluster: RayCluster,
     assert scans and all(s["hits"] == [] and s["scanned"] > 0 for s in scans)
 
 
+def test_doctor_checks_every_node_and_refuses_a_dead_address(cluster: RayCluster) -> None:
+    """``doctor --backend ray``: every cyclebox node answers its engine, image, probe,
+    relay-socket and relay-port checks; a mistyped address is refused by name within
+    seconds (``ray.init`` alone would retry for many minutes)."""
+    res = cli("doctor", "--backend", "ray", "--ray-address", cluster.address, "--json",
+              timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr[-2000:]
+    rows = json.loads(res.stdout)
+    nodes = {r["name"].split()[1] for r in rows if r["name"].startswith("node ")}
+    assert len(nodes) == 2, rows
+    for n in nodes:
+        mine = {r["name"].split(": ", 1)[1]: r for r in rows
+                if r["name"].startswith(f"node {n} ")}
+        for check in ("engine", "image analyst", "image worker", "image evaluator",
+                      "image apply", "limits enforced", "relay socket path", "relay to head"):
+            assert mine[check]["ok"], (n, check, mine.get(check))
+    assert any(r["name"] == "ray nodes" and "2 alive" in r["detail"] for r in rows)
+
+    t0 = time.monotonic()
+    bad = cli("doctor", "--backend", "ray", "--ray-address", "127.0.0.1:1", "--json",
+              timeout=120)
+    assert bad.returncode == 5
+    failed = [r for r in json.loads(bad.stdout) if not r["ok"]]
+    assert [r["name"] for r in failed] == ["ray cluster"]
+    assert "127.0.0.1:1" in failed[0]["detail"] and "refused" in failed[0]["detail"]
+    assert time.monotonic() - t0 < 60
+
+
 def test_node_lost_mid_cycle_is_named_never_lost_and_gc_cleans(cluster: RayCluster,
                                                                tmp_path: Path) -> None:
     extra = cluster.add()

@@ -8,7 +8,7 @@ observed from inside against the role policy.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +18,7 @@ from runner.isolation.policy import ROLES
 from runner.paths import state_dir
 
 if TYPE_CHECKING:
+    from runner.isolation.docker.images import BuiltImage
     from runner.isolation.policy import RolePolicies, RolePolicy
     from runner.isolation.sandbox import RunRecord, Sandbox
 
@@ -43,20 +44,38 @@ def run_checks(policies_path: Path, *, sandbox: Callable[[], Sandbox],
     reach is reported as the failed ``engine`` check, not raised). The engine facts and
     the runtime checks are Docker's; image presence and the probes go through the
     sandbox."""
-    from runner.isolation.docker.backend import DockerSandbox, engine_info
     from runner.isolation.docker.images import read_lock
-    from runner.isolation.policy import load_policies
 
-    checks: list[Check] = []
-    try:
-        pols = load_policies(policies_path)
-        checks.append(Check("policies", True, f"{policies_path}: {len(pols.roles)} roles valid"))
-    except CycleboxError as exc:
-        return [Check("policies", False, str(exc), "fix the field named above")]
+    checks, pols = policy_check(policies_path)
+    if pols is None:
+        return checks
     try:
         backend = sandbox()
     except CycleboxError as exc:
         return [*checks, Check("engine", False, str(exc), "make docker")]
+    return [*checks, *engine_checks(pols, read_lock(), backend, probe=probe,
+                                    disks=[("disk (state dir)", state_dir())])]
+
+
+def policy_check(policies_path: Path) -> tuple[list[Check], RolePolicies | None]:
+    """The ``policies`` line, and the policies when they are valid."""
+    from runner.isolation.policy import load_policies
+
+    try:
+        pols = load_policies(policies_path)
+    except CycleboxError as exc:
+        return [Check("policies", False, str(exc), "fix the field named above")], None
+    return [Check("policies", True, f"{policies_path}: {len(pols.roles)} roles valid")], pols
+
+
+def engine_checks(pols: RolePolicies, lock: Mapping[str, BuiltImage], backend: Sandbox, *,
+                  probe: bool, disks: Sequence[tuple[str, Path]]) -> list[Check]:
+    """The checks of one engine (this machine's, or a Ray node's): its facts, the seccomp
+    profile, runtimes, the images of ``lock``, free disk at ``disks`` and the engine root,
+    and (with ``probe``) the limits and seccomp seen from inside a probe container."""
+    from runner.isolation.docker.backend import DockerSandbox, engine_info
+
+    checks: list[Check] = []
     info = engine_info(backend.client) if isinstance(backend, DockerSandbox) else None
     if info is None:
         checks.append(Check("engine", True, f"sandbox backend {backend.name} (no Docker "
@@ -70,17 +89,16 @@ def run_checks(policies_path: Path, *, sandbox: Callable[[], Sandbox],
     checks.append(seccomp_profile_check())
     if info is not None:
         checks.extend(runtime_checks(pols, info.runtimes))
-    lock = read_lock()
     for role in ROLES:
         row = lock.get(role)
         present = row is not None and backend.image_id(row.id) is not None
         detail = (f"{row.tag} {row.id[:19]} {row.size_bytes / 1e6:.0f} MB" if row and present
                   else "not built")
         checks.append(Check(f"image {role}", present, detail, "cyclebox images build"))
-    disks = [("disk (state dir)", state_dir())]
+    paths = list(disks)
     if info is not None:
-        disks.append(("disk (engine root)", Path(info.docker_root)))
-    for label, path in disks:
+        paths.append(("disk (engine root)", Path(info.docker_root)))
+    for label, path in paths:
         target = path if path.exists() else path.parent
         try:
             free = shutil.disk_usage(target).free

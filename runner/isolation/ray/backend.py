@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -54,6 +55,9 @@ from runner.isolation.sandbox import (
 )
 
 DEFAULT_RESOURCE = "cyclebox"
+GCS_CONNECT_S = 5.0
+"""How long the head waits for the cluster's GCS port to accept a connection before
+``ray.init`` (which, given a dead or mistyped address, retries for many minutes)."""
 RESULT_GRACE_S = 300.0
 """Beyond a run's own timeout: how long the head waits for a node's answer (staging,
 input fetch, copy-out, removal) before it records the node as lost."""
@@ -83,6 +87,30 @@ def _clear(root: Path) -> None:
             shutil.rmtree(entry.path)
         else:
             os.unlink(entry.path)
+
+
+def check_reachable(address: str | None, timeout: float = GCS_CONNECT_S) -> None:
+    """PrerequisiteError naming the address unless the cluster's GCS (``address``, or what
+    Ray's ``auto`` finds: ``RAY_ADDRESS``, the last ``ray start`` on this machine) accepts
+    a TCP connection within ``timeout`` seconds; ``ray://`` (Ray Client) is left to Ray."""
+    given = address or "auto"
+    if given.startswith("ray://"):
+        return
+    from ray._private.services import canonicalize_bootstrap_address_or_die
+
+    fix = ("Fix: start the cluster (`ray start --head`) or pass --ray-address HOST:PORT "
+           "of its head (the GCS port, 6379 unless changed)")
+    try:
+        resolved = canonicalize_bootstrap_address_or_die(given)
+        host, _, port = resolved.rpartition(":")
+        where = (host.strip("[]"), int(port))
+    except (ConnectionError, ValueError) as exc:
+        raise PrerequisiteError(f"Ray cluster not found at {given} ({exc}). {fix}") from None
+    try:
+        socket.create_connection(where, timeout=timeout).close()
+    except OSError as exc:
+        raise PrerequisiteError(f"Ray cluster not reachable at {given} ({resolved}: "
+                                f"{exc.strerror or exc}). {fix}") from None
 
 
 def check_mounts(spec: RunSpec) -> None:
@@ -138,6 +166,7 @@ class RaySandbox:
                                     "'cyclebox[ray]'") from None
         self._ray = ray
         if not ray.is_initialized():
+            check_reachable(address)
             try:
                 ray.init(address=address or "auto", log_to_driver=False,
                          logging_level=logging.ERROR, namespace="cyclebox")
@@ -202,6 +231,11 @@ class RaySandbox:
                 continue
         return out
 
+    def on_each_node(self, fn: Callable[..., Any], *args: Any) -> list[tuple[str, Any]]:
+        """``fn(*args)`` on every alive cyclebox node: (node id, result) of each that
+        answered (``cyclebox doctor --backend ray``)."""
+        return self._each_node(fn, *args)
+
     # -- inputs ------------------------------------------------------------------
     def _input(self, source: Path) -> tuple[str, Any]:
         """(sha256, object ref) of a packed input; reused while the tree is unchanged."""
@@ -226,6 +260,10 @@ class RaySandbox:
             if self._forwarder is None:
                 self._forwarder = HeadForwarder(self.relay_host)
             return self._forwarder
+
+    def relay_forwarder(self) -> HeadForwarder:
+        """The head's relay listener, started on first use."""
+        return self._forward()
 
     # -- running -----------------------------------------------------------------
     def run(self, spec: RunSpec, *, on_output: OutputCallback | None = None,

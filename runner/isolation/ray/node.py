@@ -62,6 +62,11 @@ def _sandbox() -> Any:
     return _docker
 
 
+def docker_sandbox() -> Any:
+    """This node's Docker backend (raises the engine's error when it is unreachable)."""
+    return _sandbox()
+
+
 def _scratch(base: Path) -> Path:
     runs = base / "runs"
     runs.mkdir(parents=True, exist_ok=True, mode=0o711)
