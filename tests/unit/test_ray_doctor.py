@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("ray")
 
-from runner.errors import PrerequisiteError  # noqa: E402
-from runner.isolation.ray.backend import check_reachable  # noqa: E402
-from runner.isolation.ray.doctor import relay_check, socket_path_check  # noqa: E402
+from runner.errors import PrerequisiteError
+from runner.isolation.ray.backend import check_reachable
+from runner.isolation.ray.doctor import relay_check, socket_path_check
 
 
 def test_socket_path_fits_under_a_short_node_dir_only() -> None:
@@ -31,8 +31,8 @@ def test_relay_check_connects_or_names_the_port() -> None:
 def test_dead_address_is_refused_at_once_by_name() -> None:
     with socket.create_server(("127.0.0.1", 0)) as srv:
         port = srv.getsockname()[1]
-    with pytest.raises(PrerequisiteError, match=f"not reachable at 127.0.0.1:{port}.*Fix:"):
+    with pytest.raises(PrerequisiteError, match=rf"not reachable at 127\.0\.0\.1:{port}.*Fix:"):
         check_reachable(f"127.0.0.1:{port}", timeout=2)
-    with pytest.raises(PrerequisiteError, match="not found at nonsense.*Fix:"):
+    with pytest.raises(PrerequisiteError, match=r"not found at nonsense.*Fix:"):
         check_reachable("nonsense", timeout=2)
     check_reachable("ray://head:10001")  # Ray Client: left to Ray
