@@ -87,9 +87,9 @@ class _Side:
 def _shut_wr(sock: socket.socket) -> None:
     # SSLSocket.shutdown() discards the TLS state, and with it the read side that is
     # still in use: half-close the TCP stream under it instead. The peer reads that as
-    # an EOF without close_notify, which ``suppress_ragged_eofs`` makes b"". (An on-path
-    # attacker could truncate a stream this way, as it could reset it; the HTTP inside
-    # is self-delimiting.)
+    # an EOF without close_notify, which ``pin``'s OP_IGNORE_UNEXPECTED_EOF makes b""
+    # rather than a fatal error. (An on-path attacker could truncate a stream this way,
+    # as it could reset it; the HTTP inside is self-delimiting.)
     with contextlib.suppress(OSError):
         socket.socket.shutdown(sock, socket.SHUT_WR)
 
@@ -197,7 +197,7 @@ class HeadForwarder:
 
     def refusals(self) -> dict[str, int]:
         """Connections closed unserved, by reason: ``pending`` (too many without a ticket
-        yet), ``tls`` (no handshake in time), ``ticket`` (none valid in time),
+        yet), ``tls`` (no TLS handshake in time, or a failed one), ``ticket`` (none valid in time),
         ``per_ticket`` (its ticket already has the most live connections)."""
         with self._lock:
             return dict(self._refused)
