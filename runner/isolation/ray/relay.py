@@ -3,14 +3,27 @@
 A role container on a node reaches the model through a unix socket in a node-local
 directory, as it would locally. Behind that socket is not the gateway but a relay
 (:class:`NodeRelay`, in the node's task process) that forwards each connection's bytes
-over TCP to the head's :class:`HeadForwarder`, which opens the real gateway socket of
+over TLS to the head's :class:`HeadForwarder`, which opens the real gateway socket of
 that one binding and pipes the bytes back. The gateway (recording, budget, role to
 upstream mapping, the model key) never leaves the head process; the node holds only
 the binding's gateway token (worthless outside the run) and a per-binding ticket.
 
-A connection to the forwarder must open with its binding's 32-byte ticket (compared in
-constant time); anything else is closed unanswered. The forwarder listens on the head's
-node address: on a real cluster that is the private network (see ``docs/ray.md``).
+Invariants:
+
+- The link is TLS (>= 1.2) pinned to the forwarder's ephemeral certificate, which the
+  ticket carries (:mod:`runner.isolation.ray.pin`); the node trusts nothing else.
+- A connection to the forwarder must complete the handshake and send its binding's
+  32-byte ticket (compared in constant time) within :data:`CONNECT_TIMEOUT_S`; anything
+  else is closed unanswered.
+- Every count a peer drives is bounded: at most :data:`MAX_PENDING` connections to the
+  forwarder without a valid ticket yet, at most :data:`MAX_PER_TICKET` live connections
+  per ticket, at most :data:`MAX_NODE_CONNECTIONS` live connections into one node
+  relay, and at most :data:`HIGH_WATER` bytes buffered per direction. A connection
+  beyond a cap is closed at once (and counted in ``refusals()``); the accept loop
+  starts no thread for it. One thread serves each admitted connection.
+
+The forwarder listens on the head's node address: on a real cluster that is the
+private network (see ``docs/ray.md``).
 """
 
 from __future__ import annotations
@@ -19,16 +32,30 @@ import contextlib
 import hmac
 import os
 import secrets
+import select
 import socket
+import ssl
 import threading
+import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from runner.errors import SandboxError
+from runner.isolation.ray import pin
 
 TICKET_BYTES = 32
 CHUNK = 64 * 1024
+HIGH_WATER = 4 * CHUNK
+"""Bytes buffered for one direction before the relay stops reading the other side."""
 CONNECT_TIMEOUT_S = 10.0
+"""Connect, TLS handshake and ticket, all within this."""
+MAX_PENDING = 64
+"""Connections to the forwarder that have not yet presented a valid ticket."""
+MAX_PER_TICKET = 16
+"""Live relayed connections per ticket (one container's concurrent model calls)."""
+MAX_NODE_CONNECTIONS = 16
+"""Live connections from the container into one node relay socket."""
 SOCKET_PATH_MAX = 107
 """sun_path holds 108 bytes including the terminating NUL."""
 
@@ -40,43 +67,120 @@ class Ticket:
     host: str
     port: int
     secret: bytes
+    cert: bytes
+    """The forwarder's certificate (PEM, public): the one certificate the node trusts."""
     token: bytes
     """The binding's gateway token file content (per run and role, not a model key)."""
 
 
-def _pipe(src: socket.socket, dst: socket.socket) -> None:
-    try:
-        while True:
-            data = src.recv(CHUNK)
-            if not data:
-                break
-            dst.sendall(data)
-    except OSError:
-        pass
-    finally:
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
+class _Side:
+    __slots__ = ("eof", "out", "shut", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.out = bytearray()
+        """Bytes read from the other side, not yet sent to this one."""
+        self.eof = False
+        self.shut = False
+
+
+def _shut_wr(sock: socket.socket) -> None:
+    # SSLSocket.shutdown() discards the TLS state, and with it the read side that is
+    # still in use: half-close the TCP stream under it instead. The peer reads that as
+    # an EOF without close_notify, which ``pin``'s OP_IGNORE_UNEXPECTED_EOF makes b""
+    # rather than a fatal error. (An on-path attacker could truncate a stream this way,
+    # as it could reset it; the HTTP inside is self-delimiting.)
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_WR)
 
 
 def _splice(a: socket.socket, b: socket.socket) -> None:
-    """Pipe both ways until both directions are closed, then close both."""
-    t = threading.Thread(target=_pipe, args=(b, a), daemon=True)
-    t.start()
-    _pipe(a, b)
-    t.join()
-    for s in (a, b):
-        with contextlib.suppress(OSError):
-            s.close()
+    """Pipe both ways until both directions are closed, then close both.
+
+    One thread for both directions: an SSL object must not be read and written from two
+    threads at once. Any error on either side ends both."""
+    sides = (_Side(a), _Side(b))
+    pairs = ((sides[0], sides[1]), (sides[1], sides[0]))
+    poll = select.poll()
+    try:
+        for s in sides:
+            s.sock.setblocking(False)
+        while True:
+            for me, peer in pairs:
+                if peer.eof and not me.out and not me.shut:
+                    _shut_wr(me.sock)
+                    me.shut = True
+            if sides[0].shut and sides[1].shut:
+                return
+            buffered = False
+            for me, peer in pairs:
+                mask = 0
+                if not me.eof and len(peer.out) < HIGH_WATER:
+                    mask |= select.POLLIN
+                    if isinstance(me.sock, ssl.SSLSocket) and me.sock.pending():
+                        buffered = True  # decrypted bytes poll() cannot see
+                if me.out:
+                    mask |= select.POLLOUT
+                if mask:
+                    poll.register(me.sock, mask)
+                else:  # else a hang-up it must not act on would wake poll() at once, forever
+                    with contextlib.suppress(KeyError):
+                        poll.unregister(me.sock)
+            events = dict(poll.poll(0 if buffered else None))
+            for me, peer in pairs:
+                ev = events.get(me.sock.fileno(), 0)
+                can_read = not me.eof and len(peer.out) < HIGH_WATER
+                if can_read and (ev & (select.POLLIN | select.POLLHUP | select.POLLERR) or (
+                        isinstance(me.sock, ssl.SSLSocket) and me.sock.pending())):
+                    try:
+                        data = me.sock.recv(CHUNK)
+                    except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
+                        data = None
+                    if data == b"":
+                        me.eof = True
+                    elif data:
+                        peer.out += data
+                if me.out and ev & (select.POLLOUT | select.POLLHUP | select.POLLERR):
+                    try:
+                        # the same leading bytes on a retry, as TLS requires
+                        sent = me.sock.send(bytes(me.out[:CHUNK]))
+                    except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
+                        sent = 0
+                    del me.out[:sent]
+    except OSError:
+        pass
+    finally:
+        for s in sides:
+            with contextlib.suppress(OSError):
+                s.sock.close()
+
+
+def _recv_exactly(conn: socket.socket, n: int, deadline: float) -> bytes:
+    got = b""
+    while len(got) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        conn.settimeout(left)
+        part = conn.recv(n - len(got))
+        if not part:
+            break
+        got += part
+    return got
 
 
 class HeadForwarder:
-    """TCP listener on the head mapping tickets to gateway sockets."""
+    """TLS listener on the head mapping tickets to gateway sockets."""
 
     def __init__(self, host: str) -> None:
         self.host = host
+        self._ctx, self.cert = pin.server_context()
         self._sock = socket.create_server((host, 0))
         self.port = int(self._sock.getsockname()[1])
         self._routes: dict[bytes, Path] = {}
+        self._live: Counter[bytes] = Counter()
+        self._pending = 0
+        self._refused: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="cbx-relay-head").start()
@@ -85,18 +189,18 @@ class HeadForwarder:
         secret = secrets.token_bytes(TICKET_BYTES)
         with self._lock:
             self._routes[secret] = socket_path
-        return Ticket(self.host, self.port, secret, token)
+        return Ticket(self.host, self.port, secret, self.cert, token)
 
     def remove(self, ticket: Ticket) -> None:
         with self._lock:
             self._routes.pop(ticket.secret, None)
 
-    def _route(self, given: bytes) -> Path | None:
+    def refusals(self) -> dict[str, int]:
+        """Connections closed unserved, by reason: ``pending`` (too many without a ticket
+        yet), ``tls`` (no TLS handshake in time, or a failed one), ``ticket`` (none valid in time),
+        ``per_ticket`` (its ticket already has the most live connections)."""
         with self._lock:
-            for secret, path in self._routes.items():
-                if hmac.compare_digest(secret, given):
-                    return path
-        return None
+            return dict(self._refused)
 
     def _accept(self) -> None:
         while not self._closed:
@@ -104,29 +208,85 @@ class HeadForwarder:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            with self._lock:
+                admit = self._pending < MAX_PENDING
+                if admit:
+                    self._pending += 1
+                else:
+                    self._refused["pending"] += 1
+            if not admit:
+                conn.close()
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            except RuntimeError:  # no thread to be had: refuse, do not die
+                conn.close()
+                with self._lock:
+                    self._pending -= 1
+                    self._refused["pending"] += 1
+
+    def _admit(self, given: bytes) -> tuple[bytes, Path] | str:
+        """The route and a live slot for ``given``, or the refusal reason."""
+        with self._lock:
+            for secret, path in self._routes.items():
+                if hmac.compare_digest(secret, given):
+                    if self._live[secret] >= MAX_PER_TICKET:
+                        return "per_ticket"
+                    self._live[secret] += 1
+                    return secret, path
+        return "ticket"
+
+    def _release(self, secret: bytes) -> None:
+        with self._lock:
+            self._live[secret] -= 1
+            if self._live[secret] <= 0:
+                del self._live[secret]
+
+    def _open(self, conn: socket.socket) -> tuple[ssl.SSLSocket, bytes, Path] | None:
+        """Handshake and ticket within the deadline, then a live slot, or None (closed)."""
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        reason = "tls"
+        sock = conn
+        try:
+            conn.settimeout(CONNECT_TIMEOUT_S)  # the handshake's whole deadline
+            # wrap_socket detaches ``conn``: from here on ``tls`` owns the descriptor
+            sock = tls = self._ctx.wrap_socket(conn, server_side=True,
+                                               do_handshake_on_connect=False)
+            tls.do_handshake()
+            reason = "ticket"
+            got = self._admit(_recv_exactly(tls, TICKET_BYTES, deadline))
+        except (OSError, ValueError):
+            got = reason
+        if isinstance(got, str):
+            with self._lock:
+                self._refused[got] += 1
+            with contextlib.suppress(OSError):
+                sock.close()
+            return None
+        return tls, got[0], got[1]
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(CONNECT_TIMEOUT_S)
-            given = b""
-            while len(given) < TICKET_BYTES:
-                part = conn.recv(TICKET_BYTES - len(given))
-                if not part:
-                    break
-                given += part
-            path = self._route(given) if len(given) == TICKET_BYTES else None
-            if path is None:
-                conn.close()
-                return
-            conn.settimeout(None)
-            up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            up.connect(str(path))
-        except OSError:
-            with contextlib.suppress(OSError):
-                conn.close()
+            opened = self._open(conn)
+        finally:
+            with self._lock:
+                self._pending -= 1
+        if opened is None:
             return
-        _splice(conn, up)
+        tls, secret, path = opened
+        try:
+            up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                up.settimeout(CONNECT_TIMEOUT_S)
+                up.connect(str(path))
+            except OSError:
+                up.close()
+                with contextlib.suppress(OSError):
+                    tls.close()
+                return
+            _splice(tls, up)
+        finally:
+            self._release(secret)
 
     def close(self) -> None:
         self._closed = True
@@ -141,6 +301,7 @@ class NodeRelay:
     def __init__(self, directory: Path, ticket: Ticket, *, uid: int, socket_name: str,
                  token_name: str) -> None:
         self.ticket = ticket
+        self._ctx = pin.client_context(ticket.cert)
         path = directory / socket_name
         if len(os.fsencode(path)) > SOCKET_PATH_MAX:
             raise SandboxError(f"relay socket path {path} is longer than {SOCKET_PATH_MAX} "
@@ -158,8 +319,17 @@ class NodeRelay:
             for p in (directory, token, path):
                 os.chown(p, uid, uid)
         self._sock.listen(64)
+        self._live = 0
+        self._refused: Counter[str] = Counter()
+        self._lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="cbx-relay-node").start()
+
+    def refusals(self) -> dict[str, int]:
+        """Container connections closed unserved: ``busy`` (at the live cap), ``head``
+        (the head could not be reached or did not present the pinned certificate)."""
+        with self._lock:
+            return dict(self._refused)
 
     def _accept(self) -> None:
         while not self._closed:
@@ -167,19 +337,50 @@ class NodeRelay:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            with self._lock:
+                admit = self._live < MAX_NODE_CONNECTIONS
+                if admit:
+                    self._live += 1
+                else:
+                    self._refused["busy"] += 1
+            if not admit:
+                conn.close()
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            except RuntimeError:
+                conn.close()
+                with self._lock:
+                    self._live -= 1
+                    self._refused["busy"] += 1
+
+    def _connect(self) -> ssl.SSLSocket:
+        up: socket.socket = socket.create_connection((self.ticket.host, self.ticket.port),
+                                                     timeout=CONNECT_TIMEOUT_S)
+        try:
+            # the handshake's whole deadline is the connect timeout
+            up = self._ctx.wrap_socket(up, server_hostname=pin.SERVER_NAME)
+            pin.check_peer(up, self.ticket.cert)
+            up.sendall(self.ticket.secret)
+        except (OSError, ValueError):
+            up.close()  # wrap_socket detached the plain socket into the TLS one
+            raise
+        return up
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            up = socket.create_connection((self.ticket.host, self.ticket.port),
-                                          timeout=CONNECT_TIMEOUT_S)
-            up.settimeout(None)
-            up.sendall(self.ticket.secret)
-        except OSError:
-            with contextlib.suppress(OSError):
-                conn.close()
-            return
-        _splice(conn, up)
+            try:
+                up = self._connect()
+            except (OSError, ValueError):
+                with self._lock:
+                    self._refused["head"] += 1
+                with contextlib.suppress(OSError):
+                    conn.close()
+                return
+            _splice(conn, up)
+        finally:
+            with self._lock:
+                self._live -= 1
 
     def close(self) -> None:
         self._closed = True
