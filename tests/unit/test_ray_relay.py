@@ -377,3 +377,45 @@ def test_a_container_gets_at_most_the_node_relays_share_of_live_connections(
         assert eventually(admitted)
     finally:
         relay_.close()
+
+
+# -- a connection ends with its run --------------------------------------------------------
+
+def test_removing_a_ticket_shuts_down_its_live_connections_and_their_threads(
+        gateway: Path, head: HeadForwarder, opened: list[socket.socket]) -> None:
+    """A node (or its container) holding connections open past the run keeps neither a
+    head thread nor a gateway connection: the ticket's removal cuts them."""
+    before = threading.active_count()
+    ticket = head.add(gateway, b"token")
+    other = head.add(gateway, b"token2")
+    held = []
+    for t in (ticket, ticket, other):
+        n = node(t)
+        opened.append(n)
+        n.sendall(t.secret)
+        assert ping(n)
+        held.append(n)
+    head.remove(ticket)
+    assert closed_unanswered(held[0]) and closed_unanswered(held[1])
+    assert ping(held[2])  # another binding's connection is untouched
+    assert eventually(lambda: head.live() == 1)
+    head.remove(other)
+    assert closed_unanswered(held[2])
+    assert eventually(lambda: head.live() == 0)
+    # the head's serving threads (and the echo gateway's) are gone with them
+    assert eventually(lambda: threading.active_count() <= before)
+
+
+def test_closing_the_node_relay_shuts_down_the_containers_live_connections(
+        tmp_path: Path, gateway: Path, head: HeadForwarder,
+        opened: list[socket.socket]) -> None:
+    ticket = head.add(gateway, b"token")
+    relay_ = node_relay(tmp_path, ticket)
+    c = container(tmp_path)
+    opened.append(c)
+    assert ping(c)
+    relay_.close()
+    assert closed_unanswered(c)
+    assert eventually(lambda: relay_.live() == 0)
+    assert eventually(lambda: head.live() == 0)  # the head side ended with it
+    assert relay_.refusals() == {}

@@ -21,6 +21,10 @@ Invariants:
   relay, and at most :data:`HIGH_WATER` bytes buffered per direction. A connection
   beyond a cap is closed at once (and counted in ``refusals()``); the accept loop
   starts no thread for it. One thread serves each admitted connection.
+- A connection lives no longer than its binding: removing a ticket (the run ended) shuts
+  down every connection it admitted, and closing a node relay shuts down every
+  connection into it, so a peer that holds a connection open (or a half-open socket)
+  never keeps a thread, a descriptor or a gateway connection past its run.
 
 The forwarder listens on the head's node address: on a real cluster that is the
 private network (see ``docs/ray.md``).
@@ -155,6 +159,15 @@ def _splice(a: socket.socket, b: socket.socket) -> None:
                 s.sock.close()
 
 
+def _cut(socks: set[socket.socket]) -> None:
+    """Shut both directions of every socket in ``socks`` down (from any thread): the
+    thread splicing them sees the end at once and closes them. A socket already closed
+    has no descriptor left, so this can never touch one reused by another connection."""
+    for s in socks:
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(s, socket.SHUT_RDWR)
+
+
 def _recv_exactly(conn: socket.socket, n: int, deadline: float) -> bytes:
     got = b""
     while len(got) < n:
@@ -179,6 +192,8 @@ class HeadForwarder:
         self.port = int(self._sock.getsockname()[1])
         self._routes: dict[bytes, Path] = {}
         self._live: Counter[bytes] = Counter()
+        self._conns: dict[bytes, set[socket.socket]] = {}
+        """The sockets (node side and gateway side) of each ticket's live connections."""
         self._pending = 0
         self._refused: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -192,8 +207,16 @@ class HeadForwarder:
         return Ticket(self.host, self.port, secret, self.cert, token)
 
     def remove(self, ticket: Ticket) -> None:
+        """No new connection for ``ticket``, and its live ones are shut down."""
         with self._lock:
             self._routes.pop(ticket.secret, None)
+            live = set(self._conns.get(ticket.secret, ()))
+        _cut(live)
+
+    def live(self) -> int:
+        """Connections relayed right now (all tickets)."""
+        with self._lock:
+            return sum(self._live.values())
 
     def refusals(self) -> dict[str, int]:
         """Connections closed unserved, by reason: ``pending`` (too many without a ticket
@@ -225,22 +248,37 @@ class HeadForwarder:
                     self._pending -= 1
                     self._refused["pending"] += 1
 
-    def _admit(self, given: bytes) -> tuple[bytes, Path] | str:
-        """The route and a live slot for ``given``, or the refusal reason."""
+    def _admit(self, given: bytes, sock: socket.socket) -> tuple[bytes, Path] | str:
+        """The route and a live slot for ``given`` (``sock`` is then shut down with the
+        ticket), or the refusal reason."""
         with self._lock:
             for secret, path in self._routes.items():
                 if hmac.compare_digest(secret, given):
                     if self._live[secret] >= MAX_PER_TICKET:
                         return "per_ticket"
                     self._live[secret] += 1
+                    self._conns.setdefault(secret, set()).add(sock)
                     return secret, path
         return "ticket"
 
-    def _release(self, secret: bytes) -> None:
+    def _attach(self, secret: bytes, sock: socket.socket) -> bool:
+        """Shut ``sock`` down with its ticket; False when the ticket is already gone."""
+        with self._lock:
+            if secret not in self._routes:
+                return False
+            self._conns.setdefault(secret, set()).add(sock)
+            return True
+
+    def _release(self, secret: bytes, socks: tuple[socket.socket, ...]) -> None:
         with self._lock:
             self._live[secret] -= 1
             if self._live[secret] <= 0:
                 del self._live[secret]
+            conns = self._conns.get(secret)
+            if conns is not None:
+                conns.difference_update(socks)
+                if not conns:
+                    del self._conns[secret]
 
     def _open(self, conn: socket.socket) -> tuple[ssl.SSLSocket, bytes, Path] | None:
         """Handshake and ticket within the deadline, then a live slot, or None (closed)."""
@@ -254,7 +292,7 @@ class HeadForwarder:
                                                do_handshake_on_connect=False)
             tls.do_handshake()
             reason = "ticket"
-            got = self._admit(_recv_exactly(tls, TICKET_BYTES, deadline))
+            got = self._admit(_recv_exactly(tls, TICKET_BYTES, deadline), tls)
         except (OSError, ValueError):
             got = reason
         if isinstance(got, str):
@@ -274,11 +312,13 @@ class HeadForwarder:
         if opened is None:
             return
         tls, secret, path = opened
+        up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 up.settimeout(CONNECT_TIMEOUT_S)
                 up.connect(str(path))
+                if not self._attach(secret, up):  # removed meanwhile
+                    raise OSError("ticket removed")
             except OSError:
                 up.close()
                 with contextlib.suppress(OSError):
@@ -286,12 +326,17 @@ class HeadForwarder:
                 return
             _splice(tls, up)
         finally:
-            self._release(secret)
+            self._release(secret, (tls, up))
 
     def close(self) -> None:
+        """Stop listening and shut down every live connection."""
         self._closed = True
         with contextlib.suppress(OSError):
             self._sock.close()
+        with self._lock:
+            self._routes.clear()
+            live = {s for socks in self._conns.values() for s in socks}
+        _cut(live)
 
 
 class NodeRelay:
@@ -320,6 +365,8 @@ class NodeRelay:
                 os.chown(p, uid, uid)
         self._sock.listen(64)
         self._live = 0
+        self._conns: set[socket.socket] = set()
+        """Both sockets of every live connection (shut down by :meth:`close`)."""
         self._refused: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._closed = False
@@ -367,22 +414,51 @@ class NodeRelay:
             raise
         return up
 
+    def live(self) -> int:
+        """Container connections relayed right now."""
+        with self._lock:
+            return self._live
+
+    def _attach(self, sock: socket.socket) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            self._conns.add(sock)
+            return True
+
     def _serve(self, conn: socket.socket) -> None:
+        up: socket.socket | None = None
         try:
-            try:
-                up = self._connect()
-            except (OSError, ValueError):
-                with self._lock:
-                    self._refused["head"] += 1
+            if not self._attach(conn):
                 with contextlib.suppress(OSError):
                     conn.close()
+                return
+            try:
+                up = self._connect()
+                if not self._attach(up):  # closed meanwhile
+                    raise OSError("relay closed")
+            except (OSError, ValueError):
+                with self._lock:
+                    if not self._closed:
+                        self._refused["head"] += 1
+                for s in (conn, up):
+                    if s is not None:
+                        with contextlib.suppress(OSError):
+                            s.close()
                 return
             _splice(conn, up)
         finally:
             with self._lock:
                 self._live -= 1
+                self._conns.discard(conn)
+                if up is not None:
+                    self._conns.discard(up)
 
     def close(self) -> None:
-        self._closed = True
+        """Stop listening and shut down every live connection (the run is over)."""
+        with self._lock:
+            self._closed = True
+            live = set(self._conns)
         with contextlib.suppress(OSError):
             self._sock.close()
+        _cut(live)
