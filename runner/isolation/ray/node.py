@@ -9,15 +9,17 @@ those of a killed worker). Nothing here reads a model credential; none is ever s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from runner.errors import CycleboxError
+from runner.errors import CycleboxError, SandboxError
 from runner.isolation.owner import current_owner
 from runner.isolation.ray.archive import cached, pack_output, unpack_input, unpack_seed
 from runner.isolation.ray.relay import NodeRelay, Ticket
@@ -50,6 +52,40 @@ def node_root() -> Path:
 
 def node_base(node: str | None = None) -> Path:
     return node_root() / (node or node_id())[:16]
+
+
+def _own_dir(path: Path) -> Path:
+    """``path`` as a directory of this user that no one else can write or list (made
+    0711 when absent); SandboxError naming it when it is a link, not a directory or
+    another user's: in a shared ``/tmp`` another local user could have made it first
+    and would then plant cached inputs (mounted into role containers) or swap run
+    directories."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o711)
+    st = path.lstat()
+    why = ("a symlink" if stat.S_ISLNK(st.st_mode) else
+           "not a directory" if not stat.S_ISDIR(st.st_mode) else
+           f"owned by uid {st.st_uid}" if st.st_uid != os.getuid() else
+           "writable by other users" if stat.S_IMODE(st.st_mode) & 0o022 else None)
+    if why is not None:
+        raise SandboxError(f"node directory {path} is {why}, not a private directory of "
+                           f"uid {os.getuid()}. Fix: set {NODE_DIR_ENV} on this node to a "
+                           "private directory and restart its raylet")
+    if stat.S_IMODE(st.st_mode) & 0o044:
+        os.chmod(path, 0o711)  # noqa: S103 - others may traverse, not list
+    return path
+
+
+def own_base(node: str) -> Path:
+    """This node's directory with its ``inputs`` and ``runs``, each checked to be this
+    user's own (:func:`_own_dir`) before anything in them is trusted."""
+    root = node_root()
+    root.parent.mkdir(parents=True, exist_ok=True)
+    _own_dir(root)
+    base = _own_dir(node_base(node))
+    _own_dir(base / "inputs")
+    _own_dir(base / "runs")
+    return base
 
 
 def _sandbox() -> Any:
@@ -86,7 +122,7 @@ def run(spec: RunSpec, inputs: list[tuple[int, str, list[Any]]], seed: list[Any]
     import ray
 
     node = node_id()
-    base = node_base(node)
+    base = own_base(node)
     work = _scratch(base)
     relay: NodeRelay | None = None
     try:
@@ -141,7 +177,7 @@ def sweep(only_orphans: bool, dry_run: bool) -> list[SweepResult]:
 
     found = list(_sandbox().sweep(only_orphans=only_orphans, dry_run=dry_run))
     root = node_root()
-    if root.is_dir() and not root.is_symlink():
+    if root.is_dir() and not root.is_symlink() and root.stat().st_uid == os.getuid():
         for base in sorted(root.iterdir()):
             runs = base / "runs"
             if base.is_symlink() or runs.is_symlink() or not runs.is_dir():
