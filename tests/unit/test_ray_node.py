@@ -1,5 +1,7 @@
-"""What a Ray node process trusts on its own host (no Ray started): its node directory
-must be its own before a cached input in it is mounted into a role container.
+"""What a Ray node process trusts on its own host, and what the head takes from a node
+(no Ray started): the node directory must be the node user's own before a cached input
+in it is mounted into a role container; a node's answer must be a record of the very
+run the head asked for, within bounds.
 
 The node's Docker backend is replaced at its seam (``node._docker``) by a recorder.
 """
@@ -7,15 +9,18 @@ The node's Docker backend is replaced at its seam (``node._docker``) by a record
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from runner.errors import SandboxError
+from runner.errors import OutputRejected, SandboxError
+from runner.isolation.docker.backend import TAIL_BYTES
 from runner.isolation.ray import node as node_side
 from runner.isolation.ray.archive import ENTRY, digest, pack_input
+from runner.isolation.ray.backend import ANSWER_TEXT_MAX, TAR_ENTRY_OVERHEAD, take_answer
 from runner.isolation.sandbox import Mount, Resources, RunRecord, RunSpec, StopReason
 
 NODE = "f" * 40
@@ -114,3 +119,65 @@ def test_the_node_dir_is_made_private_and_its_cache_then_used(
     assert docker.specs[0].mounts[0].source == cached
     for d in (root, base, base / "inputs", base / "runs"):
         assert d.stat().st_mode & 0o777 == 0o711, d  # other users may not list
+
+
+# -- what the head accepts from a node ----------------------------------------------------
+
+def asked(tmp_path: Path) -> RunSpec:
+    return RunSpec(run_id="r1", role="analyst", image="sha256:" + "0" * 64,
+                   command=("true",), user="1000:1000", output_dir=tmp_path / "out",
+                   resources=Resources(memory_bytes=1 << 28, cpus=1, pids=64), timeout_s=10,
+                   output_cap_bytes=1 << 20, output_max_entries=100,
+                   labels=(("io.cyclebox.case", "c1"), ("io.cyclebox.trial", "0")))
+
+
+def answer(spec: RunSpec, node: str = NODE, output: object = b"", **update: Any
+           ) -> dict[str, Any]:
+    rec = RunRecord(run_id=spec.run_id, role=spec.role, image_id=spec.image,
+                    container_name="c", exit_code=0, stop_reason=StopReason.OK, wall_s=0.1,
+                    stdout_bytes=0, stderr_bytes=0, stdout_tail="", stderr_tail="",
+                    cleanup_confirmed=True,
+                    labels={**dict(spec.labels), node_side.NODE_LABEL: node})
+    return {"record": rec.model_copy(update=update), "output": output, "node": node}
+
+
+def test_the_head_takes_a_nodes_record_only_for_the_run_it_asked(tmp_path: Path) -> None:
+    spec = asked(tmp_path)
+    rec, out = take_answer(spec, NODE, answer(spec))
+    assert rec.run_id == "r1" and out == b""
+    other = {**dict(spec.labels), "io.cyclebox.case": "c2", node_side.NODE_LABEL: NODE}
+    for forged, field in [(answer(spec, run_id="r2"), "run_id"),
+                          (answer(spec, role="worker"), "role"),
+                          (answer(spec, image_id="sha256:" + "1" * 64), "image_id"),
+                          (answer(spec, labels=other), "labels[io.cyclebox.case]"),
+                          (answer(spec, node="e" * 40), "labels[io.cyclebox.node]")]:
+        with pytest.raises(SandboxError, match=rf"node ffffffffffff .*{re.escape(field)}"):
+            take_answer(spec, NODE, forged)
+
+
+def test_the_head_refuses_a_nodes_answer_beyond_its_bounds(tmp_path: Path) -> None:
+    spec = asked(tmp_path)
+    huge = "x" * (ANSWER_TEXT_MAX + 1)
+    bound = spec.output_cap_bytes + (spec.output_max_entries + 2) * TAR_ENTRY_OVERHEAD
+    labels = {**dict(spec.labels), node_side.NODE_LABEL: NODE}
+    for bad, field in [(answer(spec, stdout_tail="y" * (TAIL_BYTES + 1)), "stdout_tail"),
+                       (answer(spec, detail=huge), "detail"),
+                       (answer(spec, labels={**labels, "k": huge}), "labels"),
+                       (answer(spec, labels={**labels, **{f"k{i}": "" for i in range(99)}}),
+                        "labels"),
+                       (answer(spec, output=b"\0" * (bound + 1)), "output")]:
+        with pytest.raises(SandboxError, match=f"beyond its bounds.*{field}"):
+            take_answer(spec, NODE, bad)
+
+
+def test_the_head_refuses_what_is_not_a_nodes_answer_and_cuts_a_nodes_error(
+        tmp_path: Path) -> None:
+    spec = asked(tmp_path)
+    rec = answer(spec)["record"]
+    for bad in (rec, None, {"record": rec.model_dump()}, {**answer(spec), "output": "text"}):
+        with pytest.raises(SandboxError, match="node ffffffffffff answered"):
+            take_answer(spec, NODE, bad)
+    error = {"error": "OutputRejected", "message": "\x1b]0;pwned\x07" + "z" * 10**6}
+    with pytest.raises(OutputRejected) as got:
+        take_answer(spec, NODE, error)
+    assert "\x1b" not in str(got.value) and len(str(got.value)) < ANSWER_TEXT_MAX + 100

@@ -41,8 +41,9 @@ from runner.errors import (
     PrerequisiteError,
     SandboxError,
 )
+from runner.failures import one_line
 from runner.isolation.copyout import CopyLimits, CopyRefused, extract
-from runner.isolation.docker.backend import check_mount_sources
+from runner.isolation.docker.backend import TAIL_BYTES, check_mount_sources
 from runner.isolation.ray import node as node_side
 from runner.isolation.ray.archive import digest, pack_input, pack_output
 from runner.isolation.ray.relay import HeadForwarder, Ticket
@@ -63,6 +64,13 @@ RESULT_GRACE_S = 300.0
 input fetch, copy-out, removal) before it records the node as lost."""
 CANCEL_GRACE_S = 30.0
 INPUT_MEMO_BYTES = 256 * 1024 * 1024
+ANSWER_TEXT_MAX = 64 * 1024
+"""Characters a node's record may hold in ``detail`` or a label, a refusal in its
+message (after which it is cut): far above anything a node's DockerSandbox writes."""
+ANSWER_LABELS_MAX = 64
+TAR_ENTRY_OVERHEAD = 8 * 1024
+"""Tar bytes per output entry beyond its content (header, pax header with a long name,
+padding): the bound on a node's output tar is the cap plus this per entry."""
 _ERRORS: dict[str, type[CycleboxError]] = {
     c.__name__: c for c in (SandboxError, PrerequisiteError, OutputRejected)}
 
@@ -121,6 +129,54 @@ def check_mounts(spec: RunSpec) -> None:
                                   field=f"mounts[{i}]", fix="bind it through the "
                                   "gateway (launcher.launch)")
     check_mount_sources(spec)
+
+
+def take_answer(spec: RunSpec, node: str, got: object) -> tuple[RunRecord, bytes | None]:
+    """The record and output tar of what ``node`` returned for ``spec``, checked before
+    the head uses either: a record of this run and role, with the head's labels and the
+    node's own id, every field and the tar within bounds; the error a node raised, by
+    class name and cut to one line. Anything else is a SandboxError naming the node and
+    what was wrong (the cycle fails closed with it). A node is trusted less than the head:
+    it may not record another run, case or node, nor hand the head unbounded text.
+
+    (Ray unpickles what a node returns: a node that runs arbitrary code can run it on the
+    head too. These checks bound an honest node's mistakes and a container's reach
+    through it, not a compromised node; see docs/ray.md.)"""
+    where = f"node {node[:12]}"
+    if not isinstance(got, dict):
+        raise SandboxError(f"{where} answered with a {type(got).__name__}, not a run's answer")
+    if "error" in got:
+        cls = _ERRORS.get(str(got["error"])[:64], SandboxError)
+        raise cls(f"on {where}: {one_line(str(got.get('message', '')), ANSWER_TEXT_MAX)}")
+    rec, output = got.get("record"), got.get("output")
+    if not isinstance(rec, RunRecord):
+        raise SandboxError(f"{where} answered without a run record "
+                           f"({type(rec).__name__})")
+    if output is not None and not isinstance(output, bytes):
+        raise SandboxError(f"{where} answered with an output of type {type(output).__name__}")
+    wrong = [f for f, want in (("run_id", spec.run_id), ("role", spec.role))
+             if getattr(rec, f) != want]
+    if spec.image.startswith("sha256:") and rec.image_id != spec.image:
+        wrong.append("image_id")
+    wrong += [f"labels[{k}]" for k, v in spec.labels if rec.labels.get(k) != v]
+    if rec.labels.get(node_side.NODE_LABEL) != node:
+        wrong.append(f"labels[{node_side.NODE_LABEL}]")
+    if wrong:
+        raise SandboxError(f"{where} answered with a record that is not this run's "
+                           f"({', '.join(wrong)} differ from what the head asked): refused")
+    big = [f for f in ("stdout_tail", "stderr_tail") if len(getattr(rec, f)) > TAIL_BYTES]
+    big += [f for f in ("detail", "container_name", "image_id")
+            if len(getattr(rec, f)) > ANSWER_TEXT_MAX]
+    if len(rec.labels) > ANSWER_LABELS_MAX or any(
+            len(k) + len(v) > ANSWER_TEXT_MAX for k, v in rec.labels.items()):
+        big.append("labels")
+    bound = spec.output_cap_bytes + (spec.output_max_entries + 2) * TAR_ENTRY_OVERHEAD
+    if output is not None and len(output) > bound:
+        big.append(f"output ({len(output)} bytes, at most {bound})")
+    if big:
+        raise SandboxError(f"{where} answered with a record beyond its bounds "
+                           f"({', '.join(big)}): refused")
+    return rec, output
 
 
 def read_output(spec: RunSpec, rec: RunRecord, data: bytes,
@@ -226,7 +282,9 @@ class RaySandbox:
             try:
                 out.append((n, self._ray.get(ref, timeout=120)))
             except self._ray.exceptions.RayTaskError as exc:
-                raise SandboxError(f"on node {n[:12]}: {exc.cause or exc}") from None
+                raise SandboxError(f"on node {n[:12]}: "
+                                   f"{one_line(str(exc.cause or exc), ANSWER_TEXT_MAX)}"
+                                   ) from None
             except (self._ray.exceptions.RayError, TimeoutError):
                 continue
         return out
@@ -296,26 +354,26 @@ class RaySandbox:
             ref = self._run_task.options(
                 num_cpus=0, max_retries=0, resources={self.resource: 1},
                 **self._on(node)).remote(spec, inputs, seed, ticket)
-            got = self._wait(ref, spec, node, cancel, started)
+            answer = self._wait(ref, spec, node, cancel, started)
         finally:
             self._release(node)
             if ticket is not None:
                 self._forward().remove(ticket)
-        if isinstance(got, RunRecord):
-            return got
-        if "error" in got:
-            cls = _ERRORS.get(str(got["error"]), SandboxError)
-            raise cls(f"on node {node[:12]}: {got['message']}")
-        rec: RunRecord = got["record"]
-        if spec.output_dir is not None and got.get("output") is not None:
-            rec = read_output(spec, rec, got["output"], seed_links)
+        lost, got = answer
+        if lost is not None:
+            return lost  # the head's own record: the node did not answer
+        rec, output = take_answer(spec, node, got)
+        if spec.output_dir is not None and output is not None:
+            rec = read_output(spec, rec, output, seed_links)
         if on_output is not None:
             on_output("stdout", rec.stdout_tail.encode())
             on_output("stderr", rec.stderr_tail.encode())
         return rec
 
     def _wait(self, ref: Any, spec: RunSpec, node: str, cancel: threading.Event | None,
-              started: float) -> RunRecord | dict[str, Any]:
+              started: float) -> tuple[RunRecord | None, object]:
+        """(the head's node_lost record, None) or (None, what the node returned): a node
+        cannot pass its answer off as the head's own record."""
         ray = self._ray
         deadline = started + spec.timeout_s + RESULT_GRACE_S
         cancelled = False
@@ -331,19 +389,19 @@ class RaySandbox:
             if time.monotonic() > deadline:
                 ray.cancel(ref, force=True)
                 return self._lost(spec, node, started, "no answer from the node within "
-                                  f"{spec.timeout_s + RESULT_GRACE_S:.0f} s")
+                                  f"{spec.timeout_s + RESULT_GRACE_S:.0f} s"), None
         try:
-            result: dict[str, Any] = ray.get(ref)
+            result: object = ray.get(ref)
         except ray.exceptions.TaskCancelledError:
             raise SandboxError(f"{spec.role} container on node {node[:12]} stopped: the run "
                                "is stopping") from None
         except ray.exceptions.RayTaskError as exc:
             raise SandboxError(f"on node {node[:12]}: {type(exc.cause).__name__}: "
-                               f"{exc.cause}") from None
+                               f"{one_line(str(exc.cause), ANSWER_TEXT_MAX)}") from None
         except ray.exceptions.RayError as exc:
             return self._lost(spec, node, started, f"{type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''}"[:300])
-        return result
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}"[:300]), None
+        return None, result
 
     def _lost(self, spec: RunSpec, node: str, started: float, why: str) -> RunRecord:
         return lost_record(spec, node, round(time.monotonic() - started, 3), why)
