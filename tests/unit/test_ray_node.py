@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -181,3 +183,33 @@ def test_the_head_refuses_what_is_not_a_nodes_answer_and_cuts_a_nodes_error(
     with pytest.raises(OutputRejected) as got:
         take_answer(spec, NODE, error)
     assert "\x1b" not in str(got.value) and len(str(got.value)) < ANSWER_TEXT_MAX + 100
+
+
+def test_concurrent_misses_of_one_input_leave_one_memo_entry_counted_once(
+        tmp_path: Path) -> None:
+    """Runs of a stage share its source tree: packed by two at once, the memo must still
+    count it once (a phantom count would shrink the memo for the rest of the run)."""
+    from runner.isolation.ray.backend import RaySandbox
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_text("x" * 5000)
+    both = threading.Barrier(2)
+
+    class Store:  # the object store's put, holding both threads until each has packed
+        def put(self, data: bytes) -> object:
+            both.wait(5)
+            return object()
+
+    rs = RaySandbox.__new__(RaySandbox)
+    rs._ray = Store()  # type: ignore[assignment]
+    rs._lock, rs._memo, rs._memo_bytes = threading.Lock(), OrderedDict(), 0
+    got: list[tuple[str, Any]] = []
+    threads = [threading.Thread(target=lambda: got.append(rs._input(src))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(got) == 2 and got[0] == got[1]  # the same object ref for both runs
+    assert len(rs._memo) == 1
+    assert rs._memo_bytes == len(pack_input(src))

@@ -22,9 +22,11 @@ refuses by name: build or ``docker load`` the images there).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import signal
 import socket
 import threading
 import time
@@ -63,6 +65,9 @@ RESULT_GRACE_S = 300.0
 """Beyond a run's own timeout: how long the head waits for a node's answer (staging,
 input fetch, copy-out, removal) before it records the node as lost."""
 CANCEL_GRACE_S = 30.0
+EACH_NODE_S = 120.0
+"""How long a call on every node (gc, doctor, leftovers, image ids) waits for all of
+them together; a node that has not answered by then is skipped and its task cancelled."""
 INPUT_MEMO_BYTES = 256 * 1024 * 1024
 ANSWER_TEXT_MAX = 64 * 1024
 """Characters a node's record may hold in ``detail`` or a label, a refusal in its
@@ -223,6 +228,9 @@ class RaySandbox:
         self._ray = ray
         if not ray.is_initialized():
             check_reachable(address)
+            # ray.init makes SIGTERM a bare sys.exit: the controller keeps its own handler
+            # (runner.interrupts: a stop with a verdict and a whole receipt, exit 130)
+            sigterm = signal.getsignal(signal.SIGTERM)
             try:
                 ray.init(address=address or "auto", log_to_driver=False,
                          logging_level=logging.ERROR, namespace="cyclebox")
@@ -231,6 +239,10 @@ class RaySandbox:
                     f"Ray cluster not reachable at {address or 'auto'} ({exc}). Fix: start "
                     "the cluster (`ray start --head`) or pass --ray-address HOST:PORT"
                 ) from None
+            finally:
+                if (sigterm is not None
+                        and threading.current_thread() is threading.main_thread()):
+                    signal.signal(signal.SIGTERM, sigterm)
         self.resource = resource
         self.relay_host = relay_host or str(
             ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
@@ -278,14 +290,18 @@ class RaySandbox:
         refs = {n: task.options(num_cpus=0, max_retries=0, **self._on(n)).remote(*args)
                 for n in self.nodes()}
         out = []
+        deadline = time.monotonic() + EACH_NODE_S  # one deadline, however many hang
         for n, ref in refs.items():
             try:
-                out.append((n, self._ray.get(ref, timeout=120)))
+                out.append((n, self._ray.get(ref, timeout=max(0.0, deadline
+                                                               - time.monotonic()))))
             except self._ray.exceptions.RayTaskError as exc:
                 raise SandboxError(f"on node {n[:12]}: "
                                    f"{one_line(str(exc.cause or exc), ANSWER_TEXT_MAX)}"
                                    ) from None
             except (self._ray.exceptions.RayError, TimeoutError):
+                with contextlib.suppress(Exception):  # no task left running on it
+                    self._ray.cancel(ref, force=True)
                 continue
         return out
 
@@ -306,6 +322,9 @@ class RaySandbox:
         data = pack_input(source)
         entry = (digest(data), self._ray.put(data), len(data))
         with self._lock:
+            won = self._memo.get(key)
+            if won is not None:  # another run packed it meanwhile: one entry, counted once
+                return won[0], won[1]
             self._memo[key] = entry
             self._memo_bytes += entry[2]
             while self._memo_bytes > INPUT_MEMO_BYTES and len(self._memo) > 1:
