@@ -11,13 +11,16 @@ with runs spread over both nodes (recorded per run); a canary model key given to
 controller appears in no worker-node process environment, no node file and no container
 (the cycle goes through a real OpenAI-compatible server, through the per-node relay); a
 node removed mid-cycle gives ``node_lost`` records (infra_invalid cases, every case still
-recorded) and gc leaves nothing behind.
+recorded) and gc leaves nothing behind; SIGINT or SIGTERM to the controller mid-stage
+ends it with a verdict and a verifiable receipt, no container of the run on any node
+and no node run directory left.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -30,7 +33,17 @@ import pytest
 import yaml
 
 from runner.paths import PROJECT_ROOT
-from tests.fixtures.cycle_project import EXAMPLE, project_with_agent, run_containers
+from tests.faults.test_signals import SLOW_CANDIDATE
+from tests.fixtures.cycle_project import (
+    EXAMPLE,
+    example_agent,
+    project_with_agent,
+    run_containers,
+    signal_and_wait,
+    stage_started,
+    verdict,
+    wait_for,
+)
 from tests.integration.test_openai_server import (
     KEY_ENV,
     MODELS,
@@ -316,3 +329,60 @@ def test_node_lost_mid_cycle_is_named_never_lost_and_gc_cleans(cluster: RayClust
     assert not run_containers(run_id(run))
     left = [d for d in cluster.node_dir.glob("*/runs/*") if d.is_dir()]
     assert left == [], left
+
+
+@pytest.mark.parametrize(("stage", "sig"), [("candidate", signal.SIGINT),
+                                            ("apply", signal.SIGTERM)])
+def test_a_signal_to_the_controller_mid_stage_leaves_a_receipt_and_nothing_on_the_nodes(
+        cluster: RayCluster, tmp_path: Path, stage: str, sig: int) -> None:
+    """The candidate's cases run in the analyst pool (their runs see the stop event); the
+    apply stage runs in the controller's main thread (the signal lands in its wait)."""
+    agent = example_agent().replace("from __future__ import annotations\n",
+                                    "from __future__ import annotations\n" + SLOW_CANDIDATE, 1)
+    cycle = project_with_agent(tmp_path / "cyc", agent)
+    run = tmp_path / "run"
+    proc = subprocess.Popen([*CLI, "cycle", "run", str(cycle), "--out", str(run),
+                             "--backend", "ray", "--ray-address", cluster.address],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=PROJECT_ROOT, env=dict(os.environ, PYTHONFAULTHANDLER="1"))
+    try:
+        wait_for(lambda: stage_started(run, stage), proc, f"stage {stage} started")
+        elapsed, out, err = signal_and_wait(proc, sig, timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    detail = f"rc {proc.returncode} after {elapsed:.1f}s\n{out}\n{err[-3000:]}"
+    assert proc.returncode == 130, detail
+    assert "Traceback" not in err, detail
+    assert verdict(run)["reasons"] == ["interrupted"], detail
+    res = cli("receipt", "verify", str(run))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert run_containers(run_id(run)) == [], detail
+    # the node tasks end (their containers removed) and remove their run directories
+    deadline = time.monotonic() + 60
+    while (left := [d for d in cluster.node_dir.glob("*/runs/*") if d.is_dir()]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left == [], left
+    assert elapsed < 60, detail
+
+
+def test_nodes_that_do_not_answer_cost_one_deadline_not_one_each(
+        cluster: RayCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gc, doctor and leftovers ask every node; two hanging nodes must not double the
+    wait (before: 120 s per node, one after the other)."""
+    from runner.isolation.ray import backend
+
+    monkeypatch.setattr(backend, "EACH_NODE_S", 5.0)
+    rs = backend.RaySandbox(cluster.address)
+    try:
+        assert len(rs.nodes()) == 2
+        t0 = time.monotonic()
+        got = rs.on_each_node(lambda s: time.sleep(s), 60)  # noqa: PLW0108 - no builtin
+        took = time.monotonic() - t0
+        assert got == [] and took < 9, took
+        pids = rs.on_each_node(lambda: os.getpid())  # noqa: PLW0108 - ray.remote
+        assert sorted(n for n, _ in pids) == rs.nodes()
+    finally:
+        rs.close()
+        ray.shutdown()
