@@ -19,6 +19,7 @@ import re
 import secrets
 import subprocess
 import tarfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +37,7 @@ from runner.isolation.docker.images import resolve_image  # noqa: E402
 from runner.isolation.launcher import launch, output_dir  # noqa: E402
 from runner.isolation.policy import load_policies  # noqa: E402
 from runner.isolation.ray.backend import RaySandbox  # noqa: E402
+from runner.isolation.ray.node import NODE_DIR_ENV, sweep_scratch  # noqa: E402
 from runner.isolation.sandbox import StopReason  # noqa: E402
 from runner.paths import default_policies  # noqa: E402
 
@@ -150,7 +152,9 @@ def test_a_missing_image_is_shipped_and_runs_there(setup: Setup, head: RaySandbo
     assert setup.private.node_id in nodes, nodes.keys()
     assert set(nodes) <= {setup.shared.node_id, setup.private.node_id}
     # it really ran on the second engine: that engine's event log saw the container
-    events = setup.engine.docker("events", "--since", "10m", "--until", "0s", "--filter",
+    # (until the next whole second: a relative "0s" would cut off the current one)
+    until = str(int(time.time()) + 1)
+    events = setup.engine.docker("events", "--since", "10m", "--until", until, "--filter",
                                  "label=io.cyclebox.run_id=test-ray-ship", "--format",
                                  "{{.Action}}").stdout.decode().split()
     assert "start" in events and "destroy" in events, events
@@ -196,3 +200,45 @@ def test_a_name_the_head_resolved_is_given_where_it_named_nothing(
         assert inspect_id(setup.engine, name) == analyst
     finally:
         subprocess.run(["docker", "rmi", name], check=False, capture_output=True, timeout=60)
+
+
+def test_a_node_lost_mid_transfer_is_named_and_gc_removes_its_file(
+        setup: Setup, head: RaySandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Last: it takes the second engine's node away."""
+    image = resolve_image("evaluator")
+    assert inspect_id(setup.engine, image) is None
+    loads = setup.node_dir / setup.private.node_id[:16] / "loads"
+    failure: list[BaseException] = []
+
+    def ship() -> None:
+        try:
+            head.image_id(image)
+        except BaseException as exc:  # handed to the test thread
+            failure.append(exc)
+
+    t = threading.Thread(target=ship)
+    t.start()
+    deadline = time.monotonic() + 120
+    while not any(f.stat().st_size > 0 for f in loads.glob("*/image.tar")):
+        assert t.is_alive(), failure
+        assert time.monotonic() < deadline, "the transfer never started"
+        time.sleep(0.05)
+    setup.cluster.remove_node(setup.private, allow_graceful=False)
+    t.join(timeout=60)
+    assert not t.is_alive(), "the head hung on a lost node"
+    assert len(failure) == 1 and isinstance(failure[0], PrerequisiteError), failure
+    assert f"node {setup.private.node_id[:12]} was lost" in str(failure[0]), failure[0]
+    # the killed loader's file is left with its owner record; the node part of gc
+    # (what `cyclebox gc --backend ray` runs on every node; not run through the cluster
+    # here, whose Docker sweep would judge other sessions' containers on the shared
+    # engine) removes it once that process is gone
+    assert list(loads.glob("*/image.tar"))
+    monkeypatch.setenv(NODE_DIR_ENV, str(setup.node_dir))
+    deadline = time.monotonic() + 30
+    removed: list[str] = []
+    while list(loads.glob("*")):
+        removed += [r.name for r in sweep_scratch(dry_run=False)
+                    if r.kind == "node_load_dir" and r.removed]
+        assert time.monotonic() < deadline, "the killed loader's directory stayed"
+        time.sleep(0.5)
+    assert removed and all(str(loads) in n for n in removed), removed

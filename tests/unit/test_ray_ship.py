@@ -249,7 +249,7 @@ def test_a_different_image_under_the_name_is_refused_never_overwritten() -> None
                                                 f"{OTHER_ID}\\)"):
         h.image_id("cbx/x:1")
     h = Head({"n1": OTHER_ID, "n2": HEAD_ID}, None)
-    with pytest.raises(PrerequisiteError, match="the nodes disagree; node n1 has .*, node n2"):
+    with pytest.raises(PrerequisiteError, match=r"the nodes disagree; node n1 has .*, node n2"):
         h.image_id("cbx/x:1")
     assert h.shipped == []
 

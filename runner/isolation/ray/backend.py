@@ -397,8 +397,10 @@ class RaySandbox:
                 return [(n, a.write.remote(chunk)) for n, a in actors.items()]
 
             def settle(calls: list[tuple[str, Any]]) -> None:
+                deadline = time.monotonic() + ship.CHUNK_TIMEOUT_S
                 for n, call in calls:
-                    self._answer(n, call, ship.CHUNK_TIMEOUT_S, f"receiving image {ref}")
+                    self._answer(n, call, max(1.0, deadline - time.monotonic()),
+                                 f"receiving image {ref}")
 
             stream = self._head_engine.save_image(head_id, ship.READ_BYTES)
             count, size = ship.pump(
