@@ -213,3 +213,16 @@ def test_concurrent_misses_of_one_input_leave_one_memo_entry_counted_once(
     assert len(got) == 2 and got[0] == got[1]  # the same object ref for both runs
     assert len(rs._memo) == 1
     assert rs._memo_bytes == len(pack_input(src))
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="makes a directory of another uid")
+def test_an_image_is_never_written_for_docker_load_under_another_users_node_dir(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "cyclebox-ray-0"
+    monkeypatch.setenv(node_side.NODE_DIR_ENV, str(root))
+    (root / NODE[:16] / node_side.LOADS).mkdir(parents=True)
+    for p in (root, *root.rglob("*")):
+        os.chown(p, OTHER_UID, OTHER_UID)
+    with pytest.raises(SandboxError, match=f"owned by uid {OTHER_UID}"):
+        node_side.ImageLoader(NODE, "sha256:" + "0" * 64, "cyclebox/analyst:x")
+    assert not any((root / NODE[:16] / node_side.LOADS).iterdir())

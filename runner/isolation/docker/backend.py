@@ -737,6 +737,34 @@ class DockerSandbox:
     def image_size(self, ref: str) -> int:
         return int(self.client.api.inspect_image(ref)["Size"])
 
+    def save_image(self, image_id: str, chunk_bytes: int) -> Iterator[bytes]:
+        """``docker save`` of one image by its id (the tar names no tag), streamed in
+        pieces of at most ``chunk_bytes``; SandboxError when the engine refuses."""
+        try:
+            yield from self.client.api.get_image(image_id, chunk_size=chunk_bytes)
+        except (docker.errors.APIError, requests.exceptions.RequestException) as exc:
+            raise SandboxError(f"docker save {image_id} failed: {exc}") from None
+
+    def load_image(self, archive: Path) -> None:
+        """``docker load`` of a saved tar, streamed from the file (never read whole)."""
+        try:
+            with archive.open("rb") as f:
+                for msg in self.client.api.load_image(f):
+                    if isinstance(msg, dict) and msg.get("error"):
+                        raise SandboxError(f"docker load failed: {str(msg['error'])[:500]}")
+        except (docker.errors.APIError, requests.exceptions.RequestException) as exc:
+            raise SandboxError(f"docker load failed: {exc}") from None
+
+    def tag_image(self, image_id: str, ref: str) -> None:
+        """Give ``image_id`` the name ``ref`` (``repo[:tag]``; a digest name is refused)."""
+        repo, tag = docker.utils.parse_repository_tag(ref)
+        if tag is not None and tag.startswith("sha256:"):
+            raise SandboxError(f"{ref} names a digest; an image cannot be tagged with it")
+        try:
+            self.client.api.tag(image_id, repo, tag or "latest")
+        except docker.errors.APIError as exc:
+            raise SandboxError(f"docker tag {image_id} {ref} failed: {exc}") from None
+
     def images_with_label(self, label: str) -> list[dict[str, Any]]:
         return list(self.client.api.images(filters={"label": label}))
 

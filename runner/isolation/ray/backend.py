@@ -15,9 +15,14 @@ Each :class:`RunSpec` becomes one Ray task, pinned to a node that advertises the
 - turns a lost node (or a task that never returned) into a record with stop reason
   ``node_lost``; it never retries a run (a retry would replace a failure, SPEC §2).
 
-Simplifications, by design: ``on_output`` hears the stdout/stderr tails once the run has
-ended (no live stream); image ids are checked, not shipped (a node without the image
-refuses by name: build or ``docker load`` the images there).
+- checks that every node has the image ids the plan uses; a node that lacks one gets it
+  from the head's own engine (``docker save`` of the id the head resolved, in bounded
+  chunks through the object store, ``docker load`` on the node, the id checked there:
+  :mod:`runner.isolation.ray.ship`); a node holding a *different* image under the same
+  name is refused by name, never overwritten.
+
+Simplification, by design: ``on_output`` hears the stdout/stderr tails once the run has
+ended (no live stream).
 """
 
 from __future__ import annotations
@@ -45,8 +50,9 @@ from runner.errors import (
 )
 from runner.failures import one_line
 from runner.isolation.copyout import CopyLimits, CopyRefused, extract
-from runner.isolation.docker.backend import TAIL_BYTES, check_mount_sources
+from runner.isolation.docker.backend import TAIL_BYTES, DockerSandbox, check_mount_sources
 from runner.isolation.ray import node as node_side
+from runner.isolation.ray import ship
 from runner.isolation.ray.archive import digest, pack_input, pack_output
 from runner.isolation.ray.relay import HeadForwarder, Ticket
 from runner.isolation.sandbox import (
@@ -78,6 +84,7 @@ TAR_ENTRY_OVERHEAD = 8 * 1024
 padding): the bound on a node's output tar is the cap plus this per entry."""
 _ERRORS: dict[str, type[CycleboxError]] = {
     c.__name__: c for c in (SandboxError, PrerequisiteError, OutputRejected)}
+log = logging.getLogger(__name__)
 
 
 def _signature(source: Path) -> tuple[Any, ...]:
@@ -253,6 +260,8 @@ class RaySandbox:
         self._memo: OrderedDict[tuple[Any, ...], tuple[str, Any, int]] = OrderedDict()
         self._memo_bytes = 0
         self._run_task = ray.remote(node_side.run)
+        self._head_engine: DockerSandbox | None = None
+        self._ship_lock = threading.Lock()
 
     # -- nodes -------------------------------------------------------------------
     def nodes(self) -> list[str]:
@@ -426,24 +435,128 @@ class RaySandbox:
         return lost_record(spec, node, round(time.monotonic() - started, 3), why)
 
     # -- images and cleanup -----------------------------------------------------
-    def image_id(self, ref: str) -> str | None:
-        """The image's id when every cyclebox node has it (the same id everywhere);
-        None when no node has it; PrerequisiteError naming the nodes that lack it."""
-        got = dict(self._each_node(node_side.image_id, ref))
-        ids = {n: i for n, (_, i) in got.items()}
+    def _node_ids(self, ref: str) -> dict[str, str | None]:
+        """Each alive cyclebox node's id for ``ref`` (None where it has none)."""
+        ids = {n: i for n, (_, i) in self._each_node(node_side.image_id, ref)}
         if not ids:
             raise PrerequisiteError(f"no alive Ray node advertises the {self.resource!r} "
                                     "resource. Fix: start the Docker nodes")
-        present = {i for i in ids.values() if i is not None}
-        if not present:
-            return None
-        missing = sorted(n[:12] for n, i in ids.items() if i is None)
-        if missing or len(present) > 1:
+        return ids
+
+    def head_image_id(self, ref: str) -> str | None:
+        """The id ``ref`` names in the head's own engine, i.e. what :meth:`image_id`
+        would ship to a node that lacks it; None when nothing can be shipped."""
+        with self._ship_lock:
+            return self._head_image(ref)
+
+    def _head_image(self, ref: str) -> str | None:
+        """The id ``ref`` names in the head's own engine; None without an engine or
+        without the image (nothing can be shipped then)."""
+        if self._head_engine is None:
+            try:
+                self._head_engine = DockerSandbox(timeout=int(ship.LOAD_TIMEOUT_S))
+            except PrerequisiteError:
+                return None
+        return self._head_engine.image_id(ref)
+
+    def image_id(self, ref: str) -> str | None:
+        """The image's id when every cyclebox node has it (the same id everywhere).
+
+        Nodes that lack it get it from the head's engine (the id the head resolved,
+        checked on each node after loading). None when no node has it and the head
+        cannot ship it; PrerequisiteError naming the nodes that lack it (head without
+        it) or that hold a different image under ``ref`` (never overwritten)."""
+        with self._ship_lock:
+            ids = self._node_ids(ref)
+            present = {i for i in ids.values() if i is not None}
+            missing = sorted(n for n, i in ids.items() if i is None)
+            if not missing and len(present) == 1:
+                return str(present.pop())
+            head_id = self._head_image(ref)
+            if len(present) > 1:
+                raise _differs(ref, ids, head_id)
+            if head_id is None:
+                if not present:
+                    return None
+                raise PrerequisiteError(
+                    f"image {ref} is not on every node (missing on "
+                    f"{[n[:12] for n in missing]}) and the head's engine cannot ship it "
+                    f"(no engine or no such image there). Fix: `docker save` the images "
+                    "where they were built and `docker load` them on each node (a rebuild "
+                    "may give other ids)")
+            if present - {head_id}:
+                raise _differs(ref, ids, head_id)
+            self._ship(ref, head_id, missing)
+            after = self._node_ids(ref)
+            wrong = {n: after.get(n) for n in sorted(set(after) | set(missing))
+                     if after.get(n) != head_id}
+            if wrong:
+                raise PrerequisiteError(
+                    f"image {ref} was shipped but the nodes do not all report the head's "
+                    f"{head_id}: " + ", ".join(f"node {n[:12]} has {i}"
+                                               for n, i in wrong.items())
+                    + ". Fix: check those nodes' engines and run again")
+            return head_id
+
+    def _ship(self, ref: str, head_id: str, nodes: list[str]) -> None:
+        """``docker save`` of ``head_id`` on the head into one loader per node in
+        ``nodes`` (bounded chunks through the object store); PrerequisiteError naming
+        the node that refused, died or did not answer in time."""
+        assert self._head_engine is not None  # noqa: S101 - _head_image made it
+        ray = self._ray
+        if self._head_engine.image_size(head_id) > ship.MAX_IMAGE_BYTES:
             raise PrerequisiteError(
-                f"image {ref} is not the same on every node (missing on {missing or 'none'}, "
-                f"ids {sorted(present)}). Fix: `docker save` the images on the head and "
-                "`docker load` them on each node (a rebuild may give other ids)")
-        return str(present.pop())
+                f"image {ref} ({head_id}) is larger than {ship.MAX_IMAGE_BYTES} bytes, the "
+                "most shipped to a node. Fix: `docker load` it on each node by hand")
+        started = time.monotonic()
+        loader = ray.remote(node_side.ImageLoader)
+        actors = {n: loader.options(num_cpus=0, max_restarts=0, max_task_retries=0,
+                                    **self._on(n)).remote(n, head_id, ref) for n in nodes}
+        done = False
+        try:
+            def send(chunk: Any) -> list[tuple[str, Any]]:
+                return [(n, a.write.remote(chunk)) for n, a in actors.items()]
+
+            def settle(calls: list[tuple[str, Any]]) -> None:
+                deadline = time.monotonic() + ship.CHUNK_TIMEOUT_S
+                for n, call in calls:
+                    self._answer(n, call, max(1.0, deadline - time.monotonic()),
+                                 f"receiving image {ref}")
+
+            stream = self._head_engine.save_image(head_id, ship.READ_BYTES)
+            count, size = ship.pump(
+                ship.rechunk(stream, what=f"image {ref} ({head_id})"), ray.put, send, settle)
+            finishing = {n: a.finish.remote() for n, a in actors.items()}
+            deadline = time.monotonic() + ship.LOAD_TIMEOUT_S
+            for n, call in finishing.items():
+                self._answer(n, call, max(1.0, deadline - time.monotonic()),
+                             f"loading image {ref}")
+            done = True
+            log.info("shipped image %s (%d bytes, %d chunks) to %d node(s) in %.1f s", ref,
+                     size, count, len(nodes), time.monotonic() - started)
+        finally:
+            if not done:  # the loaders remove their files; a killed one is left to gc
+                aborts = [a.abort.remote() for a in actors.values()]
+                ray.wait(aborts, num_returns=len(aborts), timeout=ship.ABORT_TIMEOUT_S)
+            for a in actors.values():
+                ray.kill(a)
+
+    def _answer(self, node: str, call: Any, timeout: float, what: str) -> Any:
+        """A loader's answer, or PrerequisiteError naming the node."""
+        ray = self._ray
+        try:
+            return ray.get(call, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise PrerequisiteError(f"node {node[:12]} did not answer within {timeout:.0f} s "
+                                    f"while {what}. Fix: check the node, or `docker load` "
+                                    "the image there by hand") from None
+        except ray.exceptions.RayTaskError as exc:
+            raise PrerequisiteError(f"node {node[:12]} refused while {what}: "
+                                    f"{exc.cause or exc}") from None
+        except ray.exceptions.RayError as exc:
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            raise PrerequisiteError(f"node {node[:12]} was lost while {what} "
+                                    f"({type(exc).__name__}: {first[:300]})") from None
 
     def leftovers(self, run_id: str) -> list[str]:
         """Remove what is still labelled with ``run_id`` on every alive node."""
@@ -466,6 +579,19 @@ class RaySandbox:
     def close(self) -> None:
         if self._forwarder is not None:
             self._forwarder.close()
+
+
+def _differs(ref: str, ids: dict[str, str | None], head_id: str | None) -> PrerequisiteError:
+    """The refusal for nodes holding another image under ``ref`` than the head (or than
+    each other): nothing is overwritten."""
+    want = head_id or ""
+    rows = ", ".join(f"node {n[:12]} has {i}" for n, i in sorted(ids.items())
+                     if i is not None and i != want)
+    head = f"the head has {head_id}" if head_id else "the nodes disagree"
+    return PrerequisiteError(
+        f"image {ref} is a different image on some nodes ({head}; {rows}); nothing was "
+        "overwritten. Fix: on those nodes remove or retag it (`docker rmi`), then run again "
+        "to ship the head's image, or `docker load` the head's image there")
 
 
 def open_ray(address: str | None = None, **options: Any) -> RaySandbox:

@@ -6,7 +6,8 @@ then on every such node (a Ray task pinned there) the same engine checks as a lo
 the head's image lock, free disk at the node directory and the engine root, and with
 ``--probe`` a hardened probe container), plus two Ray-only checks: the relay socket path
 fits the unix limit under the node directory, and the head's relay port answers from
-that node. Every line is named ``node <id> (<host>): <check>``.
+that node. Every line is named ``node <id> (<host>): <check>``. An image a node lacks
+but the head's engine holds (same id as the lock) is not a failure: the cycle ships it.
 """
 
 from __future__ import annotations
@@ -97,10 +98,20 @@ def run_checks(policies_path: Path, *, sandbox: Callable[[], RaySandbox],
     if not nodes:
         return checks
     fwd = rs.relay_forwarder()
-    answered = rs.on_each_node(node_checks, pols, read_lock(), probe, (fwd.host, fwd.port))
+    lock = read_lock()
+    answered = rs.on_each_node(node_checks, pols, lock, probe, (fwd.host, fwd.port))
+    shippable = {role: row for role, row in lock.items()
+                 if rs.head_image_id(row.id) == row.id}
     for n, (host, node_rows) in answered:
-        checks += [Check(f"node {n[:12]} ({host}): {c.name}", c.ok, c.detail, c.fix)
-                   for c in node_rows]
+        for row in node_rows:
+            role = row.name.removeprefix("image ")
+            c = row
+            if not row.ok and row.name.startswith("image ") and role in shippable:
+                # the cycle ships it from the head before any stage (image_id)
+                c = Check(row.name, True, f"not on this node; {shippable[role].tag} "
+                          f"{shippable[role].id[:19]} is shipped from the head when a cycle "
+                          f"starts ({shippable[role].size_bytes / 1e6:.0f} MB)")
+            checks.append(Check(f"node {n[:12]} ({host}): {c.name}", c.ok, c.detail, c.fix))
     got = {n for n, _ in answered}
     checks += [Check(f"node {n[:12]}", False, "did not answer (lost, or busy beyond the "
                      "timeout)", "see `ray status` and the node's raylet log")

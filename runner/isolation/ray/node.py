@@ -2,9 +2,11 @@
 
 Everything a node keeps lives under ``$CYCLEBOX_RAY_NODE_DIR`` (default
 ``<tmp>/cyclebox-ray-<uid>``), one subdirectory per Ray node id: ``inputs/<sha256>``
-(the content-addressed input cache) and ``runs/<pid>-<start>-<rand>`` (one run's output
-directory and gateway relay socket, with an owner record so ``cyclebox gc`` removes
-those of a killed worker). Nothing here reads a model credential; none is ever sent.
+(the content-addressed input cache), ``runs/<pid>-<start>-<rand>`` (one run's output
+directory and gateway relay socket) and ``loads/<pid>-<start>-<rand>`` (an image the
+head is shipping, on its way into ``docker load``); the last two carry an owner record
+so ``cyclebox gc`` removes those of a killed worker. Nothing here reads a model
+credential; none is ever sent.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ import stat
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Protocol
 
-from runner.errors import CycleboxError, SandboxError
+from runner.errors import CycleboxError, PrerequisiteError, SandboxError
 from runner.isolation.owner import current_owner
 from runner.isolation.ray.archive import cached, pack_output, unpack_input, unpack_seed
 from runner.isolation.ray.relay import NodeRelay, Ticket
+from runner.isolation.ray.ship import LOAD_TIMEOUT_S, MAX_CHUNKS, MAX_IMAGE_BYTES, Received
 from runner.isolation.roles import fresh_output_dir
 from runner.isolation.sandbox import LABEL_PREFIX, RunSpec, SweepResult
 
@@ -103,13 +106,23 @@ def docker_sandbox() -> Any:
     return _sandbox()
 
 
-def _scratch(base: Path) -> Path:
-    runs = base / "runs"
-    runs.mkdir(parents=True, exist_ok=True, mode=0o711)
-    os.chmod(runs, 0o711)  # noqa: S103 - the role uid traverses to its socket
+RUNS = "runs"
+LOADS = "loads"
+SCRATCH_KINDS = {RUNS: ("node_run_dir", "ray-node-run"),
+                 LOADS: ("node_load_dir", "ray-node-load")}
+"""Owned scratch directories under a node's base: (sweep kind, sweep role)."""
+LOAD_FILE = "image.tar"
+
+
+def _scratch(base: Path, kind: str = RUNS, mode: int = 0o711) -> Path:
+    """A fresh ``base/kind/<pid>-<start>-<rand>`` with this process's owner record
+    (``mode`` 0o711 for runs: the role uid traverses to its socket)."""
+    parent = base / kind
+    parent.mkdir(parents=True, exist_ok=True, mode=mode)
+    os.chmod(parent, mode)
     me = current_owner()
-    work = Path(tempfile.mkdtemp(prefix=f"{me.pid}-{me.start}-", dir=runs))
-    os.chmod(work, 0o711)  # noqa: S103
+    work = Path(tempfile.mkdtemp(prefix=f"{me.pid}-{me.start}-", dir=parent))
+    os.chmod(work, mode)
     (work / OWNER_NAME).write_text(json.dumps(asdict(me)))
     return work
 
@@ -164,26 +177,105 @@ def image_id(ref: str) -> tuple[str, str | None]:
     return node_id(), _sandbox().image_id(ref)
 
 
+class ImageEngine(Protocol):
+    """What a loader needs of this node's engine (:class:`DockerSandbox`)."""
+
+    def load_image(self, archive: Path) -> None: ...
+    def image_id(self, ref: str) -> str | None: ...
+    def tag_image(self, image_id: str, ref: str) -> None: ...
+
+
+class ImageLoader:
+    """One image on its way from the head into this node's engine (a Ray actor pinned
+    to the node): ``write`` each chunk in order, then ``finish``; ``abort`` (or the
+    owner record, once this process is gone) removes what was written."""
+
+    def __init__(self, node: str, image_id: str, ref: str, *,
+                 max_bytes: int = MAX_IMAGE_BYTES, max_chunks: int = MAX_CHUNKS) -> None:
+        self.node, self.image_id, self.ref = node, image_id, ref
+        self.received = Received(max_bytes=max_bytes, max_chunks=max_chunks)
+        self.work = _scratch(own_base(node), LOADS, mode=0o700)
+        self.path = self.work / LOAD_FILE
+        self._file: BinaryIO | None = self.path.open("xb")
+
+    def write(self, data: bytes) -> int:
+        """Append one chunk; the bytes received so far. Past a cap, everything written
+        is removed and PrerequisiteError raised."""
+        if self._file is None:
+            raise PrerequisiteError("image transfer refused: the load already ended")
+        try:
+            self.received.take(len(data))
+            self._file.write(data)
+        except BaseException:
+            self.abort()
+            raise
+        return self.received.bytes
+
+    def finish(self, engine: ImageEngine | None = None) -> str:
+        """``docker load`` the file (streamed), remove it, and return the id ``ref`` now
+        names here: the head's id, or PrerequisiteError. ``ref`` is only ever given a
+        name where it named nothing: a different image under it is never replaced."""
+        try:
+            if self._file is None:
+                raise PrerequisiteError("image transfer refused: the load already ended")
+            self._file.close()
+            self._file = None
+            if engine is None:
+                from runner.isolation.docker.backend import DockerSandbox
+
+                engine = DockerSandbox(timeout=int(LOAD_TIMEOUT_S))
+            engine.load_image(self.path)
+            loaded = engine.image_id(self.image_id)
+            if loaded != self.image_id:
+                raise PrerequisiteError(f"the image loaded on node {self.node[:12]} is not "
+                                        f"{self.image_id} (found {loaded})")
+            now = engine.image_id(self.ref)
+            if now is None and not self.ref.startswith("sha256:"):
+                engine.tag_image(self.image_id, self.ref)
+                now = engine.image_id(self.ref)
+            if now != self.image_id:
+                raise PrerequisiteError(
+                    f"on node {self.node[:12]} {self.ref} names {now}, not the head's "
+                    f"{self.image_id}; it was left as it is")
+            return now
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
 def leftovers(run_id: str) -> list[str]:
     return list(_sandbox().leftovers(run_id))
 
 
 def sweep(only_orphans: bool, dry_run: bool) -> list[SweepResult]:
-    """This host's labelled containers and Docker staging copies, then the run scratch
-    directories (output, relay socket) of node processes that are gone: those of every
-    node this host ran, so a node that was lost is cleaned by one that is alive. Owners
-    are judged by pid, start time and boot id, so only this host's are ever removed."""
+    """This host's labelled containers and Docker staging copies, then the scratch
+    directories (a run's output and relay socket, an image on its way to ``docker
+    load``) of node processes that are gone: those of every node this host ran, so a
+    node that was lost is cleaned by one that is alive. Owners are judged by pid, start
+    time and boot id, so only this host's are ever removed."""
+    found = list(_sandbox().sweep(only_orphans=only_orphans, dry_run=dry_run))
+    return found + sweep_scratch(dry_run=dry_run)
+
+
+def sweep_scratch(*, dry_run: bool) -> list[SweepResult]:
+    """The node scratch directories (``runs``, ``loads``) of processes that are gone."""
     from runner.isolation.gc import sweep_staging_dirs
 
-    found = list(_sandbox().sweep(only_orphans=only_orphans, dry_run=dry_run))
+    found: list[SweepResult] = []
     root = node_root()
-    if root.is_dir() and not root.is_symlink() and root.stat().st_uid == os.getuid():
-        for base in sorted(root.iterdir()):
-            runs = base / "runs"
-            if base.is_symlink() or runs.is_symlink() or not runs.is_dir():
+    if not root.is_dir() or root.is_symlink() or root.stat().st_uid != os.getuid():
+        return found
+    for base in sorted(root.iterdir()):
+        for sub, (kind, role) in SCRATCH_KINDS.items():
+            d = base / sub
+            if base.is_symlink() or d.is_symlink() or not d.is_dir():
                 continue
-            found += [SweepResult(**{**asdict(r), "kind": "node_run_dir",
-                                     "role": "ray-node-run"})
-                      for r in sweep_staging_dirs(runs, owner_name=OWNER_NAME,
+            found += [SweepResult(**{**asdict(r), "kind": kind, "role": role})
+                      for r in sweep_staging_dirs(d, owner_name=OWNER_NAME,
                                                   dry_run=dry_run)]
     return found
