@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from runner.cli.options import BackendOpt, JsonOpt, RayAddressOpt
-from runner.cli.output import out
+from runner.cli.output import out, report_warning
+from runner.errors import EXIT_ENGINE
 from runner.termsafe import emit_json, safe
+
+if TYPE_CHECKING:
+    from runner.isolation.sandbox import SweepResult
 
 commands = typer.Typer()
 
@@ -42,9 +46,20 @@ def gc(all_: Annotated[bool, typer.Option("--all", help="Remove every cyclebox c
                + [r for r in sweep_pid_named_dirs(Path(tempfile.gettempdir()), SHADOW_PREFIX,
                                                   role="git-shadow", kind="git_dir",
                                                   dry_run=dry_run) if r.would_remove])
+    missed = list(getattr(sandbox(), "unanswered", []))
+    if missed:  # ray: a node that did not answer was not swept; say so, exit 6
+        report_warning(f"{len(missed)} node(s) did not answer and were not swept: "
+                       f"{', '.join(safe(n[:12]) for n in missed)}; run gc again when "
+                       "they are back (`ray status`)")
     if json_out:
         emit_json([asdict(r) for r in results])
-        return
+    else:
+        _print(results, dry_run=dry_run)
+    if missed:
+        raise typer.Exit(EXIT_ENGINE)
+
+
+def _print(results: list[SweepResult], *, dry_run: bool) -> None:
     for r in results:
         verb = ("would remove" if dry_run and r.would_remove else
                 "removed" if r.removed else "kept")

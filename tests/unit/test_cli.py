@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import errno
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import typer
@@ -251,3 +251,28 @@ def test_readme_exit_code_table_is_the_one_table() -> None:
     rows = [line.strip("|").split("|") for line in section.splitlines()
             if line.startswith("| ") and line[2].isdigit()]
     assert [(int(c), m.strip()) for c, m in rows] == list(EXIT_TABLE)
+
+
+def test_gc_says_which_nodes_were_not_swept_and_exits_6(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Ray node that did not answer gc is named (not a clean-looking result)."""
+    from runner.cli import engine
+
+    class Cluster:
+        name = "ray"
+        unanswered: ClassVar[list[str]] = ["deadbeef" * 7]
+
+        def sweep(self, *, only_orphans: bool, dry_run: bool) -> list[object]:
+            return []
+
+    from runner.isolation import registry
+
+    monkeypatch.setattr(registry, "get_sandbox", lambda *a, **k: Cluster())
+    engine.reset()
+    assert app(["gc", "--dry-run"], standalone_mode=False) == 6
+    err = capsys.readouterr().err
+    assert "1 node(s) did not answer and were not swept: deadbeefdead" in err
+    Cluster.unanswered = []
+    engine.reset()
+    assert app(["gc", "--dry-run"], standalone_mode=False) == 0
+    engine.reset()

@@ -241,10 +241,11 @@ class RaySandbox:
             try:
                 ray.init(address=address or "auto", log_to_driver=False,
                          logging_level=logging.ERROR, namespace="cyclebox")
-            except (ConnectionError, RuntimeError, ValueError) as exc:
+            except Exception as exc:  # whatever Ray raised, named once
                 raise PrerequisiteError(
-                    f"Ray cluster not reachable at {address or 'auto'} ({exc}). Fix: start "
-                    "the cluster (`ray start --head`) or pass --ray-address HOST:PORT"
+                    f"Ray cluster not reachable at {address or 'auto'} ("
+                    f"{one_line(f'{type(exc).__name__}: {exc}', 500)}). Fix: start the "
+                    "cluster (`ray start --head`) or pass --ray-address HOST:PORT"
                 ) from None
             finally:
                 if (sigterm is not None
@@ -259,6 +260,8 @@ class RaySandbox:
         self._turn = 0
         self._memo: OrderedDict[tuple[Any, ...], tuple[str, Any, int]] = OrderedDict()
         self._memo_bytes = 0
+        self.unanswered: list[str] = []
+        """Nodes that did not answer the last call on every node (gc, doctor, ...)."""
         self._run_task = ray.remote(node_side.run)
         self._head_engine: DockerSandbox | None = None
         self._ship_lock = threading.Lock()
@@ -299,6 +302,7 @@ class RaySandbox:
         refs = {n: task.options(num_cpus=0, max_retries=0, **self._on(n)).remote(*args)
                 for n in self.nodes()}
         out = []
+        self.unanswered = []
         deadline = time.monotonic() + EACH_NODE_S  # one deadline, however many hang
         for n, ref in refs.items():
             try:
@@ -311,6 +315,7 @@ class RaySandbox:
             except (self._ray.exceptions.RayError, TimeoutError):
                 with contextlib.suppress(Exception):  # no task left running on it
                     self._ray.cancel(ref, force=True)
+                self.unanswered.append(n)
                 continue
         return out
 
