@@ -75,7 +75,12 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         pytest.skip(WHY)
     engine = SecondEngine(tmp_path_factory.mktemp("engine2"))
     node_dir = tmp_path_factory.mktemp("nodes")
+    shared_bridge = Path("/sys/class/net/docker0")
+    had_bridge = shared_bridge.exists()
     engine.start()
+    # the shared engine's default network must survive a second engine (dockerd with
+    # --bridge none deletes docker0)
+    assert shared_bridge.exists() or not had_bridge, "the second engine removed docker0"
     cluster = None
     try:
         env = {"CYCLEBOX_RAY_NODE_DIR": str(node_dir)}
@@ -97,6 +102,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         if cluster is not None:
             cluster.shutdown()
         engine.stop()
+        assert shared_bridge.exists() or not had_bridge, "the second engine removed docker0"
 
 
 @pytest.fixture(scope="module")
