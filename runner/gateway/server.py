@@ -17,6 +17,7 @@ socket, so one container's traffic does not stall another's. Socket limits are i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import os
@@ -32,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from runner import interrupts
 from runner.errors import ConfigError, OutputRejected
 from runner.gateway.budget import BudgetPolicy, BudgetRefused, RunBudget
 from runner.gateway.calllog import PREFIX_BYTES, CallLog, CallRecord, Usage, sha256
@@ -216,7 +218,28 @@ class Gateway:
         # Short path under the temp dir: unix socket paths are limited to 108 bytes.
         # The owner record (pid, boot id, for `cyclebox gc`) stays beside the mounted
         # directory, never in it: a container learns nothing about the controller.
-        outer = Path(tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX))
+        # A signal mid-bind is held until the binding is registered (close() then removes
+        # it); any other failure removes what was made, so no socket dir outlives a bind.
+        with interrupts.deferred():
+            outer = Path(tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX))
+            binding: Binding | None = None
+            try:
+                binding = self._make_binding(outer, role, stage=stage, uid=uid, case=case,
+                                             trial=trial)
+                asyncio.run_coroutine_threadsafe(self._start(binding),
+                                                 self._loop).result(timeout=30)
+            except BaseException:
+                if binding is not None and binding.listener is not None:
+                    with contextlib.suppress(Exception):
+                        asyncio.run_coroutine_threadsafe(binding.listener.close(0),
+                                                         self._loop).result(timeout=10)
+                shutil.rmtree(outer, ignore_errors=True)
+                raise
+            self._bindings.append(binding)
+        return binding
+
+    def _make_binding(self, outer: Path, role: str, *, stage: str, uid: int,
+                      case: str | None, trial: int | None) -> Binding:
         (outer / OWNER_NAME).write_text(json.dumps(asdict(current_owner())))
         directory = outer / MOUNTED_NAME
         directory.mkdir(mode=0o700)
@@ -233,8 +256,6 @@ class Gateway:
         limits = up.limits if up else GatewayLimits()
         binding.listener = Listener(str(directory / SOCKET_NAME), limits,
                                     _Handler(self, binding, name, up))
-        asyncio.run_coroutine_threadsafe(self._start(binding), self._loop).result(timeout=30)
-        self._bindings.append(binding)
         return binding
 
     async def _start(self, b: Binding) -> None:
