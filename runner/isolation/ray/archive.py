@@ -42,13 +42,18 @@ def pack_input(source: Path) -> bytes:
             if not (ti.isreg() or ti.isdir() or ti.issym()):
                 raise SandboxError(f"{p}: only files, directories and symlinks can be "
                                    "shipped to a node as a mount")
-            _normalize(ti)
-            if ti.isreg():
-                with p.open("rb") as f:
-                    tf.addfile(ti, f)
-            else:
-                tf.addfile(ti)
+            _add(tf, p, ti)
     return buf.getvalue()
+
+
+def _add(tf: tarfile.TarFile, p: Path, ti: tarfile.TarInfo) -> None:
+    """``p`` under ``ti`` (normalized: no owner, no time), its content if a file."""
+    _normalize(ti)
+    if ti.isreg():
+        with p.open("rb") as f:
+            tf.addfile(ti, f)
+    else:
+        tf.addfile(ti)
 
 
 def digest(data: bytes) -> str:
@@ -97,15 +102,10 @@ def pack_output(root: Path, cap: int) -> bytes:
             ti = tf.gettarinfo(str(p), arcname=p.relative_to(root).as_posix())
             if not (ti.isreg() or ti.isdir() or ti.issym()):
                 continue
-            _normalize(ti)
             total += ti.size
             if total > cap:
                 raise SandboxError(f"node output exceeds its cap of {cap} bytes")
-            if ti.isreg():
-                with p.open("rb") as f:
-                    tf.addfile(ti, f)
-            else:
-                tf.addfile(ti)
+            _add(tf, p, ti)
     return buf.getvalue()
 
 

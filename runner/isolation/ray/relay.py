@@ -42,6 +42,7 @@ import ssl
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,6 +169,27 @@ def _cut(socks: set[socket.socket]) -> None:
             socket.socket.shutdown(s, socket.SHUT_RDWR)
 
 
+def _accept_loop(sock: socket.socket, serve: Callable[[socket.socket], None], *,
+                 closed: Callable[[], bool], admit: Callable[[], bool],
+                 unadmit: Callable[[], None]) -> None:
+    """Accept until ``sock`` closes: a connection ``admit`` takes (under its owner's cap)
+    gets a serving thread; one it refuses is closed at once, with no thread spawned; one
+    whose thread cannot start is closed and its slot given back (``unadmit``)."""
+    while not closed():
+        try:
+            conn, _ = sock.accept()
+        except OSError:
+            return
+        if not admit():
+            conn.close()
+            continue
+        try:
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+        except RuntimeError:  # no thread to be had: refuse, do not die
+            conn.close()
+            unadmit()
+
+
 def _recv_exactly(conn: socket.socket, n: int, deadline: float) -> bytes:
     got = b""
     while len(got) < n:
@@ -226,27 +248,21 @@ class HeadForwarder:
             return dict(self._refused)
 
     def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            with self._lock:
-                admit = self._pending < MAX_PENDING
-                if admit:
-                    self._pending += 1
-                else:
-                    self._refused["pending"] += 1
-            if not admit:
-                conn.close()
-                continue
-            try:
-                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-            except RuntimeError:  # no thread to be had: refuse, do not die
-                conn.close()
-                with self._lock:
-                    self._pending -= 1
-                    self._refused["pending"] += 1
+        _accept_loop(self._sock, self._serve, closed=lambda: self._closed,
+                     admit=self._take_slot, unadmit=self._give_slot)
+
+    def _take_slot(self) -> bool:
+        with self._lock:
+            if self._pending < MAX_PENDING:
+                self._pending += 1
+                return True
+            self._refused["pending"] += 1
+            return False
+
+    def _give_slot(self) -> None:
+        with self._lock:
+            self._pending -= 1
+            self._refused["pending"] += 1
 
     def _admit(self, given: bytes, sock: socket.socket) -> tuple[bytes, Path] | str:
         """The route and a live slot for ``given`` (``sock`` is then shut down with the
@@ -379,27 +395,21 @@ class NodeRelay:
             return dict(self._refused)
 
     def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            with self._lock:
-                admit = self._live < MAX_NODE_CONNECTIONS
-                if admit:
-                    self._live += 1
-                else:
-                    self._refused["busy"] += 1
-            if not admit:
-                conn.close()
-                continue
-            try:
-                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-            except RuntimeError:
-                conn.close()
-                with self._lock:
-                    self._live -= 1
-                    self._refused["busy"] += 1
+        _accept_loop(self._sock, self._serve, closed=lambda: self._closed,
+                     admit=self._take_slot, unadmit=self._give_slot)
+
+    def _take_slot(self) -> bool:
+        with self._lock:
+            if self._live < MAX_NODE_CONNECTIONS:
+                self._live += 1
+                return True
+            self._refused["busy"] += 1
+            return False
+
+    def _give_slot(self) -> None:
+        with self._lock:
+            self._live -= 1
+            self._refused["busy"] += 1
 
     def _connect(self) -> ssl.SSLSocket:
         up: socket.socket = socket.create_connection((self.ticket.host, self.ticket.port),
