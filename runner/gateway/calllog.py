@@ -99,6 +99,14 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _exists(path: str) -> bool:
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 class CallLog:
     """Append-only writer/reader for one run's gateway directory."""
 
@@ -107,6 +115,7 @@ class CallLog:
         self.blobs = root / "blobs"
         self.index = root / "calls.jsonl"
         self.blobs.mkdir(parents=True, exist_ok=True)
+        self._blob_dir = f"{self.blobs}{os.sep}"
         self._lock = threading.Lock()
         self._dirty = False
         self._fd: int | None = None
@@ -119,14 +128,24 @@ class CallLog:
                     self._seq = sum(1 for _ in f)
 
     def put_blob(self, data: bytes) -> str:
+        """Store ``data`` under its sha256 (once): written whole to a private temporary
+        name, then renamed, so a blob's name never shows partial bytes. Plain ``os``
+        calls on a str path (stat; or open, write, close, rename): this runs once or
+        twice per call on the gateway's loop."""
         digest = sha256(data)
-        path = self.blobs / digest
-        if not path.exists():
-            tmp = path.with_suffix(f".tmp{threading.get_ident()}")
-            with tmp.open("wb") as f:
-                f.write(data)
-            tmp.replace(path)
-            self._dirty = True
+        path = self._blob_dir + digest
+        if _exists(path):
+            return digest
+        tmp = f"{path}.tmp{threading.get_ident()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        self._dirty = True
         return digest
 
     def next_seq(self) -> int:
