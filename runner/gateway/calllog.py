@@ -35,6 +35,8 @@ MAX_INDEX_BYTES = 1 << 30
 """Largest calls.jsonl read back (about two million calls)."""
 MAX_BLOB_BYTES = 1 << 30
 """Largest blob read back (requests and responses are capped far below by policy)."""
+KNOWN_BLOBS = 65536
+"""Digests of stored blobs remembered by a writer (a few MiB at most)."""
 DIGEST = r"^[0-9a-f]{64}$"
 """A blob name: a recorded run given to replay is hostile, and a digest that is a path
 (``../../x``) would open a file outside ``blobs/``."""
@@ -116,6 +118,7 @@ class CallLog:
         self.index = root / "calls.jsonl"
         self.blobs.mkdir(parents=True, exist_ok=True)
         self._blob_dir = f"{self.blobs}{os.sep}"
+        self._present: set[str] = set()
         self._lock = threading.Lock()
         self._dirty = False
         self._fd: int | None = None
@@ -134,7 +137,8 @@ class CallLog:
         twice per call on the gateway's loop."""
         digest = sha256(data)
         path = self._blob_dir + digest
-        if _exists(path):
+        if digest in self._present or _exists(path):
+            self._remember(digest)
             return digest
         tmp = f"{path}.tmp{threading.get_ident()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
@@ -146,7 +150,15 @@ class CallLog:
             os.close(fd)
         os.replace(tmp, path)
         self._dirty = True
+        self._remember(digest)
         return digest
+
+    def _remember(self, digest: str) -> None:
+        """Blobs known to be stored (this log never deletes one): a repeated request or
+        response skips the stat. Bounded: forgotten all at once when full."""
+        if len(self._present) >= KNOWN_BLOBS:
+            self._present.clear()
+        self._present.add(digest)
 
     def next_seq(self) -> int:
         with self._lock:
