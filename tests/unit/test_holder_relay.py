@@ -147,7 +147,7 @@ def test_gateway_gone_closes_the_client(short_tmp: Path) -> None:
 
 
 @pytest.mark.parametrize("opt", [None, "SO_REUSEADDR", "SO_REUSEPORT"])
-@pytest.mark.parametrize("addr", ["127.0.0.1", "0.0.0.0"])  # noqa: S104
+@pytest.mark.parametrize("addr", ["127.0.0.1", "0.0.0.0"])
 def test_the_port_cannot_be_shared(short_tmp: Path, opt: str | None, addr: str) -> None:
     echo = Echo(short_tmp / "g.sock")
     port = holder.relay_start(str(echo.path), port=0)
