@@ -528,6 +528,8 @@ class _Relay:
         gateway = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             client.setblocking(False)
+            # bytes go out as they come in: no Nagle wait on a reply written in pieces
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             gateway.setblocking(False)
             gateway.connect(self.target)
         except OSError:
