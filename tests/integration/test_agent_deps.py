@@ -94,6 +94,17 @@ def test_requirements_must_be_committed_plain_and_outside_the_allowlist(
         check_cycle(cycle, check_credentials=False)
 
 
+def test_unpinned_requirement_lines_warn_by_name(tmp_path: Path) -> None:
+    from runner.cycle.plan import check_cycle
+
+    checked = check_cycle(project(tmp_path / "loose", requirements="humanize>=4\n"),
+                          check_credentials=False)
+    assert any("project.requirements" in w and "'humanize>=4'" in w and "pin no version" in w
+               for w in checked.warnings), checked.warnings
+    pinned = check_cycle(project(tmp_path / "pinned"), check_credentials=False)
+    assert not [w for w in pinned.warnings if "pin no version" in w]
+
+
 # -- Docker -------------------------------------------------------------------------------
 
 @pytest.mark.docker

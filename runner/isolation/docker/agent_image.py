@@ -29,10 +29,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.errors import ConfigError, PrerequisiteError, SandboxError
-from runner.isolation.docker.images import Log, download_wheels, link_or_copy
+from runner.errors import PrerequisiteError, SandboxError
+from runner.isolation.docker.images import (
+    MAX_REASON_CHARS,
+    Log,
+    download_wheels,
+    link_or_copy,
+)
 from runner.paths import images_dir, state_dir
-from runner.requirements import check_requirements
+from runner.requirements import RequirementsRefused, check_requirements, pip_reason
 
 TAG_REPO = "cyclebox/analyst-deps"
 
@@ -81,7 +86,7 @@ def ensure_agent_image(analyst_id: str, requirements: str, log: Log, *,
     if not req_file.is_file() or req_file.read_text() != requirements:
         req_file.write_text(requirements)
     wheels = download_wheels(req_file, state_dir() / "wheels" / "agent" / req_sha[:16], log,
-                             what="the agent's requirements")
+                             what="the agent's requirements", field=field)
     digest = (wheels / ".digest").read_text().strip()
     dockerfile = images_dir() / "agent.Dockerfile"
     ih = agent_input_hash(analyst_id, requirements, digest, dockerfile.read_bytes())
@@ -108,12 +113,15 @@ def ensure_agent_image(analyst_id: str, requirements: str, log: Log, *,
                 tail.append(line)
                 log(line)
         except SandboxError as exc:
-            shown = "\n".join(tail)
-            raise ConfigError(f"the agent's requirements do not install offline into the "
-                              f"analyst image: {exc}\n{shown}", field=field,
-                              fix="pin versions that agree with the analyst's own packages "
-                                  "(images/analyst/requirements.txt) and publish cp311 "
-                                  "manylinux or pure-Python wheels") from None
+            if "returned a non-zero code" not in str(exc):
+                raise  # the engine failed, not the install
+            shown = pip_reason("\n".join(tail), MAX_REASON_CHARS)
+            raise RequirementsRefused(
+                f"the agent's requirements do not install offline into the analyst image "
+                f"({pip_reason(str(exc), 300)}); the build said: {shown}", field=field,
+                fix="pin versions that agree with the analyst's own packages "
+                    "(images/analyst/requirements.txt) and publish cp311 manylinux or "
+                    "pure-Python wheels") from None
         finally:
             shutil.rmtree(ctx, ignore_errors=True)
         existing = backend.image_id(tag)
