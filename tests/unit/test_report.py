@@ -258,6 +258,27 @@ def test_output_file_symlink_is_replaced_not_followed(run: Path, tmp_path: Path)
     assert not link.is_symlink() and "`reject`" in link.read_text()
 
 
+@pytest.mark.parametrize("mask", [0o022, 0o002, 0o077])
+def test_report_files_get_the_users_umask(run: Path, tmp_path: Path, mask: int) -> None:
+    """Issue 20 item 6: every report file (JUnit, Markdown, HTML) was written 0600 by
+    mkstemp whatever the umask; now 0666 less the umask."""
+    import os
+    import stat
+
+    from runner.report.files import write_outputs
+
+    out = tmp_path / "reports"
+    out.mkdir()
+    old = os.umask(mask)
+    try:
+        write_outputs(run, junit=out / "j.xml", markdown=out / "s.md", html=out / "r.html")
+    finally:
+        os.umask(old)
+    for name in ("j.xml", "s.md", "r.html"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o666 & ~mask, name
+    assert sorted(p.name for p in out.iterdir()) == ["j.xml", "r.html", "s.md"]
+
+
 def test_output_dir_missing_is_a_config_error(run: Path, tmp_path: Path) -> None:
     from runner.errors import ConfigError
     from runner.report.files import check_targets
