@@ -511,6 +511,24 @@ def _(e: Env) -> list[str]:
     return e.run_args()
 
 
+# images
+@case("images-build-unknown-role", 3, "--role", "unknown role 'nosuch'")
+def _(e: Env) -> list[str]:
+    return ["images", "build", "--role", "nosuch"]
+
+
+@case("images-lock-corrupt", 3, "images.lock.json", "invalid JSON")
+def _(e: Env) -> list[str]:
+    (e.root / "state" / "images.lock.json").write_text('{"analyst": [')
+    return ["images", "list"]
+
+
+@case("images-gc-engine-unreachable", 5, "Docker engine not reachable")
+def _(e: Env) -> list[str]:
+    e.vars["DOCKER_HOST"] = f"unix://{e.root}/no-engine.sock"
+    return ["images", "gc"]
+
+
 # the agent's own requirements (project.requirements): resolved offline from a local
 # --find-links directory of wheels built here; every refusal is bad input (exit 3) naming
 # the field, the file and pip's own reason, and leaves no wheel behind
