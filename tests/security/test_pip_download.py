@@ -187,3 +187,22 @@ def test_the_metadata_check_refuses_what_pip_would_let_through(tmp_path: Path) -
     assert requires_dist_urls(_wheel(tmp_path, "fine", "1.0", ("a==1", "b[x]>=2"))) == []
     (tmp_path / "junk-1.0-py3-none-any.whl").write_bytes(b"not a zip")
     assert requires_dist_urls(tmp_path / "junk-1.0-py3-none-any.whl")
+
+
+def test_a_cached_wheel_set_is_checked_too(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wheel directory cached before the metadata check (its stamp still matching) is
+    refused the same way instead of being reused."""
+    import hashlib
+
+    monkeypatch.delenv("PIP_DOWNLOAD_ARGS", raising=False)
+    req = tmp_path / "req.txt"
+    req.write_text("lure==1.0\n")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "lure", "1.0", ("evil @ file:///etc/passwd",))
+    (wheels / ".stamp").write_text(hashlib.sha256(req.read_bytes()).hexdigest())
+    (wheels / ".digest").write_text("0" * 64)
+    with pytest.raises(ConfigError, match=r"lure-1\.0-py3-none-any\.whl requires 'evil @"):
+        download_wheels(req, wheels, lambda _m: None, what="the agent",
+                        field="project.requirements")

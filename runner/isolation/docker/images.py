@@ -236,12 +236,11 @@ def download_wheels(req: Path, wdir: Path, log: Log, *, what: str,
     second line). With ``field`` (operator input, e.g. ``project.requirements``), what pip
     refuses is :class:`runner.requirements.RequirementsRefused` (exit 3, pip's reason
     shown); an index that cannot be reached stays a PrerequisiteError."""
-    from runner.requirements import RequirementsRefused, requires_dist_urls
-
     extra = os.environ.get("PIP_DOWNLOAD_ARGS", "")
     stamp_value = _sha(req.read_bytes() + extra.encode())
     stamp = wdir / ".stamp"
     if stamp.is_file() and stamp.read_text().strip() == stamp_value:
+        _refuse_direct_urls(wdir, field)  # a set cached before this check existed
         return wdir
     if wdir.exists():
         shutil.rmtree(wdir)
@@ -252,13 +251,7 @@ def download_wheels(req: Path, wdir: Path, log: Log, *, what: str,
                 if ln.strip() and not ln.startswith("#")]
         if reqs:
             _pip_download(req, work, extra, log, what=what, field=field)
-        for whl in sorted(work.glob("*.whl")):
-            urls = requires_dist_urls(whl)
-            if urls:
-                raise RequirementsRefused(
-                    f"the wheel {whl.name} requires {urls[0]!r}: a direct URL or path "
-                    "requirement", field=field,
-                    fix="depend on packages from the index only (name and version)")
+        _refuse_direct_urls(work, field)
         # Digest of the wheel set, computed once here (hashing torch each build is slow).
         digest = hashlib.sha256()
         for whl in sorted(work.glob("*.whl")):
@@ -271,6 +264,20 @@ def download_wheels(req: Path, wdir: Path, log: Log, *, what: str,
         shutil.rmtree(work, ignore_errors=True)
         raise
     return wdir
+
+
+def _refuse_direct_urls(wdir: Path, field: str | None) -> None:
+    """RequirementsRefused naming the first wheel in ``wdir`` whose metadata requires a
+    URL or path."""
+    from runner.requirements import RequirementsRefused, requires_dist_urls
+
+    for whl in sorted(wdir.glob("*.whl")):
+        urls = requires_dist_urls(whl)
+        if urls:
+            raise RequirementsRefused(
+                f"the wheel {whl.name} requires {urls[0]!r}: a direct URL or path "
+                "requirement", field=field,
+                fix="depend on packages from the index only (name and version)")
 
 
 def _pip_download(req: Path, work: Path, extra: str, log: Log, *, what: str,
