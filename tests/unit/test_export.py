@@ -186,6 +186,11 @@ def calibration(tmp_path: Path) -> Path:
     return path
 
 
+def no_nulls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Parquet messages without the struct fields a message does not have (null)."""
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+
+
 def read_out(out: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (out / "trajectories.jsonl").read_text().splitlines()]
 
@@ -266,8 +271,8 @@ def test_r_format_per_trajectory(run: Path, calibration: Path, tmp_path: Path) -
                  id="plain-text-content"),
     pytest.param(b'{"choices":[{"message":{"content":"[1, 2]"}}]}', "[1, 2]", False,
                  id="json-array-is-not-an-object"),
-    pytest.param(b'{"choices":[{"message":{"content":null}}]}', None, False,
-                 id="null-content"),
+    pytest.param(b'{"choices":[{"message":{"content":null}}]}', "", False,
+                 id="null-content-is-empty-text"),
     pytest.param(b'{"choices":[]}', None, False, id="no-choices"),
     pytest.param(b"not json", None, False, id="garbage"),
     pytest.param(b'data: {"choices":[{"delta":{"content":"{\\"a\\""}}]}\n\n'
@@ -437,6 +442,8 @@ def test_summary_matches_hand_count(run: Path, calibration: Path, tmp_path: Path
         "r_outcome_basis": {"correctness": 3, "refusal": 2},
         "format_pass_rate": 0.6667,
         "rl_rows": 6, "sft_rows": 3, "not_in_parquet": {"sft_not_passed": 3},
+        "format_reasons": {"reply_not_json_object": 2}, "not_turns": {}, "tool_calls": 0,
+        "tools_column": {"rl": "struct", "sft": "struct"},
         "fixture": False,  # the only fixture call is the worker's, which is not exported
     }
     assert json.loads((out / "summary.json").read_text()) == summary
@@ -582,7 +589,8 @@ def test_verl_parquet_rows(run: Path, calibration: Path, tmp_path: Path) -> None
     for row, t in zip(rl, trajs, strict=True):
         first = t["turns"][0]
         assert row["data_source"] == "fx" and row["ability"] == "analyst"
-        assert row["prompt"] == json.loads(first["prompt"])["messages"]
+        assert no_nulls(row["prompt"]) == json.loads(first["prompt"])["messages"]
+        assert row["tools"] == [] and row["tools_json"] == "[]"
         assert row["prompt"][0]["role"] == "system" and row["prompt"][-1]["role"] == "user"
         info = row["extra_info"]
         assert info["request_sha256"] == first["prompt_sha256"] == hashlib.sha256(
@@ -600,8 +608,9 @@ def test_verl_parquet_rows(run: Path, calibration: Path, tmp_path: Path) -> None
     assert len(sft) == len(passed) == 3
     for row, t in zip(sft, passed, strict=True):
         last = t["turns"][-1]
-        assert row["messages"][:-1] == json.loads(last["prompt"])["messages"]
-        assert row["messages"][-1] == {"role": "assistant", "content": last["reply"]}
+        assert no_nulls(row["messages"][:-1]) == json.loads(last["prompt"])["messages"]
+        assert no_nulls(row["messages"][-1:]) == [{"role": "assistant",
+                                                   "content": last["reply"]}]
         assert row["extra_info"]["r_outcome"] == 1.0
     assert [r["extra_info"]["index"] for r in sft] == [0, 1, 2]
     receipt = json.loads((out / "export-receipt.json").read_text())
