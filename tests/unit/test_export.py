@@ -710,3 +710,77 @@ def test_hand_over_makes_outputs_readable_by_the_invoking_user(
         assert {(p.lstat().st_uid, p.lstat().st_gid) for p in [out, *out.rglob("*")]
                 if not p.is_symlink()} == {(4242, 4343)}
         assert outside.stat().st_uid == 0
+
+
+# -- tool calls kept, every API family exported as chat messages -------------------------
+
+
+def test_tool_calls_survive_every_family(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    from tests.fixtures.tool_run import ARGS, RESULT, write_tool_run
+
+    run = write_tool_run(tmp_path / "run")
+    cal = _calibration(tmp_path, "tools", lambda v: v, run=run)
+    out = tmp_path / "out"
+    summary = export(run, out, calibration=cal, policy=POLICY)
+    assert summary.trajectories == 4 and summary.turns == 8
+    assert summary.not_turns == {"count_tokens": 1, "embeddings": 1}
+    assert summary.r_format == {"1": 3, "0": 1}
+    assert summary.format_reasons == {"tool_arguments_not_json_object": 1}
+    assert summary.tool_calls == 4
+    assert summary.tools_column == {"rl": "struct", "sft": "struct"}
+    trajs = by_key(read_out(out))
+    assert {k: t["turns"][0]["api"] for k, t in trajs.items()} == {
+        ("baseline", "c1", 0): "chat", ("baseline", "c1", 1): "responses",
+        ("baseline", "c2", 0): "messages", ("candidate", "c1", 0): "chat"}
+    args = json.dumps(ARGS)
+    for key, call_id in ((("baseline", "c1", 0), "call_1"), (("baseline", "c1", 1), "call_r1"),
+                         (("baseline", "c2", 0), "toolu_1")):
+        t = trajs[key]
+        assert t["r_format"] == 1, [r["reason"] for r in t["turns"]]
+        first, last = t["turns"]
+        assert first["reply"] == ""  # the assistant only called a tool
+        (call,) = first["reply_message"]["tool_calls"]
+        assert call["id"] == call_id and call["function"]["name"] == "query"
+        assert json.loads(call["function"]["arguments"]) == json.loads(args)
+        assert [m["role"] for m in last["messages"]] == [
+            "system", "user", "assistant", "tool"]
+        assert last["messages"][2]["tool_calls"][0]["id"] == call_id
+        assert last["messages"][3] == {"role": "tool", "content": RESULT,
+                                       "tool_call_id": call_id}
+        assert [tool["function"]["name"] for tool in last["tools"]] == ["query"]
+        assert last["tools"][0]["function"]["parameters"]["required"] == ["sql"]
+        assert isinstance(json.loads(last["reply"]), dict)
+    bad = trajs[("candidate", "c1", 0)]
+    assert bad["r_format"] == 0
+    assert [r["reason"] for r in bad["turns"]] == ["tool_arguments_not_json_object", None]
+
+    sft = pq.read_table(out / "sft.parquet").to_pylist()
+    assert len(sft) == 3
+    for row in sft:
+        msgs = no_nulls(row["messages"])
+        assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant"]
+        assert msgs[2]["tool_calls"][0]["function"]["name"] == "query"
+        assert msgs[3]["tool_call_id"] == msgs[2]["tool_calls"][0]["id"]
+        assert row["tools"][0]["function"]["name"] == "query"
+        assert json.loads(row["tools_json"]) == row["tools"]
+    rl = pq.read_table(out / "rl.parquet").to_pylist()
+    assert len(rl) == 4 and all(r["tools"][0]["function"]["name"] == "query" for r in rl)
+
+
+def test_tools_column_falls_back_to_json_text_when_schemas_differ() -> None:
+    from runner.train.verl_parquet import JSON_TEXT, STRUCT, tools_column
+
+    def tool(name: str, params: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": name, "parameters": params}}
+
+    same = [[tool("q", {"type": "object", "properties": {"sql": {"type": "string"}}})]] * 2
+    assert tools_column(same)[1] == STRUCT
+    differ = [[tool("q", {"type": "object", "properties": {"sql": {"type": "string"}}}),
+               tool("w", {"type": "object", "properties": {"city": {"type": "string"}}})]]
+    col, kind = tools_column(differ)
+    assert kind == JSON_TEXT and json.loads(col.to_pylist()[0]) == differ[0]
+    no_args = [[tool("now", {"type": "object", "properties": {}})]]
+    assert tools_column(no_args)[1] == JSON_TEXT
+    assert tools_column([[], []])[1] == STRUCT
