@@ -77,3 +77,37 @@ def test_verl_and_trl_train_on_tool_calls(corpus_and_model: tuple[Path, Path]) -
         assert "tools:" not in learned and "<|tool|>" not in learned
         assert "revenue" not in learned
         assert 0 < n < total
+
+
+ENCODE = """
+import json, sys
+from transformers import AutoTokenizer
+from sandbox.train import lora, sft
+rows = sft.rows_from_corpus(__import__("pathlib").Path(sys.argv[1]) / "trajectories.jsonl",
+                            include_failed=False)
+tok = AutoTokenizer.from_pretrained(sys.argv[2])
+out = []
+for row in rows:
+    enc = lora.encode(tok, row)
+    labels = [i for i in enc["labels"][0].tolist() if i != -100]
+    out.append({"tools": [t["function"]["name"] for t in row.get("tools") or []],
+                "last": row["messages"][-1], "learned": tok.decode(labels)})
+print("SFT-ROWS " + json.dumps(out))
+"""
+
+
+def test_train_sft_rows_keep_tool_calls(corpus_and_model: tuple[Path, Path]) -> None:
+    """`cyclebox train sft`'s own rows (sandbox.train.sft) and loss mask (lora.encode):
+    every passed turn, tool-calling ones included, becomes a row with its tools, and the
+    learned tokens are the reply as the template renders it (the tool call itself)."""
+    corpus, model = corpus_and_model
+    res = in_verl("-c", ENCODE, str(corpus), str(model), cwd=PROJECT_ROOT)
+    line = [x for x in res.stdout.splitlines() if x.startswith("SFT-ROWS ")]
+    rows: list[dict[str, Any]] = json.loads(line[0].removeprefix("SFT-ROWS "))
+    # 3 passed trajectories (chat, responses, messages) x 2 turns: the tool call, the answer
+    assert len(rows) == 6 and all(r["tools"] == ["query"] for r in rows)
+    calls = [r for r in rows if r["last"].get("tool_calls")]
+    assert len(calls) == 3, rows
+    for r in calls:
+        assert r["learned"].startswith("<tool_call>query {"), r["learned"]
+        assert "<|tool|>" not in r["learned"] and "tools:" not in r["learned"]
