@@ -19,6 +19,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import tarfile
 import tempfile
 import threading
@@ -33,8 +34,14 @@ import docker.errors
 import requests.exceptions
 from docker.models.containers import _create_container_args
 
-from runner import interrupts
-from runner.errors import OutputRejected, PolicyViolation, PrerequisiteError, SandboxError
+from runner import fswalk, interrupts
+from runner.errors import (
+    ConfigError,
+    OutputRejected,
+    PolicyViolation,
+    PrerequisiteError,
+    SandboxError,
+)
 from runner.isolation.collect import loads_strict
 from runner.isolation.copyout import CopyLimits, CopyRefused, Extracted, extract
 from runner.isolation.docker.hardening import create_kwargs, exec_kwargs, holder_argv
@@ -331,7 +338,7 @@ class _Staging:
                 # removes the staging copies of a controller that was SIGKILLed.
                 (self.dir / STAGING_OWNER).write_text(json.dumps(asdict(current_owner())))
             dest = self.dir / f"m{i}"
-            _link_tree(source, dest)
+            _link_tree(source, dest, target=m.target)
             mounts.append(m.model_copy(update={"source": dest}))
         self.spec = spec.model_copy(update={"mounts": tuple(mounts)})
 
@@ -342,34 +349,90 @@ class _Staging:
                 self.dir.parent.rmdir()
 
 
-def _link_tree(src: Path, dest: Path) -> None:
+PATH_MAX = 4096
+
+
+def _link_tree(src: Path, dest: Path, *, target: str = "/") -> None:
     """Hard-link ``src`` (file or tree) to ``dest``; copy where a link is impossible.
 
-    Symlinks inside are recreated as symlinks (a read-only bind shows them as before)."""
+    Symlinks inside are recreated as symlinks (a read-only bind shows them as before).
+    The tree is walked by directory descriptor (:mod:`runner.fswalk`) and written the same
+    way, so a path past ``PATH_MAX`` inside it is staged like any other; an entry that
+    cannot be read is bad input naming it (exit 3), never left out, and so is a path
+    that would be ``PATH_MAX`` or longer once mounted at ``target`` (no program in the
+    container could open it by name)."""
     def one(s: Path, d: Path) -> None:
         try:
             os.link(s, d, follow_symlinks=False)
         except OSError:
             shutil.copy2(s, d, follow_symlinks=False)
 
-    if src.is_dir() and not src.is_symlink():
-        # Staged directories are new inodes: readable by the role uid (which differs
-        # from ours when we run as root), as an input must be; files keep their modes.
-        dest.mkdir()
-        os.chmod(dest, STAGED_DIR_MODE)
-        for dirpath, dirnames, filenames in os.walk(src):
-            rel = Path(dirpath).relative_to(src)
-            for d in dirnames:
-                sp = Path(dirpath) / d
-                if sp.is_symlink():
-                    os.symlink(os.readlink(sp), dest / rel / d)
-                else:
-                    (dest / rel / d).mkdir()
-                    os.chmod(dest / rel / d, STAGED_DIR_MODE)
-            for f in filenames:
-                one(Path(dirpath) / f, dest / rel / f)
-    else:
+    if not (src.is_dir() and not src.is_symlink()):
         one(src, dest)
+        return
+    # Staged directories are new inodes: readable by the role uid (which differs
+    # from ours when we run as root), as an input must be; files keep their modes.
+    dest.mkdir()
+    os.chmod(dest, STAGED_DIR_MODE)
+    # (relative directory, its staged copy's fd): the current entry's ancestors only
+    made: list[tuple[str, int]] = [("", os.open(dest, fswalk.DIR_FLAGS))]
+    try:
+        for e in fswalk.walk(src, max_depth=4096):
+            parent = e.rel.rpartition("/")[0]
+            while made[-1][0] != parent:
+                os.close(made.pop()[1])
+            dfd = made[-1][1]
+            inside = len(os.fsencode(f"{target.rstrip('/')}/{e.rel}"))
+            if inside >= PATH_MAX:
+                raise fswalk.WalkError(e.rel, f"path of {inside} bytes once mounted at "
+                                       f"{target}, past PATH_MAX ({PATH_MAX}); no program "
+                                       "in the container could open it")
+            if e.is_link:
+                os.symlink(e.readlink(), e.name, dir_fd=dfd)
+            elif e.is_dir:
+                os.mkdir(e.name, STAGED_DIR_MODE, dir_fd=dfd)
+                sub = os.open(e.name, fswalk.DIR_FLAGS, dir_fd=dfd)
+                os.fchmod(sub, STAGED_DIR_MODE)
+                made.append((e.rel, sub))
+            else:
+                _link_or_copy(e, dfd)
+    except fswalk.WalkError as exc:
+        raise ConfigError(f"{src}/{fswalk.shown(exc.rel)}: {exc.reason}; the input tree "
+                          "cannot be staged in full", fix="make every entry of the input "
+                          "readable, with shorter paths (or remove it), and run again") from None
+    finally:
+        for _, fd in made:
+            os.close(fd)
+
+
+def _link_or_copy(e: fswalk.Entry, dfd: int) -> None:
+    """One non-directory entry of an input tree into the directory ``dfd``: a hard link,
+    or a copy (content, mode and times) where a link is impossible (another file system)."""
+    try:
+        os.link(e.name, e.name, src_dir_fd=e.parent_fd, dst_dir_fd=dfd, follow_symlinks=False)
+    except OSError:
+        _copy_in(e, dfd)
+
+
+def _copy_in(e: fswalk.Entry, dfd: int) -> None:
+    if not e.is_file:
+        raise fswalk.WalkError(e.rel, "not a regular file, directory or symlink, and it "
+                               "cannot be hard-linked into the staging copy")
+    src_fd = e.open()
+    try:
+        fd = os.open(e.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                     | getattr(os, "O_CLOEXEC", 0), stat.S_IMODE(e.st.st_mode), dir_fd=dfd)
+        try:
+            while chunk := os.read(src_fd, 1 << 20):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view):]
+            os.fchmod(fd, stat.S_IMODE(e.st.st_mode))
+            os.utime(fd, ns=(e.st.st_atime_ns, e.st.st_mtime_ns))
+        finally:
+            os.close(fd)
+    finally:
+        os.close(src_fd)
 
 
 def connect(timeout: int = 60) -> docker.DockerClient:
