@@ -264,11 +264,23 @@ def _seed_tar(spec: RunSpec, links: dict[str, str]) -> bytes | None:
 STAGING_OWNER = "owner.json"
 
 
+STAGING_PREFIX = "cbx-in-"
+"""Per-run staging copies are ``<base>/cbx-in-<128 random bits>``: the path a role sees
+in ``/proc/self/mountinfo`` names no pid, start time or uid of the controller."""
+STAGING_NEW = STAGING_PREFIX + "new-"
+"""A copy being made (``cbx-in-new-<pid>-<start>-...``, never mounted): renamed to its
+random name once its owner record is inside, so `cyclebox gc` can always judge it."""
+
+
 def staging_base() -> Path:
-    """Where per-run input copies live: ``$CYCLEBOX_STAGING_DIR`` or
-    ``<tmp>/cyclebox-staging-<uid>``."""
-    return Path(os.environ.get(STAGING_ENV)
-                or Path(tempfile.gettempdir()) / f"cyclebox-staging-{os.getuid()}")
+    """Where per-run input copies live: ``$CYCLEBOX_STAGING_DIR``, or the temp directory
+    (each copy a private ``cbx-in-*`` directory in it, as gateway sockets are)."""
+    return Path(os.environ.get(STAGING_ENV) or tempfile.gettempdir())
+
+
+def legacy_staging_base() -> Path:
+    """Where copies lived before: ``<tmp>/cyclebox-staging-<uid>`` (swept by gc)."""
+    return Path(tempfile.gettempdir()) / f"cyclebox-staging-{os.getuid()}"
 
 
 def check_mount_sources(spec: RunSpec) -> None:
@@ -287,12 +299,46 @@ def check_mount_sources(spec: RunSpec) -> None:
                                   fix="pass the resolved path")
 
 
+def _new_staging_dir() -> Path:
+    """A fresh ``<base>/cbx-in-<random>`` holding its owner record (beside the mounted
+    ``m<i>`` directories, never in one), traversable (not listable) by the role uid.
+
+    It is made as ``cbx-in-new-<pid>-<start>-...`` (so `cyclebox gc` can judge it if the
+    controller dies before its record is written), then renamed: the mounted path, all a
+    container sees in ``/proc/self/mountinfo``, names nothing about the controller."""
+    base = staging_base()
+    custom = bool(os.environ.get(STAGING_ENV))
+    me = current_owner()
+    for attempt in range(5):  # another run may remove an empty custom base meanwhile
+        if custom:
+            base.mkdir(mode=0o711, exist_ok=True)
+            if base.is_symlink() or base.stat().st_uid != os.getuid():
+                raise SandboxError(f"staging directory {base} is not ours; "
+                                   f"Fix: set {STAGING_ENV} to a private directory")
+        try:
+            made = Path(tempfile.mkdtemp(prefix=f"{STAGING_NEW}{me.pid}-{me.start}-",
+                                         dir=base))
+            break
+        except FileNotFoundError:
+            if attempt == 4:
+                raise
+    try:
+        os.chmod(made, 0o711)  # noqa: S103
+        (made / STAGING_OWNER).write_text(json.dumps(asdict(me)))
+        final = base / f"{STAGING_PREFIX}{secrets.token_hex(16)}"
+        os.rename(made, final)
+    except BaseException:
+        shutil.rmtree(made, ignore_errors=True)
+        raise
+    return final
+
+
 class _Staging:
     """Bind sources the container cannot map back to the operator's paths.
 
     Each input mount is hard-linked (copied across file systems) into
-    ``$CYCLEBOX_STAGING_DIR`` or ``<tmp>/cyclebox-staging-<uid>``, under an opaque
-    per-run name, so ``/proc/self/mountinfo`` inside shows only that. The gateway
+    ``$CYCLEBOX_STAGING_DIR`` or the temp directory, under a random per-run name
+    (:func:`_new_staging_dir`), so ``/proc/self/mountinfo`` inside shows only that. The gateway
     socket directory is mounted as is (already an opaque temp directory)."""
 
     def __init__(self, spec: RunSpec) -> None:
@@ -314,29 +360,7 @@ class _Staging:
                 continue
             source = Path(m.source)
             if self.dir is None:
-                base = staging_base()
-                for attempt in range(5):  # another run may remove the empty base meanwhile
-                    base.mkdir(mode=0o711, exist_ok=True)
-                    if base.is_symlink() or base.stat().st_uid != os.getuid():
-                        raise SandboxError(f"staging directory {base} is not ours; "
-                                           f"Fix: set {STAGING_ENV} to a private directory")
-                    try:
-                        # The owner's pid and start time lead the name, so `cyclebox gc`
-                        # can judge a copy even if the controller died before the owner
-                        # record below was written.
-                        me = current_owner()
-                        self.dir = Path(tempfile.mkdtemp(prefix=f"{me.pid}-{me.start}-",
-                                                         dir=base))
-                        break
-                    except FileNotFoundError:
-                        if attempt == 4:
-                            raise
-                assert self.dir is not None  # noqa: S101 - for mypy
-                # traversable (not listable) by the role uid, which may differ from ours
-                os.chmod(self.dir, 0o711)  # noqa: S103
-                # Beside the mounted m<i> directories, never in one: `cyclebox gc`
-                # removes the staging copies of a controller that was SIGKILLed.
-                (self.dir / STAGING_OWNER).write_text(json.dumps(asdict(current_owner())))
+                self.dir = _new_staging_dir()
             dest = self.dir / f"m{i}"
             _link_tree(source, dest, target=m.target)
             mounts.append(m.model_copy(update={"source": dest}))
@@ -345,8 +369,9 @@ class _Staging:
     def cleanup(self) -> None:
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
-            with contextlib.suppress(OSError):  # the shared base, only when empty
-                self.dir.parent.rmdir()
+            if os.environ.get(STAGING_ENV):
+                with contextlib.suppress(OSError):  # the shared base, only when empty
+                    self.dir.parent.rmdir()
 
 
 PATH_MAX = 4096
@@ -788,6 +813,9 @@ class DockerSandbox:
 
         return [*sweep_containers(self, only_orphans=only_orphans, dry_run=dry_run),
                 *sweep_staging_dirs(staging_base(), owner_name=STAGING_OWNER,
+                                    prefix=STAGING_PREFIX, dry_run=dry_run,
+                                    remove_base=bool(os.environ.get(STAGING_ENV))),
+                *sweep_staging_dirs(legacy_staging_base(), owner_name=STAGING_OWNER,
                                     dry_run=dry_run)]
 
     # -- images ----------------------------------------------------------------
