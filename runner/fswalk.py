@@ -182,3 +182,19 @@ def walk(root: Path | str | int, *, descend: Callable[[Entry], bool] | None = No
     finally:
         for fd, _, _, _ in stack:
             os.close(fd)
+
+
+PATH_MAX = 4096
+
+
+def check_mountable(root: Path, target: str) -> None:
+    """Raise :class:`WalkError` on the first entry of the input tree ``root`` that cannot
+    be read, or whose path would be ``PATH_MAX`` or longer once ``root`` is mounted at
+    ``target`` (no program in the container could open it by name)."""
+    base = len(os.fsencode(target.rstrip("/"))) + 1
+    for e in walk(root, max_depth=4096):
+        inside = base + len(os.fsencode(e.rel))
+        if inside >= PATH_MAX:
+            raise WalkError(e.rel, f"path of {inside} bytes once mounted at {target}, past "
+                            f"PATH_MAX ({PATH_MAX}); no program in the container could "
+                            "open it")

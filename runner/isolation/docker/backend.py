@@ -374,9 +374,6 @@ class _Staging:
                     self.dir.parent.rmdir()
 
 
-PATH_MAX = 4096
-
-
 def _link_tree(src: Path, dest: Path, *, target: str = "/") -> None:
     """Hard-link ``src`` (file or tree) to ``dest``; copy where a link is impossible.
 
@@ -408,10 +405,10 @@ def _link_tree(src: Path, dest: Path, *, target: str = "/") -> None:
                 os.close(made.pop()[1])
             dfd = made[-1][1]
             inside = len(os.fsencode(f"{target.rstrip('/')}/{e.rel}"))
-            if inside >= PATH_MAX:
+            if inside >= fswalk.PATH_MAX:
                 raise fswalk.WalkError(e.rel, f"path of {inside} bytes once mounted at "
-                                       f"{target}, past PATH_MAX ({PATH_MAX}); no program "
-                                       "in the container could open it")
+                                       f"{target}, past PATH_MAX ({fswalk.PATH_MAX}); no "
+                                       "program in the container could open it")
             if e.is_link:
                 os.symlink(e.readlink(), e.name, dir_fd=dfd)
             elif e.is_dir:
