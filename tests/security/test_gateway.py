@@ -169,6 +169,21 @@ def test_huge_header_is_refused_before_it_is_read(gw_factory: Any) -> None:
     assert [r.error for r in records(gw)] == ["header_too_large"]
 
 
+@pytest.mark.parametrize("line", [
+    b"GET /v1/" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: gw\r\n\r\n",
+    b"GET /v1/models?q=" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: gw\r\n\r\n",
+], ids=["100KB-path", "100KB-query"])
+def test_request_line_counts_into_the_head_cap(gw_factory: Any, line: bytes) -> None:
+    """A 100 KB path or query in one write is refused like a 20 KB header (431), not
+    routed (404/200), and the refusal is recorded."""
+    gw, b = gw_factory(scripted())
+    s = raw(b.directory)
+    s.sendall(line)
+    assert status_of(s) == 431
+    s.close()
+    assert [r.error for r in records(gw)] == ["header_too_large"]
+
+
 def test_slow_head_and_slow_body_time_out(gw_factory: Any) -> None:
     gw, b = gw_factory(scripted(limits={"header_timeout_s": 0.5, "body_timeout_s": 0.5}))
     slow_head = raw(b.directory, timeout=15)
