@@ -87,7 +87,7 @@ def complete(messages: list[dict[str, Any]], *, model: str, max_tokens: int,
         rest: Any = [{"role": m["role"], "content": m["content"]} for m in messages
                      if m.get("role") != "system"]
         r = c.responses.create(model=model, input=rest, max_output_tokens=max_tokens,
-                               temperature=0, **({"instructions": system} if system else {}))
+                               temperature=0, instructions=system or openai.omit)
         return r.output_text or ""
     chat: Any = messages
     return c.chat.completions.create(model=model, temperature=0, max_tokens=max_tokens,

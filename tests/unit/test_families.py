@@ -103,7 +103,7 @@ def test_worst_case_uses_the_dearest_input_price_and_output_per_family() -> None
              "thinking": {"type": "enabled", "budget_tokens": 40}}, rules=rules, cap=100,
             api="messages")
     assert t.max_tokens == 50
-    with pytest.raises(Refusal, match="upstreams.u.rules.max_n in cycle.yaml"):
+    with pytest.raises(Refusal, match=r"upstreams\.u\.rules\.max_n in cycle\.yaml"):
         vet({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3},
             rules=rules, cap=100, where="upstreams.u.rules")
 
