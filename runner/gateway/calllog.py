@@ -29,6 +29,7 @@ from runner.isolation.sandbox import Frozen
 from runner.loading import load_lines, read_capped
 
 CallStatus = Literal["ok", "refused", "infra_error"]
+ApiFamily = Literal["chat", "responses", "embeddings", "messages", "count_tokens"]
 PREFIX_BYTES = 256
 """How much of a refused request's body the log keeps."""
 MAX_INDEX_BYTES = 1 << 30
@@ -40,7 +41,7 @@ DIGEST = r"^[0-9a-f]{64}$"
 (``../../x``) would open a file outside ``blobs/``."""
 
 
-Api = Literal["chat", "responses", "embeddings", "messages", "count_tokens"]
+Api = ApiFamily
 CostBasis = Literal["measured", "upper_bound"]
 
 
@@ -81,9 +82,9 @@ class CallRecord(Frozen):
     fixture: bool
     """True when the reply came from the scripted provider (never a real model)."""
     stream: bool = False
-    api: Api | None = "chat"
-    """API family of the route called (old logs have no field and were all chat); None
-    for a request refused before routing (e.g. an unknown path)."""
+    api: ApiFamily | None = "chat"
+    """API family of the route called; old logs have no field (all chat); None for a
+    request refused before routing (e.g. an unknown path)."""
     status: CallStatus
     error: str | None = None
     """Named reason for refused and infra_error (e.g. bad_token, model_not_allowed,
