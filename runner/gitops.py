@@ -50,6 +50,7 @@ from typing import Any
 import git
 from git.objects.fun import tree_entries_from_data
 
+from runner import fswalk
 from runner.errors import ConfigError, IntegrityError
 
 FIXED_ENV = {
@@ -498,9 +499,9 @@ def _blob_id(data: bytes, algo: str) -> str:
     return h.hexdigest()
 
 
-def _file_blob_id(path: str, algo: str) -> str:
-    """:func:`_blob_id` of a regular file, read in chunks (never whole into memory)."""
-    with open(path, "rb") as f:
+def _entry_blob_id(e: fswalk.Entry, algo: str) -> str:
+    """:func:`_blob_id` of a walked regular file, opened relative to its directory."""
+    with os.fdopen(e.open(), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         h = hashlib.new(algo)
         h.update(b"blob %d\0" % size)
@@ -519,24 +520,23 @@ def check_export(repo: Path, tree: str, dest: Path) -> list[str]:
             if _is_file(mode)}
     algo = "sha256" if any(len(oid) == 64 for _, oid in want.values()) else "sha1"
     got: dict[str, tuple[str, str]] = {}
-    for dirpath, dirnames, filenames in os.walk(dest, followlinks=False):
-        for name in [*filenames, *[d for d in dirnames if os.path.islink(
-                os.path.join(dirpath, d))]]:
-            p = os.path.join(dirpath, name)
-            rel = os.path.relpath(p, dest).replace(os.sep, "/")
-            st = os.lstat(p)
-            if stat.S_ISLNK(st.st_mode):
-                got[rel] = ("120000", _blob_id(os.fsencode(os.readlink(p)), algo))
-            elif stat.S_ISREG(st.st_mode):
-                got[rel] = ("100755" if st.st_mode & 0o111 else "100644",
-                            _file_blob_id(p, algo))
-            else:
-                got[rel] = ("other", "")
+    walk_problems: list[str] = []
+    try:  # by directory descriptor: no path is too long, no directory skipped silently
+        for e in fswalk.walk(dest, max_depth=4096):
+            if e.is_link:
+                got[e.rel] = ("120000", _blob_id(os.fsencode(e.readlink()), algo))
+            elif e.is_file:
+                got[e.rel] = ("100755" if e.st.st_mode & 0o111 else "100644",
+                              _entry_blob_id(e, algo))
+            elif not e.is_dir:
+                got[e.rel] = ("other", "")
+    except fswalk.WalkError as exc:
+        walk_problems.append(f"{exc} (the export could not be checked in full)")
     problems = [f"{p}: missing from the export" for p in sorted(set(want) - set(got))]
     problems += [f"{p}: in the export but not in the tree" for p in sorted(set(got) - set(want))]
     problems += [f"{p}: exported content differs from the committed blob"
                  for p in sorted(set(want) & set(got)) if want[p][1] != got[p][1]]
-    return problems
+    return walk_problems + problems
 
 
 def read_blob(repo: Path, tree: str, path: str, *,

@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import Field
 
+from runner import fswalk
 from runner.cycle.compare import load_policy
 from runner.cycle.config import (
     BriefSpec,
@@ -203,6 +204,13 @@ def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy
     where = show(str(cycle_path))
     inputs = check_inputs(cycle, cycle_path, base)
     manifest = load_manifest(inputs.manifest, inputs.data_dir, ref=(where, "scenarios"))
+    try:  # the whole tree is mounted at /data: every entry must be readable and openable
+        fswalk.check_mountable(inputs.data_dir, "/data")
+    except fswalk.WalkError as exc:
+        raise ConfigError(f"{show(str(inputs.data_dir))}/{fswalk.shown(exc.rel)}: "
+                          f"{exc.reason}", path=where, field="data_dir",
+                          fix="make every entry of the data directory readable, with "
+                          "shorter paths (or remove it)") from None
     policy = _policy(load_policy(inputs.policy), manifest, cycle, cycle_path)
     _check_briefable(cycle, manifest, show(str(inputs.manifest)))
     pols = load_policies(inputs.roles, ref=(where, "roles"))

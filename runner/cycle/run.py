@@ -110,6 +110,11 @@ class CycleRunner:
         # The agent's model is the first of its upstream's allowlist (docs/contracts.md).
         target = self.plan.upstreams.get(self.plan.roles["analyst"].upstream or "")
         self._model_env = {"CYCLEBOX_MODEL": target.models[0]} if target else {}
+        # The worker and the dream relay speak the optimizer upstream's API family (the
+        # gateway never translates): Messages for an anthropic upstream, else chat.
+        optimizer = self.plan.upstreams.get(self.plan.roles["worker"].upstream or "")
+        self._worker_env = {"CYCLEBOX_API": "messages" if optimizer is not None
+                            and optimizer.provider == "anthropic" else "chat"}
 
     # -- entry -------------------------------------------------------------------
     def run(self) -> Outcome:
@@ -394,7 +399,11 @@ class CycleRunner:
         usage = {r: t.model_dump(mode="json") for r, t in summarize(calls).per_role.items()}
         common = dict(base, latency_s=rec.wall_s, usage=usage)
         if any(c.error == "budget" for c in calls):
-            return Record(**common, status="not_attempted", reason="budget: call refused")
+            # The headline names the real cause (the refusal's own reason), never a
+            # generic "call refused".
+            why = (f"admission halted: {self.budget.halted}" if self.budget.halted
+                   else self.budget.last_refusal or "call refused")
+            return Record(**common, status="not_attempted", reason=f"budget: {why}")
         infra = [c.error for c in calls if c.status == "infra_error"]
         if infra:
             return Record(**common, status="infra_invalid", reason=f"gateway: {infra[0]}")
@@ -492,6 +501,7 @@ class CycleRunner:
         write_json(d / "in" / "request.json", request)
         out = self._fresh("worker", d / "out")
         rec = self._run("worker", ["python", "-m", "sandbox.worker"], stage="propose", out=out,
+                        env=self._worker_env,
                         mounts=[Mount(source=d / "in", target="/in")])
         got = collect(out, self._limits("worker"))
         if "proposal-error.json" in got.files:
@@ -569,6 +579,7 @@ class CycleRunner:
                                               "calls": calls})
         out = self._fresh("worker", d / "out")
         rec = self._run("worker", ["python", "-m", "sandbox.relay"], stage=stage, out=out,
+                        env=self._worker_env,
                         mounts=[Mount(source=d / "in", target="/in")])
         try:
             replies: dict[str, dict[str, Any]] = collect(out, self._limits("worker")).json(
