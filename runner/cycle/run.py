@@ -54,6 +54,7 @@ from runner.cycle.scoring import (
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.failures import Failure, classify, is_engine_error, is_environment_error, one_line
 from runner.gateway.budget import RunBudget
+from runner.gateway.config import UpstreamPolicy
 from runner.gateway.report import summarize
 from runner.gateway.server import Gateway
 from runner.hashing import safe_text, sha256_bytes, write_json
@@ -92,6 +93,25 @@ class Outcome:
     its exit code replaces the verdict's."""
 
 
+
+def worker_api(optimizer: UpstreamPolicy | None) -> str:
+    """The API family the worker and the dream relay speak: Messages for an anthropic
+    upstream; for a replayed one, the family its recorded worker calls spoke (replay
+    matches on request bytes, so it must be asked in the same family); else chat."""
+    if optimizer is None:
+        return "chat"
+    if optimizer.provider == "anthropic":
+        return "messages"
+    if optimizer.provider == "replay":
+        from runner.gateway.calllog import CallLog
+
+        log = Path(optimizer.replay_from) / "gateway"
+        if (log / "calls.jsonl").is_file():
+            apis = {r.api for r in CallLog(log).records() if r.role == "worker" and r.api}
+            if apis in ({"messages"}, {"responses"}):
+                return apis.pop()
+    return "chat"
+
 class CycleRunner:
     """Runs one prepared plan on ``sandbox``; one instance per run directory."""
 
@@ -113,8 +133,7 @@ class CycleRunner:
         # The worker and the dream relay speak the optimizer upstream's API family (the
         # gateway never translates): Messages for an anthropic upstream, else chat.
         optimizer = self.plan.upstreams.get(self.plan.roles["worker"].upstream or "")
-        self._worker_env = {"CYCLEBOX_API": "messages" if optimizer is not None
-                            and optimizer.provider == "anthropic" else "chat"}
+        self._worker_env = {"CYCLEBOX_API": worker_api(optimizer)}
 
     # -- entry -------------------------------------------------------------------
     def run(self) -> Outcome:

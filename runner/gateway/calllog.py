@@ -42,6 +42,11 @@ DIGEST = r"^[0-9a-f]{64}$"
 
 
 Api = ApiFamily
+OPENAI_APIS: frozenset[str] = frozenset({"chat", "responses", "embeddings"})
+"""API families an OpenAI-compatible upstream serves."""
+ANTHROPIC_APIS: frozenset[str] = frozenset({"messages", "count_tokens"})
+"""API families an Anthropic upstream serves (and answered in Anthropic's error shape)."""
+ALL_APIS: frozenset[str] = OPENAI_APIS | ANTHROPIC_APIS
 CostBasis = Literal["measured", "upper_bound"]
 
 

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import Field, TypeAdapter, model_validator
 
 from runner.errors import PrerequisiteError
+from runner.gateway.calllog import ALL_APIS, ANTHROPIC_APIS, OPENAI_APIS
 from runner.isolation.sandbox import Frozen
 
 
@@ -196,11 +197,6 @@ class OpenAIUpstream(_Upstream):
         return OPENAI_APIS
 
 
-OPENAI_APIS = frozenset({"chat", "responses", "embeddings"})
-"""API families an OpenAI-compatible upstream serves."""
-ANTHROPIC_APIS = frozenset({"messages", "count_tokens"})
-"""API families an Anthropic upstream serves."""
-ALL_APIS = OPENAI_APIS | ANTHROPIC_APIS
 
 
 class AnthropicUpstream(_Upstream):

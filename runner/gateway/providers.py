@@ -18,8 +18,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from runner.errors import ConfigError
 from runner.gateway import scripted_wire as wire
 from runner.gateway import usage as _usage_mod
-from runner.gateway.calllog import Api, CallLog, Usage, sha256
-from runner.gateway.config import ALL_APIS, ANTHROPIC_APIS, OPENAI_APIS
+from runner.gateway.calllog import (
+    ALL_APIS,
+    ANTHROPIC_APIS,
+    OPENAI_APIS,
+    Api,
+    CallLog,
+    Usage,
+    sha256,
+)
 from runner.gateway.scripted_wire import Answer
 from runner.gateway.upstream_http import UpstreamError, client_for
 

@@ -36,7 +36,16 @@ from typing import Any, TypeVar
 from runner import interrupts
 from runner.errors import ConfigError, OutputRejected
 from runner.gateway.budget import BudgetPolicy, BudgetRefused, RunBudget
-from runner.gateway.calllog import PREFIX_BYTES, Api, CallLog, CallRecord, CostBasis, Usage, sha256
+from runner.gateway.calllog import (
+    ANTHROPIC_APIS,
+    PREFIX_BYTES,
+    Api,
+    CallLog,
+    CallRecord,
+    CostBasis,
+    Usage,
+    sha256,
+)
 from runner.gateway.config import (
     AnthropicUpstream,
     GatewayLimits,
@@ -57,7 +66,7 @@ from runner.gateway.providers import (
     ScriptedProvider,
 )
 from runner.gateway.redact import Redactor
-from runner.gateway.vet import ANTHROPIC_APIS, ROUTES, Refusal, Vetted, vet, worst_case_usd
+from runner.gateway.vet import ROUTES, Refusal, Vetted, vet, worst_case_usd
 from runner.isolation.collect import loads_strict
 from runner.isolation.owner import current_owner
 from runner.isolation.sandbox import Mount, SweepResult

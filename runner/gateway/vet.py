@@ -29,8 +29,6 @@ ROUTES: dict[str, Api] = {
     "/v1/embeddings": "embeddings", "/v1/messages": "messages",
     "/v1/messages/count_tokens": "count_tokens"}
 """POST routes -> API family."""
-ANTHROPIC_APIS: frozenset[str] = frozenset({"messages", "count_tokens"})
-"""Families answered in Anthropic's error shape."""
 TEMPLATE_MARGIN_TOKENS = 64
 """Priming tokens a chat template may add beyond the request's bytes."""
 SERVER_STATE = ("previous_response_id", "conversation", "prompt")
