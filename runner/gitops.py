@@ -81,6 +81,32 @@ def _env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+MAX_GIT_STDERR = 2000
+"""Characters of git's stderr a failure message quotes (the rest is cut, marked)."""
+MAX_ARCHIVE_TRAILER = 1024 * 1024
+"""Bytes read after the tar end-of-archive marker (git pads to a 10 KiB record)."""
+
+
+def git_failure(what: str, returncode: int, stderr: bytes) -> str:
+    """``git WHAT failed (exit N | killed by SIGNAME): <stderr>`` with git's stderr
+    escaped (one printable line, bounded) and a note when it printed nothing."""
+    import signal
+
+    from runner.failures import one_line
+
+    if returncode < 0:
+        try:
+            status = f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            status = f"killed by signal {-returncode}"
+    else:
+        status = f"exit {returncode}"
+    text = stderr.decode("utf-8", "replace").strip()
+    shown = one_line(" / ".join(ln.strip() for ln in text.splitlines() if ln.strip()),
+                     MAX_GIT_STDERR) if text else "(git printed nothing on stderr)"
+    return f"git {what} failed ({status}): {shown}"
+
+
 def _git(args: list[str], *, cwd: Path | None = None, git_dir: Path | None = None,
          input_bytes: bytes | None = None, check: bool = True,
          extra_env: dict[str, str] | None = None) -> bytes:
@@ -91,8 +117,7 @@ def _git(args: list[str], *, cwd: Path | None = None, git_dir: Path | None = Non
     proc = subprocess.run(cmd, cwd=cwd, input=input_bytes, capture_output=True,
                           env=_env(extra_env), check=False)
     if check and proc.returncode != 0:
-        raise ConfigError(f"git {' '.join(args[:3])} failed: "
-                          f"{proc.stderr.decode(errors='replace').strip()}",
+        raise ConfigError(git_failure(" ".join(args[:3]), proc.returncode, proc.stderr),
                           path=str(cwd or git_dir or "."))
     return proc.stdout
 
@@ -426,17 +451,27 @@ def export_tree(repo: Path, tree: str, dest: Path) -> None:
                                 env=_env(env), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=errf)
         assert proc.stdout is not None  # noqa: S101 - stdout=PIPE above
+        trailer = 0
         try:
             with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
                 tar.extractall(dest, filter="tar")
+            # tarfile stops at the end-of-archive marker; git may still be writing the
+            # padding of its last 10 KiB record. Closing the pipe before it has would
+            # kill git with SIGPIPE, an archive that was whole reported as a failure
+            # with an empty message. Read to the end (bounded) instead.
+            while trailer <= MAX_ARCHIVE_TRAILER and (chunk := proc.stdout.read(65536)):
+                trailer += len(chunk)
         finally:
             proc.stdout.close()
             proc.wait()
         errf.seek(0)
         err = errf.read(64 * 1024)
+    if trailer > MAX_ARCHIVE_TRAILER:
+        raise IntegrityError(f"git archive {tree[:12]} wrote more than "
+                             f"{MAX_ARCHIVE_TRAILER} bytes after the end of the archive")
     if proc.returncode != 0:
-        raise ConfigError(f"git archive {tree[:12]} failed: "
-                          f"{err.decode(errors='replace').strip()}", path=str(repo))
+        raise ConfigError(git_failure(f"archive {tree[:12]}", proc.returncode, err),
+                          path=str(repo))
     problems = check_export(repo, tree, dest)
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more"

@@ -13,6 +13,9 @@ from runner.cli.output import out
 from runner.errors import ConfigError
 from runner.termsafe import emit_json, safe
 
+RUN_MARKERS = ("plan.json", "receipt.json", "containers.jsonl")
+"""Files only a run directory holds: such a directory without a call log made no call."""
+
 app = typer.Typer(no_args_is_help=True, help="Inspect the model gateway's call log.")
 
 
@@ -25,13 +28,20 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
 
     log_dir = run_dir / "gateway"
     if not (log_dir / "calls.jsonl").is_file():
-        raise ConfigError("calls.jsonl not found", path=str(log_dir / "calls.jsonl"),
-                          field="RUN_DIR", fix="pass a run directory (e.g. build/runs/<id>)")
-    records = CallLog(log_dir).records()
+        if not any((run_dir / marker).is_file() for marker in RUN_MARKERS):
+            raise ConfigError("calls.jsonl not found", path=str(log_dir / "calls.jsonl"),
+                              field="RUN_DIR",
+                              fix="pass a run directory (e.g. build/runs/<id>)")
+        records = []  # a run whose roles reached no model: no gateway log at all
+    else:
+        records = CallLog(log_dir).records()
     totals = summarize(records)
     if json_out:
         emit_json({"calls": [r.model_dump(mode="json") for r in records],
                    "totals": totals.model_dump(mode="json")})
+        return
+    if not records:
+        out.print(f"no model calls recorded in {safe(run_dir)}", highlight=False)
         return
     table = Table(title=f"model calls: {safe(log_dir)}")
     for col in ("seq", "role", "stage", "case", "trial", "turn", "api", "model", "status",

@@ -184,6 +184,19 @@ def _agent_requirements(cycle: CycleFile, repo: Path, tree: str, where: str) -> 
     return check_requirements(data, source=rel, path=where, field=field)
 
 
+def _requirements_warnings(cycle: CycleFile, requirements: str | None) -> tuple[str, ...]:
+    """A warning naming the requirement lines that pin no single version."""
+    from runner.requirements import unpinned
+
+    loose = unpinned(requirements or "")
+    if not loose:
+        return ()
+    return (f"project.requirements: {cycle.project.requirements}: "
+            f"{len(loose)} line(s) pin no version ({', '.join(repr(x) for x in loose[:10])}"
+            f"{', ...' if len(loose) > 10 else ''}); a later freeze may resolve other "
+            "releases (a new derived image). Pin each with ==",)
+
+
 def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy] | None = None,
                 check_credentials: bool = True) -> _Checked:
     """Every check freeze makes on its inputs; reads only, writes nothing."""
@@ -241,9 +254,12 @@ def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy
                               f"upstreams.{up_name}.models")
     roles = {r: pols.roles[r].model_copy(update={"upstream": role_upstream.get(r)})
              for r in CYCLE_ROLES}
+    requirements = _agent_requirements(cycle, inputs.repo, tree, where)
     return _Checked(cycle=cycle, inputs=inputs, manifest=manifest, policy=policy, roles=roles,
-                    tree=tree, upstreams=frozen, warnings=(dirty,) if dirty else (),
-                    requirements=_agent_requirements(cycle, inputs.repo, tree, where))
+                    tree=tree, upstreams=frozen,
+                    warnings=((dirty,) if dirty else ()) + _requirements_warnings(
+                        cycle, requirements),
+                    requirements=requirements)
 
 
 def used_upstreams(cycle: CycleFile, pols: RolePolicies, *, path: str,
@@ -318,8 +334,14 @@ def freeze(cycle_path: Path, out: Path, *, images: ImagesArg,
             raise PrerequisiteError("project.requirements is set but this caller cannot build "
                                     "the derived analyst image. Fix: run the cycle with "
                                     "`cyclebox cycle run`")
-        image_ids = {**image_ids, "analyst": derive_analyst(image_ids["analyst"],
-                                                             c.requirements)}
+        from runner.requirements import RequirementsRefused
+
+        try:
+            derived = derive_analyst(image_ids["analyst"], c.requirements)
+        except RequirementsRefused as exc:  # name the file and the cycle file
+            raise exc.named(c.cycle.project.requirements or "requirements",
+                            show(str(cycle_path))) from None
+        image_ids = {**image_ids, "analyst": derived}
     created = make_fresh_dir(out)
     try:
         return _write_frozen(c, cycle_path, out, image_ids, dream_override)

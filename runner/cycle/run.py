@@ -58,6 +58,7 @@ from runner.gateway.config import UpstreamPolicy
 from runner.gateway.report import summarize
 from runner.gateway.server import Gateway
 from runner.hashing import safe_text, sha256_bytes, write_json
+from runner.isolation import image_use
 from runner.isolation.collect import Limits, collect
 from runner.isolation.launcher import launch, output_dir
 from runner.isolation.sandbox import Mount, RunRecord, Sandbox, StopReason
@@ -148,6 +149,7 @@ class CycleRunner:
                               "attempt is kept", field="--plan",
                               fix="freeze again into a new directory")
         check_upstreams(dict(self.plan.upstreams), path=str(self.plan_path))
+        image_use.hold(self.plan.images.values())  # `images gc` leaves them alone
         for role, image in self.plan.images.items():
             if self.backend.image_id(image) is None:
                 raise IntegrityError(f"frozen image for {role} ({image}) is not present; "

@@ -504,6 +504,121 @@ def _(e: Env) -> list[str]:
     return e.run_args()
 
 
+@case("engine-unreachable", 5, "Docker engine not reachable", "DOCKER_HOST")
+def _(e: Env) -> list[str]:
+    # PrerequisiteError raised `from None` inside the docker error: 5, not 6 (issue 21)
+    e.vars["DOCKER_HOST"] = f"unix://{e.root}/no-engine.sock"
+    return e.run_args()
+
+
+# images
+@case("images-build-unknown-role", 3, "--role", "unknown role 'nosuch'")
+def _(e: Env) -> list[str]:
+    return ["images", "build", "--role", "nosuch"]
+
+
+@case("images-lock-corrupt", 3, "images.lock.json", "invalid JSON")
+def _(e: Env) -> list[str]:
+    (e.root / "state" / "images.lock.json").write_text('{"analyst": [')
+    return ["images", "list"]
+
+
+@case("images-gc-engine-unreachable", 5, "Docker engine not reachable")
+def _(e: Env) -> list[str]:
+    e.vars["DOCKER_HOST"] = f"unix://{e.root}/no-engine.sock"
+    return ["images", "gc"]
+
+
+# the agent's own requirements (project.requirements): resolved offline from a local
+# --find-links directory of wheels built here; every refusal is bad input (exit 3) naming
+# the field, the file and pip's own reason, and leaves no wheel behind
+def _wheel(where: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> None:
+    import zipfile
+
+    meta = (f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+            + "".join(f"Requires-Dist: {r}\n" for r in requires))
+    with zipfile.ZipFile(where / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA", meta)
+        z.writestr(f"{name}-{version}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: t\n"
+                   "Root-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{name}-{version}.dist-info/RECORD", "")
+
+
+def _requirements(e: Env, text: str, *, index: Callable[[Path], None] | None = None
+                  ) -> list[str]:
+    """The example's agent in a repository of its own whose committed requirements.txt
+    holds ``text``; ``index`` fills the --find-links directory pip may use."""
+    repo = e.root / "repo"
+    shutil.copytree(EXAMPLE / "project", repo)
+    (repo / "requirements.txt").write_text(text)
+    git_env = {**{k: v for k, v in os.environ.items() if not k.startswith("GIT_")},
+               "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
+               "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
+               "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull}
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "agent"]):
+        subprocess.run(["git", "-C", str(repo), *args], check=True, env=git_env,
+                       capture_output=True)
+    e.edit_cycle(lambda d: d["project"].update(repo=str(repo), subdir=None,
+                                               requirements="requirements.txt"))
+    wheels = e.root / "index"
+    wheels.mkdir()
+    if index is not None:
+        index(wheels)
+    e.vars["PIP_DOWNLOAD_ARGS"] = f"--no-index --find-links {wheels}"
+    e.vars["PIP_FIND_LINKS"] = ""  # only the index built here
+    e.vars["PIP_CONFIG_FILE"] = os.devnull
+    return [*e.run_args(), "--prepare-only"]
+
+
+@case("requirements-no-such-package", 3, "cycle.yaml", "project.requirements",
+      "requirements.txt", "No matching distribution found for no-such-pkg-cyclebox==1.0")
+def _(e: Env) -> list[str]:
+    return _requirements(e, "no-such-pkg-cyclebox==1.0\n")
+
+
+@case("requirements-conflict-in-file", 3, "cycle.yaml", "project.requirements",
+      "requirements.txt", "conflicting dependencies", "aa 1.0 depends on bb==1.0")
+def _(e: Env) -> list[str]:
+    def index(d: Path) -> None:
+        _wheel(d, "aa", "1.0", ("bb==1.0",))
+        _wheel(d, "bb", "1.0")
+        _wheel(d, "bb", "2.0")
+    return _requirements(e, "aa==1.0\nbb==2.0\n", index=index)
+
+
+@case("requirements-sdist-only", 3, "cycle.yaml", "project.requirements", "requirements.txt",
+      "No matching distribution found for onlysrc==1.0")
+def _(e: Env) -> list[str]:
+    def index(d: Path) -> None:
+        import tarfile
+
+        src = e.root / "onlysrc-1.0"
+        src.mkdir()
+        (src / "setup.py").write_text("raise SystemExit('built on the host')\n")
+        with tarfile.open(d / "onlysrc-1.0.tar.gz", "w:gz") as tar:
+            tar.add(src, arcname="onlysrc-1.0")
+    return _requirements(e, "onlysrc==1.0\n", index=index)
+
+
+@case("requirements-url-line", 3, "cycle.yaml", "project.requirements", "requirements.txt",
+      "line 1", "URL, VCS or path requirement")
+def _(e: Env) -> list[str]:
+    return _requirements(e, "evil @ https://example.invalid/evil-1.0-py3-none-any.whl\n")
+
+
+@case("requirements-vcs-line", 3, "cycle.yaml", "project.requirements", "requirements.txt",
+      "line 2", "URL, VCS or path requirement")
+def _(e: Env) -> list[str]:
+    return _requirements(e, "aa==1.0\ngit+https://example.invalid/evil.git\n")
+
+
+@case("requirements-wheel-direct-url", 3, "cycle.yaml", "project.requirements",
+      "requirements.txt", "lure-1.0-py3-none-any.whl requires 'evil @ file:///etc/passwd'")
+def _(e: Env) -> list[str]:
+    return _requirements(e, "lure==1.0\n", index=lambda d: _wheel(
+        d, "lure", "1.0", ("evil @ file:///etc/passwd",)))
+
+
 # scenario manifest
 def _manifest_text(e: Env, text: str | bytes) -> list[str]:
     (e.ex / "manifest.json").write_bytes(text.encode() if isinstance(text, str) else text)
@@ -1039,7 +1154,10 @@ def run_case(c: Case, root: Path) -> Outcome:
         if (prepared / extra).exists():
             written.append(f"prepared/{extra}")
     # the case's own directory is taken out, so that no expectation matches by the path
-    first = next((ln for ln in err.splitlines() if ln.strip()), "").replace(str(root), "…")
+    # (progress lines a step prints before it fails, e.g. "downloading wheels", come first)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    first = next((ln for ln in lines if ln.startswith("error:")), lines[0] if lines else ""
+                 ).replace(str(root), "…")
     return Outcome(code, err, first, written, seconds)
 
 
