@@ -15,9 +15,11 @@ an operator's tree, a receipt or verification failure for a run directory).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import stat
+import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,3 +200,69 @@ def check_mountable(root: Path, target: str) -> None:
             raise WalkError(e.rel, f"path of {inside} bytes once mounted at {target}, past "
                             f"PATH_MAX ({PATH_MAX}); no program in the container could "
                             "open it")
+
+
+@contextlib.contextmanager
+def root_entry(root: Path) -> Iterator[Entry]:
+    """The walk's root itself as an :class:`Entry` (``rel`` empty, depth 0), looked up
+    by ``lstat`` in its parent's descriptor: a root that is a file is read the same way
+    as any entry of a tree (no link followed, opened relative to its directory)."""
+    parent, name = os.path.split(os.path.abspath(root))
+    pfd = open_root(parent or "/")
+    try:
+        try:
+            st = os.lstat(name or ".", dir_fd=pfd)
+        except OSError as exc:
+            raise WalkError("", f"cannot stat {root}: {exc.strerror}") from None
+        yield Entry(rel="", name=name or ".", parent_fd=pfd, st=st, depth=0)
+    finally:
+        os.close(pfd)
+
+
+def tarinfo(e: Entry, arcname: str) -> tarfile.TarInfo:
+    """A tar header for ``e`` from its ``lstat`` (what ``TarFile.gettarinfo`` gives for a
+    path, without any path): a regular file, a directory or a symlink (its target read
+    by descriptor); anything else raises :class:`WalkError` naming it. A hard-linked file
+    is a regular file here, never a tar hard link."""
+    ti = tarfile.TarInfo(arcname)
+    st = e.st
+    ti.mode = stat.S_IMODE(st.st_mode)
+    ti.uid, ti.gid = st.st_uid, st.st_gid
+    ti.mtime = int(st.st_mtime)
+    if e.is_file:
+        ti.type, ti.size = tarfile.REGTYPE, st.st_size
+    elif e.is_dir:
+        ti.type = tarfile.DIRTYPE
+    elif e.is_link:
+        ti.type, ti.linkname = tarfile.SYMTYPE, e.readlink()
+    else:
+        raise WalkError(e.rel, f"not a regular file, directory or symlink "
+                        f"({kind(st.st_mode)}); refused")
+    return ti
+
+
+def add_to_tar(tf: tarfile.TarFile, e: Entry, ti: tarfile.TarInfo) -> None:
+    """Add ``e`` under ``ti`` (from :func:`tarinfo`, perhaps edited), a file's content read
+    through a descriptor opened relative to its directory; a file whose size changed
+    since it was listed raises :class:`WalkError` (the tar never holds a torn entry)."""
+    if not ti.isreg():
+        tf.addfile(ti)
+        return
+    with os.fdopen(e.open(), "rb") as f:
+        if os.fstat(f.fileno()).st_size != ti.size:
+            raise WalkError(e.rel, "changed size while being read; refused")
+        try:
+            tf.addfile(ti, f)
+        except OSError as exc:
+            raise WalkError(e.rel, f"cannot read: {exc.strerror or exc}") from None
+
+
+def kind(mode: int) -> str:
+    """A file type's name for a message."""
+    for test, name in ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "directory"),
+                       (stat.S_ISLNK, "symlink"), (stat.S_ISFIFO, "fifo"),
+                       (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "unknown type"

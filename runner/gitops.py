@@ -568,6 +568,18 @@ def _walked(repo: Path, tree: str) -> list[tuple[str, int, bytes]]:
                               ) from None
 
 
+def past_path_max(repo: Path, tree: str, target: str) -> tuple[str, int] | None:
+    """The first path of ``tree`` (files and directories, in tree order) that would be
+    ``PATH_MAX`` bytes or longer once the tree is mounted at ``target``, with that length;
+    None when every path fits (no program in the container could open such a one)."""
+    base = len(os.fsencode(target.rstrip("/"))) + 1
+    for path, _, _ in _walked(repo, tree):
+        inside = base + len(os.fsencode(path))
+        if inside >= fswalk.PATH_MAX:
+            return path, inside
+    return None
+
+
 def tree_modes(repo: Path, tree: str) -> dict[str, str]:
     """path -> git mode for every entry (recursive, trees too), e.g. 120000 for symlinks."""
     return {path: f"{mode:06o}" for path, mode, _ in _walked(repo, tree)}

@@ -197,6 +197,24 @@ def _requirements_warnings(cycle: CycleFile, requirements: str | None) -> tuple[
             "releases (a new derived image). Pin each with ==",)
 
 
+def _check_src_paths(repo: Path, tree: str, cycle: CycleFile, where: str) -> None:
+    """The agent's tree is mounted at /src in every case: a path in it that would be
+    PATH_MAX or longer there is bad input now, naming it, not an error in every case."""
+    from runner import gitops
+
+    long = gitops.past_path_max(repo, tree, "/src")
+    if long is None:
+        return
+    path, inside = long
+    sub = f":{cycle.project.subdir.strip('/')}" if cycle.project.subdir else ""
+    raise ConfigError(f"{show(f'{cycle.project.base_ref}{sub}')} (tree {tree[:12]}) holds "
+                      f"{fswalk.shown(path)}: path of {inside} bytes once mounted at /src, past "
+                      f"PATH_MAX ({fswalk.PATH_MAX}); no program in the container could open "
+                      "it", path=where, field="project.base_ref",
+                      fix="commit the agent's tree with shorter paths (or without that "
+                      "file) and point project.base_ref at that commit")
+
+
 def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy] | None = None,
                 check_credentials: bool = True) -> _Checked:
     """Every check freeze makes on its inputs; reads only, writes nothing."""
@@ -220,6 +238,7 @@ def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy
                           field="roles", fix=f"define roles {', '.join(CYCLE_ROLES)}")
     _check_edit(cycle.edit, cycle_path)
     tree = check_repo(inputs.repo, cycle.project.base_ref, cycle.project.subdir, path=where)
+    _check_src_paths(inputs.repo, tree, cycle, where)
     dirty = uncommitted_warning(inputs.repo, cycle.project.base_ref, cycle.project.subdir,
                                 path=where)
 

@@ -31,6 +31,7 @@ import pytest
 import yaml
 
 from runner.paths import PROJECT_ROOT
+from tests.fixtures.deep import LONG_DEPTH, LONG_FILE, LONG_PART, make_long
 
 EXAMPLE = PROJECT_ROOT / "examples" / "shop-analyst"
 ROLES = PROJECT_ROOT / "policies" / "roles.yaml"
@@ -415,6 +416,45 @@ def _(e: Env) -> list[str]:
 @case("data-dir-is-file", 3, "cycle.yaml", "data_dir", "not a directory")
 def _(e: Env) -> list[str]:
     e.set_cycle(data_dir="manifest.json")
+    return e.run_args()
+
+
+@case("data-dir-path-past-path-max", 3, "cycle.yaml", "data_dir", "PATH_MAX", LONG_FILE[:40])
+def _(e: Env) -> list[str]:
+    (e.ex / "data" / "deep").mkdir()
+    make_long(e.ex / "data" / "deep")  # "/data/deep/" + 4,090 bytes: past PATH_MAX inside
+    return e.run_args()
+
+
+def _git(repo: Path, *args: str, data: bytes | None = None) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], input=data, capture_output=True,
+                          check=True, env={**os.environ, "GIT_AUTHOR_NAME": "t",
+                                           "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                                           "GIT_COMMITTER_EMAIL": "t@t"}).stdout.decode().strip()
+
+
+def _mktree(repo: Path, rows: list[str]) -> str:
+    return _git(repo, "mktree", "-z", data="".join(f"{r}\0" for r in rows).encode())
+
+
+@case("project-tree-path-past-path-max", 3, "cycle.yaml", "project.base_ref", "PATH_MAX",
+      LONG_FILE[:40])
+def _(e: Env) -> list[str]:
+    # the example's agent in its own repository, plus a commit (made with git plumbing,
+    # no checkout) holding "deep/" + 4,090 bytes: past PATH_MAX once mounted at /src
+    repo = e.root / "agent"
+    shutil.copytree(EXAMPLE / "project", repo)
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "agent")
+    tree = _mktree(repo, [f"100644 blob {_git(repo, 'hash-object', '-w', '--stdin', data=b'x')}"
+                          f"\t{LONG_FILE}"])
+    for i in reversed(range(LONG_DEPTH)):
+        tree = _mktree(repo, [f"040000 tree {tree}\t{i:02d}{'d' * (LONG_PART - 2)}"])
+    top = _git(repo, "ls-tree", "-z", "HEAD").split("\0")
+    root = _mktree(repo, [*[r for r in top if r], f"040000 tree {tree}\tdeep"])
+    commit = _git(repo, "commit-tree", root, "-p", "HEAD", "-m", "deep")
+    e.edit_cycle(lambda d: d["project"].update(repo=str(repo), base_ref=commit, subdir=None))
     return e.run_args()
 
 

@@ -233,32 +233,34 @@ def _seed_tar(spec: RunSpec, links: dict[str, str]) -> bytes | None:
 
     Only host-made content is ever here (a stage's fresh directory, e.g. the apply
     stage's throwaway repository). Its symlinks go into ``links``: only those exact
-    links may come back out (:func:`runner.isolation.copyout.extract`)."""
+    links may come back out (:func:`runner.isolation.copyout.extract`). The directory is
+    walked and read by descriptor (:mod:`runner.fswalk`): a path past ``PATH_MAX`` is
+    seeded like any other, and an entry that cannot be read is a named error, never
+    left out."""
     root = spec.output_dir
-    if root is None or not any(root.iterdir()):
+    if root is None:
         return None
     uid, gid = spec.uid, spec.gid
     buf = io.BytesIO()
     total = 0
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
-        for path in sorted(root.rglob("*")):
-            ti = tf.gettarinfo(str(path), arcname=path.relative_to(root).as_posix())
-            if ti.issym():
-                links[ti.name] = ti.linkname
-            elif not (ti.isreg() or ti.isdir()):
-                raise SandboxError(f"{path}: only regular files, directories and symlinks "
-                                   "can seed an output directory")
-            ti.uid, ti.gid, ti.uname, ti.gname = uid, gid, "", ""
-            total += ti.size
-            if total > spec.output_cap_bytes:
-                raise SandboxError(f"{root}: seed content exceeds the output cap of "
-                                   f"{spec.output_cap_bytes} bytes")
-            if ti.isreg():
-                with path.open("rb") as f:
-                    tf.addfile(ti, f)
-            else:
-                tf.addfile(ti)
-    return buf.getvalue()
+    seeded = False
+    try:
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+            for e in fswalk.walk(root, max_depth=4096):
+                seeded = True
+                ti = fswalk.tarinfo(e, e.rel)
+                if ti.issym():
+                    links[ti.name] = ti.linkname
+                ti.uid, ti.gid, ti.uname, ti.gname = uid, gid, "", ""
+                total += ti.size
+                if total > spec.output_cap_bytes:
+                    raise SandboxError(f"{root}: seed content exceeds the output cap of "
+                                       f"{spec.output_cap_bytes} bytes")
+                fswalk.add_to_tar(tf, e, ti)
+    except fswalk.WalkError as exc:
+        raise SandboxError(f"{root}/{exc}: the output directory cannot be seeded "
+                           "in full") from None
+    return buf.getvalue() if seeded else None
 
 
 STAGING_OWNER = "owner.json"
