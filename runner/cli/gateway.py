@@ -34,16 +34,18 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
                    "totals": totals.model_dump(mode="json")})
         return
     table = Table(title=f"model calls: {safe(log_dir)}")
-    for col in ("seq", "role", "stage", "case", "trial", "turn", "model", "status", "tokens",
-                "cost", "ms"):
+    for col in ("seq", "role", "stage", "case", "trial", "turn", "api", "model", "status",
+                "tokens", "cost", "ms"):
         table.add_column(col)
     for r in records:
         tokens = str(r.usage.total_tokens) if r.usage else "?"
-        cost = "unknown" if r.cost_usd is None else f"{r.cost_usd:.6f}"
+        cost = "unknown" if r.cost_usd is None else f"{r.cost_usd:.6f}" + (
+            " (bound)" if r.cost_basis == "upper_bound" else "")
         status = r.status + (f" ({r.error})" if r.error else "") + (" [fixture]" if r.fixture
                                                                        else "")
         cells = (str(r.seq), r.role, r.stage, r.case or "-",
-                 "-" if r.trial is None else str(r.trial), str(r.turn), r.model or "-",
+                 "-" if r.trial is None else str(r.trial), str(r.turn), r.api or "-",
+                 r.model or "-",
                  status, tokens, cost, f"{r.latency_s * 1000:.1f}")
         table.add_row(*(safe(c, 500) for c in cells))
     out.print(table)
@@ -52,5 +54,7 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
         fixture = sum(r.fixture for r in records if r.role == role)
         out.print(safe(f"{role}: {row.calls} calls, {row.tokens} tokens, {usd}, "
                        f"complete={row.complete}"
+                       + (f", {row.bounded_calls} bounded (no usage: charged the worst "
+                          "case, not measured)" if row.bounded_calls else "")
                        + (f", {fixture} fixture (scripted, not billed)" if fixture else "")),
                   highlight=False)

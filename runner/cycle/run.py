@@ -392,7 +392,11 @@ class CycleRunner:
         usage = {r: t.model_dump(mode="json") for r, t in summarize(calls).per_role.items()}
         common = dict(base, latency_s=rec.wall_s, usage=usage)
         if any(c.error == "budget" for c in calls):
-            return Record(**common, status="not_attempted", reason="budget: call refused")
+            # The headline names the real cause (the refusal's own reason), never a
+            # generic "call refused".
+            why = (f"admission halted: {self.budget.halted}" if self.budget.halted
+                   else self.budget.last_refusal or "call refused")
+            return Record(**common, status="not_attempted", reason=f"budget: {why}")
         infra = [c.error for c in calls if c.status == "infra_error"]
         if infra:
             return Record(**common, status="infra_invalid", reason=f"gateway: {infra[0]}")

@@ -18,6 +18,9 @@ def cost_text(c: RoleCost) -> str:
         usd = f"{c.cost_usd:.6f} USD"
     else:
         usd = f"unknown (known part {c.cost_usd_known_part} USD)"
+    if c.bounded_calls:
+        usd += (f", {c.bounded_calls} of {c.calls} calls bounded (no usage reported: charged "
+                "their worst case, not measured)")
     return usd + (", complete" if c.complete else ", INCOMPLETE")
 
 
