@@ -109,6 +109,11 @@ class CycleRunner:
         # The agent's model is the first of its upstream's allowlist (docs/contracts.md).
         target = self.plan.upstreams.get(self.plan.roles["analyst"].upstream or "")
         self._model_env = {"CYCLEBOX_MODEL": target.models[0]} if target else {}
+        # The worker and the dream relay speak the optimizer upstream's API family (the
+        # gateway never translates): Messages for an anthropic upstream, else chat.
+        optimizer = self.plan.upstreams.get(self.plan.roles["worker"].upstream or "")
+        self._worker_env = {"CYCLEBOX_API": "messages" if optimizer is not None
+                            and optimizer.provider == "anthropic" else "chat"}
 
     # -- entry -------------------------------------------------------------------
     def run(self) -> Outcome:
@@ -494,6 +499,7 @@ class CycleRunner:
         write_json(d / "in" / "request.json", request)
         out = self._fresh("worker", d / "out")
         rec = self._run("worker", ["python", "-m", "sandbox.worker"], stage="propose", out=out,
+                        env=self._worker_env,
                         mounts=[Mount(source=d / "in", target="/in")])
         got = collect(out, self._limits("worker"))
         if "proposal-error.json" in got.files:
@@ -571,6 +577,7 @@ class CycleRunner:
                                               "calls": calls})
         out = self._fresh("worker", d / "out")
         rec = self._run("worker", ["python", "-m", "sandbox.relay"], stage=stage, out=out,
+                        env=self._worker_env,
                         mounts=[Mount(source=d / "in", target="/in")])
         try:
             replies: dict[str, dict[str, Any]] = collect(out, self._limits("worker")).json(
