@@ -47,6 +47,14 @@ def calls(run: Path) -> list[dict[str, Any]]:
     return [c for c in _jsonl(run / "gateway" / "calls.jsonl") if c.get("role") == "analyst"]
 
 
+def passes(record: dict[str, Any]) -> bool:
+    """ok and every graded criterion true (judge fields are None without a judge)."""
+    grades = record.get("grades") or {}
+    return record.get("status") == "ok" and all(
+        grades.get(k) is not False for k in ("correctness", "evidence", "refusal")) and bool(
+        grades)
+
+
 def rows(run: Path, replayed: Path | None = None) -> list[dict[str, Any]]:
     recs = records(run)
     again = records(replayed) if replayed else {}
@@ -66,8 +74,7 @@ def rows(run: Path, replayed: Path | None = None) -> list[dict[str, Any]]:
         basis = Counter(str(c.get("cost_basis")) for c in cs)
         tool_calls = sum(len(r.get("answer", {}).get("tool_calls", [])) for r in mine.values()
                          if isinstance(r.get("answer"), dict))
-        passed = {s: sum(1 for (st, _), r in mine.items() if st == s and r.get("status") == "ok"
-                         and all(g.get("passed") for g in r.get("grades") or [{}]))
+        passed = {s: sum(1 for (st, _), r in mine.items() if st == s and passes(r))
                   for s in STAGES}
         row: dict[str, Any] = {
             "variant": variant, "framework": framework, "family": family,
