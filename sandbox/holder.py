@@ -51,13 +51,15 @@ nothing in the container can take its place or reach more through it:
   capability to redirect loopback traffic;
 - it reaches exactly one socket, the container's own binding: there is nothing more
   to reach, whoever listens;
-- one thread (non-blocking sockets, ``poll``), at most :data:`RELAY_MAX_CONNECTIONS`
-  connections (the gateway's default per binding; more wait in the kernel's backlog),
-  :data:`RELAY_BUFFER` bytes per direction per connection; a flood or a half-open
-  connection holds only those slots, and the gateway's own timeouts free them;
-- the thread inherits the blocked signal mask, never writes to stdout/stderr (the
-  host's status and tar channel), and ``finish`` neither waits for nor talks to it:
-  ``os._exit`` ends it with the process.
+- no thread: the holder's one loop polls the non-blocking sockets for at most
+  :data:`SIGNAL_POLL_MS`, then takes pending signals (still all blocked), so
+  ``SIGUSR1`` -> ``finish`` is reached within one round however busy or stuck the
+  relay's connections are, and ``finish`` never waits on them (``os._exit`` ends all);
+- at most :data:`RELAY_MAX_CONNECTIONS` connections (the gateway's default per binding;
+  more wait in the kernel's backlog), :data:`RELAY_BUFFER` bytes per direction per
+  connection; a flood or a half-open connection holds only those slots, and the
+  gateway's own timeouts free them; it never writes to stdout/stderr (the host's
+  status and tar channel).
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ RELAY_MAX_CONNECTIONS = 16
 RELAY_BUFFER = 64 * 1024
 """Bytes held per direction per connection (back-pressure beyond it)."""
 RELAY_BACKLOG = 64
+SIGNAL_POLL_MS = 25
+"""With a relay, the longest the holder waits on sockets before it looks for signals."""
 READY = b"cyclebox-holder-ready\n"
 """First bytes on the holder's stdout, written once it is non-dumpable: the host starts
 the role command only after reading them (a role process started earlier could open
@@ -90,9 +94,10 @@ the role command only after reading them (a role process started earlier could o
 def hold(root: str, gateway_socket: str | None = None) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCK)
     dumpable = _undumpable()
+    relay: _Relay | None = None
     if gateway_socket is not None:
         try:
-            relay_start(gateway_socket)
+            relay = relay_open(gateway_socket)
         except OSError as exc:
             # no READY: the host starts no role command and names this line
             sys.stderr.write(f"relay: cannot listen on {RELAY_HOST}:{RELAY_PORT}: "
@@ -100,8 +105,19 @@ def hold(root: str, gateway_socket: str | None = None) -> None:
             sys.stderr.flush()
             os._exit(3)
     os.write(1, READY)
+    waited = {signal.SIGCHLD, signal.SIGUSR1}
     while True:
-        sig = signal.sigwait({signal.SIGCHLD, signal.SIGUSR1})
+        if relay is None or relay.broken:
+            sig = signal.sigwait(waited)
+        else:
+            # One thread for everything: relay a round of IO (at most SIGNAL_POLL_MS of
+            # waiting), then take any pending signal, so SIGUSR1 is acted on within one
+            # round however busy the relay is, and finish never waits on the relay.
+            relay.step(SIGNAL_POLL_MS)
+            info = signal.sigtimedwait(waited, 0)
+            if info is None:
+                continue
+            sig = info.si_signo
         if sig == signal.SIGUSR1:
             sys.stdout.flush()
             os._exit(finish(root, dumpable=dumpable))
@@ -375,13 +391,13 @@ def seed(root: str) -> int:
 # -- the loopback relay ---------------------------------------------------------------
 
 
-def relay_start(target: str, *, host: str = RELAY_HOST, port: int = RELAY_PORT,
-                max_connections: int = RELAY_MAX_CONNECTIONS,
-                buffer: int = RELAY_BUFFER) -> int:
-    """Listen on ``host:port`` now (raises OSError when it cannot) and relay each
-    connection to the unix socket ``target`` on one daemon thread; returns the port.
-    Call with every signal blocked: the thread inherits the mask."""
-    import _thread
+def relay_open(target: str, *, host: str = RELAY_HOST, port: int = RELAY_PORT,
+               max_connections: int = RELAY_MAX_CONNECTIONS,
+               buffer: int = RELAY_BUFFER) -> _Relay:
+    """Listen on ``host:port`` now (raises OSError when it cannot); each
+    :meth:`_Relay.step` then relays connections to the unix socket ``target``. No thread:
+    the holder's own loop steps it (a thread would also be refused under gVisor with the
+    OCI seccomp profile, which answers ``clone3`` with EPERM instead of ENOSYS)."""
     import socket
 
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -393,9 +409,7 @@ def relay_start(target: str, *, host: str = RELAY_HOST, port: int = RELAY_PORT,
     except BaseException:
         lsock.close()
         raise
-    relay = _Relay(lsock, target, max_connections, buffer)
-    _thread.start_new_thread(relay.run, ())
-    return int(lsock.getsockname()[1])
+    return _Relay(lsock, target, max_connections, buffer)
 
 
 class _Pipe:
@@ -440,12 +454,25 @@ class _Relay:
         self.conns: list[_Conn] = []
         self.poller = select.poll()
         self.masks: dict[int, int] = {}
+        self.broken = False
 
-    def run(self) -> None:
-        # Never a traceback: stderr is the host's status channel. A relay that fails
-        # leaves the role without its endpoint (it starves itself), nothing else.
-        with contextlib.suppress(BaseException):
-            self._loop()
+    @property
+    def port(self) -> int:
+        return int(self.lsock.getsockname()[1])
+
+    def step(self, timeout_ms: int) -> None:
+        """One round: wait up to ``timeout_ms`` for socket events, move what they allow.
+        Never raises and never writes (stderr is the host's status channel): a relay
+        that fails closes everything and is ``broken``; the role has lost its
+        endpoint (it starved itself), nothing else is touched."""
+        try:
+            self._round(timeout_ms)
+        except Exception:
+            self.broken = True
+            for sock in [self.lsock, *(p.src for c in self.conns for p in (c.up, c.down))]:
+                with contextlib.suppress(Exception):
+                    sock.close()
+            self.conns = []
 
     def _set(self, sock: Any, mask: int) -> None:
         fd = sock.fileno()
@@ -464,31 +491,34 @@ class _Relay:
             self.poller.modify(fd, mask)
             self.masks[fd] = mask
 
-    def _loop(self) -> None:
+    def _round(self, timeout_ms: int) -> None:
         pollin, pollout = self.select.POLLIN, self.select.POLLOUT
         lfd = self.lsock.fileno()
-        while True:
-            self._set(self.lsock, pollin if len(self.conns) < self.max else 0)
-            by_fd: dict[int, tuple[Any, _Conn]] = {}
-            for conn in self.conns:
-                for inbound, outbound in ((conn.up, conn.down), (conn.down, conn.up)):
-                    mask = pollin if not inbound.eof and len(inbound.buf) < self.cap else 0
-                    if outbound.buf:
-                        mask |= pollout
-                    self._set(inbound.src, mask)
-                    by_fd[inbound.src.fileno()] = (inbound.src, conn)
-            for fd, ev in self.poller.poll():
-                if fd == lfd:
-                    self._accept()
-                    continue
-                got = by_fd.get(fd)
-                if got is None or got[1] not in self.conns:
-                    continue  # closed earlier in this round
-                sock, conn = got
-                inbound, outbound = ((conn.up, conn.down) if sock is conn.up.src
-                                     else (conn.down, conn.up))
-                if not self._io(sock, ev, inbound, outbound) or conn.over():
-                    self._close(conn)
+        self._set(self.lsock, pollin if len(self.conns) < self.max else 0)
+        by_fd: dict[int, tuple[Any, _Conn]] = {}
+        for conn in self.conns:
+            for inbound, outbound in ((conn.up, conn.down), (conn.down, conn.up)):
+                mask = pollin if not inbound.eof and len(inbound.buf) < self.cap else 0
+                if outbound.buf:
+                    mask |= pollout
+                self._set(inbound.src, mask)
+                by_fd[inbound.src.fileno()] = (inbound.src, conn)
+        try:
+            events = self.poller.poll(timeout_ms)
+        except InterruptedError:
+            return
+        for fd, ev in events:
+            if fd == lfd:
+                self._accept()
+                continue
+            got = by_fd.get(fd)
+            if got is None or got[1] not in self.conns:
+                continue  # closed earlier in this round
+            sock, conn = got
+            inbound, outbound = ((conn.up, conn.down) if sock is conn.up.src
+                                 else (conn.down, conn.up))
+            if not self._io(sock, ev, inbound, outbound) or conn.over():
+                self._close(conn)
 
     def _io(self, sock: Any, ev: int, inbound: _Pipe, outbound: _Pipe) -> bool:
         """Move what ``ev`` allows on ``sock``; False when the connection is over."""
@@ -528,6 +558,8 @@ class _Relay:
         gateway = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             client.setblocking(False)
+            # bytes go out as they come in: no Nagle wait on a reply written in pieces
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             gateway.setblocking(False)
             gateway.connect(self.target)
         except OSError:
