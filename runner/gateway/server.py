@@ -68,6 +68,7 @@ from runner.gateway.providers import (
 from runner.gateway.redact import Redactor
 from runner.gateway.vet import ROUTES, Refusal, Vetted, vet, worst_case_usd
 from runner.isolation.collect import loads_strict
+from runner.isolation.launcher import endpoint_env
 from runner.isolation.owner import current_owner
 from runner.isolation.sandbox import Mount, SweepResult
 
@@ -139,10 +140,17 @@ class Binding:
     not_itemized: int = 0
     listener: Listener | None = field(default=None, repr=False)
     writers: asyncio.Semaphore | None = field(default=None, repr=False)
+    token: str = field(default="", repr=False)
+    """The role's per-run token (also in ``directory``), for :meth:`env`."""
 
     def mount(self) -> Mount:
         """The read-only mount that gives a container this socket and token."""
         return Mount(source=self.directory, target=CONTAINER_DIR, gateway=True)
+
+    def env(self) -> dict[str, str]:
+        """The container's model environment: SDK base URLs on its loopback relay, the
+        role's token as their key (:func:`runner.isolation.launcher.endpoint_env`)."""
+        return endpoint_env(self.token)
 
     def next_turn(self) -> int:
         t = self.turns
@@ -270,7 +278,8 @@ class Gateway:
         if os.getuid() == 0 and uid != 0:
             os.chown(directory, uid, uid)
             os.chown(token_file, uid, uid)
-        binding = Binding(role=role, stage=stage, case=case, trial=trial, directory=directory)
+        binding = Binding(role=role, stage=stage, case=case, trial=trial, directory=directory,
+                          token=self.token_for(role))
         name = self.role_upstream.get(role)
         up = self.upstreams.get(name) if name else None
         limits = up.limits if up else GatewayLimits()

@@ -206,6 +206,15 @@ class _CopyOut:
         return fin
 
 
+def _holder_said(text: str) -> str:
+    """The holder's own refusal before READY (e.g. its loopback relay could not listen),
+    bounded and escaped, for the error message; empty when it said nothing of the kind."""
+    for line in text.splitlines()[:4]:
+        if line.startswith("relay: "):
+            return f" ({ascii(line[:200])[1:-1]})"
+    return ""
+
+
 def _status(text: str) -> dict[str, dict[str, Any]]:
     """The holder's status lines by phase ("pre" before the tar, "post" after it)."""
     out: dict[str, dict[str, Any]] = {}
@@ -633,7 +642,8 @@ class DockerSandbox:
                 # no role process before the holder made itself non-dumpable
                 if not copy.ready.wait(READY_TIMEOUT_S) or not copy.ready_ok:
                     raise SandboxError(f"the {spec.role} container's holder did not protect "
-                                       f"its output stream within {READY_TIMEOUT_S:.0f} s")
+                                       f"its output stream within {READY_TIMEOUT_S:.0f} s"
+                                       + _holder_said(copy.errs.text()))
                 stream = api.exec_start(exec_id, stream=True, demux=True)
             except docker.errors.APIError as exc:
                 raise SandboxError(f"engine could not start the {spec.role} command: "
