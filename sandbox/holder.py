@@ -550,11 +550,15 @@ class _Relay:
         return True
 
     def _accept(self) -> None:
+        while len(self.conns) < self.max:  # what the accept queue holds, up to the bound
+            try:
+                client, _ = self.lsock.accept()
+            except OSError:
+                return
+            self._connect(client)
+
+    def _connect(self, client: Any) -> None:
         socket = self.socket
-        try:
-            client, _ = self.lsock.accept()
-        except OSError:
-            return
         gateway = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             client.setblocking(False)

@@ -70,22 +70,18 @@ def test_unmodified_sdks_reach_the_gateway_by_environment_alone(
     assert out["urls"] == ["http://127.0.0.1:40080/v1", "http://127.0.0.1:40080/v1",
                            "http://127.0.0.1:40080", "http://127.0.0.1:40080"]
     assert out["sync"] == out["sync_stream"] == out["async"] == out["socket"] == "pong"
-    # FLIP when the gateway's /v1/messages route lands (branch `gateway`): the scripted
-    # upstream then answers Messages too, i.e.
-    #   assert out["anthropic"] == ["ok", "pong"]
-    # and the last record below becomes ("ok", None, "messages"). Until then the request
-    # reached this binding and was refused, recorded, in the gateway's own error shape.
-    status, body = out["anthropic"]
-    assert status == 404, out["anthropic"]
-    assert "/v1/messages" in json.dumps(body)
+    # anthropic.Anthropic() on Messages, answered by the scripted upstream (the gateway's
+    # /v1/messages route); every call is in this container's binding
+    assert out["anthropic"] == ["ok", "pong"]
     recs = CallLog(tmp_path / "gateway").records()
     assert recs == calls  # the same records, on disk and in the binding's index
-    got = [(r.role, r.stage, r.case, r.trial, r.status, r.error, r.stream) for r in recs]
+    got = [(r.role, r.stage, r.case, r.trial, r.status, r.error, r.stream, r.api)
+           for r in recs]
     assert got == [
-        ("analyst", "baseline", "c1", 0, "ok", None, False),      # openai.OpenAI()
-        ("analyst", "baseline", "c1", 0, "ok", None, True),       # stream=True
-        ("analyst", "baseline", "c1", 0, "ok", None, False),      # openai.AsyncOpenAI()
-        ("analyst", "baseline", "c1", 0, "refused", "not_found", False),  # anthropic (FLIP)
-        ("analyst", "baseline", "c1", 0, "ok", None, False),      # sandbox.gateway_client
+        ("analyst", "baseline", "c1", 0, "ok", None, False, "chat"),      # openai.OpenAI()
+        ("analyst", "baseline", "c1", 0, "ok", None, True, "chat"),       # stream=True
+        ("analyst", "baseline", "c1", 0, "ok", None, False, "chat"),      # AsyncOpenAI()
+        ("analyst", "baseline", "c1", 0, "ok", None, False, "messages"),  # Anthropic()
+        ("analyst", "baseline", "c1", 0, "ok", None, False, "chat"),      # gateway_client
     ]
     assert [r.turn for r in recs] == [0, 1, 2, 3, 4]
