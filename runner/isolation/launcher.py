@@ -46,7 +46,21 @@ def endpoint_env(token: str) -> dict[str, str]:
         "ANTHROPIC_BASE_URL": RELAY_URL,  # the SDK appends /v1/messages itself
         "ANTHROPIC_API_KEY": token,
         "CYCLEBOX_GATEWAY_URL": RELAY_URL,
+        **OFFLINE_ENV,
     }
+
+
+OFFLINE_ENV = {
+    "OPENAI_AGENTS_DISABLE_TRACING": "1",
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+}
+"""Frameworks' own switches for remote side channels that cannot work in a container
+without a network: the OpenAI Agents SDK's trace export (it posts to api.openai.com,
+ignoring OPENAI_BASE_URL, with the key it was given, and retries for ~14 s as the agent
+exits) and litellm's model cost map download (three tries, 8-18 s at import, then its
+bundled copy). Without them each attempt still fails closed (no network); these only
+spare every case the time their retries cost. No agent code, model call or result
+changes."""
 
 
 class GatewayBinding(Protocol):
