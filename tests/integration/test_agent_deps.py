@@ -29,7 +29,7 @@ GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
 
 
 def _agent() -> str:
-    anchor = "from sandbox.gateway_client import client\n"
+    anchor = "from openai import OpenAI\n"
     src = example_agent()
     assert anchor in src
     return src.replace(anchor, anchor + AGENT_PRELUDE, 1)
