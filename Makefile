@@ -74,9 +74,21 @@ $(VERL_STAMP): tests/verl-env.txt
 	  from verl.utils.dataset.multiturn_sft_dataset import MultiTurnSFTDataset; import peft"
 	@touch $@
 
+MOCK_VENV := build/mock-venv
+MOCK_STAMP := $(MOCK_VENV)/.installed
+
+$(MOCK_STAMP):
+	rm -rf $(MOCK_VENV)
+	$(PY) -m venv $(MOCK_VENV)
+	$(MOCK_VENV)/bin/pip install -q --upgrade pip
+	$(MOCK_VENV)/bin/pip install -q --only-binary=:all: mock-ai-api==0.1.1
+	@touch $@
+
+mock-env: $(MOCK_STAMP) ## mock-ai-api 0.1.1 (PyPI) in build/mock-venv: the third-party upstream for every API family, for tests
+
 verl-env: $(VERL_STAMP) ## verl 0.9.1 + CPU torch in build/verl-venv: the export's real consumer, for tests
 
-test: setup docker gvisor chromium images check verl-env ## Everything: set-up (engine, gVisor, Chromium, images, verl env), lint, then unit, integration, security, faults and e2e tests
+test: setup docker gvisor chromium images check verl-env mock-env ## Everything: set-up (engine, gVisor, Chromium, images, verl env), lint, then unit, integration, security, faults and e2e tests
 	$(BIN)/pytest tests/unit tests/integration tests/security tests/faults tests/e2e
 
 faults: setup docker images ## Fault tier: signals at each stage, engine cut, disk full, bad inputs (root, real engine)
@@ -102,6 +114,15 @@ receipt: setup docker images ## Record the demo cycle, replay it byte-exactly, s
 	  --out build/receipt/$(STAMP_NOW)/replayed
 	$(CYCLEBOX) receipt verify build/receipt/$(STAMP_NOW)/replayed
 	$(CYCLEBOX) receipt compare build/receipt/$(STAMP_NOW)/recorded build/receipt/$(STAMP_NOW)/replayed
+
+MATRIX := tests/e2e/agents/log_triage
+
+matrix: setup docker images ## Framework matrix in full (11 incidents x 8 agent variants, one derived image): record, replay, compare, print the table
+	$(CYCLEBOX) cycle run $(MATRIX)/cycle.yaml --out build/matrix/$(STAMP_NOW)/recorded
+	$(CYCLEBOX) cycle run $(MATRIX)/cycle.yaml --replay build/matrix/$(STAMP_NOW)/recorded \
+	  --out build/matrix/$(STAMP_NOW)/replayed
+	$(CYCLEBOX) receipt compare build/matrix/$(STAMP_NOW)/recorded build/matrix/$(STAMP_NOW)/replayed
+	$(BIN)/python $(MATRIX)/table.py build/matrix/$(STAMP_NOW)/recorded build/matrix/$(STAMP_NOW)/replayed
 
 dream: setup docker images ## Paired dream off/on run of the example; one receipt with held-out delta and cost
 	$(CYCLEBOX) dream compare examples/shop-analyst/cycle-dream.yaml --out build/dream/$(STAMP_NOW)
@@ -135,4 +156,4 @@ clean: ## Remove orphaned cyclebox containers and build/ (images are kept)
 	-@[ -x $(CYCLEBOX) ] && $(CYCLEBOX) gc || true
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache
 
-.PHONY: help setup docker chromium gvisor images check test faults unit verl-env demo demo-negative receipt dream smoke bench bench-scale gc clean
+.PHONY: help setup docker chromium gvisor images check test faults unit verl-env demo demo-negative receipt matrix mock-env dream smoke bench bench-scale gc clean

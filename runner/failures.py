@@ -64,9 +64,18 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 
 def is_engine_error(exc: BaseException) -> bool:
-    """True for an error of the container engine or the connection to it."""
-    return any(isinstance(e, SandboxError) or type(e).__module__.startswith(_ENGINE_MODULES)
-               for e in _chain(exc))
+    """True for an error of the container engine or the connection to it.
+
+    A deliberate cyclebox error other than :class:`SandboxError` met first in the chain
+    wins over an engine error it was raised from (or while handling): cyclebox already
+    said what it means (e.g. "engine not reachable" is a missing prerequisite, a build
+    refused for a requirements conflict is bad input)."""
+    for e in _chain(exc):
+        if isinstance(e, SandboxError) or type(e).__module__.startswith(_ENGINE_MODULES):
+            return True
+        if isinstance(e, CycleboxError):
+            return False
+    return False
 
 
 def is_environment_error(exc: BaseException) -> bool:
@@ -83,6 +92,8 @@ def classify(exc: BaseException) -> Failure:
         return Failure("interrupted", "interrupted by a signal", EXIT_INTERRUPTED)
     if is_environment_error(exc):
         return Failure("environment_failure", text, EXIT_ENVIRONMENT)
+    # An explicit cyclebox error wins over the engine error in its context: the class
+    # that was raised on purpose names the exit code.
     if is_engine_error(exc):
         return Failure("engine_error", text, EXIT_ENGINE)
     if isinstance(exc, CycleboxError):

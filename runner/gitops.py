@@ -50,6 +50,7 @@ from typing import Any
 import git
 from git.objects.fun import tree_entries_from_data
 
+from runner import fswalk
 from runner.errors import ConfigError, IntegrityError
 
 FIXED_ENV = {
@@ -80,6 +81,32 @@ def _env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+MAX_GIT_STDERR = 2000
+"""Characters of git's stderr a failure message quotes (the rest is cut, marked)."""
+MAX_ARCHIVE_TRAILER = 1024 * 1024
+"""Bytes read after the tar end-of-archive marker (git pads to a 10 KiB record)."""
+
+
+def git_failure(what: str, returncode: int, stderr: bytes) -> str:
+    """``git WHAT failed (exit N | killed by SIGNAME): <stderr>`` with git's stderr
+    escaped (one printable line, bounded) and a note when it printed nothing."""
+    import signal
+
+    from runner.failures import one_line
+
+    if returncode < 0:
+        try:
+            status = f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            status = f"killed by signal {-returncode}"
+    else:
+        status = f"exit {returncode}"
+    text = stderr.decode("utf-8", "replace").strip()
+    shown = one_line(" / ".join(ln.strip() for ln in text.splitlines() if ln.strip()),
+                     MAX_GIT_STDERR) if text else "(git printed nothing on stderr)"
+    return f"git {what} failed ({status}): {shown}"
+
+
 def _git(args: list[str], *, cwd: Path | None = None, git_dir: Path | None = None,
          input_bytes: bytes | None = None, check: bool = True,
          extra_env: dict[str, str] | None = None) -> bytes:
@@ -90,8 +117,7 @@ def _git(args: list[str], *, cwd: Path | None = None, git_dir: Path | None = Non
     proc = subprocess.run(cmd, cwd=cwd, input=input_bytes, capture_output=True,
                           env=_env(extra_env), check=False)
     if check and proc.returncode != 0:
-        raise ConfigError(f"git {' '.join(args[:3])} failed: "
-                          f"{proc.stderr.decode(errors='replace').strip()}",
+        raise ConfigError(git_failure(" ".join(args[:3]), proc.returncode, proc.stderr),
                           path=str(cwd or git_dir or "."))
     return proc.stdout
 
@@ -425,17 +451,27 @@ def export_tree(repo: Path, tree: str, dest: Path) -> None:
                                 env=_env(env), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=errf)
         assert proc.stdout is not None  # noqa: S101 - stdout=PIPE above
+        trailer = 0
         try:
             with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
                 tar.extractall(dest, filter="tar")
+            # tarfile stops at the end-of-archive marker; git may still be writing the
+            # padding of its last 10 KiB record. Closing the pipe before it has would
+            # kill git with SIGPIPE, an archive that was whole reported as a failure
+            # with an empty message. Read to the end (bounded) instead.
+            while trailer <= MAX_ARCHIVE_TRAILER and (chunk := proc.stdout.read(65536)):
+                trailer += len(chunk)
         finally:
             proc.stdout.close()
             proc.wait()
         errf.seek(0)
         err = errf.read(64 * 1024)
+    if trailer > MAX_ARCHIVE_TRAILER:
+        raise IntegrityError(f"git archive {tree[:12]} wrote more than "
+                             f"{MAX_ARCHIVE_TRAILER} bytes after the end of the archive")
     if proc.returncode != 0:
-        raise ConfigError(f"git archive {tree[:12]} failed: "
-                          f"{err.decode(errors='replace').strip()}", path=str(repo))
+        raise ConfigError(git_failure(f"archive {tree[:12]}", proc.returncode, err),
+                          path=str(repo))
     problems = check_export(repo, tree, dest)
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more"
@@ -463,9 +499,9 @@ def _blob_id(data: bytes, algo: str) -> str:
     return h.hexdigest()
 
 
-def _file_blob_id(path: str, algo: str) -> str:
-    """:func:`_blob_id` of a regular file, read in chunks (never whole into memory)."""
-    with open(path, "rb") as f:
+def _entry_blob_id(e: fswalk.Entry, algo: str) -> str:
+    """:func:`_blob_id` of a walked regular file, opened relative to its directory."""
+    with os.fdopen(e.open(), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         h = hashlib.new(algo)
         h.update(b"blob %d\0" % size)
@@ -484,24 +520,23 @@ def check_export(repo: Path, tree: str, dest: Path) -> list[str]:
             if _is_file(mode)}
     algo = "sha256" if any(len(oid) == 64 for _, oid in want.values()) else "sha1"
     got: dict[str, tuple[str, str]] = {}
-    for dirpath, dirnames, filenames in os.walk(dest, followlinks=False):
-        for name in [*filenames, *[d for d in dirnames if os.path.islink(
-                os.path.join(dirpath, d))]]:
-            p = os.path.join(dirpath, name)
-            rel = os.path.relpath(p, dest).replace(os.sep, "/")
-            st = os.lstat(p)
-            if stat.S_ISLNK(st.st_mode):
-                got[rel] = ("120000", _blob_id(os.fsencode(os.readlink(p)), algo))
-            elif stat.S_ISREG(st.st_mode):
-                got[rel] = ("100755" if st.st_mode & 0o111 else "100644",
-                            _file_blob_id(p, algo))
-            else:
-                got[rel] = ("other", "")
+    walk_problems: list[str] = []
+    try:  # by directory descriptor: no path is too long, no directory skipped silently
+        for e in fswalk.walk(dest, max_depth=4096):
+            if e.is_link:
+                got[e.rel] = ("120000", _blob_id(os.fsencode(e.readlink()), algo))
+            elif e.is_file:
+                got[e.rel] = ("100755" if e.st.st_mode & 0o111 else "100644",
+                              _entry_blob_id(e, algo))
+            elif not e.is_dir:
+                got[e.rel] = ("other", "")
+    except fswalk.WalkError as exc:
+        walk_problems.append(f"{exc} (the export could not be checked in full)")
     problems = [f"{p}: missing from the export" for p in sorted(set(want) - set(got))]
     problems += [f"{p}: in the export but not in the tree" for p in sorted(set(got) - set(want))]
     problems += [f"{p}: exported content differs from the committed blob"
                  for p in sorted(set(want) & set(got)) if want[p][1] != got[p][1]]
-    return problems
+    return walk_problems + problems
 
 
 def read_blob(repo: Path, tree: str, path: str, *,
@@ -531,6 +566,18 @@ def _walked(repo: Path, tree: str) -> list[tuple[str, int, bytes]]:
         except _LOOKUP_ERRORS as exc:
             raise ConfigError(f"cannot list tree {tree[:80]!r}: {_why(exc)}", path=str(repo)
                               ) from None
+
+
+def past_path_max(repo: Path, tree: str, target: str) -> tuple[str, int] | None:
+    """The first path of ``tree`` (files and directories, in tree order) that would be
+    ``PATH_MAX`` bytes or longer once the tree is mounted at ``target``, with that length;
+    None when every path fits (no program in the container could open such a one)."""
+    base = len(os.fsencode(target.rstrip("/"))) + 1
+    for path, _, _ in _walked(repo, tree):
+        inside = base + len(os.fsencode(path))
+        if inside >= fswalk.PATH_MAX:
+            return path, inside
+    return None
 
 
 def tree_modes(repo: Path, tree: str) -> dict[str, str]:

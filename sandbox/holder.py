@@ -22,8 +22,9 @@ here rather than in a second exec saves an exec (~150 ms) per container.
 
 Modes:
 
-``hold DIR|-``
-    Block every catchable signal, make itself non-dumpable, write :data:`READY` to
+``hold DIR|- [SOCKET]``
+    Block every catchable signal, make itself non-dumpable, with ``SOCKET`` (the
+    mounted gateway socket) start the loopback relay (below), write :data:`READY` to
     stdout (the host waits for it before it starts the role command), reap orphans on
     ``SIGCHLD``; on ``SIGUSR1`` run ``finish DIR`` on its own stdout/stderr and exit.
 ``finish DIR|-``
@@ -37,6 +38,28 @@ Modes:
     Extract the host-made tar on stdin into ``DIR`` (used only for stages whose
     output directory starts with host content, e.g. the apply stage's repository,
     whose checkout may hold symlinks; only those exact symlinks may come back).
+
+The loopback relay (containers whose role may reach a model): TCP
+``127.0.0.1:``:data:`RELAY_PORT` to the gateway socket, bytes copied unchanged both
+ways (the gateway checks the token and applies this binding's limits). So that
+nothing in the container can take its place or reach more through it:
+
+- it listens before :data:`READY`, i.e. before any role process exists, without
+  ``SO_REUSEADDR``/``SO_REUSEPORT``: the kernel refuses the port (and the wildcard
+  address) to everyone else for the container's life; PID 1 cannot be killed from
+  inside, is non-dumpable (no ptrace, no ``/proc/1/fd``), and the role has no
+  capability to redirect loopback traffic;
+- it reaches exactly one socket, the container's own binding: there is nothing more
+  to reach, whoever listens;
+- no thread: the holder's one loop polls the non-blocking sockets for at most
+  :data:`SIGNAL_POLL_MS`, then takes pending signals (still all blocked), so
+  ``SIGUSR1`` -> ``finish`` is reached within one round however busy or stuck the
+  relay's connections are, and ``finish`` never waits on them (``os._exit`` ends all);
+- at most :data:`RELAY_MAX_CONNECTIONS` connections (the gateway's default per binding;
+  more wait in the kernel's backlog), :data:`RELAY_BUFFER` bytes per direction per
+  connection; a flood or a half-open connection holds only those slots, and the
+  gateway's own timeouts free them; it never writes to stdout/stderr (the host's
+  status and tar channel).
 """
 
 from __future__ import annotations
@@ -48,22 +71,53 @@ import signal
 import stat
 import sys
 import time
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 _BLOCK = {s for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)}
 MAX_ERRORS = 8
+RELAY_HOST = "127.0.0.1"
+RELAY_PORT = 40080
+"""The in-container model endpoint's port, on the container's own loopback."""
+RELAY_MAX_CONNECTIONS = 16
+"""Relayed connections at once: the gateway's default ``max_connections`` per binding."""
+RELAY_BUFFER = 64 * 1024
+"""Bytes held per direction per connection (back-pressure beyond it)."""
+RELAY_BACKLOG = 64
+SIGNAL_POLL_MS = 25
+"""With a relay, the longest the holder waits on sockets before it looks for signals."""
 READY = b"cyclebox-holder-ready\n"
 """First bytes on the holder's stdout, written once it is non-dumpable: the host starts
 the role command only after reading them (a role process started earlier could open
 ``/proc/1/fd/1`` before the ``prctl`` and keep it). The tar follows."""
 
 
-def hold(root: str) -> None:
+def hold(root: str, gateway_socket: str | None = None) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCK)
     dumpable = _undumpable()
+    relay: _Relay | None = None
+    if gateway_socket is not None:
+        try:
+            relay = relay_open(gateway_socket)
+        except OSError as exc:
+            # no READY: the host starts no role command and names this line
+            sys.stderr.write(f"relay: cannot listen on {RELAY_HOST}:{RELAY_PORT}: "
+                             f"{exc.strerror or exc}\n")
+            sys.stderr.flush()
+            os._exit(3)
     os.write(1, READY)
+    waited = {signal.SIGCHLD, signal.SIGUSR1}
     while True:
-        sig = signal.sigwait({signal.SIGCHLD, signal.SIGUSR1})
+        if relay is None or relay.broken:
+            sig = signal.sigwait(waited)
+        else:
+            # One thread for everything: relay a round of IO (at most SIGNAL_POLL_MS of
+            # waiting), then take any pending signal, so SIGUSR1 is acted on within one
+            # round however busy the relay is, and finish never waits on the relay.
+            relay.step(SIGNAL_POLL_MS)
+            info = signal.sigtimedwait(waited, 0)
+            if info is None:
+                continue
+            sig = info.si_signo
         if sig == signal.SIGUSR1:
             sys.stdout.flush()
             os._exit(finish(root, dumpable=dumpable))
@@ -334,14 +388,208 @@ def seed(root: str) -> int:
     return 0
 
 
+# -- the loopback relay ---------------------------------------------------------------
+
+
+def relay_open(target: str, *, host: str = RELAY_HOST, port: int = RELAY_PORT,
+               max_connections: int = RELAY_MAX_CONNECTIONS,
+               buffer: int = RELAY_BUFFER) -> _Relay:
+    """Listen on ``host:port`` now (raises OSError when it cannot); each
+    :meth:`_Relay.step` then relays connections to the unix socket ``target``. No thread:
+    the holder's own loop steps it (a thread would also be refused under gVisor with the
+    OCI seccomp profile, which answers ``clone3`` with EPERM instead of ENOSYS)."""
+    import socket
+
+    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        # no SO_REUSEADDR / SO_REUSEPORT: no other socket may share this port
+        lsock.bind((host, port))
+        lsock.listen(RELAY_BACKLOG)
+        lsock.setblocking(False)
+    except BaseException:
+        lsock.close()
+        raise
+    return _Relay(lsock, target, max_connections, buffer)
+
+
+class _Pipe:
+    """One direction of a relayed connection: bytes read from ``src`` not yet written
+    to ``dst`` (at most the relay's buffer), whether ``src`` ended, and whether
+    ``dst`` was told so (``shutdown``)."""
+
+    __slots__ = ("buf", "dst", "eof", "shut", "src")
+
+    def __init__(self, src: Any, dst: Any) -> None:
+        self.src, self.dst = src, dst
+        self.buf = bytearray()
+        self.eof = False
+        self.shut = False
+
+
+class _Conn:
+    """A relayed connection: ``up`` client -> gateway, ``down`` gateway -> client."""
+
+    __slots__ = ("down", "up")
+
+    def __init__(self, client: Any, gateway: Any) -> None:
+        self.up = _Pipe(client, gateway)
+        self.down = _Pipe(gateway, client)
+
+    def over(self) -> bool:
+        # The gateway decides: once it ended and its bytes were delivered, nothing the
+        # client still sends could reach anyone.
+        return self.down.eof and not self.down.buf
+
+
+class _Relay:
+    def __init__(self, lsock: Any, target: str, max_connections: int, buffer: int) -> None:
+        import select
+        import socket
+
+        self.socket, self.select = socket, select
+        self.lsock = lsock
+        self.target = target
+        self.max = max_connections
+        self.cap = buffer
+        self.conns: list[_Conn] = []
+        self.poller = select.poll()
+        self.masks: dict[int, int] = {}
+        self.broken = False
+
+    @property
+    def port(self) -> int:
+        return int(self.lsock.getsockname()[1])
+
+    def step(self, timeout_ms: int) -> None:
+        """One round: wait up to ``timeout_ms`` for socket events, move what they allow.
+        Never raises and never writes (stderr is the host's status channel): a relay
+        that fails closes everything and is ``broken``; the role has lost its
+        endpoint (it starved itself), nothing else is touched."""
+        try:
+            self._round(timeout_ms)
+        except Exception:
+            self.broken = True
+            for sock in [self.lsock, *(p.src for c in self.conns for p in (c.up, c.down))]:
+                with contextlib.suppress(Exception):
+                    sock.close()
+            self.conns = []
+
+    def _set(self, sock: Any, mask: int) -> None:
+        fd = sock.fileno()
+        old = self.masks.get(fd)
+        if mask == old or (mask == 0 and old is None):
+            return
+        # An fd with nothing to do is not polled at all: poll reports a hang-up even
+        # for an empty mask, which would spin while the other side drains.
+        if mask == 0:
+            self.poller.unregister(fd)
+            del self.masks[fd]
+        elif old is None:
+            self.poller.register(fd, mask)
+            self.masks[fd] = mask
+        else:
+            self.poller.modify(fd, mask)
+            self.masks[fd] = mask
+
+    def _round(self, timeout_ms: int) -> None:
+        pollin, pollout = self.select.POLLIN, self.select.POLLOUT
+        lfd = self.lsock.fileno()
+        self._set(self.lsock, pollin if len(self.conns) < self.max else 0)
+        by_fd: dict[int, tuple[Any, _Conn]] = {}
+        for conn in self.conns:
+            for inbound, outbound in ((conn.up, conn.down), (conn.down, conn.up)):
+                mask = pollin if not inbound.eof and len(inbound.buf) < self.cap else 0
+                if outbound.buf:
+                    mask |= pollout
+                self._set(inbound.src, mask)
+                by_fd[inbound.src.fileno()] = (inbound.src, conn)
+        try:
+            events = self.poller.poll(timeout_ms)
+        except InterruptedError:
+            return
+        for fd, ev in events:
+            if fd == lfd:
+                self._accept()
+                continue
+            got = by_fd.get(fd)
+            if got is None or got[1] not in self.conns:
+                continue  # closed earlier in this round
+            sock, conn = got
+            inbound, outbound = ((conn.up, conn.down) if sock is conn.up.src
+                                 else (conn.down, conn.up))
+            if not self._io(sock, ev, inbound, outbound) or conn.over():
+                self._close(conn)
+
+    def _io(self, sock: Any, ev: int, inbound: _Pipe, outbound: _Pipe) -> bool:
+        """Move what ``ev`` allows on ``sock``; False when the connection is over."""
+        sel = self.select
+        moved = False
+        try:
+            if ev & (sel.POLLIN | sel.POLLHUP | sel.POLLERR) and not inbound.eof \
+                    and len(inbound.buf) < self.cap:
+                data = sock.recv(self.cap - len(inbound.buf))
+                if data:
+                    inbound.buf += data
+                else:
+                    inbound.eof = True
+                moved = True
+            if ev & (sel.POLLOUT | sel.POLLHUP | sel.POLLERR) and outbound.buf:
+                del outbound.buf[:sock.send(outbound.buf)]
+                moved = True
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False  # reset, broken pipe: the peer is gone
+        if not moved and ev & (sel.POLLHUP | sel.POLLERR | sel.POLLNVAL):
+            return False
+        for pipe in (inbound, outbound):
+            if pipe.eof and not pipe.buf and not pipe.shut:
+                pipe.shut = True
+                with contextlib.suppress(OSError):
+                    pipe.dst.shutdown(self.socket.SHUT_WR)
+        return True
+
+    def _accept(self) -> None:
+        while len(self.conns) < self.max:  # what the accept queue holds, up to the bound
+            try:
+                client, _ = self.lsock.accept()
+            except OSError:
+                return
+            self._connect(client)
+
+    def _connect(self, client: Any) -> None:
+        socket = self.socket
+        gateway = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            client.setblocking(False)
+            # bytes go out as they come in: no Nagle wait on a reply written in pieces
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            gateway.setblocking(False)
+            gateway.connect(self.target)
+        except OSError:
+            # The gateway's backlog is full (only this container's own connections can
+            # fill it) or it is gone: the client sees its connection closed at once.
+            client.close()
+            gateway.close()
+            return
+        self.conns.append(_Conn(client, gateway))
+
+    def _close(self, conn: _Conn) -> None:
+        self.conns.remove(conn)
+        for sock in (conn.up.src, conn.down.src):
+            self._set(sock, 0)
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["hold"] and len(argv) == 2:
-        hold(argv[1])
+    if argv[:1] == ["hold"] and len(argv) in (2, 3):
+        hold(argv[1], argv[2] if len(argv) == 3 else None)
     if argv[:1] == ["finish"] and len(argv) == 2:
         return finish(argv[1])
     if argv[:1] == ["seed"] and len(argv) == 2:
         return seed(argv[1])
-    sys.stderr.write("usage: hold DIR|- | finish DIR|- | seed DIR\n")
+    sys.stderr.write("usage: hold DIR|- [SOCKET] | finish DIR|- | seed DIR\n")
     return 2
 
 

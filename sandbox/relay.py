@@ -12,18 +12,17 @@ import json
 import sys
 from pathlib import Path
 
-from sandbox.gateway_client import client
+from sandbox.gateway_client import api_family, complete
 
 
 def main(in_dir: Path = Path("/in"), out_dir: Path = Path("/out")) -> int:
     req = json.loads((in_dir / "calls.json").read_text())
-    c = client()
+    api = api_family()  # the optimizer upstream's family ($CYCLEBOX_API)
     replies: dict[str, dict[str, object]] = {}
     for call in req["calls"]:
         try:
-            text = c.chat.completions.create(
-                model=req["model"], temperature=0, max_tokens=req["max_tokens"],
-                messages=call["messages"]).choices[0].message.content or ""
+            text = complete(call["messages"], model=req["model"],
+                            max_tokens=req["max_tokens"], api=api)
             replies[call["id"]] = {"ok": True, "text": text}
         except Exception as exc:
             replies[call["id"]] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}

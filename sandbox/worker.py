@@ -1,4 +1,5 @@
-"""Coding worker (runs in the worker container): one model call, no tools.
+"""Coding worker (runs in the worker container): one model call, no tools, in the API
+family of the optimizer upstream ($CYCLEBOX_API).
 
 Reads /in/request.json, asks the optimizer model (through the gateway) for replacement
 files, validates the reply's shape and paths, and writes /out/proposal.json. It runs
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sandbox.gateway_client import client
+from sandbox.gateway_client import complete
 from sandbox.proposal import Refused, check_changes, parse_reply
 
 SYSTEM = """You are a coding worker improving an LLM agent's prompt, skill and code files.
@@ -33,10 +34,10 @@ def prompt(req: dict[str, Any]) -> str:
 
 def main(in_dir: Path = Path("/in"), out_dir: Path = Path("/out")) -> int:
     req = json.loads((in_dir / "request.json").read_text())
-    reply = client().chat.completions.create(
-        model=req["model"], temperature=0, max_tokens=req["max_tokens"],
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt(req)}],
-    ).choices[0].message.content or ""
+    # The family ($CYCLEBOX_API: chat, responses or messages) is the optimizer upstream's.
+    reply = complete([{"role": "system", "content": SYSTEM},
+                      {"role": "user", "content": prompt(req)}],
+                     model=req["model"], max_tokens=req["max_tokens"])
     try:
         changes, rationale = parse_reply(reply)
         check_changes(changes, paths=set(req["paths"]), allowlist=list(req["allowlist"]))

@@ -13,6 +13,9 @@ from runner.cli.output import out
 from runner.errors import ConfigError
 from runner.termsafe import emit_json, safe
 
+RUN_MARKERS = ("plan.json", "receipt.json", "containers.jsonl")
+"""Files only a run directory holds: such a directory without a call log made no call."""
+
 app = typer.Typer(no_args_is_help=True, help="Inspect the model gateway's call log.")
 
 
@@ -25,25 +28,34 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
 
     log_dir = run_dir / "gateway"
     if not (log_dir / "calls.jsonl").is_file():
-        raise ConfigError("calls.jsonl not found", path=str(log_dir / "calls.jsonl"),
-                          field="RUN_DIR", fix="pass a run directory (e.g. build/runs/<id>)")
-    records = CallLog(log_dir).records()
+        if not any((run_dir / marker).is_file() for marker in RUN_MARKERS):
+            raise ConfigError("calls.jsonl not found", path=str(log_dir / "calls.jsonl"),
+                              field="RUN_DIR",
+                              fix="pass a run directory (e.g. build/runs/<id>)")
+        records = []  # a run whose roles reached no model: no gateway log at all
+    else:
+        records = CallLog(log_dir).records()
     totals = summarize(records)
     if json_out:
         emit_json({"calls": [r.model_dump(mode="json") for r in records],
                    "totals": totals.model_dump(mode="json")})
         return
+    if not records:
+        out.print(f"no model calls recorded in {safe(run_dir)}", highlight=False)
+        return
     table = Table(title=f"model calls: {safe(log_dir)}")
-    for col in ("seq", "role", "stage", "case", "trial", "turn", "model", "status", "tokens",
-                "cost", "ms"):
+    for col in ("seq", "role", "stage", "case", "trial", "turn", "api", "model", "status",
+                "tokens", "cost", "ms"):
         table.add_column(col)
     for r in records:
         tokens = str(r.usage.total_tokens) if r.usage else "?"
-        cost = "unknown" if r.cost_usd is None else f"{r.cost_usd:.6f}"
+        cost = "unknown" if r.cost_usd is None else f"{r.cost_usd:.6f}" + (
+            " (bound)" if r.cost_basis == "upper_bound" else "")
         status = r.status + (f" ({r.error})" if r.error else "") + (" [fixture]" if r.fixture
                                                                        else "")
         cells = (str(r.seq), r.role, r.stage, r.case or "-",
-                 "-" if r.trial is None else str(r.trial), str(r.turn), r.model or "-",
+                 "-" if r.trial is None else str(r.trial), str(r.turn), r.api or "-",
+                 r.model or "-",
                  status, tokens, cost, f"{r.latency_s * 1000:.1f}")
         table.add_row(*(safe(c, 500) for c in cells))
     out.print(table)
@@ -52,5 +64,7 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
         fixture = sum(r.fixture for r in records if r.role == role)
         out.print(safe(f"{role}: {row.calls} calls, {row.tokens} tokens, {usd}, "
                        f"complete={row.complete}"
+                       + (f", {row.bounded_calls} bounded (no usage: charged the worst "
+                          "case, not measured)" if row.bounded_calls else "")
                        + (f", {fixture} fixture (scripted, not billed)" if fixture else "")),
                   highlight=False)

@@ -32,14 +32,21 @@ def review_packet(records: Annotated[Path, typer.Option(help="Records (JSONL).")
     packet.json records the sha256 of the run's receipt.json and of the records file.
     Exit 0 written; 3 bad input (records not the run's); 8 records changed since the run."""
     from runner.cycle.compare import load_records
-    from runner.cycle.review import bind_run, make_packet, manifest_questions, run_of_records
+    from runner.cycle.review import (
+        bind_run,
+        make_packet,
+        manifest_questions,
+        run_of_records,
+        tool_calls_of_run,
+    )
 
     questions = manifest_questions(manifest, intent_key) if manifest is not None else None
     if run is None:
         run = run_of_records(records)
     binding = bind_run(run, records) if run is not None else None
+    calls = tool_calls_of_run(run, binding) if run is not None and binding else None
     path = make_packet(load_records(records), out_dir, reviewer=reviewer,
-                       questions=questions, run=binding)
+                       questions=questions, run=binding, tool_calls=calls)
     bound = (f"bound to run {safe(run)}" if binding
              else "NOT bound to a run (export will refuse it)")
     out.print(f"packet written to {safe(path)}, {bound}; fill human-labels.json, then run "

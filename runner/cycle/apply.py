@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pydantic import TypeAdapter, ValidationError
 
-from runner import gitops
+from runner import fswalk, gitops
 from runner.cycle.models import (
     Applied,
     ApplyRefusal,
@@ -34,7 +34,7 @@ from runner.cycle.models import (
     Proposal,
     ProposalFile,
 )
-from runner.errors import ConfigError, IntegrityError, OutputRejected
+from runner.errors import ConfigError, EnvironmentFailure, IntegrityError, OutputRejected
 from runner.hashing import write_json
 from runner.isolation.collect import Collected, Limits, collect
 from runner.isolation.sandbox import Mount, RunRecord, Sandbox, StopReason
@@ -152,8 +152,7 @@ def apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
     base_commit = gitops.throwaway_repo(repo, tree, work / "repo")
     (work / "out").mkdir()
     if os.getuid() == 0 and uid != 0:
-        for p in [work, *work.rglob("*")]:
-            os.lchown(p, uid, uid)
+        _give(work, uid)
     rec = run(work)
     got: Collected | None = None
     try:
@@ -192,6 +191,23 @@ def apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
     (stage_dir / "candidate.patch").write_bytes(patch)
     _write_result(stage_dir, result)
     return result
+
+
+def _give(work: Path, uid: int) -> None:
+    """Hand the host-made work directory to the apply role's uid, walked by directory
+    descriptor (:mod:`runner.fswalk`): a path past ``PATH_MAX`` in the checkout is handed
+    over like any other, no link is followed, and nothing is left out silently."""
+    os.lchown(work, uid, uid)
+    try:
+        for e in fswalk.walk(work, max_depth=4096):
+            try:
+                os.chown(e.name, uid, uid, dir_fd=e.parent_fd, follow_symlinks=False)
+            except OSError as exc:
+                raise fswalk.WalkError(e.rel, f"cannot change its owner: {exc.strerror}"
+                                       ) from None
+    except fswalk.WalkError as exc:
+        raise EnvironmentFailure(f"{work}/{exc}: the apply stage's work directory "
+                                 "cannot be handed to its role") from None
 
 
 def _write_result(stage_dir: Path, result: Applied | ApplyRefusal) -> None:

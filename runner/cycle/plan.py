@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import Field
 
+from runner import fswalk
 from runner.cycle.compare import load_policy
 from runner.cycle.config import (
     BriefSpec,
@@ -183,6 +184,37 @@ def _agent_requirements(cycle: CycleFile, repo: Path, tree: str, where: str) -> 
     return check_requirements(data, source=rel, path=where, field=field)
 
 
+def _requirements_warnings(cycle: CycleFile, requirements: str | None) -> tuple[str, ...]:
+    """A warning naming the requirement lines that pin no single version."""
+    from runner.requirements import unpinned
+
+    loose = unpinned(requirements or "")
+    if not loose:
+        return ()
+    return (f"project.requirements: {cycle.project.requirements}: "
+            f"{len(loose)} line(s) pin no version ({', '.join(repr(x) for x in loose[:10])}"
+            f"{', ...' if len(loose) > 10 else ''}); a later freeze may resolve other "
+            "releases (a new derived image). Pin each with ==",)
+
+
+def _check_src_paths(repo: Path, tree: str, cycle: CycleFile, where: str) -> None:
+    """The agent's tree is mounted at /src in every case: a path in it that would be
+    PATH_MAX or longer there is bad input now, naming it, not an error in every case."""
+    from runner import gitops
+
+    long = gitops.past_path_max(repo, tree, "/src")
+    if long is None:
+        return
+    path, inside = long
+    sub = f":{cycle.project.subdir.strip('/')}" if cycle.project.subdir else ""
+    raise ConfigError(f"{show(f'{cycle.project.base_ref}{sub}')} (tree {tree[:12]}) holds "
+                      f"{fswalk.shown(path)}: path of {inside} bytes once mounted at /src, past "
+                      f"PATH_MAX ({fswalk.PATH_MAX}); no program in the container could open "
+                      "it", path=where, field="project.base_ref",
+                      fix="commit the agent's tree with shorter paths (or without that "
+                      "file) and point project.base_ref at that commit")
+
+
 def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy] | None = None,
                 check_credentials: bool = True) -> _Checked:
     """Every check freeze makes on its inputs; reads only, writes nothing."""
@@ -190,6 +222,13 @@ def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy
     where = show(str(cycle_path))
     inputs = check_inputs(cycle, cycle_path, base)
     manifest = load_manifest(inputs.manifest, inputs.data_dir, ref=(where, "scenarios"))
+    try:  # the whole tree is mounted at /data: every entry must be readable and openable
+        fswalk.check_mountable(inputs.data_dir, "/data")
+    except fswalk.WalkError as exc:
+        raise ConfigError(f"{show(str(inputs.data_dir))}/{fswalk.shown(exc.rel)}: "
+                          f"{exc.reason}", path=where, field="data_dir",
+                          fix="make every entry of the data directory readable, with "
+                          "shorter paths (or remove it)") from None
     policy = _policy(load_policy(inputs.policy), manifest, cycle, cycle_path)
     _check_briefable(cycle, manifest, show(str(inputs.manifest)))
     pols = load_policies(inputs.roles, ref=(where, "roles"))
@@ -199,6 +238,7 @@ def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy
                           field="roles", fix=f"define roles {', '.join(CYCLE_ROLES)}")
     _check_edit(cycle.edit, cycle_path)
     tree = check_repo(inputs.repo, cycle.project.base_ref, cycle.project.subdir, path=where)
+    _check_src_paths(inputs.repo, tree, cycle, where)
     dirty = uncommitted_warning(inputs.repo, cycle.project.base_ref, cycle.project.subdir,
                                 path=where)
 
@@ -233,9 +273,12 @@ def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy
                               f"upstreams.{up_name}.models")
     roles = {r: pols.roles[r].model_copy(update={"upstream": role_upstream.get(r)})
              for r in CYCLE_ROLES}
+    requirements = _agent_requirements(cycle, inputs.repo, tree, where)
     return _Checked(cycle=cycle, inputs=inputs, manifest=manifest, policy=policy, roles=roles,
-                    tree=tree, upstreams=frozen, warnings=(dirty,) if dirty else (),
-                    requirements=_agent_requirements(cycle, inputs.repo, tree, where))
+                    tree=tree, upstreams=frozen,
+                    warnings=((dirty,) if dirty else ()) + _requirements_warnings(
+                        cycle, requirements),
+                    requirements=requirements)
 
 
 def used_upstreams(cycle: CycleFile, pols: RolePolicies, *, path: str,
@@ -310,8 +353,14 @@ def freeze(cycle_path: Path, out: Path, *, images: ImagesArg,
             raise PrerequisiteError("project.requirements is set but this caller cannot build "
                                     "the derived analyst image. Fix: run the cycle with "
                                     "`cyclebox cycle run`")
-        image_ids = {**image_ids, "analyst": derive_analyst(image_ids["analyst"],
-                                                             c.requirements)}
+        from runner.requirements import RequirementsRefused
+
+        try:
+            derived = derive_analyst(image_ids["analyst"], c.requirements)
+        except RequirementsRefused as exc:  # name the file and the cycle file
+            raise exc.named(c.cycle.project.requirements or "requirements",
+                            show(str(cycle_path))) from None
+        image_ids = {**image_ids, "analyst": derived}
     created = make_fresh_dir(out)
     try:
         return _write_frozen(c, cycle_path, out, image_ids, dream_override)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
+from runner import fswalk
 from runner.cycle.dream import DreamSummary
 from runner.cycle.models import ComparisonResult
 from runner.cycle.plan import read_plan_doc
@@ -27,7 +28,7 @@ from runner.cycle.signing import ENVELOPE
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.gateway.calllog import CallLog
 from runner.gateway.report import UsageReport, summarize
-from runner.hashing import canonical_bytes, sha256_file, sha256_json
+from runner.hashing import canonical_bytes, sha256_json
 from runner.isolation.collect import loads_strict
 from runner.isolation.sandbox import Frozen, StopReason
 from runner.loading import MAX_BYTES, load_lines, load_model, parse_model, show
@@ -52,36 +53,31 @@ def _unbound(rel: str) -> bool:
 def _files(root: Path) -> tuple[dict[str, str], dict[str, str]]:
     """sha256 of every regular file under ``root``, as (UTF-8 named, other).
 
-    Iterative (a container may nest directories thousands deep) and never following a
-    symlink. A path that is not UTF-8 (only a container writes one; collect refuses it)
-    goes into the second map under its backslash-escaped form: hashed, but not a name
-    ``verify`` could open."""
+    One walk by directory descriptor (:mod:`runner.fswalk`): a path longer than
+    ``PATH_MAX`` is hashed like any other, no symlink is followed, and a directory or
+    file that cannot be read is an IntegrityError naming it, never left out. A path that
+    is not UTF-8 (only a container writes one; collect refuses it) goes into the second
+    map under its backslash-escaped form: hashed, but not a name ``verify`` could open."""
     out: dict[str, str] = {}
     escaped: dict[str, str] = {}
-    stack = [b""]
-    while stack:
-        rel_dir = stack.pop()
-        try:
-            entries = list(os.scandir(os.path.join(bytes(root), rel_dir) if rel_dir
-                                      else bytes(root)))
-        except OSError:
-            continue
-        for e in entries:
-            rel_b = os.path.join(rel_dir, e.name) if rel_dir else e.name
-            if e.is_dir(follow_symlinks=False):
-                stack.append(rel_b)
+    try:
+        for e in fswalk.walk(root, descend=lambda e: not _unbound(e.rel + "/"),
+                             max_depth=_MAX_DEPTH, max_entries=_MAX_ENTRIES):
+            if not e.is_file:
                 continue
-            if not e.is_file(follow_symlinks=False):
-                continue
-            rel = rel_b.decode("utf-8", "backslashreplace")
+            raw = os.fsencode(e.rel)
+            rel = raw.decode("utf-8", "backslashreplace")
             if _unbound(rel):
                 continue  # the receipt itself; git internals bound through commit/tree ids
             try:
-                rel_b.decode("utf-8")
+                raw.decode("utf-8")
                 target = out
             except UnicodeDecodeError:
                 target = escaped
-            target[rel] = sha256_file(Path(os.fsdecode(e.path)))
+            target[rel] = e.sha256()
+    except fswalk.WalkError as exc:
+        raise IntegrityError(f"{root}: cannot bind the run directory into a receipt: {exc}. "
+                             "Fix: make every file under it readable by this user") from None
     return dict(sorted(out.items())), dict(sorted(escaped.items()))
 
 
@@ -439,39 +435,20 @@ def _sha256_in(root_fd: int, rel: str) -> str:
     return h.hexdigest()
 
 
-def _present(root_fd: int) -> set[str]:
+def _present(root_fd: int) -> tuple[set[str], list[str]]:
     """Regular files under the run directory (by dir fd, no link followed), minus the
-    unbound ones. Symlinks and special files are skipped, as the writer skips them; a
-    receipt naming one fails on its own entry."""
+    unbound ones, and the problems met walking it. Symlinks and special files are
+    skipped, as the writer skips them (a receipt naming one fails on its own entry); a
+    directory that cannot be read is a problem naming it, never left out."""
     found: set[str] = set()
-    stack: list[tuple[int, str, int]] = [(os.dup(root_fd), "", 0)]
-    entries = 0
     try:
-        while stack:
-            dfd, prefix, depth = stack.pop()
-            try:
-                for name in sorted(os.listdir(dfd)):
-                    entries += 1
-                    if entries > _MAX_ENTRIES:
-                        raise IntegrityError(f"run directory holds more than {_MAX_ENTRIES} "
-                                             "entries; refusing to walk it")
-                    rel = prefix + name
-                    st = os.lstat(name, dir_fd=dfd)
-                    if stat.S_ISDIR(st.st_mode):
-                        if _unbound(rel + "/x") or depth + 1 > _MAX_DEPTH:
-                            if depth + 1 > _MAX_DEPTH:
-                                found.add(rel + "/ (nested too deep to check)")
-                            continue
-                        stack.append((os.open(name, _DIR_FLAGS, dir_fd=dfd), rel + "/",
-                                      depth + 1))
-                    elif stat.S_ISREG(st.st_mode) and not _unbound(rel):
-                        found.add(rel)
-            finally:
-                os.close(dfd)
-    finally:
-        for dfd, _, _ in stack:
-            os.close(dfd)
-    return found
+        for e in fswalk.walk(root_fd, descend=lambda e: not _unbound(e.rel + "/"),
+                             max_depth=_MAX_DEPTH, max_entries=_MAX_ENTRIES):
+            if e.is_file and not _unbound(e.rel):
+                found.add(e.rel)
+    except fswalk.WalkError as exc:
+        return found, [f"{exc} (the run directory could not be checked in full)"]
+    return found, []
 
 
 def verify(run_dir: Path) -> list[str]:
@@ -521,7 +498,9 @@ def _verify_at(root_fd: int, run_dir: Path) -> list[str]:
         except _Unreadable as exc:
             problems.append(f"{rel}: {exc}")
     not_utf8 = receipt.files_not_utf8
-    for name in sorted(_present(root_fd) - set(files)):
+    present, walk_problems = _present(root_fd)
+    problems += walk_problems
+    for name in sorted(present - set(files)):
         rel = name
         try:
             rel.encode("utf-8")
@@ -537,7 +516,7 @@ def _verify_at(root_fd: int, run_dir: Path) -> list[str]:
             rel = shown
         problems.append(f"{rel}: present in the run directory but not named by the receipt")
     shown_present = {os.fsencode(n).decode("utf-8", "backslashreplace")
-                     for n in _present(root_fd)}
+                     for n in present}
     problems += [f"{shown}: missing" for shown in sorted(set(not_utf8) - shown_present)]
     problems += _candidate_problems(root_fd, run_dir, receipt.outcome.candidate_tree)
     plan: Any = None

@@ -59,6 +59,8 @@ BLOCK_MIN = 200
 """Characters a block keeps even when its item's budget is spent."""
 MAX_EVIDENCE = 20
 """Evidence items shown per answer; the rest are counted."""
+MAX_TOOL_CALLS = 20
+"""Tool calls shown per item; the rest are counted."""
 TOTAL_LIMIT = 8_000_000
 """Characters of review.md; a larger packet is refused before anything is written."""
 
@@ -234,14 +236,61 @@ def manifest_questions(manifest: Path, intent_key: str = "question") -> dict[str
                      fix=MANIFEST_FIX)
     return {sc.id: str(sc.input.get(intent_key, json.dumps(sc.input))) for sc in doc.scenarios}
 
+class ToolCall(Frozen):
+    """One tool call the agent made, with the result it was given (if any)."""
+
+    name: str
+    arguments: str
+    result: str | None = None
+
+
+def tool_calls_of_run(run: Path, binding: RunBinding,
+                      role: str = "analyst") -> dict[str, list[ToolCall]]:
+    """Item id -> the tool calls of that (case, trial) in the bound records' stage, read
+    from the run's call log (any API family, in turn order; each call's result is the
+    tool message answering its id in a later request). Calls that do not parse are left
+    out; the exact bytes stay in the log."""
+    from runner.gateway.calllog import CallLog
+    from runner.gateway.transcript import NOT_TURNS, transcript
+
+    parts = binding.records.split("/")
+    stage = parts[1] if len(parts) == 3 and parts[0] == "stages" else None
+    log = CallLog(run / "gateway")
+    by_item: dict[str, list[Any]] = {}
+    for c in sorted(log.records(), key=lambda c: (c.case or "", c.trial or 0, c.turn)):
+        if (c.role != role or c.stage != stage or c.case is None or c.trial is None
+                or c.status != "ok" or (c.api or "chat") in NOT_TURNS or not c.response_sha256):
+            continue
+        t = transcript(c.api, log.blob(c.request_sha256), log.blob(c.response_sha256),
+                       stream=c.stream)
+        by_item.setdefault(f"{c.case}#{c.trial}", []).append(t)
+    out: dict[str, list[ToolCall]] = {}
+    for item, turns in by_item.items():
+        results: dict[str, str] = {}
+        for t in turns:
+            for m in t.messages:
+                if m["role"] == "tool":
+                    results.setdefault(m["tool_call_id"], m["content"])
+        calls = [ToolCall(name=tc["function"]["name"], arguments=tc["function"]["arguments"],
+                          result=results.get(tc["id"]))
+                 for t in turns if t.reply is not None
+                 for tc in t.reply.get("tool_calls", [])]
+        if calls:
+            out[item] = calls
+    return out
+
+
 def make_packet(records: Sequence[Record], out_dir: Path, *, reviewer: str = "",
                 questions: Mapping[str, str] | None = None,
-                run: RunBinding | None = None) -> Path:
+                run: RunBinding | None = None,
+                tool_calls: Mapping[str, Sequence[ToolCall]] | None = None) -> Path:
     """Write a review packet for the ok records into the new directory ``out_dir``.
 
     ``questions`` (case id -> the task as the agent received it) lets the reviewer
     judge correctness; it comes from the scenario manifest, never from a model.
-    ``run`` (from :func:`bind_run`) binds the packet, and so its calibration, to a run."""
+    ``run`` (from :func:`bind_run`) binds the packet, and so its calibration, to a run.
+    ``tool_calls`` (item id -> calls, from :func:`tool_calls_of_run`) are shown under
+    each item, quoted as data like every other model string."""
     ok = sorted((r for r in records if r.status == "ok"), key=lambda r: (r.case_id, r.trial))
     if not ok:
         raise ConfigError("no record with status ok to review", path=str(out_dir),
@@ -253,7 +302,8 @@ def make_packet(records: Sequence[Record], out_dir: Path, *, reviewer: str = "",
         raise ConfigError(f"duplicate (case, trial) items {dups}", field="records",
                           fix="pass each (case, trial) once")
     pid = _packet_id(items, CRITERIA, run)
-    review = _render_review(ok, pid, reviewer, questions or {}).encode("utf-8")
+    review = _render_review(ok, pid, reviewer, questions or {},
+                            tool_calls or {}).encode("utf-8")
     packet = Packet(packet_id=pid, items=items, criteria=CRITERIA,
                     review_md_sha256=sha256_bytes(review), run=run)
     labels = {"schema": 1, "packet_id": pid, "reviewer": reviewer, "labeled_at": None,
@@ -460,7 +510,8 @@ class _Quoter:
 
 
 def _render_review(records: Sequence[Record], packet_id: str, reviewer: str,
-                   questions: Mapping[str, str]) -> str:
+                   questions: Mapping[str, str],
+                   tool_calls: Mapping[str, Sequence[ToolCall]] | None = None) -> str:
     """review.md. Every string from a record or the manifest is quoted as data: blocks
     fenced (one backtick longer than any run inside), names as code spans, controls
     escaped; each item's quoted text is capped at :data:`ITEM_LIMIT` characters and the
@@ -488,6 +539,16 @@ def _render_review(records: Sequence[Record], packet_id: str, reviewer: str,
                 enumerate(evs[:MAX_EVIDENCE], 1)] or ["(none cited)", ""]
         if len(evs) > MAX_EVIDENCE:
             out += [f"({len(evs) - MAX_EVIDENCE} more evidence item(s) not shown)", ""]
+        calls = (tool_calls or {}).get(_item_id(r), ())
+        if calls:
+            out += ["### Tool calls", ""]
+            for k, tc in enumerate(calls[:MAX_TOOL_CALLS], 1):
+                out += [f"Call {k}: {code_span(tc.name)} with arguments:", "",
+                        quote(tc.arguments), "", "Result:", "",
+                        quote(tc.result) if tc.result is not None else "(no result recorded)",
+                        ""]
+            if len(calls) > MAX_TOOL_CALLS:
+                out += [f"({len(calls) - MAX_TOOL_CALLS} more tool call(s) not shown)", ""]
         if "refused" in ans:
             v = ans["refused"]
             said = "yes" if v is True else "no" if v is False else code_span(_as_text(v))

@@ -54,9 +54,11 @@ from runner.cycle.scoring import (
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.failures import Failure, classify, is_engine_error, is_environment_error, one_line
 from runner.gateway.budget import RunBudget
+from runner.gateway.config import UpstreamPolicy
 from runner.gateway.report import summarize
 from runner.gateway.server import Gateway
 from runner.hashing import safe_text, sha256_bytes, write_json
+from runner.isolation import image_use
 from runner.isolation.collect import Limits, collect
 from runner.isolation.launcher import launch, output_dir
 from runner.isolation.sandbox import Mount, RunRecord, Sandbox, StopReason
@@ -91,6 +93,25 @@ class Outcome:
     its exit code replaces the verdict's."""
 
 
+
+def worker_api(optimizer: UpstreamPolicy | None) -> str:
+    """The API family the worker and the dream relay speak: Messages for an anthropic
+    upstream; for a replayed one, the family its recorded worker calls spoke (replay
+    matches on request bytes, so it must be asked in the same family); else chat."""
+    if optimizer is None:
+        return "chat"
+    if optimizer.provider == "anthropic":
+        return "messages"
+    if optimizer.provider == "replay":
+        from runner.gateway.calllog import CallLog
+
+        log = Path(optimizer.replay_from) / "gateway"
+        if (log / "calls.jsonl").is_file():
+            apis = {r.api for r in CallLog(log).records() if r.role == "worker" and r.api}
+            if apis in ({"messages"}, {"responses"}):
+                return apis.pop()
+    return "chat"
+
 class CycleRunner:
     """Runs one prepared plan on ``sandbox``; one instance per run directory."""
 
@@ -109,6 +130,10 @@ class CycleRunner:
         # The agent's model is the first of its upstream's allowlist (docs/contracts.md).
         target = self.plan.upstreams.get(self.plan.roles["analyst"].upstream or "")
         self._model_env = {"CYCLEBOX_MODEL": target.models[0]} if target else {}
+        # The worker and the dream relay speak the optimizer upstream's API family (the
+        # gateway never translates): Messages for an anthropic upstream, else chat.
+        optimizer = self.plan.upstreams.get(self.plan.roles["worker"].upstream or "")
+        self._worker_env = {"CYCLEBOX_API": worker_api(optimizer)}
 
     # -- entry -------------------------------------------------------------------
     def run(self) -> Outcome:
@@ -124,6 +149,7 @@ class CycleRunner:
                               "attempt is kept", field="--plan",
                               fix="freeze again into a new directory")
         check_upstreams(dict(self.plan.upstreams), path=str(self.plan_path))
+        image_use.hold(self.plan.images.values())  # `images gc` leaves them alone
         for role, image in self.plan.images.items():
             if self.backend.image_id(image) is None:
                 raise IntegrityError(f"frozen image for {role} ({image}) is not present; "
@@ -392,7 +418,11 @@ class CycleRunner:
         usage = {r: t.model_dump(mode="json") for r, t in summarize(calls).per_role.items()}
         common = dict(base, latency_s=rec.wall_s, usage=usage)
         if any(c.error == "budget" for c in calls):
-            return Record(**common, status="not_attempted", reason="budget: call refused")
+            # The headline names the real cause (the refusal's own reason), never a
+            # generic "call refused".
+            why = (f"admission halted: {self.budget.halted}" if self.budget.halted
+                   else self.budget.last_refusal or "call refused")
+            return Record(**common, status="not_attempted", reason=f"budget: {why}")
         infra = [c.error for c in calls if c.status == "infra_error"]
         if infra:
             return Record(**common, status="infra_invalid", reason=f"gateway: {infra[0]}")
@@ -490,6 +520,7 @@ class CycleRunner:
         write_json(d / "in" / "request.json", request)
         out = self._fresh("worker", d / "out")
         rec = self._run("worker", ["python", "-m", "sandbox.worker"], stage="propose", out=out,
+                        env=self._worker_env,
                         mounts=[Mount(source=d / "in", target="/in")])
         got = collect(out, self._limits("worker"))
         if "proposal-error.json" in got.files:
@@ -567,6 +598,7 @@ class CycleRunner:
                                               "calls": calls})
         out = self._fresh("worker", d / "out")
         rec = self._run("worker", ["python", "-m", "sandbox.relay"], stage=stage, out=out,
+                        env=self._worker_env,
                         mounts=[Mount(source=d / "in", target="/in")])
         try:
             replies: dict[str, dict[str, Any]] = collect(out, self._limits("worker")).json(

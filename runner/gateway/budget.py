@@ -3,9 +3,10 @@
 Admission happens before every call under a lock: a reservation of the call's worst
 case (never less than ``reservation_usd``) is held until the call settles with its
 reported cost, so the sum of spend and open reservations never passes a limit, however
-many calls run at once. An unknown charge (no usage, no price) or a
-charge above its reservation stops all further admission, and totals are then
-marked incomplete or halted. Nothing here does IO.
+many calls run at once. A call that ends without usage but was admitted at a known worst
+case is charged that worst case (an upper bound, counted in ``bounded_calls``) and the
+run goes on. An unknown charge (no price) or a charge above its reservation stops all
+further admission, and totals are then marked incomplete or halted. Nothing here does IO.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class _Account:
     reserved: float = 0.0
     calls: int = 0
     unknown_cost_calls: int = 0
+    bounded_calls: int = 0
 
 
 @dataclass
@@ -71,6 +73,8 @@ class RunBudget:
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     halted: str | None = None
     """Why admission stopped for good, if it did."""
+    last_refusal: str | None = None
+    """The reason of the latest refused admission (what a run's headline names)."""
 
     def admit(self, role: str, worst_case_usd: float | None = 0.0) -> Reservation:
         """Reserve the call's worst case (at least ``reservation_usd``) or raise BudgetRefused.
@@ -78,30 +82,38 @@ class RunBudget:
         ``worst_case_usd`` None means the worst case is unknown (no price): refused
         whenever a USD limit applies, since nothing would bound the charge.
         """
-        p = self.policy
         with self._lock:
-            acct = self._roles.setdefault(role, _Account())
-            if self.halted:
-                raise BudgetRefused(f"admission halted: {self.halted}")
-            if p.max_calls is not None and self._total.calls + 1 > p.max_calls:
-                raise BudgetRefused(f"max_calls {p.max_calls} reached")
-            role_calls = p.per_role_calls.get(role)
-            if role_calls is not None and acct.calls + 1 > role_calls:
-                raise BudgetRefused(f"per-role max_calls {role_calls} reached for {role}")
-            role_cap = p.per_role_usd.get(role)
-            if worst_case_usd is None and (p.limit_usd is not None or role_cap is not None):
-                raise BudgetRefused("worst case unknown (no price for the model) under a "
-                                    "USD limit; add the model to the upstream's prices")
-            amount = max(p.reservation_usd, worst_case_usd or 0.0)
-            self._check(self._total, amount, p.limit_usd, "limit_usd")
-            if role_cap is not None:
-                self._check(acct, amount, role_cap, "per-role limit_usd", f" for {role}")
-            res = Reservation(id=next(self._ids), role=role, amount=amount)
-            for a in (self._total, acct):
-                a.calls += 1
-                a.reserved += amount
-            self._open[res.id] = res
-            return res
+            try:
+                return self._admit(role, worst_case_usd)
+            except BudgetRefused as exc:
+                self.last_refusal = exc.reason
+                raise
+
+    def _admit(self, role: str, worst_case_usd: float | None) -> Reservation:
+        """Under self._lock (see admit)."""
+        p = self.policy
+        acct = self._roles.setdefault(role, _Account())
+        if self.halted:
+            raise BudgetRefused(f"admission halted: {self.halted}")
+        if p.max_calls is not None and self._total.calls + 1 > p.max_calls:
+            raise BudgetRefused(f"max_calls {p.max_calls} reached")
+        role_calls = p.per_role_calls.get(role)
+        if role_calls is not None and acct.calls + 1 > role_calls:
+            raise BudgetRefused(f"per-role max_calls {role_calls} reached for {role}")
+        role_cap = p.per_role_usd.get(role)
+        if worst_case_usd is None and (p.limit_usd is not None or role_cap is not None):
+            raise BudgetRefused("worst case unknown (no price for the model) under a "
+                                "USD limit; add the model to the upstream's prices")
+        amount = max(p.reservation_usd, worst_case_usd or 0.0)
+        self._check(self._total, amount, p.limit_usd, "limit_usd")
+        if role_cap is not None:
+            self._check(acct, amount, role_cap, "per-role limit_usd", f" for {role}")
+        res = Reservation(id=next(self._ids), role=role, amount=amount)
+        for a in (self._total, acct):
+            a.calls += 1
+            a.reserved += amount
+        self._open[res.id] = res
+        return res
 
     @staticmethod
     def _check(acct: _Account, amount: float, limit: float | None, what: str,
@@ -111,14 +123,18 @@ class RunBudget:
                                 f"{amount:.6f} (spent {acct.spent:.6f}, reserved "
                                 f"{acct.reserved:.6f})")
 
-    def settle(self, res: Reservation, cost_usd: float | None) -> None:
-        """Release the reservation and charge the cost; None means the cost is unknown."""
+    def settle(self, res: Reservation, cost_usd: float | None, *,
+               upper_bound: bool = False) -> None:
+        """Release the reservation and charge the cost; None means the cost is unknown.
+        ``upper_bound``: the cost is the call's admitted worst case, charged because the
+        call ended without usage (counted in ``bounded_calls``)."""
         with self._lock:
             if self._open.pop(res.id, None) is None:
                 raise ValueError(f"reservation {res.id} settled twice")
             acct = self._roles[res.role]
             for a in (self._total, acct):
                 a.reserved -= res.amount
+                a.bounded_calls += int(upper_bound and cost_usd is not None)
                 if cost_usd is None:
                     a.unknown_cost_calls += 1
                 else:
@@ -144,6 +160,7 @@ class RunBudget:
             def row(a: _Account) -> dict[str, object]:
                 return {"spent_usd": round(a.spent, 9), "calls": a.calls,
                         "unknown_cost_calls": a.unknown_cost_calls,
+                        "bounded_calls": a.bounded_calls,
                         "complete": a.unknown_cost_calls == 0 and a.reserved < 1e-12}
             return {"total": row(self._total), "halted": self.halted,
                     "per_role": {r: row(a) for r, a in sorted(self._roles.items())}}

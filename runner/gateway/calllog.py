@@ -29,6 +29,7 @@ from runner.isolation.sandbox import Frozen
 from runner.loading import load_lines, read_capped
 
 CallStatus = Literal["ok", "refused", "infra_error"]
+ApiFamily = Literal["chat", "responses", "embeddings", "messages", "count_tokens"]
 PREFIX_BYTES = 256
 """How much of a refused request's body the log keeps."""
 MAX_INDEX_BYTES = 1 << 30
@@ -42,10 +43,29 @@ DIGEST = r"^[0-9a-f]{64}$"
 (``../../x``) would open a file outside ``blobs/``."""
 
 
+Api = ApiFamily
+OPENAI_APIS: frozenset[str] = frozenset({"chat", "responses", "embeddings"})
+"""API families an OpenAI-compatible upstream serves."""
+ANTHROPIC_APIS: frozenset[str] = frozenset({"messages", "count_tokens"})
+"""API families an Anthropic upstream serves (and answered in Anthropic's error shape)."""
+ALL_APIS: frozenset[str] = OPENAI_APIS | ANTHROPIC_APIS
+CostBasis = Literal["measured", "upper_bound"]
+
+
 class Usage(Frozen):
+    """Tokens of one call, normalised across API families."""
+
     prompt_tokens: int = Field(ge=0)
+    """All input tokens, cache reads and cache writes included."""
     completion_tokens: int = Field(ge=0)
+    """All output tokens, reasoning (thinking) included."""
     total_tokens: int = Field(ge=0)
+    cached_tokens: int = Field(default=0, ge=0)
+    """Input tokens read from the provider's prompt cache."""
+    cache_write_tokens: int = Field(default=0, ge=0)
+    """Input tokens written to the prompt cache (Anthropic cache creation)."""
+    reasoning_tokens: int = Field(default=0, ge=0)
+    """Output tokens spent on reasoning (priced as output)."""
 
 
 class CallRecord(Frozen):
@@ -69,6 +89,9 @@ class CallRecord(Frozen):
     fixture: bool
     """True when the reply came from the scripted provider (never a real model)."""
     stream: bool = False
+    api: ApiFamily | None = "chat"
+    """API family of the route called; old logs have no field (all chat); None for a
+    request refused before routing (e.g. an unknown path)."""
     status: CallStatus
     error: str | None = None
     """Named reason for refused and infra_error (e.g. bad_token, model_not_allowed,
@@ -79,6 +102,10 @@ class CallRecord(Frozen):
     usage: Usage | None = None
     cost_usd: float | None = None
     """None means unknown (no usage or no price); never silently zero."""
+    cost_basis: CostBasis | None = None
+    """measured: cost from reported usage; upper_bound: the call was admitted at a known
+    worst case and ended without usage (e.g. a stream without usage), so that worst case
+    was charged. None when no cost was charged (refused) or it is unknown."""
     request_sha256: str = Field(pattern=DIGEST)
     """sha256 of the request bytes: as sent upstream, or as received when refused."""
     response_sha256: str | None = Field(default=None, pattern=DIGEST)

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import Field, TypeAdapter, model_validator
 
 from runner.errors import PrerequisiteError
+from runner.gateway.calllog import ALL_APIS, ANTHROPIC_APIS, OPENAI_APIS
 from runner.isolation.sandbox import Frozen
 
 
@@ -40,7 +41,27 @@ class Price(Frozen):
     input_per_mtok: float = Field(ge=0)
     """USD per million prompt (input) tokens."""
     output_per_mtok: float = Field(ge=0)
-    """USD per million completion (output) tokens."""
+    """USD per million completion (output) tokens; reasoning tokens are output tokens."""
+    cached_input_per_mtok: float | None = Field(default=None, ge=0,
+                                                exclude_if=lambda v: v is None)
+    """USD per million input tokens read from the provider's prompt cache; default: the
+    input price."""
+    cache_write_per_mtok: float | None = Field(default=None, ge=0,
+                                               exclude_if=lambda v: v is None)
+    """USD per million input tokens written to the prompt cache (Anthropic cache creation);
+    default: the input price. The worst case reserves every input token at the dearest
+    input price."""
+
+    def cached_input(self) -> float:
+        return self.input_per_mtok if self.cached_input_per_mtok is None \
+            else self.cached_input_per_mtok
+
+    def cache_write(self) -> float:
+        return self.input_per_mtok if self.cache_write_per_mtok is None \
+            else self.cache_write_per_mtok
+
+    def max_input_per_mtok(self) -> float:
+        return max(self.input_per_mtok, self.cached_input(), self.cache_write())
 
 
 class GatewayLimits(Frozen):
@@ -83,8 +104,9 @@ class RequestRules(Frozen):
     max_n: int = Field(default=1, ge=1, le=128)
     """Largest ``n`` / ``best_of`` allowed; each choice is reserved at max_tokens."""
     allow_tools: bool = False
-    """Function tools (``tools``, ``tool_choice``, ``parallel_tool_calls``); built-in
-    tools such as web search are never forwarded by this switch alone."""
+    """Function tools (``tools``, ``tool_choice``, ``parallel_tool_calls``; Anthropic
+    custom tools); server-side tools (web search, file search, code interpreter,
+    computer use, MCP, Anthropic server tools) are never forwarded."""
     allow_images: bool = False
     """Inline ``data:`` image parts (each reserved at image_token_bound input tokens);
     remote image URLs are always refused (the upstream would fetch them)."""
@@ -94,7 +116,8 @@ class RequestRules(Frozen):
     """Extra top-level fields forwarded verbatim, e.g. ``service_tier``, ``store``,
     ``web_search_options``, ``metadata``. Their cost effects are not bounded."""
     token_limit_key: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"  # noqa: S105
-    """Which key the gateway sets to the cap when the request names none."""
+    """Which key the gateway sets to the cap when a chat completions request names none
+    (the Responses API uses max_output_tokens, Messages max_tokens)."""
 
 
 class _Upstream(Frozen):
@@ -128,10 +151,11 @@ class _Upstream(Frozen):
         # and receipts keep one shape; a value given for another provider is refused.
         if isinstance(data, dict):
             provider = data.get("provider")
-            for key, owner in _PROVIDER_OF.items():
-                if data.get(key) is not None and owner != provider:
+            for key, owners in _PROVIDER_OF.items():
+                if data.get(key) is not None and provider not in owners:
+                    owner = " or ".join(owners)
                     raise ValueError(f"{key} is for provider {owner}, not {provider}; "
-                                     f"remove {key} or set provider: {owner}")
+                                     f"remove {key} or set provider: {owners[0]}")
         return data
 
     @model_validator(mode="after")
@@ -145,9 +169,10 @@ class _Upstream(Frozen):
         return self
 
 
-_PROVIDER_OF = {"base_url": "openai", "credential": "openai", "script": "scripted",
-                "replay_from": "replay"}
-"""Provider-specific field -> the provider it belongs to."""
+_PROVIDER_OF = {"base_url": ("openai", "anthropic"), "credential": ("openai", "anthropic"),
+                "anthropic_version": ("anthropic",), "script": ("scripted",),
+                "replay_from": ("replay",)}
+"""Provider-specific field -> the providers it belongs to."""
 
 
 class OpenAIUpstream(_Upstream):
@@ -164,6 +189,38 @@ class OpenAIUpstream(_Upstream):
     """Not used by this provider (scripted only); always null."""
     replay_from: None = None
     """Not used by this provider (replay only); always null."""
+    anthropic_version: None = Field(default=None, exclude_if=lambda v: v is None)
+    """Not used by this provider (anthropic only); always null."""
+
+    @property
+    def apis(self) -> frozenset[str]:
+        return OPENAI_APIS
+
+
+
+
+class AnthropicUpstream(_Upstream):
+    """Anthropic's Messages API, reached from the host with a host-side key."""
+
+    provider: Literal["anthropic"]
+    """anthropic: the Messages API (``/v1/messages``, ``/v1/messages/count_tokens``)."""
+    base_url: str = Field(min_length=1)
+    """The server's base URL as the Anthropic SDK takes it, e.g. https://api.anthropic.com
+    (the gateway appends /v1/messages)."""
+    credential: CredentialSource
+    """Where the host reads the key (sent as ``x-api-key``). Read only when a role of the
+    cycle uses this upstream."""
+    anthropic_version: str = Field(default="2023-06-01", min_length=1,
+                                   pattern=r"^[0-9A-Za-z._-]+$")
+    """The ``anthropic-version`` header the host sends."""
+    script: None = None
+    """Not used by this provider (scripted only); always null."""
+    replay_from: None = None
+    """Not used by this provider (replay only); always null."""
+
+    @property
+    def apis(self) -> frozenset[str]:
+        return ANTHROPIC_APIS
 
 
 class ScriptedUpstream(_Upstream):
@@ -180,6 +237,12 @@ class ScriptedUpstream(_Upstream):
     """Not used by this provider (openai only); always null."""
     replay_from: None = None
     """Not used by this provider (replay only); always null."""
+    anthropic_version: None = Field(default=None, exclude_if=lambda v: v is None)
+    """Not used by this provider (anthropic only); always null."""
+
+    @property
+    def apis(self) -> frozenset[str]:
+        return ALL_APIS
 
 
 class ReplayUpstream(_Upstream):
@@ -195,18 +258,25 @@ class ReplayUpstream(_Upstream):
     """Not used by this provider (openai only); always null."""
     script: None = None
     """Not used by this provider (scripted only); always null."""
+    anthropic_version: None = Field(default=None, exclude_if=lambda v: v is None)
+    """Not used by this provider (anthropic only); always null."""
+
+    @property
+    def apis(self) -> frozenset[str]:
+        return ALL_APIS
 
 
-UpstreamPolicy = Annotated[OpenAIUpstream | ScriptedUpstream | ReplayUpstream,
+AnyUpstream = OpenAIUpstream | AnthropicUpstream | ScriptedUpstream | ReplayUpstream
+UpstreamPolicy = Annotated[AnyUpstream,
                            Field(discriminator="provider")]
 """One model upstream (target, optimizer or judge), told apart by ``provider``: a missing
 or unknown provider, or a field of another provider, is refused naming the field."""
 
-_UPSTREAM: TypeAdapter[OpenAIUpstream | ScriptedUpstream | ReplayUpstream] = TypeAdapter(
+_UPSTREAM: TypeAdapter[AnyUpstream] = TypeAdapter(
     UpstreamPolicy)
 
 
-def parse_upstream(data: object) -> OpenAIUpstream | ScriptedUpstream | ReplayUpstream:
+def parse_upstream(data: object) -> AnyUpstream:
     """An upstream from plain data (pydantic ValidationError when it is not one)."""
     return _UPSTREAM.validate_python(data)
 

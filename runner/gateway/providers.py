@@ -8,18 +8,27 @@ only inside :class:`OpenAIProvider` on the host.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from runner.errors import ConfigError, OutputRejected
-from runner.gateway.calllog import CallLog, Usage, sha256
+from runner.errors import ConfigError
+from runner.gateway import scripted_wire as wire
+from runner.gateway import usage as _usage_mod
+from runner.gateway.calllog import (
+    ALL_APIS,
+    ANTHROPIC_APIS,
+    OPENAI_APIS,
+    Api,
+    CallLog,
+    Usage,
+    sha256,
+)
+from runner.gateway.scripted_wire import Answer
 from runner.gateway.upstream_http import UpstreamError, client_for
-from runner.isolation.collect import loads_strict
 
 
 @dataclass(frozen=True)
@@ -51,65 +60,22 @@ class CallSite:
 
 class Provider(Protocol):
     name: str
+    apis: frozenset[str]
+    """API families this provider answers (no translation between families)."""
 
     async def call(self, request: bytes, body: dict[str, Any], *, role: str,
-                   stream: bool, site: CallSite | None = None) -> ProviderResult: ...
+                   stream: bool, site: CallSite | None = None,
+                   api: Api = "chat") -> ProviderResult: ...
 
     async def aclose(self) -> None: ...
 
 
-# -- response inspection (pure) --------------------------------------------------
-def _usage(obj: Any) -> Usage | None:
-    if not isinstance(obj, dict):
-        return None
-    try:
-        return Usage(prompt_tokens=int(obj["prompt_tokens"]),
-                     completion_tokens=int(obj["completion_tokens"]),
-                     total_tokens=int(obj.get("total_tokens",
-                                              obj["prompt_tokens"] + obj["completion_tokens"])))
-    except (KeyError, TypeError, ValueError):
-        return None
+# -- response inspection (pure): runner.gateway.usage --------------------------------
+sse_events = _usage_mod.sse_events
 
 
-def inspect_completion(data: bytes) -> tuple[Usage | None, str | None]:
-    """(usage, error) for a non-streamed chat completion body."""
-    try:
-        obj = loads_strict(data, source="upstream response")
-    except OutputRejected:
-        return None, "malformed_response"
-    if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list) or not obj["choices"]:
-        return None, "malformed_response"
-    return _usage(obj.get("usage")), None
-
-
-def sse_events(data: bytes) -> list[str]:
-    """The ``data:`` payloads of an SSE body, in order."""
-    events = []
-    for line in data.decode("utf-8", errors="replace").splitlines():
-        if line.startswith("data:"):
-            events.append(line[5:].strip())
-    return events
-
-
-def inspect_stream(data: bytes) -> tuple[Usage | None, str | None]:
-    """(usage, error) for a streamed (SSE) completion: it must end with [DONE]."""
-    events = sse_events(data)
-    if not events or events[-1] != "[DONE]":
-        return None, "truncated_stream"
-    usage = None
-    for ev in events[:-1]:
-        try:
-            obj = loads_strict(ev, source="upstream stream chunk")
-        except OutputRejected:
-            return None, "malformed_response"
-        if not isinstance(obj, dict):
-            return None, "malformed_response"
-        usage = _usage(obj.get("usage")) or usage
-    return usage, None
-
-
-def inspect(data: bytes, *, stream: bool) -> tuple[Usage | None, str | None]:
-    return inspect_stream(data) if stream else inspect_completion(data)
+def inspect(data: bytes, *, stream: bool, api: Api = "chat") -> tuple[Usage | None, str | None]:
+    return _usage_mod.inspect(data, stream=stream, api=api)
 
 
 # -- openai ----------------------------------------------------------------------
@@ -121,17 +87,24 @@ class OpenAIProvider:
     """
 
     name = "openai"
+    apis = OPENAI_APIS
+    paths: ClassVar[dict[str, str]] = {"chat": "chat/completions", "responses": "responses",
+                                       "embeddings": "embeddings"}
 
     def __init__(self, base_url: str, key: str, *, timeout_s: float, max_response: int) -> None:
         self._client = client_for(base_url, read_timeout=timeout_s, max_response=max_response)
         self._key = key
 
+    def headers(self, stream: bool) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._key}", "Content-Type": "application/json",
+                "Accept": "text/event-stream" if stream else "application/json"}
+
     async def call(self, request: bytes, body: dict[str, Any], *, role: str,
-                   stream: bool, site: CallSite | None = None) -> ProviderResult:
-        headers = {"Authorization": f"Bearer {self._key}", "Content-Type": "application/json",
-                   "Accept": "text/event-stream" if stream else "application/json"}
+                   stream: bool, site: CallSite | None = None,
+                   api: Api = "chat") -> ProviderResult:
         try:
-            status, data = await self._client.post("chat/completions", request, headers)
+            status, data = await self._client.post(self.paths[api], request,
+                                                   self.headers(stream))
         except UpstreamError as exc:
             if exc.kind == "response_too_large":
                 return ProviderResult(exc.status, exc.partial, exc.kind)
@@ -140,48 +113,145 @@ class OpenAIProvider:
             return ProviderResult(None, None, kind)
         if status != 200:
             return ProviderResult(status, data, f"upstream_status_{status}")
-        usage, error = inspect(data, stream=stream)
+        usage, error = inspect(data, stream=stream, api=api)
         return ProviderResult(status, data, error, usage)
 
     async def aclose(self) -> None:
         await self._client.aclose()
 
 
+class AnthropicProvider(OpenAIProvider):
+    """Forwards the exact request bytes to Anthropic's Messages API with the real key in
+    ``x-api-key`` and the policy's ``anthropic-version``; the client's own headers are
+    never forwarded (the request is rebuilt from the body alone)."""
+
+    name = "anthropic"
+    apis = ANTHROPIC_APIS
+    paths: ClassVar[dict[str, str]] = {"messages": "v1/messages",
+                                       "count_tokens": "v1/messages/count_tokens"}
+
+    def __init__(self, base_url: str, key: str, *, version: str, timeout_s: float,
+                 max_response: int) -> None:
+        super().__init__(base_url, key, timeout_s=timeout_s, max_response=max_response)
+        self._version = version
+
+    def headers(self, stream: bool) -> dict[str, str]:
+        return {"x-api-key": self._key, "anthropic-version": self._version,
+                "Content-Type": "application/json",
+                "Accept": "text/event-stream" if stream else "application/json"}
+
+
 # -- scripted ----------------------------------------------------------------------
-def _text_of(body: dict[str, Any]) -> tuple[str, str]:
-    """(all message text, last user message text)."""
-    parts, last_user = [], ""
-    for m in body.get("messages") or []:
-        if not isinstance(m, dict):
+def _flat(content: Any) -> str:
+    """Text of a content value of any family: a string, or parts/blocks with text,
+    tool-call arguments or inputs, and nested tool-result content."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    out = []
+    for p in content:
+        if not isinstance(p, dict):
             continue
-        content = m.get("content")
-        if isinstance(content, list):
-            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-        text = str(content or "")
-        parts.append(text)
-        if m.get("role") == "user":
-            last_user = text
-    return "\n".join(parts), last_user
+        if isinstance(p.get("text"), str):
+            out.append(p["text"])
+        if p.get("type") == "tool_use":
+            out.append(json.dumps(p.get("input"), sort_keys=True))
+        if p.get("type") == "tool_result":
+            out.append(_flat(p.get("content")))
+    return "".join(out)
+
+
+@dataclass(frozen=True)
+class RequestText:
+    """What script rules look at in a request of any family."""
+
+    text: str
+    """All text: messages, tool results and tool-call arguments, joined."""
+    last_user: str
+    tool_result: bool
+    """The request's last input item is a tool result."""
+
+
+def request_text(body: dict[str, Any], api: Api = "chat") -> RequestText:
+    parts: list[str] = []
+    last_user, tool_result = "", False
+    if api in ("chat", "messages", "count_tokens"):
+        if api != "chat":
+            parts.append(_flat(body.get("system")))
+        for m in body.get("messages") or []:
+            if not isinstance(m, dict):
+                continue
+            text = _flat(m.get("content"))
+            for call in m.get("tool_calls") or []:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict):
+                    text += str(fn.get("arguments", ""))
+            parts.append(text)
+            content = m.get("content")
+            blocks = content if isinstance(content, list) else []
+            results = [b for b in blocks if isinstance(b, dict) and b.get("type") == "tool_result"]
+            tool_result = m.get("role") == "tool" or (m.get("role") == "user" and bool(results))
+            if m.get("role") == "user" and not (results and len(results) == len(blocks)):
+                last_user = _flat([b for b in blocks if b not in results]) if blocks else text
+    elif api == "responses":
+        parts.append(str(body.get("instructions") or ""))
+        items = body.get("input")
+        if isinstance(items, str):
+            items = [{"role": "user", "content": items}]
+        for it in items if isinstance(items, list) else []:
+            if not isinstance(it, dict):
+                continue
+            kind = it.get("type", "message")
+            text = (_flat(it.get("content")) if kind == "message"
+                    else str(it.get("arguments", "")) if kind == "function_call"
+                    else _flat(it.get("output")) if kind == "function_call_output" else "")
+            parts.append(text)
+            tool_result = kind == "function_call_output"
+            if kind == "message" and it.get("role") == "user":
+                last_user = text
+    else:
+        raw = body.get("input")
+        parts.extend(x for x in (raw if isinstance(raw, list) else [raw]) if isinstance(x, str))
+    return RequestText("\n".join(p for p in parts if p), last_user, tool_result)
+
+
+def _text_of(body: dict[str, Any]) -> tuple[str, str]:
+    """(all message text, last user message text) of a chat request."""
+    t = request_text(body, "chat")
+    return t.text, t.last_user
 
 
 @dataclass(frozen=True)
 class ScriptRule:
     reply: str
+    """The reply's text ("" for a tool call)."""
     role: str | None = None
     model: str | None = None
     contains: tuple[str, ...] = ()
     not_contains: tuple[str, ...] = ()
     last_user_contains: tuple[str, ...] = ()
     last_user_regex: str | None = None
+    tool: str | None = None
+    """Name of the function the reply calls (None: a text reply)."""
+    arguments: str = "{}"
+    tool_result: bool | None = None
+    api: str | None = None
 
-    def matches(self, role: str, model: str, text: str, last_user: str) -> bool:
+    def matches(self, role: str, model: str, text: str, last_user: str, *,
+                api: str = "chat", tool_result: bool = False) -> bool:
         return ((self.role is None or self.role == role)
                 and (self.model is None or self.model == model)
+                and (self.api is None or self.api == api)
+                and (self.tool_result is None or self.tool_result == tool_result)
                 and all(c in text for c in self.contains)
                 and not any(c in text for c in self.not_contains)
                 and all(c in last_user for c in self.last_user_contains)
                 and (self.last_user_regex is None
                      or re.search(self.last_user_regex, last_user) is not None))
+
+    def answer(self) -> Answer:
+        return Answer(text=self.reply, tool=self.tool, arguments=self.arguments)
 
 
 class ScriptWhen(BaseModel):
@@ -193,12 +263,18 @@ class ScriptWhen(BaseModel):
     """The calling role: analyst, worker or evaluator."""
     model: str | None = None
     """The requested model name."""
+    api: Literal["chat", "responses", "messages"] | None = None
+    """The API family called (chat completions, responses, Anthropic messages)."""
+    tool_result: bool | None = None
+    """Whether the request's last input item is a tool result (chat: a ``tool`` message;
+    responses: a ``function_call_output`` item; messages: a user ``tool_result`` block)."""
     contains: tuple[str, ...] = ()
-    """Strings that must all occur in the request's messages (any role, joined)."""
+    """Strings that must all occur in the request's text (any message, tool results and
+    tool-call arguments included)."""
     not_contains: tuple[str, ...] = ()
-    """Strings none of which may occur in the request's messages."""
+    """Strings none of which may occur in the request's text."""
     last_user_contains: tuple[str, ...] = ()
-    """Strings that must all occur in the last user message."""
+    """Strings that must all occur in the last user message's text."""
     last_user_regex: str | None = None
     """A regular expression that must match (re.search) the last user message."""
 
@@ -213,8 +289,20 @@ class ScriptWhen(BaseModel):
         return v
 
 
+class ScriptToolCall(BaseModel):
+    """A reply that asks for one function tool call."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    """The function's name."""
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    """The call's arguments (a JSON object)."""
+
+
 class ScriptReply(BaseModel):
-    """A reply: exactly one of ``reply`` (text) or ``reply_json`` (sent as compact JSON)."""
+    """A reply: exactly one of ``reply`` (text), ``reply_json`` (sent as compact JSON) or
+    ``tool_call`` (one function tool call, in the called family's own shape)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
@@ -222,22 +310,34 @@ class ScriptReply(BaseModel):
     """The assistant message's text, verbatim."""
     reply_json: Any = None
     """Any JSON value, sent as its compact serialisation (keys sorted)."""
+    tool_call: ScriptToolCall | None = None
+    """The assistant asks for this function call (chat ``tool_calls``, a responses
+    ``function_call`` item, a messages ``tool_use`` block)."""
 
     @model_validator(mode="after")
     def _one(self) -> ScriptReply:
-        if (self.reply is None) == (self.reply_json is None):
-            raise ValueError("give exactly one of reply or reply_json")
-        if self.reply_json is not None:
-            try:
-                json.dumps(self.reply_json, allow_nan=False)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"reply_json must be plain JSON data: {exc}") from None
+        given = [self.reply is not None, self.reply_json is not None,
+                 self.tool_call is not None]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of reply, reply_json or tool_call")
+        for value in (self.reply_json, self.tool_call.arguments if self.tool_call else None):
+            if value is not None:
+                try:
+                    json.dumps(value, allow_nan=False)
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"must be plain JSON data: {exc}") from None
         return self
 
     def text(self) -> str:
         if self.reply is not None:
             return self.reply
+        if self.reply_json is None:
+            return ""
         return json.dumps(self.reply_json, separators=(",", ":"), sort_keys=True)
+
+    def arguments(self) -> str:
+        args = self.tool_call.arguments if self.tool_call else {}
+        return json.dumps(args, separators=(",", ":"), sort_keys=True)
 
 
 class ScriptRuleSpec(ScriptReply):
@@ -245,6 +345,16 @@ class ScriptRuleSpec(ScriptReply):
 
     when: ScriptWhen = ScriptWhen()
     """The conditions; omitted: always matches."""
+
+
+class ScriptDefault(ScriptReply):
+    """The reply when no rule matches: text only."""
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ScriptDefault:
+        if self.tool_call is not None:
+            raise ValueError("the default reply is text (reply or reply_json), not a tool_call")
+        return self
 
 
 class ScriptFile(BaseModel):
@@ -256,8 +366,9 @@ class ScriptFile(BaseModel):
     """File format version; this code reads version 1."""
     rules: tuple[ScriptRuleSpec, ...] = ()
     """Tried in order; the first match answers."""
-    default: ScriptReply | None = None
-    """The reply when no rule matches; none: the call fails as ``script_no_match``."""
+    default: ScriptDefault | None = None
+    """The reply when no rule matches; none: the call fails as ``script_no_match``.
+    Embeddings need no rule: their vectors derive from the input's sha256."""
 
 
 def load_script(path: Path, *, ref: tuple[str, str] | None = None
@@ -271,61 +382,54 @@ def load_script(path: Path, *, ref: tuple[str, str] | None = None
     rules = [ScriptRule(reply=r.text(), role=r.when.role, model=r.when.model,
                         contains=r.when.contains, not_contains=r.when.not_contains,
                         last_user_contains=r.when.last_user_contains,
-                        last_user_regex=r.when.last_user_regex) for r in doc.rules]
+                        last_user_regex=r.when.last_user_regex,
+                        tool=r.tool_call.name if r.tool_call else None,
+                        arguments=r.arguments(), tool_result=r.when.tool_result,
+                        api=r.when.api) for r in doc.rules]
     return rules, (doc.default.text() if doc.default else None)
 
 
-def _tokens(text: str) -> int:
-    return max(1, math.ceil(len(text.encode()) / 4))
+_tokens = wire.tokens
 
 
-def scripted_body(request: bytes, body: dict[str, Any], reply: str, *, stream: bool) -> bytes:
-    """A deterministic chat completion (or SSE stream) carrying ``reply``, marked fixture."""
-    text, _ = _text_of(body)
-    usage = {"prompt_tokens": _tokens(text), "completion_tokens": _tokens(reply)}
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    rid = "chatcmpl-fixture-" + sha256(request)[:24]
-    base = {"id": rid, "created": 0, "model": body.get("model"),
-            "system_fingerprint": "cyclebox-scripted-fixture"}
-    if not stream:
-        obj = {**base, "object": "chat.completion", "usage": usage,
-               "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
-                            "message": {"role": "assistant", "content": reply}}]}
-        return json.dumps(obj, separators=(",", ":")).encode()
-    pieces = [reply[i:i + 64] for i in range(0, len(reply), 64)] or [""]
-    events = []
-    for n, piece in enumerate(pieces):
-        delta: dict[str, Any] = {"content": piece}
-        if n == 0:
-            delta["role"] = "assistant"
-        events.append({**base, "object": "chat.completion.chunk",
-                       "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
-    events.append({**base, "object": "chat.completion.chunk",
-                   "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
-    events.append({**base, "object": "chat.completion.chunk", "choices": [], "usage": usage})
-    out = "".join(f"data: {json.dumps(e, separators=(',', ':'))}\n\n" for e in events)
-    return (out + "data: [DONE]\n\n").encode()
+def scripted_body(request: bytes, body: dict[str, Any], reply: str | Answer, *,
+                  stream: bool, api: Api = "chat") -> bytes:
+    """A deterministic response of family ``api`` (or its SSE stream) carrying ``reply``."""
+    a = reply if isinstance(reply, Answer) else Answer(text=reply)
+    if api == "embeddings":
+        return wire.embeddings(body)
+    prompt = _tokens(request_text(body, api).text)
+    if api == "count_tokens":
+        return wire.count_tokens(prompt)
+    build = {"chat": wire.chat, "responses": wire.responses, "messages": wire.messages}[api]
+    return build(request, body, a, prompt, stream=stream)
 
 
 class ScriptedProvider:
     """Offline, deterministic replies from a script file; every record says fixture."""
 
     name = "scripted"
+    apis = ALL_APIS
 
     def __init__(self, script: Path) -> None:
         self.rules, self.default = load_script(script)
 
     async def call(self, request: bytes, body: dict[str, Any], *, role: str,
-                   stream: bool, site: CallSite | None = None) -> ProviderResult:
-        text, last_user = _text_of(body)
-        model = str(body.get("model"))
-        reply = next((r.reply for r in self.rules if r.matches(role, model, text, last_user)),
-                     self.default)
-        if reply is None:
+                   stream: bool, site: CallSite | None = None,
+                   api: Api = "chat") -> ProviderResult:
+        answer: Answer | None = Answer()
+        if api in ("chat", "responses", "messages"):
+            t = request_text(body, api)
+            model = str(body.get("model"))
+            rule = next((r for r in self.rules if r.matches(
+                role, model, t.text, t.last_user, api=api, tool_result=t.tool_result)), None)
+            answer = rule.answer() if rule else (
+                Answer(text=self.default) if self.default is not None else None)
+        if answer is None:
             return ProviderResult(None, None, "script_no_match", fixture=True,
                                   upstream_reached=False)
-        data = scripted_body(request, body, reply, stream=stream)
-        usage, error = inspect(data, stream=stream)
+        data = scripted_body(request, body, answer, stream=stream, api=api)
+        usage, error = inspect(data, stream=stream, api=api)
         return ProviderResult(200, data, error, usage, fixture=True)
 
     async def aclose(self) -> None:
@@ -340,6 +444,7 @@ class _Recorded:
     http_status: int | None
     response_sha256: str
     fixture: bool
+    api: str | None = "chat"
 
 
 class ReplayProvider:
@@ -354,6 +459,7 @@ class ReplayProvider:
     """
 
     name = "replay"
+    apis = ALL_APIS
 
     def __init__(self, run_dir: Path) -> None:
         self.log = CallLog(run_dir / "gateway") if (run_dir / "gateway").is_dir() else None
@@ -366,14 +472,16 @@ class ReplayProvider:
             if rec.response_sha256:
                 site = CallSite(rec.role, rec.stage, rec.case, rec.trial, rec.turn)
                 self.index.setdefault(rec.request_sha256, []).append(_Recorded(
-                    rec.seq, site, rec.http_status, rec.response_sha256, rec.fixture))
+                    rec.seq, site, rec.http_status, rec.response_sha256, rec.fixture,
+                    rec.api))
         self._replayed: set[int] = set()
 
-    def pick(self, request_sha256: str, site: CallSite | None) -> _Recorded | None:
-        """The recording that answers this call (marked replayed); None on a miss.
-
-        Synchronous, so calls on the gateway's one event loop never race for an entry."""
-        recorded = self.index.get(request_sha256)
+    def pick(self, request_sha256: str, site: CallSite | None,
+             api: str = "chat") -> _Recorded | None:
+        """The recording of this family that answers this call (marked replayed); None on
+        a miss. Synchronous, so calls on the gateway's one event loop never race for an
+        entry."""
+        recorded = [r for r in self.index.get(request_sha256, ()) if r.api == api]
         if not recorded:
             return None
         fresh = [r for r in recorded if r.seq not in self._replayed]
@@ -382,8 +490,9 @@ class ReplayProvider:
         return hit
 
     async def call(self, request: bytes, body: dict[str, Any], *, role: str,
-                   stream: bool, site: CallSite | None = None) -> ProviderResult:
-        hit = self.pick(sha256(request), site)
+                   stream: bool, site: CallSite | None = None,
+                   api: Api = "chat") -> ProviderResult:
+        hit = self.pick(sha256(request), site, api)
         if hit is None:
             return ProviderResult(None, None, "replay_miss", upstream_reached=False)
         assert self.log is not None  # noqa: S101 - checked in __init__
@@ -391,7 +500,7 @@ class ReplayProvider:
         if hit.http_status != 200:
             return ProviderResult(hit.http_status, data, f"upstream_status_{hit.http_status}",
                                   fixture=hit.fixture)
-        usage, error = inspect(data, stream=stream)
+        usage, error = inspect(data, stream=stream, api=api)
         return ProviderResult(hit.http_status, data, error, usage, fixture=hit.fixture)
 
     async def aclose(self) -> None:

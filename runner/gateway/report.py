@@ -2,7 +2,8 @@
 
 The totals are frozen values; their JSON (``model_dump(mode="json")``) is what receipts,
 records and reports hold, so field order and presence are part of the format:
-``cost_usd_known_part`` appears only when ``complete`` is false.
+``cost_usd_known_part`` appears only when ``complete`` is false, ``bounded_calls`` only
+when some call was charged its worst case (so totals of runs without one keep their hash).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ class UsageTotals(Frozen):
     """Calls answered by the scripted provider (never a real model)."""
     cost_usd_known_part: float | None = Field(default=None, exclude_if=lambda v: v is None)
     """Sum of the known costs; present only when ``cost_usd`` is None."""
+    bounded_calls: int = Field(default=0, ge=0, exclude_if=lambda v: v == 0)
+    """Calls charged their admitted worst case because they ended without usage
+    (``cost_basis: upper_bound``): their part of ``cost_usd`` is an upper bound, not a
+    measurement. Present only when non-zero."""
 
 
 class UsageReport(Frozen):
@@ -53,6 +58,7 @@ class _Row:
     cost_usd: float = 0.0
     complete: bool = True
     fixture_calls: int = 0
+    bounded_calls: int = 0
 
     def add(self, r: CallRecord) -> None:
         n = r.not_itemized or 1  # one record standing for refusals counted, not itemized
@@ -66,6 +72,7 @@ class _Row:
         if r.cost_usd is None:
             self.complete = False
         else:
+            self.bounded_calls += int(r.cost_basis == "upper_bound")
             self.cost_usd = round(self.cost_usd + r.cost_usd, 9)
 
     def totals(self) -> UsageTotals:
@@ -73,7 +80,8 @@ class _Row:
                            infra_error=self.infra_error, tokens=self.tokens,
                            cost_usd=self.cost_usd if self.complete else None,
                            complete=self.complete, fixture_calls=self.fixture_calls,
-                           cost_usd_known_part=None if self.complete else self.cost_usd)
+                           cost_usd_known_part=None if self.complete else self.cost_usd,
+                           bounded_calls=self.bounded_calls)
 
 
 def summarize(records: list[CallRecord]) -> UsageReport:

@@ -36,8 +36,18 @@ from typing import Any, TypeVar
 from runner import interrupts
 from runner.errors import ConfigError, OutputRejected
 from runner.gateway.budget import BudgetPolicy, BudgetRefused, RunBudget
-from runner.gateway.calllog import PREFIX_BYTES, CallLog, CallRecord, Usage, sha256
+from runner.gateway.calllog import (
+    ANTHROPIC_APIS,
+    PREFIX_BYTES,
+    Api,
+    CallLog,
+    CallRecord,
+    CostBasis,
+    Usage,
+    sha256,
+)
 from runner.gateway.config import (
+    AnthropicUpstream,
     GatewayLimits,
     OpenAIUpstream,
     Price,
@@ -47,6 +57,7 @@ from runner.gateway.config import (
 )
 from runner.gateway.http import Head, Listener, Reply
 from runner.gateway.providers import (
+    AnthropicProvider,
     CallSite,
     OpenAIProvider,
     Provider,
@@ -55,8 +66,9 @@ from runner.gateway.providers import (
     ScriptedProvider,
 )
 from runner.gateway.redact import Redactor
-from runner.gateway.vet import Refusal, Vetted, vet, worst_case_usd
+from runner.gateway.vet import ROUTES, Refusal, Vetted, vet, worst_case_usd
 from runner.isolation.collect import loads_strict
+from runner.isolation.launcher import endpoint_env
 from runner.isolation.owner import current_owner
 from runner.isolation.sandbox import Mount, SweepResult
 
@@ -81,20 +93,29 @@ MOUNTED_NAME = "g"
 
 
 def cost_usd(usage: Usage | None, price: Price | None) -> float | None:
-    """Cost of a call; None (unknown) without usage or without a price, never zero."""
+    """Cost of a call; None (unknown) without usage or without a price, never zero.
+    Cache reads and writes are priced at their own rates (default: the input price);
+    reasoning tokens are part of the completion tokens, priced as output."""
     if usage is None or price is None:
         return None
-    return (usage.prompt_tokens * price.input_per_mtok
+    plain = max(0, usage.prompt_tokens - usage.cached_tokens - usage.cache_write_tokens)
+    return (plain * price.input_per_mtok + usage.cached_tokens * price.cached_input()
+            + usage.cache_write_tokens * price.cache_write()
             + usage.completion_tokens * price.output_per_mtok) / 1e6
 
 
 def make_provider(name: str, up: UpstreamPolicy) -> tuple[Provider, str | None]:
-    """The upstream's provider and, for openai, the key (for redaction). The union's
+    """The upstream's provider and, for openai and anthropic, the key (for redaction). The union's
     variant guarantees its fields (a bad provider config never got this far)."""
     if isinstance(up, OpenAIUpstream):
         key = read_credential(name, up.credential)
         return OpenAIProvider(up.base_url, key, timeout_s=up.timeout_s,
                               max_response=up.max_response_bytes), key
+    if isinstance(up, AnthropicUpstream):
+        key = read_credential(name, up.credential)
+        return AnthropicProvider(up.base_url, key, version=up.anthropic_version,
+                                 timeout_s=up.timeout_s,
+                                 max_response=up.max_response_bytes), key
     if isinstance(up, ScriptedUpstream):
         return ScriptedProvider(Path(up.script)), None
     return ReplayProvider(Path(up.replay_from)), None
@@ -119,10 +140,17 @@ class Binding:
     not_itemized: int = 0
     listener: Listener | None = field(default=None, repr=False)
     writers: asyncio.Semaphore | None = field(default=None, repr=False)
+    token: str = field(default="", repr=False)
+    """The role's per-run token (also in ``directory``), for :meth:`env`."""
 
     def mount(self) -> Mount:
         """The read-only mount that gives a container this socket and token."""
         return Mount(source=self.directory, target=CONTAINER_DIR, gateway=True)
+
+    def env(self) -> dict[str, str]:
+        """The container's model environment: SDK base URLs on its loopback relay, the
+        role's token as their key (:func:`runner.isolation.launcher.endpoint_env`)."""
+        return endpoint_env(self.token)
 
     def next_turn(self) -> int:
         t = self.turns
@@ -250,7 +278,8 @@ class Gateway:
         if os.getuid() == 0 and uid != 0:
             os.chown(directory, uid, uid)
             os.chown(token_file, uid, uid)
-        binding = Binding(role=role, stage=stage, case=case, trial=trial, directory=directory)
+        binding = Binding(role=role, stage=stage, case=case, trial=trial, directory=directory,
+                          token=self.token_for(role))
         name = self.role_upstream.get(role)
         up = self.upstreams.get(name) if name else None
         limits = up.limits if up else GatewayLimits()
@@ -314,7 +343,8 @@ class Gateway:
                 stream: bool = False, http_status: int | None = None,
                 usage: Usage | None = None, cost: float | None = None,
                 sent: bytes | None = None, response: bytes | None = None,
-                redactions: int = 0, not_itemized: int | None = None) -> None:
+                redactions: int = 0, not_itemized: int | None = None,
+                api: Api | None = None, cost_basis: CostBasis | None = None) -> None:
         """Write one record (blobs first). ``sent``: bytes sent upstream, stored whole;
         ``received``: a refused request's bytes, of which only hash, length and prefix
         are kept."""
@@ -327,9 +357,10 @@ class Gateway:
         rec = CallRecord(
             seq=self.log.next_seq(), ts=CallLog.now(), run_id=self.run_id, role=b.role,
             upstream=upstream, stage=b.stage, case=b.case, trial=b.trial, turn=turn,
-            provider=provider, model=model, fixture=fixture, stream=stream, status=status,
-            error=error, http_status=http_status,
+            provider=provider, model=model, fixture=fixture, stream=stream, api=api,
+            status=status, error=error, http_status=http_status,
             latency_s=round(time.perf_counter() - t0, 6), usage=usage, cost_usd=cost,
+            cost_basis=cost_basis,
             request_sha256=req_sha, response_sha256=resp_sha, request_stored=stored,
             request_bytes=nbytes, request_prefix=prefix, redactions=redactions,
             not_itemized=not_itemized)
@@ -347,42 +378,74 @@ class _Handler:
         self.max_body = up.max_request_bytes if up else DEFAULT_LIMIT
         self.token = gw.token_for(b.role).encode()
 
+    def _token_ok(self, head: Head) -> bool:
+        """``Authorization: Bearer`` (OpenAI SDKs) or ``x-api-key`` (Anthropic SDKs); both
+        given must be the same token."""
+        auth = head.headers.get("authorization")
+        key = head.headers.get("x-api-key")
+        if auth is None and key is None:
+            return False
+        bearer = auth[7:] if auth is not None and auth.startswith("Bearer ") else None
+        if auth is not None and bearer is None:
+            return False
+        given = [v.encode("latin-1") for v in (bearer, key) if v is not None]
+        ok = [hmac.compare_digest(g, self.token) for g in given]
+        return all(ok)
+
     def head(self, head: Head) -> Reply | None:
-        routes = {"/v1/chat/completions": "POST", "/v1/models": "GET"}
-        if head.path not in routes:
-            return self.refuse(head, 404, "not_found", f"no route {head.path[:200]!r}", b"")
-        if head.method != routes[head.path]:
-            return self.refuse(head, 405, "method_not_allowed",
-                               f"{head.path} takes {routes[head.path]}", b"")
-        auth = head.headers.get("authorization", "")
-        given = auth[7:].encode("latin-1") if auth.startswith("Bearer ") else b""
-        if not hmac.compare_digest(given, self.token):
+        api = ROUTES.get(head.path)
+        if api is None and head.path != "/v1/models":
+            return self.refuse(head, 404, "not_found", f"no route {head.path[:200]!r}; routes: "
+                               f"{sorted([*ROUTES, '/v1/models'])}", b"")
+        want = "GET" if api is None else "POST"
+        if head.method != want:
+            return self.refuse(head, 405, "method_not_allowed", f"{head.path} takes {want}", b"")
+        if not self._token_ok(head):
             return self.refuse(head, 401, "bad_token",
-                               f"missing or wrong gateway token for role {self.b.role}", b"")
+                               f"missing or wrong gateway token for role {self.b.role} "
+                               "(Authorization: Bearer or x-api-key)", b"")
         if self.up is None or self.name is None:
             return self.refuse(head, 403, "no_model_access",
                                f"role {self.b.role} has no model upstream", b"")
+        if api is not None and api not in self.up.apis:
+            served = sorted(p for p, a in ROUTES.items() if a in self.up.apis)
+            return self.refuse(head, 404, "route_not_served",
+                               f"route {head.path} is not served by upstream {self.name} "
+                               f"(provider {self.up.provider} serves {served}); the gateway "
+                               "does not translate between API families: give role "
+                               f"{self.b.role} an upstream whose provider speaks this API "
+                               f"(cycle.yaml upstreams.{self.name}.provider)", b"")
         return None
 
     def refuse(self, head: Head | None, status: int, code: str, message: str,
                received: bytes, *, model: str | None = None, stream: bool = False,
-               t0: float | None = None, turn: int | None = None) -> Reply:
+               t0: float | None = None, turn: int | None = None,
+               param: str | None = None) -> Reply:
         b = self.b
+        api = ROUTES.get(head.path) if head is not None else None
         turn = b.next_turn() if turn is None else turn
         if b.refusals < (self.up.limits.max_refusal_records if self.up else 1000):
             b.refusals += 1
             self.gw._record(b, turn, t0 or time.perf_counter(), status="refused", error=code,
-                            upstream=self.name, received=received, model=model, stream=stream)
+                            upstream=self.name, received=received, model=model, stream=stream,
+                            api=api)
         else:
             b.not_itemized += 1
-        return _error(status, code, message)
+        return _error(status, code, message, api=api, param=param)
+
+    def _models(self) -> Reply:
+        ids = list(self.up.models) if self.up else []
+        # One listing both SDKs read: OpenAI's list fields and Anthropic's.
+        return _json(200, {"object": "list", "data": [
+            {"id": m, "object": "model", "created": 0, "owned_by": self.name,
+             "type": "model", "display_name": m, "created_at": "1970-01-01T00:00:00Z"}
+            for m in ids], "has_more": False, "first_id": ids[0] if ids else None,
+            "last_id": ids[-1] if ids else None})
 
     async def handle(self, head: Head, body: bytes) -> Reply:
-        if head.path == "/v1/models":
-            ids = list(self.up.models) if self.up else []
-            return _json(200, {"object": "list", "data": [
-                {"id": m, "object": "model", "created": 0, "owned_by": self.name}
-                for m in ids]})
+        api = ROUTES.get(head.path)
+        if api is None:
+            return self._models()
         t0 = time.perf_counter()
         turn = self.b.next_turn()
         up, name = self.up, self.name
@@ -400,10 +463,13 @@ class _Handler:
             shown = ascii(model)[:120]  # hostile: bounded and escaped before it is stored
             return self.refuse(head, 403, "model_not_allowed",
                                f"model {shown} is not allowed for {self.b.role}; allowed: "
-                               f"{list(up.models)}", body, model=shown, t0=t0, turn=turn)
+                               f"{list(up.models)} (cycle.yaml upstreams.{name}.models)",
+                               body, model=shown, t0=t0, turn=turn, param="model")
         stream = obj.get("stream") is True
+
         def prepare() -> tuple[Vetted, bytes]:
-            v = vet(obj, rules=up.rules, cap=up.max_tokens)
+            v = vet(obj, rules=up.rules, cap=up.max_tokens, api=api,
+                    where=f"upstreams.{name}.rules")
             return v, json.dumps(v.body, separators=(",", ":"), sort_keys=True,
                                  ensure_ascii=False).encode()
 
@@ -411,38 +477,41 @@ class _Handler:
             vetted, sent = await self.gw.offload(self.b, len(body), prepare)
         except Refusal as r:
             return self.refuse(head, r.status, r.code, r.message, body, model=model,
-                               stream=stream, t0=t0, turn=turn)
+                               stream=stream, t0=t0, turn=turn, param=r.param)
         price = up.prices.get(model)
-        worst = worst_case_usd(len(sent), vetted, price, up.rules) if price else None
-        try:
-            reservation = self.gw.budget.admit(self.b.role, worst)
-        except BudgetRefused as exc:
-            return self.refuse(head, 429, "budget", exc.reason, body, model=model,
-                               stream=stream, t0=t0, turn=turn)
+        free = api == "count_tokens"  # answered without generating: never billed
+        worst = 0.0 if free else (worst_case_usd(len(sent), vetted, price, up.rules)
+                                  if price else None)
+        reservation = None
+        if not free:
+            try:
+                reservation = self.gw.budget.admit(self.b.role, worst)
+            except BudgetRefused as exc:
+                return self.refuse(head, 429, "budget", exc.reason, body, model=model,
+                                   stream=stream, t0=t0, turn=turn)
         provider = self.gw._providers[name]
         common: dict[str, Any] = {"upstream": name, "provider": provider.name, "model": model,
-                                  "stream": stream, "sent": sent}
+                                  "stream": stream, "sent": sent, "api": api}
         try:
             async with asyncio.timeout(up.call_deadline_s):
                 site = CallSite(self.b.role, self.b.stage, self.b.case, self.b.trial, turn)
                 result = await provider.call(sent, vetted.body, role=self.b.role,
-                                             stream=stream, site=site)
+                                             stream=stream, site=site, api=api)
         except TimeoutError:
             result = ProviderResult(None, None, "upstream_deadline")
         except asyncio.CancelledError:
-            self.gw.budget.settle(reservation, None)
+            basis: CostBasis | None = "upper_bound" if worst is not None and not free else None
+            cost = worst
+            if reservation is not None:
+                self.gw.budget.settle(reservation, cost, upper_bound=basis == "upper_bound")
             self.gw._record(self.b, turn, t0, status="infra_error", error="interrupted",
-                            **common)
+                            cost=cost, cost_basis=basis, **common)
             raise
         except Exception as exc:
             result = ProviderResult(None, None, f"internal_error: {type(exc).__name__}")
-        if not result.upstream_reached:
-            cost: float | None = 0.0
-        elif result.error is None:
-            cost = cost_usd(result.usage, price)
-        else:
-            cost = None
-        self.gw.budget.settle(reservation, cost)
+        cost, basis = _charge(result, price, worst, free=free)
+        if reservation is not None:
+            self.gw.budget.settle(reservation, cost, upper_bound=basis == "upper_bound")
         response, redactions = result.response, 0
         if response is not None:
             response, redactions = self.gw._redactor.redact(response)
@@ -450,20 +519,52 @@ class _Handler:
         await self.gw.offload(self.b, size, lambda: self.gw._record(
             self.b, turn, t0, status="infra_error" if result.error else "ok",
             error=result.error, fixture=result.fixture, http_status=result.http_status,
-            usage=result.usage, cost=cost, response=response, redactions=redactions, **common))
+            usage=result.usage, cost=cost, cost_basis=basis, response=response,
+            redactions=redactions, **common))
         if result.error or response is None:
             return _error(502, result.error or "no_response",
-                          f"upstream {name} failed: {result.error}; recorded, not retried")
+                          f"upstream {name} failed: {result.error}; recorded, not retried",
+                          api=api)
         return Reply(200, response, "text/event-stream" if stream else "application/json")
+
+
+def _charge(result: ProviderResult, price: Price | None, worst: float | None, *,
+            free: bool) -> tuple[float | None, CostBasis | None]:
+    """(cost, basis) of a finished call. Nothing reached: a known zero. Usage and a price:
+    measured. Otherwise, when the call was admitted at a known worst case, that worst
+    case (an upper bound: the upstream cannot have generated more). Else unknown."""
+    if not result.upstream_reached:
+        return 0.0, None
+    if free:
+        return 0.0, "measured"
+    if result.error is None and result.usage is not None:
+        measured = cost_usd(result.usage, price)
+        if measured is not None:
+            return measured, "measured"
+    if worst is not None:
+        return worst, "upper_bound"
+    return None, None
 
 
 def _json(status: int, obj: object) -> Reply:
     return Reply(status, json.dumps(obj, separators=(",", ":")).encode())
 
 
-def _error(status: int, code: str, message: str) -> Reply:
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                         403: "permission_error", 404: "not_found_error",
+                         413: "request_too_large", 429: "rate_limit_error",
+                         500: "api_error", 502: "api_error", 503: "overloaded_error"}
+
+
+def _error(status: int, code: str, message: str, *, api: Api | None = None,
+           param: str | None = None) -> Reply:
+    """An error in the called family's own shape, so its SDK prints the message."""
+    if api in ANTHROPIC_APIS:
+        return _json(status, {"type": "error", "error": {
+            "type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
+            "message": f"{message} (cyclebox gateway: {code})"}})
     return _json(status, {"error": {"message": message, "type": "cyclebox_gateway",
-                                    "code": code}})
+                                    "code": code, "param": param}})
 
 
 def sweep_socket_dirs(tmp: Path | None = None, *, dry_run: bool = False) -> list[SweepResult]:

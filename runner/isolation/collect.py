@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runner import fswalk
 from runner.errors import OutputRejected
 from sandbox.proposal import strict_json
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = fswalk.DIR_FLAGS
 
 
 @dataclass(frozen=True)
@@ -53,50 +53,56 @@ class Collected:
 def collect(root: Path, limits: Limits | None = None) -> Collected:
     """Read every file under ``root`` under the rules above; raise on the first breach.
 
-    The walk is iterative (depth is capped by ``max_depth``, never by Python's stack),
-    and names are listed as bytes: one that is not UTF-8 or holds a control character
-    is refused by name (escaped), never decoded into the host's strings.
+    One walk by directory descriptor (:func:`runner.fswalk.walk`): iterative (depth is
+    capped by ``max_depth``, never by Python's stack), each directory opened with
+    ``O_NOFOLLOW`` relative to its parent's descriptor (so a path past ``PATH_MAX`` is read
+    like any other), and a directory that cannot be opened or listed is refused by name,
+    never left out. Names are checked as bytes: one that is not UTF-8 or holds a control
+    character is refused by name (escaped), never decoded into the host's strings.
     """
     lim = limits or Limits()
     out = Collected()
     try:
-        os.close(os.open(root, _DIR_FLAGS))
+        root_fd = os.open(root, _DIR_FLAGS)
     except OSError as exc:
         raise OutputRejected(f"output directory {root} cannot be opened safely: "
                              f"{exc.strerror} (a symlink here is refused)") from None
-    # Directories to read, as name components below root; each is opened afresh from
-    # root with O_NOFOLLOW at every step, so only one descriptor is open at a time.
-    stack: list[tuple[str, ...]] = [()]
-    dirs = 0
-    while stack:
-        parts = stack.pop()
-        prefix = "".join(f"{p}/" for p in parts)
-        if len(parts) > lim.max_depth:
-            raise OutputRejected(f"{root}/{prefix}: nested deeper than {lim.max_depth} levels")
+    dirs = 1
+
+    def descend(e: fswalk.Entry) -> bool:
+        nonlocal dirs
+        if e.depth > lim.max_depth:
+            raise OutputRejected(f"{root}/{e.rel}/: nested deeper than {lim.max_depth} levels")
         dirs += 1
         if dirs > lim.max_files:
             raise OutputRejected(f"{root}: more than {lim.max_files} directories")
-        dfd = _open_dir(root, parts)
-        try:
-            subdirs = _scan(dfd, prefix, lim, out, root)
-        finally:
-            os.close(dfd)
-        stack.extend((*parts, name) for name in reversed(subdirs))
-    return out
+        return True
 
-
-def _open_dir(root: Path, parts: tuple[str, ...]) -> int:
-    fd = os.open(root, _DIR_FLAGS)
     try:
-        for part in parts:
-            nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = nfd
-    except OSError as exc:
-        os.close(fd)
-        raise OutputRejected(f"{root}/{'/'.join(parts)}: directory cannot be opened safely: "
-                             f"{exc.strerror}") from None
-    return fd
+        for e in fswalk.walk(root_fd, descend=descend, max_depth=lim.max_depth + 2):
+            parent = e.rel[:len(e.rel) - len(e.name)]
+            name = _name(os.fsencode(e.name), parent, root)
+            rel = f"{parent}{name}"
+            mode = e.st.st_mode
+            if stat.S_ISLNK(mode):
+                raise OutputRejected(f"{root}/{rel}: symlink refused (never followed)")
+            if stat.S_ISDIR(mode):
+                continue
+            if not stat.S_ISREG(mode):
+                raise OutputRejected(f"{root}/{rel}: not a regular file "
+                                     f"({_kind(mode)}) refused")
+            if e.st.st_nlink != 1:
+                raise OutputRejected(f"{root}/{rel}: hard link ({e.st.st_nlink} links) "
+                                     "refused; it may alias a file outside the output "
+                                     "directory")
+            if len(out.files) + 1 > lim.max_files:
+                raise OutputRejected(f"{root}: more than {lim.max_files} files")
+            out.files[rel] = _read_capped(e, rel, lim, out, root)
+    except fswalk.WalkError as exc:
+        raise OutputRejected(f"{root}/{exc}: cannot be read safely; refused") from None
+    finally:
+        os.close(root_fd)
+    return out
 
 
 def _name(raw: bytes, prefix: str, root: Path) -> str:
@@ -114,33 +120,11 @@ def _name(raw: bytes, prefix: str, root: Path) -> str:
     return name
 
 
-def _scan(dfd: int, prefix: str, lim: Limits, out: Collected, root: Path) -> list[str]:
-    """Read the regular files of one directory; return its subdirectories' names."""
-    subdirs = []
-    for raw in sorted(os.listdir(dfd)):
-        name = _name(os.fsencode(raw) if isinstance(raw, str) else raw, prefix, root)
-        rel = f"{prefix}{name}"
-        st = os.lstat(name, dir_fd=dfd)
-        mode = st.st_mode
-        if stat.S_ISLNK(mode):
-            raise OutputRejected(f"{root}/{rel}: symlink refused (never followed)")
-        if stat.S_ISDIR(mode):
-            subdirs.append(name)
-            continue
-        if not stat.S_ISREG(mode):
-            raise OutputRejected(f"{root}/{rel}: not a regular file "
-                                 f"({_kind(mode)}) refused")
-        if st.st_nlink != 1:
-            raise OutputRejected(f"{root}/{rel}: hard link ({st.st_nlink} links) refused; "
-                                 "it may alias a file outside the output directory")
-        if len(out.files) + 1 > lim.max_files:
-            raise OutputRejected(f"{root}: more than {lim.max_files} files")
-        out.files[rel] = _read_capped(dfd, name, rel, lim, out, root)
-    return subdirs
-
-
-def _read_capped(dfd: int, name: str, rel: str, lim: Limits, out: Collected, root: Path) -> bytes:
-    fd = os.open(name, _FILE_FLAGS, dir_fd=dfd)
+def _read_capped(e: fswalk.Entry, rel: str, lim: Limits, out: Collected, root: Path) -> bytes:
+    try:
+        fd = e.open()  # O_NOFOLLOW|O_NONBLOCK, the same inode as listed, a regular file
+    except fswalk.WalkError:
+        raise OutputRejected(f"{root}/{rel}: changed type while reading; refused") from None
     try:
         st = os.fstat(fd)
         # Re-check on the open descriptor: the entry could have been swapped.
@@ -183,24 +167,20 @@ def loads_strict(data: bytes | str, *, source: str = "<json>") -> Any:
 
 
 def dir_usage(root: Path, max_entries: int = 100_000) -> tuple[int, int]:
-    """(bytes, entries) under root by lstat, never following links; stops counting at max."""
+    """(bytes, entries) under root by lstat, never following links; stops counting at max.
+
+    Walked by directory descriptor (:func:`runner.fswalk.walk`): a path past ``PATH_MAX``
+    counts like any other, and a directory that cannot be read raises OutputRejected
+    naming it (never left out of the count silently)."""
     total = 0
     entries = 0
-    stack = [str(root)]
-    while stack and entries < max_entries:
-        d = stack.pop()
-        try:
-            with os.scandir(d) as it:
-                for e in it:
-                    entries += 1
-                    try:
-                        st = e.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    if stat.S_ISDIR(st.st_mode):
-                        stack.append(e.path)
-                    else:
-                        total += st.st_blocks * 512 if st.st_blocks else st.st_size
-        except OSError:
-            continue
+    try:
+        for e in fswalk.walk(root, max_depth=1 << 16):
+            if entries >= max_entries:
+                break
+            entries += 1
+            if not e.is_dir:
+                total += e.st.st_blocks * 512 if e.st.st_blocks else e.st.st_size
+    except fswalk.WalkError as exc:
+        raise OutputRejected(f"{root}/{exc}: cannot measure the directory in full") from None
     return total, entries

@@ -11,8 +11,8 @@ only reader of that stream and never uses :func:`tarfile.extractall`:
 * only regular files and directories are written; symlinks, hard links, devices,
   FIFOs, sparse and unknown entries are refused by name (the one exception: a
   symlink the host itself seeded, returned unchanged, is recreated as it was);
-* names are relative UTF-8 without control characters, ``.``/``..``/empty parts or a
-  leading ``/``, and are bounded in length, part length and depth;
+* names are relative UTF-8 without control characters (C0, DEL, C1), ``.``/``..``/empty
+  parts or a leading ``/``, and are bounded in length, part length and depth;
 * every byte read counts against a stream cap (the tmpfs size plus tar overhead for
   the allowed number of entries), every data byte against the output cap *before*
   it is written, every entry against the entry cap, so a forged stream exhausts
@@ -179,8 +179,10 @@ def _parts(raw: bytes, lim: CopyLimits) -> list[str]:
     if len(raw) > lim.max_name:
         raise CopyRefused(f"output entry {shown}: name longer than {lim.max_name} bytes",
                           limit=True)
-    if any(ord(c) < 32 or ord(c) == 127 for c in name):
-        raise CopyRefused(f"output entry {shown}: control character in name")
+    bad = next((c for c in name if ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0), None)
+    if bad is not None:  # C0, DEL and C1 (U+0080-U+009F): none reaches the host's disk
+        raise CopyRefused(f"output entry {shown}: control character U+{ord(bad):04X} "
+                          "in name refused")
     if name.startswith("/"):
         raise CopyRefused(f"output entry {shown}: absolute name refused")
     parts = name.rstrip("/").split("/")

@@ -105,31 +105,32 @@ def sweep_owner_dirs(root: Path, pattern: str, owner_name: str, *, role: str, ki
     return _sweep_owned(dirs, role=role, kind=kind, dry_run=dry_run)
 
 
-def sweep_staging_dirs(base: Path, *, owner_name: str = "owner.json",
-                       dry_run: bool = False) -> list[SweepResult]:
+def sweep_staging_dirs(base: Path, *, owner_name: str = "owner.json", prefix: str = "",
+                       dry_run: bool = False, remove_base: bool = True) -> list[SweepResult]:
     """Remove per-run input staging copies whose owning controller is gone (a SIGKILLed
-    controller cannot remove its own); only directories holding our owner record or
-    named ``<pid>-<start>-...`` by us."""
+    controller cannot remove its own); only directories named ``<prefix>...`` holding
+    our owner record, or named ``<prefix>[new-]<pid>-<start>-...`` by us. The base itself
+    goes too once empty, with ``remove_base`` (a dedicated base, never the temp dir)."""
     root = base
     if root.is_symlink() or not root.is_dir():
         return []
     here = current_owner()
     dirs: list[tuple[Path, bool | None]] = []
     for d in sorted(root.iterdir()):
-        if d.is_symlink() or not d.is_dir():
+        if not d.name.startswith(prefix) or d.is_symlink() or not d.is_dir():
             continue
         if (d / owner_name).is_file():
             dirs.append((d, _recorded_owner_alive(d / owner_name, here)))
             continue
         # killed between creating the copy and writing its record: "<pid>-<start>-"
-        pid, _, rest = d.name.partition("-")
+        pid, _, rest = d.name[len(prefix):].removeprefix("new-").partition("-")
         start, _, _ = rest.partition("-")
         if pid.isdigit() and start.isdigit():
             dirs.append((d, owner_alive(Owner(pid=int(pid), start=int(start),
                                               boot_id=here.boot_id, host=here.host),
                                         here=here)))
     results = _sweep_owned(dirs, role="input-staging", kind="staging_dir", dry_run=dry_run)
-    if not dry_run:
+    if not dry_run and remove_base:
         with contextlib.suppress(OSError):  # the shared base, only when empty
             root.rmdir()
     return results

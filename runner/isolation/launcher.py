@@ -6,6 +6,11 @@ the command and its inputs; the launcher binds the role's gateway socket when th
 names an upstream and a gateway is given, builds the :class:`RunSpec` under the policy
 (:func:`runner.isolation.roles.role_spec`) and runs it on the :class:`Sandbox` it was given.
 Nothing here knows which backend runs the container.
+
+A bound container also gets the environment unmodified SDKs read (:func:`endpoint_env`):
+their base URLs point at the holder's loopback relay (:mod:`sandbox.holder`), their key
+is the binding's per-run, per-role token. The environment lives in the :class:`RunSpec`
+only, which no plan, record, receipt or report holds (a :class:`RunRecord` has no env).
 """
 
 from __future__ import annotations
@@ -20,16 +25,50 @@ from typing import Protocol
 from runner.isolation.policy import RolePolicy
 from runner.isolation.roles import fresh_output_dir, role_spec
 from runner.isolation.sandbox import Mount, OutputCallback, RunRecord, RunSpec, Sandbox
+from sandbox.holder import RELAY_HOST, RELAY_PORT
 
 STAGE_LABEL = "io.cyclebox.stage"
 CASE_LABEL = "io.cyclebox.case"
 TRIAL_LABEL = "io.cyclebox.trial"
+RELAY_URL = f"http://{RELAY_HOST}:{RELAY_PORT}"
+"""The in-container model endpoint (the holder's loopback relay to the gateway socket)."""
+ENDPOINT_ENV_NAMES = ("OPENAI_BASE_URL", "OPENAI_API_BASE", "OPENAI_API_KEY",
+                      "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "CYCLEBOX_GATEWAY_URL")
+
+
+def endpoint_env(token: str) -> dict[str, str]:
+    """What unmodified OpenAI and Anthropic clients read, pointing at the relay; the key
+    is the per-run, per-role gateway token, never a provider key."""
+    return {
+        "OPENAI_BASE_URL": f"{RELAY_URL}/v1",
+        "OPENAI_API_BASE": f"{RELAY_URL}/v1",  # older frameworks (openai<1, langchain)
+        "OPENAI_API_KEY": token,
+        "ANTHROPIC_BASE_URL": RELAY_URL,  # the SDK appends /v1/messages itself
+        "ANTHROPIC_API_KEY": token,
+        "CYCLEBOX_GATEWAY_URL": RELAY_URL,
+        **OFFLINE_ENV,
+    }
+
+
+OFFLINE_ENV = {
+    "OPENAI_AGENTS_DISABLE_TRACING": "1",
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+}
+"""Frameworks' own switches for remote side channels that cannot work in a container
+without a network: the OpenAI Agents SDK's trace export (it posts to api.openai.com,
+ignoring OPENAI_BASE_URL, with the key it was given, and retries for ~14 s as the agent
+exits) and litellm's model cost map download (three tries, 8-18 s at import, then its
+bundled copy). Without them each attempt still fails closed (no network); these only
+spare every case the time their retries cost. No agent code, model call or result
+changes."""
 
 
 class GatewayBinding(Protocol):
     """A role's bound gateway socket (:class:`runner.gateway.server.Binding`)."""
 
     def mount(self) -> Mount: ...
+
+    def env(self) -> dict[str, str]: ...
 
 
 class GatewayBinder(Protocol):
@@ -81,15 +120,18 @@ def launch(sandbox: Sandbox, policy: RolePolicy, *, role: str, run_id: str, imag
 
     When the policy names an upstream and ``gateway`` is given, a socket for this one
     container is bound (owned by the role's uid) for the duration of the run and mounted
-    read-only; without a gateway the role has no model access at all. ``stage``, ``case``
-    and ``trial`` become container labels and key the gateway's call records.
+    read-only, and the binding's environment (:func:`endpoint_env`) is set over ``env``
+    and the policy's; without a gateway the role has no model access at all. ``stage``,
+    ``case`` and ``trial`` become container labels and key the gateway's call records.
     """
     mounts = list(mounts)
+    env = dict(env or {})
     with contextlib.ExitStack() as stack:
         if policy.upstream and gateway is not None:
             binding = stack.enter_context(gateway.bound(
                 role, stage=stage or role, uid=policy.uid, case=case, trial=trial))
             mounts.append(binding.mount())
+            env.update(binding.env())
         spec = build_spec(policy, role=role, run_id=run_id, image=image, command=command,
                           mounts=mounts, output_dir=output_dir, output_target=output_target,
                           env=env, labels=placement_labels(stage, case, trial))

@@ -198,17 +198,16 @@ def find_socket(root: str, limit: int = SOCKET_SCAN_LIMIT) -> str | None:
         return root
     if not stat.S_ISDIR(st.st_mode):
         return None
-    seen = 0
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        for name in (*dirnames, *filenames):
-            seen += 1
-            if seen > limit:
-                return f"{root} (more than {limit} entries; could not rule out a socket)"
-            try:
-                if stat.S_ISSOCK(os.lstat(os.path.join(dirpath, name)).st_mode):
-                    return os.path.join(dirpath, name)
-            except OSError:
-                continue
+    from runner import fswalk
+
+    try:
+        # by directory descriptor: a socket past PATH_MAX, or behind a directory that
+        # cannot be read, is never missed silently
+        for e in fswalk.walk(root, max_depth=4096, max_entries=limit):
+            if stat.S_ISSOCK(e.st.st_mode):
+                return f"{root}/{fswalk.shown(e.rel)}"
+    except fswalk.WalkError as exc:
+        return f"{root}/{exc} (could not rule out a socket)"
     return None
 
 

@@ -45,6 +45,10 @@ class StopReason(StrEnum):
     Never produced by :func:`classify_stop` (the local engine has no nodes)."""
 
 
+GATEWAY_SOCKET = "gateway.sock"
+"""The socket's name in a gateway mount (:data:`runner.gateway.server.SOCKET_NAME`)."""
+
+
 class Mount(Frozen):
     """A host directory or file bound into the container."""
 

@@ -18,6 +18,12 @@ AGENT_ENV: dict[str, str] = {
     "CYCLEBOX_SEED": "the trial's seed from the plan (cycle file seeds, default the trial)",
     "CYCLEBOX_GATEWAY_DIR": "where sandbox.gateway_client finds the gateway socket and token "
                             "(default /run/cyclebox/gateway)",
+    "OPENAI_BASE_URL": "http://127.0.0.1:40080/v1: the container's own gateway endpoint",
+    "OPENAI_API_BASE": "the same, for frameworks that read the older name",
+    "OPENAI_API_KEY": "the per-run, per-role gateway token (never a provider key)",
+    "ANTHROPIC_BASE_URL": "http://127.0.0.1:40080: the same endpoint, for the Anthropic SDK",
+    "ANTHROPIC_API_KEY": "the same per-run, per-role gateway token",
+    "CYCLEBOX_GATEWAY_URL": "http://127.0.0.1:40080",
 }
 """Environment of the analyst container beyond the role policy's own ``env``."""
 

@@ -58,6 +58,10 @@ class _Reader:
     def jsonl(self, rel: str) -> list[Any]:
         return self._try(readfs.read_jsonl, rel) or []
 
+    def is_file(self, rel: str) -> bool:
+        """Whether ``rel`` is a regular file; what stops it being read is a problem."""
+        return bool(self._try(readfs.is_file, rel))
+
     def raw(self, rel: str, limit: int, *, head: bool = False) -> bytes | None:
         data: bytes | None = self._try(lambda r, p: readfs.read_bytes(r, p, limit, head=head),
                                        rel)
@@ -75,7 +79,7 @@ def _answer_text(answer: dict[str, object] | None) -> str | None:
     return cap(text)
 
 
-def _attempt(r: Record, criteria: tuple[str, ...], stage: str, root: Path) -> Attempt:
+def _attempt(r: Record, criteria: tuple[str, ...], stage: str, rd: _Reader) -> Attempt:
     failed: tuple[str, ...] = ()
     if r.status != "ok":
         passed = False
@@ -89,7 +93,7 @@ def _attempt(r: Record, criteria: tuple[str, ...], stage: str, root: Path) -> At
     logs = tuple(rel for rel in (f"{base}/logs/analyst-{r.case_id}-t{r.trial}.stdout",
                                  f"{base}/logs/analyst-{r.case_id}-t{r.trial}.stderr",
                                  f"{base}/out/answer.json")
-                 if readfs.is_file(root, rel))
+                 if rd.is_file(rel))
     return Attempt(trial=r.trial, status=r.status,
                    reason=None if r.reason is None else cap(r.reason), passed=passed,
                    failed_criteria=failed,
@@ -149,9 +153,13 @@ def _changes(raw: Any) -> tuple[Change, ...]:
 
 def build_report(run_dir: Path) -> Report:
     """The report of one run directory; raises OutputRejected when it is not one."""
-    if not readfs.is_file(run_dir, "plan.json"):
-        raise OutputRejected(f"{run_dir}: no plan.json (a regular file); pass a directory "
-                             "written by `cyclebox cycle run --out DIR`")
+    hint = "pass a directory written by `cyclebox cycle run --out DIR`"
+    try:
+        found = readfs.is_file(run_dir, "plan.json")
+    except OutputRejected as exc:
+        raise OutputRejected(f"{exc} (plan.json); {hint}") from None
+    if not found:
+        raise OutputRejected(f"{run_dir}: no plan.json (a regular file); {hint}")
     rd = _Reader(run_dir)
     doc = rd.json("plan.json")
     plan: dict[str, Any] = doc.get("plan", {}) if isinstance(doc, dict) else {}
@@ -165,7 +173,7 @@ def build_report(run_dir: Path) -> Report:
     flat: list[tuple[Arm, str, Attempt]] = []
     for arm in ARMS:
         for r in _records(rd, arm):
-            a = _attempt(r, criteria, arm, run_dir)
+            a = _attempt(r, criteria, arm, rd)
             row = by_case.setdefault(r.case_id, {"split": r.split, "baseline": [],
                                                  "candidate": []})
             row[arm].append(a)

@@ -8,7 +8,7 @@ never followed.
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 from runner.errors import ConfigError
@@ -32,15 +32,25 @@ def check_targets(**targets: Path | None) -> None:
 
 def _write(path: Path, data: bytes) -> None:
     """Write via a temporary file and rename: an existing symlink at ``path`` is replaced,
-    never followed."""
+    never followed. The file gets the operator's umask (0666 less it), like any file a
+    command writes for them; ``mkstemp``'s 0600 made a shared CI summary unreadable."""
     parent = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            fd = os.open(tmp, flags, 0o666)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"no free temporary name beside {path}")
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

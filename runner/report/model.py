@@ -87,6 +87,8 @@ class RoleCost(Frozen):
     complete: bool
     fixture_calls: int
     """Calls answered by the scripted provider (not a real model)."""
+    bounded_calls: int = 0
+    """Calls charged their admitted worst case (ended without usage): an upper bound."""
 
 
 class Statistics(Frozen):

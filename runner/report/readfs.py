@@ -23,19 +23,30 @@ MAX_LINES = 200_000
 
 
 def _open_parent(root: Path, parts: list[str]) -> int | None:
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    """The directory holding ``root/parts...``, each component opened relative to its
+    parent's descriptor with ``O_NOFOLLOW`` (so the path's total length never matters);
+    None when a component is absent; OutputRejected naming any other failure."""
     try:
-        for part in parts:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise OutputRejected(f"{root}: cannot open the run directory: {exc.strerror}"
+                             ) from None
+    try:
+        for i, part in enumerate(parts):
             try:
                 nxt = os.open(part, _DIR, dir_fd=fd)
             except FileNotFoundError:
                 os.close(fd)
                 return None
             except OSError as exc:
+                where = f"{root}/{'/'.join(parts[:i + 1])}"
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise OutputRejected(f"{root}/{'/'.join(parts)}: a path component is a "
-                                         "symlink or not a directory; refused") from None
-                raise
+                    raise OutputRejected(f"{where}: a path component is a symlink or not a "
+                                         "directory; refused") from None
+                raise OutputRejected(f"{where}: cannot open the directory: {exc.strerror}"
+                                     ) from None
             os.close(fd)
             fd = nxt
     except BaseException:
@@ -67,7 +78,7 @@ def read_bytes(root: Path, rel: str, cap: int = MAX_FILE, *,
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise OutputRejected(f"{root}/{rel}: symlink refused (never followed)") from None
-            raise
+            raise OutputRejected(f"{root}/{rel}: cannot open: {exc.strerror}") from None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise OutputRejected(f"{root}/{rel}: not a regular file; refused")
@@ -88,18 +99,25 @@ def read_bytes(root: Path, rel: str, cap: int = MAX_FILE, *,
 
 
 def is_file(root: Path, rel: str) -> bool:
-    """True when ``root/rel`` is a regular file reached without following any link."""
-    try:
-        parts = _split(rel)
-        dfd = _open_parent(root, parts[:-1])
-    except (OutputRejected, OSError):
-        return False
+    """True when ``root/rel`` is a regular file reached without following any link; False
+    when it is absent. Anything else (a link or another kind of file there, a component
+    that cannot be opened) is OutputRejected naming it: never taken for absent silently."""
+    parts = _split(rel)
+    dfd = _open_parent(root, parts[:-1])
     if dfd is None:
         return False
     try:
-        return stat.S_ISREG(os.lstat(parts[-1], dir_fd=dfd).st_mode)
-    except OSError:
-        return False
+        try:
+            mode = os.lstat(parts[-1], dir_fd=dfd).st_mode
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise OutputRejected(f"{root}/{rel}: cannot stat: {exc.strerror}") from None
+        if stat.S_ISLNK(mode):
+            raise OutputRejected(f"{root}/{rel}: symlink refused (never followed)")
+        if not stat.S_ISREG(mode):
+            raise OutputRejected(f"{root}/{rel}: not a regular file; refused")
+        return True
     finally:
         os.close(dfd)
 

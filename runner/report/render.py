@@ -8,6 +8,20 @@ from collections.abc import Iterator
 from runner.report.model import Attempt, Change, Report, RoleCost
 from runner.report.text import md, one_line, xml
 
+REASON_SHOWN = 4000
+"""Characters of one verdict reason shown on the terminal and in Markdown: every reason
+the report keeps (``build.MAX_TEXT``) whole, wrapped by the table, never cut at a line."""
+VERDICT_FILE = "stages/compare/verdict.json"
+
+
+def reason_text(r: Report, reason: str) -> str:
+    """One reason, visible and bounded; a reason the report had to cap points at the file
+    that holds it whole."""
+    shown = one_line(reason, REASON_SHOWN)
+    if shown.endswith("…") or reason.endswith(" more chars]"):
+        shown += f" (whole reason in {one_line(str(r.run_dir), 500)}/{VERDICT_FILE})"
+    return shown
+
 
 def _rate(passed: int, rows: int) -> str:
     return f"{passed}/{rows} ({100 * passed / rows:.0f}%)" if rows else "0/0"
@@ -18,6 +32,9 @@ def cost_text(c: RoleCost) -> str:
         usd = f"{c.cost_usd:.6f} USD"
     else:
         usd = f"unknown (known part {c.cost_usd_known_part} USD)"
+    if c.bounded_calls:
+        usd += (f", {c.bounded_calls} of {c.calls} calls bounded (no usage reported: charged "
+                "their worst case, not measured)")
     return usd + (", complete" if c.complete else ", INCOMPLETE")
 
 
@@ -41,7 +58,7 @@ def terminal_rows(r: Report) -> Iterator[tuple[str, str]]:
     yield "run", one_line(f"{r.name} ({r.run_dir})")
     yield "verdict", r.verdict + f" (exit {r.exit_code})"
     for reason in r.reasons:
-        yield "reason", one_line(reason)
+        yield "reason", reason_text(r, reason)
     for p in r.pass_rates:
         yield f"pass {p.arm} {p.split}", _rate(p.passed, p.rows) + (
             f", {p.rows - p.ok} not ok" if p.ok != p.rows else "")
@@ -67,7 +84,7 @@ def markdown(r: Report) -> str:
     lines = [f"## cyclebox {md(r.name or '?')}: {mark} `{r.verdict}`", ""]
     if r.verdict == "accept_for_review":
         lines += ["Accepted **for review**: a person still decides whether to merge.", ""]
-    lines += [f"- reason: {md(x)}" for x in r.reasons]
+    lines += [f"- reason: {md(x, REASON_SHOWN)}" for x in r.reasons]
     if r.fixture:
         lines.append("- model calls came from **scripted fixtures** (not a real model)")
     lines += ["", "| arm | split | passed | rows | not ok | rate |",

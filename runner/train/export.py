@@ -18,6 +18,14 @@ and ``extra_info`` (``index``, ids, rewards, the sha256 of the exact request byt
 ``sft.parquet`` with ``messages`` (the last turn's recorded messages plus its reply) for
 trajectories that passed (``r_outcome == 1``). The parquet rows are derived from the
 JSONL; the JSONL stays the evidence.
+
+Every API family is exported as chat messages (:mod:`runner.gateway.transcript`):
+assistant turns keep ``tool_calls``, tool results keep ``tool_call_id``, and the request's
+tools go in a ``tools`` column (see :mod:`runner.train.verl_parquet`). A turn parsed when
+its request and reply read in their family's shape and the reply is either tool calls
+whose arguments are each one JSON object, or content that is one JSON object (the agent
+protocol the scorer relies on); otherwise its ``reason`` names what did not. Embeddings
+and count_tokens calls are not turns: they are counted in the summary, not exported.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from runner.cycle.models import Manifest, Record, Reference
 from runner.cycle.review import OVERALL, CalibrationResult, load_calibration
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.gateway.calllog import CallLog, CallRecord
+from runner.gateway.transcript import NOT_TURNS, Unparsed, arguments_are_objects, transcript
 from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_json
 from runner.isolation.collect import loads_strict
 from runner.isolation.sandbox import Frozen
@@ -75,6 +84,16 @@ class ExportSummary(Frozen):
     sft_rows: int
     not_in_parquet: dict[str, int]
     """Reason -> trajectories left out of a parquet file (see :func:`verl_rows`)."""
+    format_reasons: dict[str, int] = Field(default_factory=dict)
+    """Why turns did not parse: reason (up to its first colon) -> turns."""
+    not_turns: dict[str, int] = Field(default_factory=dict)
+    """API family -> calls that are not conversation turns (embeddings, count_tokens)."""
+    tool_calls: int = 0
+    """Tool calls in the exported replies."""
+    tools_column: dict[str, str] = Field(default_factory=dict)
+    """rl / sft -> how the parquet ``tools`` column is stored: ``struct`` (tool objects,
+    what verl and TRL read) or ``json_text`` (the rows' tool schemas have no common Arrow
+    type; TRL reads it, verl 0.9 does not); ``tools_json`` always has the exact text."""
     fixture: bool
     """Some exported turn was answered by the scripted provider."""
 
@@ -211,32 +230,39 @@ def join_key(stage: str, case: str | None, trial: int | None) -> str:
     return sha256_json([stage, case, trial])
 
 
-def reply_of(response: bytes) -> tuple[str | None, bool]:
-    """(assistant text, parsed) from recorded response bytes (completion or SSE).
+def read_turn(api: str | None, request: bytes, response: bytes | None, *,
+              stream: bool = False) -> dict[str, Any]:
+    """One recorded call as the fields of a trajectory turn: ``api``, ``messages`` and
+    ``tools`` (the request in chat shape), ``reply_message`` (the assistant message, None
+    without a usable reply), ``reply`` (its text), ``parsed`` and ``reason`` (None when
+    parsed, else what did not: a shape named by :func:`transcript`,
+    ``tool_arguments_not_json_object`` or ``reply_not_json_object``)."""
+    t = transcript(api, request, response, stream=stream)
+    reply = t.reply
+    reason = t.reason
+    if reason is None and reply is not None:
+        if reply.get("tool_calls"):
+            if not arguments_are_objects(reply):
+                reason = "tool_arguments_not_json_object"
+        elif not _is_json_object(reply["content"]):
+            reason = "reply_not_json_object"
+    return {"api": t.api, "messages": t.messages, "tools": t.tools, "reply_message": reply,
+            "reply": None if reply is None else reply["content"],
+            "parsed": reason is None, "reason": reason}
 
-    A turn parsed when the response is a well-formed completion whose message content
-    is one JSON object (the agent protocol the scorer relies on)."""
-    text: str | None = None
+
+def _is_json_object(text: str) -> bool:
     try:
-        if response.lstrip().startswith(b"data:"):
-            parts = []
-            for line in response.decode().splitlines():
-                if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                    chunk = json.loads(line[5:])
-                    for ch in chunk.get("choices") or []:
-                        parts.append((ch.get("delta") or {}).get("content") or "")
-            text = "".join(parts)
-        else:
-            obj = loads_strict(response, source="response")
-            text = obj["choices"][0]["message"]["content"]
-    except (ValueError, KeyError, IndexError, TypeError, OutputRejected):
-        return text, False
-    if not isinstance(text, str):
-        return None, False
-    try:
-        return text, isinstance(json.loads(text), dict)
-    except ValueError:
-        return text, False
+        return isinstance(loads_strict(text, source="reply"), dict)
+    except OutputRejected:
+        return False
+
+
+def reply_of(response: bytes) -> tuple[str | None, bool]:
+    """(assistant text, parsed) of a recorded chat completion or SSE stream (see
+    :func:`read_turn`, which also keeps tool calls)."""
+    turn = read_turn("chat", b'{"messages":[{"role":"user","content":""}]}', response)
+    return turn["reply"], turn["parsed"]
 
 
 def _grades(run: Path) -> dict[str, Record]:
@@ -263,7 +289,11 @@ def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPoli
     log = CallLog(run / "gateway")
     calls = [c for c in log.records() if c.role in policy.roles and c.status != "refused"]
     groups: dict[tuple[str, str | None, int | None], list[CallRecord]] = defaultdict(list)
+    not_turns: dict[str, int] = defaultdict(int)
     for c in calls:
+        if (c.api or "chat") in NOT_TURNS:
+            not_turns[c.api or "chat"] += 1
+            continue
         groups[(c.stage, c.case, c.trial)].append(c)
     grades = _grades(run)
     refs = frozen_references(run)
@@ -279,10 +309,10 @@ def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPoli
             except IntegrityError as exc:
                 raise IntegrityError(f"call seq {c.seq} ({stage}/{case}/t{trial} turn "
                                      f"{c.turn}): {exc}") from None
-            reply, parsed = None, False
+            response = None
             if c.response_sha256:
                 try:
-                    reply, parsed = reply_of(log.blob(c.response_sha256))
+                    response = log.blob(c.response_sha256)
                 except IntegrityError as exc:
                     raise IntegrityError(f"call seq {c.seq}: {exc}") from None
             try:
@@ -291,9 +321,10 @@ def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPoli
                 raise IntegrityError(f"call seq {c.seq}: recorded request is not UTF-8; "
                                      "it cannot be exported byte-exactly as text") from None
             rows.append({"turn": c.turn, "prompt": prompt_text,
-                         "prompt_sha256": c.request_sha256, "reply": reply,
-                         "response_sha256": c.response_sha256, "parsed": parsed,
-                         "status": c.status})
+                         "prompt_sha256": c.request_sha256,
+                         "response_sha256": c.response_sha256, "status": c.status,
+                         "stream": c.stream,
+                         **read_turn(c.api, prompt, response, stream=c.stream)})
         rec = grades.get(join_key(stage, case, trial))
         r_outcome, basis = outcome(rec, refs.get(case) if case is not None else None)
         trajectories.append({
@@ -309,8 +340,8 @@ def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPoli
     body = "".join(json.dumps(t, sort_keys=True, ensure_ascii=False) + "\n"
                    for t in trajectories)
     (out / "trajectories.jsonl").write_text(body, encoding="utf-8")
-    write_rl(rl_rows, out / RL_PARQUET)
-    write_sft(sft_rows, out / SFT_PARQUET)
+    tools_kind = {"rl": write_rl(rl_rows, out / RL_PARQUET),
+                  "sft": write_sft(sft_rows, out / SFT_PARQUET)}
     fmt_pass = sum(t["r_format"] for t in trajectories)
     summary = ExportSummary(
         trajectories=len(trajectories), turns=sum(len(t["turns"]) for t in trajectories),
@@ -322,7 +353,10 @@ def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPoli
                          for b in ("correctness", "refusal")},
         format_pass_rate=round(fmt_pass / len(trajectories), 4) if trajectories else None,
         rl_rows=len(rl_rows), sft_rows=len(sft_rows), not_in_parquet=skipped,
-        fixture=any(t["fixture"] for t in trajectories))
+        format_reasons=format_reasons(trajectories), not_turns=dict(sorted(not_turns.items())),
+        tool_calls=sum(len((r["reply_message"] or {}).get("tool_calls", []))
+                       for t in trajectories for r in t["turns"]),
+        tools_column=tools_kind, fixture=any(t["fixture"] for t in trajectories))
     (out / "summary.json").write_text(json.dumps(summary.model_dump(mode="json"), indent=1,
                                                  sort_keys=True))
     receipt = ExportReceipt(
@@ -335,51 +369,46 @@ def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPoli
     return summary
 
 
-def chat_messages(request: str) -> list[dict[str, str]]:
-    """The recorded request's chat messages as verl's {role, content} strings.
+def format_reasons(trajectories: list[dict[str, Any]]) -> dict[str, int]:
+    """Reason (up to its first colon) -> turns that did not parse."""
+    out: dict[str, int] = defaultdict(int)
+    for t in trajectories:
+        for r in t["turns"]:
+            if r["reason"] is not None:
+                out[r["reason"].split(":", 1)[0]] += 1
+    return dict(sorted(out.items()))
 
-    Text parts of a multi-part content join in order; any other content is kept as its
-    JSON text, so nothing is dropped. Raises ValueError, TypeError or OutputRejected when
-    the request has no usable messages list."""
+
+def chat_messages(request: str) -> list[dict[str, Any]]:
+    """A recorded chat-completions request's messages in chat shape (tool calls kept; see
+    :func:`runner.gateway.transcript.chat_request`). Raises ValueError or OutputRejected
+    when the request has no usable messages list."""
+    from runner.gateway.transcript import chat_request
+
     req = loads_strict(request.encode("utf-8"), source="request")
-    msgs = req.get("messages") if isinstance(req, dict) else None
-    if not isinstance(msgs, list) or not msgs:
-        raise ValueError("request has no messages")
-    out = []
-    for m in msgs:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise TypeError("a message without a role")
-        c = m.get("content")
-        if c is None:
-            text = ""
-        elif isinstance(c, str):
-            text = c
-        elif isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in c):
-            text = "".join(p["text"] for p in c)
-        else:
-            text = json.dumps(c, sort_keys=True, ensure_ascii=False)
-        out.append({"role": m["role"], "content": text})
-    return out
+    try:
+        return chat_request(req)[0]
+    except Unparsed as exc:
+        raise ValueError(exc.reason) from None
 
 
 def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReference], *,
               ability: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, int]]:
     """(rl rows, sft rows, {reason: count} of trajectories left out of the parquet).
 
-    A trajectory is left out of rl.parquet when its first request has no chat messages
-    or its case has no frozen reference; out of sft.parquet also when it did not pass
-    (``r_outcome != 1``) or its last turn has no reply. Each reason is counted."""
+    A trajectory is left out of rl.parquet when its first or last request did not read
+    as chat messages or its case has no frozen reference; out of sft.parquet also when it
+    did not pass (``r_outcome != 1``) or its last turn has no reply (neither text nor tool
+    calls). Each reason is counted. Rows carry the request's ``tools`` (rl: the first
+    turn's, sft: the last turn's)."""
     rl: list[dict[str, Any]] = []
     sft: list[dict[str, Any]] = []
     skipped: dict[str, int] = defaultdict(int)
     for t in trajectories:
         first, last = t["turns"][0], t["turns"][-1]
         ref = refs.get(t["case_id"]) if t["case_id"] is not None else None
-        try:
-            prompt = chat_messages(first["prompt"])
-            final = chat_messages(last["prompt"])
-        except (ValueError, TypeError, OutputRejected):
+        prompt, final = first["messages"], last["messages"]
+        if not prompt or not final:
             skipped["request_without_chat_messages"] += 1
             continue
         if ref is None:
@@ -397,13 +426,13 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReferenc
                    "reward_model": {"style": "rule", "ground_truth": json.dumps(
                        ref.reference.model_dump(mode="json"), sort_keys=True,
                        separators=(",", ":"))},
-                   "extra_info": extra})
+                   "extra_info": extra, "tools": first["tools"]})
+        reply = last["reply_message"]
         if t["r_outcome"] != 1.0:
             skipped["sft_not_passed"] += 1
-        elif last["reply"] is None:
+        elif reply is None or not (reply["content"] or reply.get("tool_calls")):
             skipped["sft_no_reply"] += 1
         else:
-            sft.append({"data_source": t["data_source"],
-                        "messages": [*final, {"role": "assistant", "content": last["reply"]}],
-                        "extra_info": {**extra, "index": len(sft)}})
+            sft.append({"data_source": t["data_source"], "messages": [*final, reply],
+                        "extra_info": {**extra, "index": len(sft)}, "tools": last["tools"]})
     return rl, sft, dict(sorted(skipped.items()))

@@ -18,7 +18,14 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from runner.errors import ConfigError, IntegrityError, OutputRejected, SandboxError
+from runner import fswalk
+from runner.errors import (
+    ConfigError,
+    EnvironmentFailure,
+    IntegrityError,
+    OutputRejected,
+    SandboxError,
+)
 from runner.isolation.collect import Collected, Limits, collect
 from runner.isolation.launcher import launch, output_dir
 from runner.isolation.policy import RolePolicy
@@ -34,7 +41,6 @@ from runner.train.results import (
     SftReceipt,
     TinyModel,
 )
-from sandbox.train.receipt import tree_sha
 
 M = TypeVar("M", bound=BaseModel)
 R = TypeVar("R", ProofReceipt, SftReceipt)
@@ -129,10 +135,22 @@ def _check_model_dir(base: Path) -> None:
 def verify_receipt(out: Path, kind: type[R]) -> R:
     """The training receipt, typed; its adapter hashes must match the files written."""
     receipt = _trainer_file(out / "train-receipt.json", kind)
-    actual = tree_sha(out / "adapter")
+    actual = _tree_sha(out / "adapter")
     if actual != receipt.adapter_files:
         raise IntegrityError(f"{out}/train-receipt.json: adapter hashes differ from the files")
     return receipt
+
+
+def _tree_sha(root: Path) -> dict[str, str]:
+    """sha256 of every regular file under ``root`` (symlinks left out, as the trainer's
+    receipt leaves them out), walked and read by directory descriptor: a path past
+    ``PATH_MAX`` is hashed like any other, and a directory that cannot be read is an
+    IntegrityError naming it, never left out of the comparison."""
+    try:
+        return {e.rel: e.sha256() for e in fswalk.walk(root, max_depth=4096) if e.is_file}
+    except fswalk.WalkError as exc:
+        raise IntegrityError(f"{root}/{exc}: the adapter cannot be checked against its "
+                             "receipt") from None
 
 
 def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger: Path,
@@ -214,18 +232,31 @@ def hand_over(out: Path) -> None:
     never sets setuid/setgid/sticky bits: the modes are absolute."""
     uid, gid = invoking_user()
     root = os.getuid() == 0
-    for dirpath, dirnames, filenames in os.walk(out, followlinks=False):
-        for name in [*dirnames, *filenames, None]:
-            p = Path(dirpath) if name is None else Path(dirpath) / name
-            st = p.lstat()
-            if stat.S_ISLNK(st.st_mode):
-                continue
-            if root:
-                os.chown(p, uid, gid, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                p.chmod(0o755)
-            elif stat.S_ISREG(st.st_mode):
-                p.chmod(0o644)
+
+    def give(name: str, dir_fd: int | None, st: os.stat_result) -> None:
+        if stat.S_ISLNK(st.st_mode):
+            return
+        if root:
+            os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            os.chmod(name, 0o755, dir_fd=dir_fd)  # noqa: S103 - the operator reads it
+        elif stat.S_ISREG(st.st_mode):
+            os.chmod(name, 0o644, dir_fd=dir_fd)
+
+    # By directory descriptor (runner.fswalk): a path past PATH_MAX is handed over like
+    # any other, and a directory that cannot be read is a named error, never skipped (a
+    # directory is made readable before the walk enters it).
+    try:
+        give(str(out), None, out.lstat())
+        for e in fswalk.walk(out, max_depth=4096):
+            try:
+                give(e.name, e.parent_fd, e.st)
+            except OSError as exc:
+                raise fswalk.WalkError(e.rel, f"cannot hand it over: {exc.strerror}"
+                                       ) from None
+    except fswalk.WalkError as exc:
+        raise EnvironmentFailure(f"{out}/{exc}: the trainer's outputs could not all be "
+                                 "handed to the operator") from None
 
 
 def sft(trainer: Trainer, corpus: Path, base: Path, out: Path, *, lr: float, seed: int,

@@ -3,17 +3,34 @@
 Explicit schemas: a column that is null in every row still has its type, every row of
 a file has the same struct shape, and verl 0.9's ``RLHFDataset`` (``datasets`` parquet
 reader) and ``MultiTurnSFTDataset`` (``pandas.read_parquet``) read the files as written.
+
+Messages are chat messages with tool calls kept: ``tool_calls`` (arguments as JSON text,
+as on the chat wire) on an assistant turn that called tools, ``tool_call_id`` on a tool
+result; both null elsewhere. ``tools`` (the request's tools in chat shape) is a list of
+tool objects, which verl's ``MultiTurnSFTDataset`` (``tools_key``) and TRL's ``SFTTrainer``
+pass to ``apply_chat_template``. A JSON Schema has no fixed Arrow type, so the column's
+type is inferred from the rows, and used only when every row reads back exactly as
+written (a struct inferred across different schemas fills missing keys with null, and an
+empty object has no Parquet type); otherwise the column holds each row's tools as JSON
+text, which TRL reads and verl 0.9 does not (:func:`tools_column` says which).
+``tools_json`` always holds the exact JSON text.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+TOOL_CALLS = pa.list_(pa.struct([
+    ("id", pa.string()), ("type", pa.string()),
+    ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())])),
+]))
+MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()),
+                               ("tool_calls", TOOL_CALLS), ("tool_call_id", pa.string())]))
 EXTRA_INFO = pa.struct([
     ("index", pa.int64()), ("trajectory_id", pa.string()), ("stage", pa.string()),
     ("case_id", pa.string()), ("trial", pa.int64()), ("split", pa.string()),
@@ -32,16 +49,47 @@ SFT_SCHEMA = pa.schema([
 ])
 
 
-def _write(rows: list[dict[str, Any]], schema: pa.Schema, path: Path) -> None:
+STRUCT = "struct"
+JSON_TEXT = "json_text"
+
+
+def tools_column(tools: list[list[dict[str, Any]]]) -> tuple[pa.Array, str]:
+    """(column, kind) for the rows' tools: inferred structs when every row reads back
+    exactly (kind ``struct``), else each row's JSON text (kind ``json_text``)."""
+    try:
+        arr = pa.array(tools)
+        if arr.type.equals(pa.list_(pa.null())):  # no row declares a tool
+            arr = pa.array(tools, type=pa.list_(pa.struct([("type", pa.string())])))
+        table = pa.table({"tools": arr})
+        buf = pa.BufferOutputStream()
+        pq.write_table(table, buf)
+        back = pq.read_table(pa.BufferReader(buf.getvalue())).column("tools").to_pylist()
+        if back == tools:
+            return arr, STRUCT
+    except (pa.ArrowException, ValueError, TypeError, OverflowError):
+        pass
+    return pa.array([json.dumps(t, ensure_ascii=False) for t in tools], type=pa.string()), \
+        JSON_TEXT
+
+
+def _write(rows: list[dict[str, Any]], schema: pa.Schema, path: Path) -> str:
     table = pa.Table.from_pylist(rows, schema=schema)
+    tools = [r["tools"] for r in rows]
+    col, kind = tools_column(tools)
+    table = table.append_column("tools", col).append_column(
+        "tools_json", pa.array([json.dumps(t, ensure_ascii=False) for t in tools],
+                               type=pa.string()))
     pq.write_table(table, path)
+    return kind
 
 
-def write_rl(rows: list[dict[str, Any]], path: Path) -> None:
-    """RL prompts: data_source, prompt, ability, reward_model, extra_info."""
-    _write(rows, RL_SCHEMA, path)
+def write_rl(rows: list[dict[str, Any]], path: Path) -> str:
+    """RL prompts: data_source, prompt, ability, reward_model, extra_info, tools,
+    tools_json; returns the kind of the tools column."""
+    return _write(rows, RL_SCHEMA, path)
 
 
-def write_sft(rows: list[dict[str, Any]], path: Path) -> None:
-    """SFT conversations: data_source, messages (with the assistant turn), extra_info."""
-    _write(rows, SFT_SCHEMA, path)
+def write_sft(rows: list[dict[str, Any]], path: Path) -> str:
+    """SFT conversations: data_source, messages (with the assistant turn), extra_info,
+    tools, tools_json; returns the kind of the tools column."""
+    return _write(rows, SFT_SCHEMA, path)

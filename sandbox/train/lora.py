@@ -61,11 +61,18 @@ def load(model_dir: Path) -> tuple[Any, Any]:
 
 
 def encode(tok: Any, row: dict[str, Any], max_len: int = 512) -> dict[str, torch.Tensor]:
-    """Token ids with labels only on the assistant reply; long prompts lose their head."""
-    msgs = row["messages"]
-    prompt = tok.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
+    """Token ids with labels only on the assistant reply (its text or its tool calls, as
+    the model's chat template renders them); long prompts lose their head."""
+    msgs, tools = row["messages"], row.get("tools") or None
+    prompt = tok.apply_chat_template(msgs[:-1], tools=tools, tokenize=False,
+                                     add_generation_prompt=True)
+    full = tok.apply_chat_template(msgs, tools=tools, tokenize=False)
+    if full.startswith(prompt) and len(full) > len(prompt):
+        reply = full[len(prompt):]
+    else:  # a template whose prompt is not a prefix of the whole: the reply's text
+        reply = str(msgs[-1].get("content") or "") + tok.eos_token
     p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
-    a_ids = tok(msgs[-1]["content"] + tok.eos_token, add_special_tokens=False)["input_ids"]
+    a_ids = tok(reply, add_special_tokens=False)["input_ids"]
     a_ids = a_ids[: max_len // 2]
     p_ids = p_ids[-(max_len - len(a_ids)):]
     ids = p_ids + a_ids

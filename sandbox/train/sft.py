@@ -1,8 +1,9 @@
 """Supervised LoRA fine-tuning on an exported corpus (``cyclebox train sft``).
 
 Mounts: /corpus (trajectories.jsonl from ``cyclebox export``), /model, /in/config.json,
-/out. Each turn becomes one chat row: the recorded request's messages, then the
-recorded reply as the assistant message. By default only trajectories that passed
+/out. Each turn becomes one chat row: the turn's messages in chat shape (tool calls and
+tool results kept, whatever API family the agent spoke), then the reply message, with the
+request's tools. By default only trajectories that passed
 (``r_outcome == 1``) are learned from; ``include_failed`` in the config takes every graded
 and ungraded one. The selection and its counts go in the receipt. The adapter's
 ``adapter_config.json`` names the base model by the host path the operator passed
@@ -41,12 +42,25 @@ def rows_from_corpus(path: Path, *, include_failed: bool = True) -> list[dict[st
 
 
 def rows_from_trajectories(trajs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One chat row per turn with a reply: the turn's messages in chat shape (tool calls
+    and tool results kept, every API family alike), the reply message last, and the
+    request's tools. Corpora written before turns carried ``messages`` fall back to the
+    recorded chat request and the reply text."""
     rows = []
     for traj in trajs:
         for turn in traj["turns"]:
-            req = json.loads(turn["prompt"])
+            reply_msg = turn.get("reply_message")
+            if isinstance(turn.get("messages"), list) and isinstance(reply_msg, dict):
+                row: dict[str, Any] = {"messages": [*turn["messages"], reply_msg]}
+                if turn.get("tools"):
+                    row["tools"] = turn["tools"]
+                rows.append(row)
+                continue
             reply = turn.get("reply")
-            if reply is None:
+            if reply is None or not turn.get("prompt"):
+                continue
+            req = json.loads(turn["prompt"])
+            if not isinstance(req, dict) or not isinstance(req.get("messages"), list):
                 continue
             msgs = [{"role": m["role"], "content": str(m.get("content") or "")}
                     for m in req["messages"]]

@@ -13,7 +13,23 @@ import sys
 from pathlib import Path
 
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    # Tools (chat-completions shape) first, as a system turn; each message then renders
+    # alone, so rendering messages one by one and joining equals rendering them together
+    # (verl's MultiTurnSFTDataset checks it). An assistant turn, tool calls and its end
+    # token included, sits inside {% generation %} so TRL's assistant_only_loss trains it.
+    "{% if tools %}<|system|>tools: {{ tools | tojson }}<|end|>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}"
+    "{{ m['content'] or '' }}"
+    "{% if m['tool_calls'] %}{% for tc in m['tool_calls'] %}<tool_call>"
+    "{{ tc['function']['name'] }} "
+    "{% if tc['function']['arguments'] is string %}{{ tc['function']['arguments'] }}"
+    "{% else %}{{ tc['function']['arguments'] | tojson }}{% endif %}</tool_call>"
+    "{% endfor %}{% endif %}<|end|>{% endgeneration %}"
+    "{% elif m['role'] == 'tool' %}<|tool|>{{ m['tool_call_id'] or '' }}: "
+    "{{ m['content'] or '' }}<|end|>"
+    "{% else %}<|{{ m['role'] }}|>{{ m['content'] or '' }}<|end|>{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 SPECIAL = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 

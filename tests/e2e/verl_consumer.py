@@ -3,6 +3,9 @@ cyclebox export with verl's own dataset classes, or load a trained adapter with 
 
     python verl_consumer.py datasets CORPUS TOKENIZER_DIR   -> JSON facts on stdout
     python verl_consumer.py adapter ADAPTER_DIR PROMPT     -> JSON facts on stdout
+    python verl_consumer.py tools CORPUS MODEL_DIR         -> JSON facts on stdout
+        (verl's MultiTurnSFTDataset with tools, then TRL's SFTTrainer, conversational rows
+        with a tools column and assistant_only_loss, one training step)
 
 Facts, not verdicts: the test decides what must hold.
 """
@@ -66,9 +69,61 @@ def adapter(adapter_dir: Path, prompt: str) -> dict[str, Any]:
             "finite": bool(torch.isfinite(logits).all())}
 
 
+def tools(corpus: Path, model_dir: Path) -> dict[str, Any]:
+    import math
+
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+    from verl.utils.dataset.multiturn_sft_dataset import MultiTurnSFTDataset
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    sft = MultiTurnSFTDataset(parquet_files=[str(corpus / "sft.parquet")], tokenizer=tok,
+                              config={"max_length": 1 << 16, "truncation": "error",
+                                      "pad_mode": "no_padding", "tools_key": "tools"})
+    items = [sft[i] for i in range(len(sft))]
+    learned = [tok.decode(it["input_ids"][it["loss_mask"].bool()]) for it in items]
+    facts: dict[str, Any] = {
+        "verl_rows": len(sft),
+        "verl_tools": [[t["function"]["name"] for t in (sft.tools[i] or [])]
+                       for i in range(len(sft))],
+        "verl_text": [tok.decode(it["input_ids"]) for it in items],
+        "verl_learned": learned,
+        "verl_loss_tokens": [int(it["loss_mask"].sum()) for it in items],
+        "verl_tokens": [int(it["input_ids"].numel()) for it in items],
+    }
+    ds = load_dataset("parquet", data_files=str(corpus / "sft.parquet"), split="train")
+    ds = ds.select_columns(["messages", "tools"])
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    with tempfile.TemporaryDirectory() as out:
+        args = SFTConfig(output_dir=out, max_steps=1, per_device_train_batch_size=len(ds),
+                         learning_rate=1e-3, assistant_only_loss=True, use_cpu=True,
+                         report_to=[], save_strategy="no", logging_steps=1, seed=0,
+                         dataset_num_proc=None)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
+        tokenized = trainer.train_dataset
+        # TRL turns the assistant mask into labels (-100 where no loss is taken)
+        masks = [sum(x != -100 for x in r["labels"]) for r in tokenized]
+        trl_learned = [tok.decode([x for x in r["labels"] if x != -100]) for r in tokenized]
+        result = trainer.train()
+    facts.update({
+        "trl_rows": len(tokenized),
+        "trl_assistant_tokens": masks,
+        "trl_tokens": [len(r["input_ids"]) for r in tokenized],
+        "trl_learned": trl_learned,
+        "trl_text": [tok.decode(r["input_ids"]) for r in tokenized],
+        "trl_steps": int(result.global_step),
+        "trl_loss_finite": math.isfinite(float(result.training_loss)),
+    })
+    return facts
+
+
 def main(argv: list[str]) -> int:
     mode, a, b = argv
-    facts = datasets(Path(a), Path(b)) if mode == "datasets" else adapter(Path(a), b)
+    if mode == "tools":
+        facts = tools(Path(a), Path(b))
+    else:
+        facts = datasets(Path(a), Path(b)) if mode == "datasets" else adapter(Path(a), b)
     print("VERL-FACTS " + json.dumps(facts, sort_keys=True))
     return 0
 

@@ -31,6 +31,7 @@ import pytest
 import yaml
 
 from runner.paths import PROJECT_ROOT
+from tests.fixtures.deep import LONG_DEPTH, LONG_FILE, LONG_PART, make_long
 
 EXAMPLE = PROJECT_ROOT / "examples" / "shop-analyst"
 ROLES = PROJECT_ROOT / "policies" / "roles.yaml"
@@ -418,6 +419,45 @@ def _(e: Env) -> list[str]:
     return e.run_args()
 
 
+@case("data-dir-path-past-path-max", 3, "cycle.yaml", "data_dir", "PATH_MAX", LONG_FILE[:40])
+def _(e: Env) -> list[str]:
+    (e.ex / "data" / "deep").mkdir()
+    make_long(e.ex / "data" / "deep")  # "/data/deep/" + 4,090 bytes: past PATH_MAX inside
+    return e.run_args()
+
+
+def _git(repo: Path, *args: str, data: bytes | None = None) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], input=data, capture_output=True,
+                          check=True, env={**os.environ, "GIT_AUTHOR_NAME": "t",
+                                           "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                                           "GIT_COMMITTER_EMAIL": "t@t"}).stdout.decode().strip()
+
+
+def _mktree(repo: Path, rows: list[str]) -> str:
+    return _git(repo, "mktree", "-z", data="".join(f"{r}\0" for r in rows).encode())
+
+
+@case("project-tree-path-past-path-max", 3, "cycle.yaml", "project.base_ref", "PATH_MAX",
+      LONG_FILE[:40])
+def _(e: Env) -> list[str]:
+    # the example's agent in its own repository, plus a commit (made with git plumbing,
+    # no checkout) holding "deep/" + 4,090 bytes: past PATH_MAX once mounted at /src
+    repo = e.root / "agent"
+    shutil.copytree(EXAMPLE / "project", repo)
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "agent")
+    tree = _mktree(repo, [f"100644 blob {_git(repo, 'hash-object', '-w', '--stdin', data=b'x')}"
+                          f"\t{LONG_FILE}"])
+    for i in reversed(range(LONG_DEPTH)):
+        tree = _mktree(repo, [f"040000 tree {tree}\t{i:02d}{'d' * (LONG_PART - 2)}"])
+    top = _git(repo, "ls-tree", "-z", "HEAD").split("\0")
+    root = _mktree(repo, [*[r for r in top if r], f"040000 tree {tree}\tdeep"])
+    commit = _git(repo, "commit-tree", root, "-p", "HEAD", "-m", "deep")
+    e.edit_cycle(lambda d: d["project"].update(repo=str(repo), base_ref=commit, subdir=None))
+    return e.run_args()
+
+
 @case("policy-missing", 3, "cycle.yaml", "policy", "does not exist")
 def _(e: Env) -> list[str]:
     e.set_cycle(policy="nope.yaml")
@@ -502,6 +542,121 @@ def _(e: Env) -> list[str]:
     (e.root / "empty-state").mkdir()
     e.vars["CYCLEBOX_STATE_DIR"] = str(e.root / "empty-state")
     return e.run_args()
+
+
+@case("engine-unreachable", 5, "Docker engine not reachable", "DOCKER_HOST")
+def _(e: Env) -> list[str]:
+    # PrerequisiteError raised `from None` inside the docker error: 5, not 6 (issue 21)
+    e.vars["DOCKER_HOST"] = f"unix://{e.root}/no-engine.sock"
+    return e.run_args()
+
+
+# images
+@case("images-build-unknown-role", 3, "--role", "unknown role 'nosuch'")
+def _(e: Env) -> list[str]:
+    return ["images", "build", "--role", "nosuch"]
+
+
+@case("images-lock-corrupt", 3, "images.lock.json", "invalid JSON")
+def _(e: Env) -> list[str]:
+    (e.root / "state" / "images.lock.json").write_text('{"analyst": [')
+    return ["images", "list"]
+
+
+@case("images-gc-engine-unreachable", 5, "Docker engine not reachable")
+def _(e: Env) -> list[str]:
+    e.vars["DOCKER_HOST"] = f"unix://{e.root}/no-engine.sock"
+    return ["images", "gc"]
+
+
+# the agent's own requirements (project.requirements): resolved offline from a local
+# --find-links directory of wheels built here; every refusal is bad input (exit 3) naming
+# the field, the file and pip's own reason, and leaves no wheel behind
+def _wheel(where: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> None:
+    import zipfile
+
+    meta = (f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+            + "".join(f"Requires-Dist: {r}\n" for r in requires))
+    with zipfile.ZipFile(where / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA", meta)
+        z.writestr(f"{name}-{version}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: t\n"
+                   "Root-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{name}-{version}.dist-info/RECORD", "")
+
+
+def _requirements(e: Env, text: str, *, index: Callable[[Path], None] | None = None
+                  ) -> list[str]:
+    """The example's agent in a repository of its own whose committed requirements.txt
+    holds ``text``; ``index`` fills the --find-links directory pip may use."""
+    repo = e.root / "repo"
+    shutil.copytree(EXAMPLE / "project", repo)
+    (repo / "requirements.txt").write_text(text)
+    git_env = {**{k: v for k, v in os.environ.items() if not k.startswith("GIT_")},
+               "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
+               "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
+               "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull}
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "agent"]):
+        subprocess.run(["git", "-C", str(repo), *args], check=True, env=git_env,
+                       capture_output=True)
+    e.edit_cycle(lambda d: d["project"].update(repo=str(repo), subdir=None,
+                                               requirements="requirements.txt"))
+    wheels = e.root / "index"
+    wheels.mkdir()
+    if index is not None:
+        index(wheels)
+    e.vars["PIP_DOWNLOAD_ARGS"] = f"--no-index --find-links {wheels}"
+    e.vars["PIP_FIND_LINKS"] = ""  # only the index built here
+    e.vars["PIP_CONFIG_FILE"] = os.devnull
+    return [*e.run_args(), "--prepare-only"]
+
+
+@case("requirements-no-such-package", 3, "cycle.yaml", "project.requirements",
+      "requirements.txt", "No matching distribution found for no-such-pkg-cyclebox==1.0")
+def _(e: Env) -> list[str]:
+    return _requirements(e, "no-such-pkg-cyclebox==1.0\n")
+
+
+@case("requirements-conflict-in-file", 3, "cycle.yaml", "project.requirements",
+      "requirements.txt", "conflicting dependencies", "aa 1.0 depends on bb==1.0")
+def _(e: Env) -> list[str]:
+    def index(d: Path) -> None:
+        _wheel(d, "aa", "1.0", ("bb==1.0",))
+        _wheel(d, "bb", "1.0")
+        _wheel(d, "bb", "2.0")
+    return _requirements(e, "aa==1.0\nbb==2.0\n", index=index)
+
+
+@case("requirements-sdist-only", 3, "cycle.yaml", "project.requirements", "requirements.txt",
+      "No matching distribution found for onlysrc==1.0")
+def _(e: Env) -> list[str]:
+    def index(d: Path) -> None:
+        import tarfile
+
+        src = e.root / "onlysrc-1.0"
+        src.mkdir()
+        (src / "setup.py").write_text("raise SystemExit('built on the host')\n")
+        with tarfile.open(d / "onlysrc-1.0.tar.gz", "w:gz") as tar:
+            tar.add(src, arcname="onlysrc-1.0")
+    return _requirements(e, "onlysrc==1.0\n", index=index)
+
+
+@case("requirements-url-line", 3, "cycle.yaml", "project.requirements", "requirements.txt",
+      "line 1", "URL, VCS or path requirement")
+def _(e: Env) -> list[str]:
+    return _requirements(e, "evil @ https://example.invalid/evil-1.0-py3-none-any.whl\n")
+
+
+@case("requirements-vcs-line", 3, "cycle.yaml", "project.requirements", "requirements.txt",
+      "line 2", "URL, VCS or path requirement")
+def _(e: Env) -> list[str]:
+    return _requirements(e, "aa==1.0\ngit+https://example.invalid/evil.git\n")
+
+
+@case("requirements-wheel-direct-url", 3, "cycle.yaml", "project.requirements",
+      "requirements.txt", "lure-1.0-py3-none-any.whl requires 'evil @ file:///etc/passwd'")
+def _(e: Env) -> list[str]:
+    return _requirements(e, "lure==1.0\n", index=lambda d: _wheel(
+        d, "lure", "1.0", ("evil @ file:///etc/passwd",)))
 
 
 # scenario manifest
@@ -1039,7 +1194,10 @@ def run_case(c: Case, root: Path) -> Outcome:
         if (prepared / extra).exists():
             written.append(f"prepared/{extra}")
     # the case's own directory is taken out, so that no expectation matches by the path
-    first = next((ln for ln in err.splitlines() if ln.strip()), "").replace(str(root), "…")
+    # (progress lines a step prints before it fails, e.g. "downloading wheels", come first)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    first = next((ln for ln in lines if ln.startswith("error:")), lines[0] if lines else ""
+                 ).replace(str(root), "…")
     return Outcome(code, err, first, written, seconds)
 
 

@@ -29,7 +29,7 @@ GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
 
 
 def _agent() -> str:
-    anchor = "from sandbox.gateway_client import client\n"
+    anchor = "from openai import OpenAI\n"
     src = example_agent()
     assert anchor in src
     return src.replace(anchor, anchor + AGENT_PRELUDE, 1)
@@ -92,6 +92,17 @@ def test_requirements_must_be_committed_plain_and_outside_the_allowlist(
     cycle.write_text(yaml.safe_dump(cyc))
     with pytest.raises(ConfigError, match=r"project\.requirements: .*escapes"):
         check_cycle(cycle, check_credentials=False)
+
+
+def test_unpinned_requirement_lines_warn_by_name(tmp_path: Path) -> None:
+    from runner.cycle.plan import check_cycle
+
+    checked = check_cycle(project(tmp_path / "loose", requirements="humanize>=4\n"),
+                          check_credentials=False)
+    assert any("project.requirements" in w and "'humanize>=4'" in w and "pin no version" in w
+               for w in checked.warnings), checked.warnings
+    pinned = check_cycle(project(tmp_path / "pinned"), check_credentials=False)
+    assert not [w for w in pinned.warnings if "pin no version" in w]
 
 
 # -- Docker -------------------------------------------------------------------------------
@@ -173,3 +184,73 @@ def test_the_agent_imports_its_dependency_in_a_cycle(tmp_path: Path) -> None:
     rows = [json.loads(ln) for ln in (run / "containers.jsonl").read_text().splitlines()]
     analyst = [r for r in rows if r["role"] == "analyst"]
     assert analyst and {r["image_id"] for r in analyst} == {plan["images"]["analyst"]}
+
+
+@pytest.mark.docker
+def test_derived_images_are_listed_and_gc_removes_only_unused_ones(tmp_path: Path) -> None:
+    """Issue 20 item 6: derived analyst images did not appear in `images list`, and
+    nothing removed them. Uses a tiny image of its own (labelled as a derived image of
+    this test's state directory); other derived images in the shared engine belong to
+    another state directory and are kept."""
+    import secrets
+    import sys
+
+    from runner.isolation.docker.agent_image import REQUIREMENTS_LABEL, STATE_LABEL, TAG_REPO
+    from runner.isolation.docker.backend import DockerSandbox
+
+    state = tmp_path / "state"
+    state.mkdir()
+    backend = DockerSandbox()
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text("FROM scratch\nCOPY f /f\n")
+    (ctx / "f").write_text(secrets.token_hex(8))  # a new image id each run
+    tag = f"{TAG_REPO}:test-gc-{secrets.token_hex(4)}"
+    list(backend.build(ctx, tag, buildargs={}, labels={
+        REQUIREMENTS_LABEL: "0" * 64, "io.cyclebox.base": "sha256:" + "1" * 64,
+        "io.cyclebox.role": "analyst", STATE_LABEL: str(state.resolve())}))
+    image = backend.image_id(tag)
+    assert image is not None
+    env = cli_env(tmp_path, CYCLEBOX_STATE_DIR=str(state))
+    try:
+        listed = json.loads(run_cli("images", "list", "--json", env=env).stdout)
+        assert [r for r in listed if r.get("id") == image and r["tag"] == tag]
+        text = run_cli("images", "list", env=env).stdout
+        assert tag in text and "derived analyst images" in text
+
+        def gc_row() -> dict[str, Any]:
+            res = run_cli("images", "gc", "--json", env=env)
+            assert res.returncode == 0, res.stderr
+            return next(r for r in json.loads(res.stdout) if r["id"] == image)
+
+        # a live process that froze or runs with it (holds its use lock): kept
+        holder = subprocess.Popen(
+            [sys.executable, "-c", "import sys, time\nfrom runner.isolation import image_use\n"
+             f"image_use.hold([{image!r}])\nprint('held', flush=True)\ntime.sleep(60)"],
+            env=env, stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+            row = gc_row()
+            assert not row["removed"] and "live cyclebox process" in row["reason"]
+        finally:
+            holder.kill()
+            holder.wait()
+        # a container created from it (even stopped): kept
+        cid = backend.client.api.create_container(image, command=["/f"],
+                                                  labels={"test": "images-gc"})["Id"]
+        try:
+            row = gc_row()
+            assert not row["removed"] and "used by container" in row["reason"]
+        finally:
+            backend.client.api.remove_container(cid, force=True)
+        dry = run_cli("images", "gc", "--dry-run", env=env)
+        assert f"would remove {tag}" in dry.stdout and backend.image_id(tag) == image
+        # unused: removed; every other derived image (another state dir) kept
+        rows = json.loads(run_cli("images", "gc", "--json", env=env).stdout)
+        mine = [r for r in rows if r["id"] == image]
+        assert mine and mine[0]["removed"], rows
+        assert all(not r["removed"] for r in rows if r["id"] != image)
+        assert backend.image_id(tag) is None
+    finally:
+        if backend.image_id(tag) is not None:
+            backend.client.api.remove_image(tag, force=True)

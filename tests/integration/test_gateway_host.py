@@ -105,29 +105,39 @@ def test_concurrent_calls_respect_max_calls_and_limit(tmp_path: Path) -> None:
     assert budget.totals()["total"]["spent_usd"] <= 1.0  # type: ignore[index,operator]
 
 
-def test_call_without_usage_stops_admission(tmp_path: Path, upstream: int,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_call_without_usage_is_charged_its_worst_case_and_the_run_goes_on(
+        tmp_path: Path, upstream: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CBX_KEY_NOUSAGE", "sk-test")
+    price = {"input_per_mtok": 1, "output_per_mtok": 1}
     up = parse_upstream({
         "provider": "openai", "base_url": f"http://127.0.0.1:{upstream}/v1",
-        "credential": {"env": "CBX_KEY_NOUSAGE"}, "models": ["nousage-x", "ok-x"],
-        "prices": {"nousage-x": {"input_per_mtok": 1, "output_per_mtok": 1},
-                   "ok-x": {"input_per_mtok": 1, "output_per_mtok": 1}}})
-    budget = RunBudget(BudgetPolicy(limit_usd=1.0, reservation_usd=0.01))
+        "credential": {"env": "CBX_KEY_NOUSAGE"}, "max_tokens": 100,
+        "models": ["nousage-x", "ok-x", "nousage-unpriced"],
+        "prices": {"nousage-x": price, "ok-x": price}})
+    budget = RunBudget(BudgetPolicy(reservation_usd=0.0))
+    msg = [{"role": "user", "content": "a"}]
     with Gateway(tmp_path, "u", {"target": up}, {"analyst": "target"}, budget) as gw, \
             gw.bound("analyst", stage="s", uid=10001) as b:
         c = client(gateway_dir=b.directory)
-        c.chat.completions.create(model="ok-x", messages=[{"role": "user", "content": "a"}])
-        c.chat.completions.create(model="nousage-x", messages=[{"role": "user", "content": "a"}])
+        c.chat.completions.create(model="ok-x", messages=msg)
+        c.chat.completions.create(model="nousage-x", messages=msg)
+        c.chat.completions.create(model="ok-x", messages=msg)  # admission goes on
+        c.chat.completions.create(model="nousage-unpriced", messages=msg)  # no price: unknown
         with pytest.raises(openai.RateLimitError, match="unknown cost"):
             c.chat.completions.create(model="ok-x", messages=[{"role": "user", "content": "b"}])
     recs = CallLog(tmp_path / "gateway").records()
-    assert [r.status for r in recs] == ["ok", "ok", "refused"]
-    assert recs[1].cost_usd is None and recs[0].cost_usd is not None
+    assert [r.status for r in recs] == ["ok", "ok", "ok", "ok", "refused"]
+    assert [r.cost_basis for r in recs] == ["measured", "upper_bound", "measured", None, None]
+    sent = CallLog(tmp_path / "gateway").blob(recs[1].request_sha256)
+    # the worst case: every sent byte (plus the template margin) an input token, 100 output
+    assert recs[1].cost_usd == pytest.approx((len(sent) + 64 + 100) / 1e6)
     totals = summarize(recs)
+    assert totals.total.bounded_calls == 1
     assert totals.total.complete is False and totals.total.cost_usd is None
     assert totals.total.cost_usd_known_part is not None
-    assert budget.totals()["total"]["complete"] is False  # type: ignore[index]
+    tot = budget.totals()["total"]
+    assert tot["complete"] is False and tot["bounded_calls"] == 1  # type: ignore[index]
+    assert budget.halted == "unknown cost for a analyst call"
 
 
 def test_max_tokens_cap_and_bad_requests(tmp_path: Path) -> None:

@@ -211,6 +211,38 @@ def test_gateway_via_openai_sdk_and_no_credential_visible(
     assert [(r.role, r.upstream) for r in recs] == [("analyst", "target")]
 
 
+LOOPBACK = """
+import json, socket
+import openai
+out = {"reply": openai.OpenAI().chat.completions.create(model="fixture-target",
+    messages=[{"role": "user", "content": "ping"}]).choices[0].message.content}
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+try:
+    s.bind(("127.0.0.1", 40080)); out["steal"] = "bound"
+except OSError as e:
+    out["steal"] = e.errno
+print(json.dumps(out))
+"""
+
+
+def test_loopback_endpoint_under_runsc(tmp_path: Path, policies: RolePolicies,
+                                       upstreams: dict[str, Any], backend: Any) -> None:
+    """gVisor's --network=none keeps a loopback: the holder's relay listens there, an
+    unmodified SDK reaches the gateway through it, and the port cannot be shared."""
+    import errno
+
+    policy = policies.roles["analyst"].model_copy(update={"runtime": "runsc"})
+    with Gateway(tmp_path, "gvtest", dict(upstreams), {"analyst": "target"}) as gw:
+        rec = launch(backend, policy, role="analyst", run_id="gvtest",
+                     image=resolve_image("analyst"), command=["python", "-c", LOOPBACK],
+                     gateway=gw, stage="test", case="c1", trial=0)
+    assert rec.stop_reason is StopReason.OK, rec.stderr_tail
+    assert json.loads(rec.stdout_tail) == {"reply": "pong", "steal": errno.EADDRINUSE}
+    recs = CallLog(tmp_path / "gateway").records()
+    assert [(r.role, r.case, r.status) for r in recs] == [("analyst", "c1", "ok")]
+
+
 @pytest.mark.xfail(strict=True, reason=RUNSC_EXEC_SECCOMP_GAP)
 def test_doctor_probes_seccomp_under_runsc_when_a_policy_asks(tmp_path: Path) -> None:
     import subprocess

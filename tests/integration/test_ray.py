@@ -386,3 +386,36 @@ def test_nodes_that_do_not_answer_cost_one_deadline_not_one_each(
     finally:
         rs.close()
         ray.shutdown()
+
+
+def test_loopback_endpoint_on_a_node_reaches_the_heads_gateway(
+        cluster: RayCluster, tmp_path: Path) -> None:
+    """The holder on a worker node relays its loopback endpoint to the node's relay
+    socket, which reaches the head's gateway: an unmodified SDK works there too."""
+    from runner.gateway.calllog import CallLog
+    from runner.gateway.config import load_upstreams
+    from runner.gateway.server import Gateway
+    from runner.isolation.docker.images import resolve_image
+    from runner.isolation.launcher import launch
+    from runner.isolation.policy import load_policies
+    from runner.isolation.ray import backend
+    from runner.paths import default_policies, default_upstreams
+
+    code = ("import openai\nprint(openai.OpenAI().chat.completions.create(model="
+            "'fixture-target', messages=[{'role': 'user', 'content': 'ping'}])"
+            ".choices[0].message.content)")
+    rs = backend.RaySandbox(cluster.address)
+    try:
+        with Gateway(tmp_path, "raylo", load_upstreams(default_upstreams()),
+                     {"analyst": "target"}) as gw:
+            rec = launch(rs, load_policies(default_policies()).roles["analyst"],
+                         role="analyst", run_id="raylo", image=resolve_image("analyst"),
+                         command=["python", "-c", code], gateway=gw, stage="s", case="c1",
+                         trial=0)
+    finally:
+        rs.close()
+        ray.shutdown()
+    assert rec.stop_reason.value == "ok", rec.stderr_tail
+    assert rec.stdout_tail.strip() == "pong" and NODE_LABEL in rec.labels
+    recs = CallLog(tmp_path / "gateway").records()
+    assert [(r.role, r.case, r.status) for r in recs] == [("analyst", "c1", "ok")]

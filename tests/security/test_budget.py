@@ -185,10 +185,10 @@ def test_gateways_sharing_a_budget_never_overshoot(tmp_path: Path, worst: tuple[
 
 
 @pytest.mark.parametrize(("extra", "code"), [
-    ({"service_tier": "priority"}, "field_not_allowed"),
+    ({"service_tier": "priority"}, "service_tier_not_allowed"),
     ({"store": True}, "field_not_allowed"),
     ({"web_search_options": {}}, "field_not_allowed"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "field_not_allowed"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools_not_allowed"),
     ({"functions": [{"name": "f"}]}, "field_not_allowed"),
     ({"best_of": 64}, "field_not_allowed"),
     ({"modalities": ["audio"], "audio": {"voice": "x"}}, "field_not_allowed"),

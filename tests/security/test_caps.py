@@ -111,6 +111,22 @@ def test_path_longer_than_path_max(run_role: RunFn) -> None:
 
 
 @pytest.mark.docker
+@pytest.mark.parametrize("char", ["\u0085", "\u009b", "\u0080", "\u009f"])
+def test_c1_control_character_name_never_reaches_host(run_role: RunFn, char: str) -> None:
+    """A file name holding a C1 control character (U+0080-U+009F; U+009B is CSI on
+    terminals that honour 8-bit controls) is refused by copy-out with a named reason
+    and never lands on the host."""
+    script = ("import os; os.makedirs('/out/sub', exist_ok=True); "
+              f"open('/out/sub/x' + chr({ord(char)}) + 'y', 'w').write('z')")
+    rec, _ = _run_writer(run_role, f"python3 -c \"{script}\"", "c1 name")
+    assert rec.stop_reason is not StopReason.OK, rec
+    assert f"control character U+{ord(char):04X}" in rec.detail, rec.detail
+    out = rec.__dict__["output_dir"]
+    landed = [n for _, ds, fs in os.walk(out) for n in ds + fs]
+    assert not any(0x80 <= ord(c) < 0xA0 for n in landed for c in n), landed
+
+
+@pytest.mark.docker
 def test_sparse_file_bigger_than_cap(run_role: RunFn) -> None:
     # 200 MB apparent size in no pages: the tmpfs holds it; the copy refuses it unwritten
     rec, _ = _run_writer(run_role, "truncate -s 200M /out/sparse", "sparse 200M")
@@ -203,6 +219,8 @@ def test_stream_regular_files_and_dirs(tmp_path: Path) -> None:
     (_member("a/../../escape", data=b"x"), "'..' path part refused"),
     (_member("/abs", data=b"x"), "absolute name refused"),
     (_member("ctl\x1b[31m", data=b"x"), "control character"),
+    (_member("c1\u0085name", data=b"x"), "control character U+0085"),
+    (_member("d/c1\u009b31m", data=b"x"), "control character U+009B"),
     (_member("x" * 300, data=b"x"), "longer than 255"),
     (_member("/".join(["d"] * 40), data=b"x"), "deeper than 32"),
     (_member("big", data=b"x" * (CAP + 1)), "output cap"),

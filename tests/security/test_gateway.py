@@ -169,6 +169,21 @@ def test_huge_header_is_refused_before_it_is_read(gw_factory: Any) -> None:
     assert [r.error for r in records(gw)] == ["header_too_large"]
 
 
+@pytest.mark.parametrize("line", [
+    b"GET /v1/" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: gw\r\n\r\n",
+    b"GET /v1/models?q=" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: gw\r\n\r\n",
+], ids=["100KB-path", "100KB-query"])
+def test_request_line_counts_into_the_head_cap(gw_factory: Any, line: bytes) -> None:
+    """A 100 KB path or query in one write is refused like a 20 KB header (431), not
+    routed (404/200), and the refusal is recorded."""
+    gw, b = gw_factory(scripted())
+    s = raw(b.directory)
+    s.sendall(line)
+    assert status_of(s) == 431
+    s.close()
+    assert [r.error for r in records(gw)] == ["header_too_large"]
+
+
 def test_slow_head_and_slow_body_time_out(gw_factory: Any) -> None:
     gw, b = gw_factory(scripted(limits={"header_timeout_s": 0.5, "body_timeout_s": 0.5}))
     slow_head = raw(b.directory, timeout=15)
@@ -384,8 +399,11 @@ def test_trickling_upstream_ends_at_the_call_deadline(gw_factory: Any,
         print(f"trickling upstream call ended after {time.monotonic() - t0:.1f} s")
     assert err.value.status_code == 502
     (rec,) = records(gw)
-    assert (rec.status, rec.error, rec.cost_usd) == ("infra_error", "upstream_deadline", None)
-    assert gw.budget.halted  # the charge is unknown: admission stops
+    assert (rec.status, rec.error, rec.cost_basis) == ("infra_error", "upstream_deadline",
+                                                       "upper_bound")
+    # no usage, but admitted at a known worst case: charged that bound, admission goes on
+    assert rec.cost_usd is not None and rec.cost_usd > 0
+    assert gw.budget.halted is None
 
 
 def test_close_cancels_inflight_calls_and_records_them(tmp_path: Path,
@@ -422,7 +440,9 @@ def test_close_cancels_inflight_calls_and_records_them(tmp_path: Path,
         assert srv.served == 0, "the hung calls ran to completion instead of being cancelled"
     recs = CallLog(tmp_path / "gateway").records()
     assert [(r.status, r.error) for r in recs] == [("infra_error", "interrupted")] * 3
-    assert all(r.request_stored and r.cost_usd is None for r in recs)
+    # each was admitted at a known worst case: charged that upper bound, never zero
+    assert all(r.request_stored and r.cost_basis == "upper_bound" and r.cost_usd
+               for r in recs)
     assert len(errors) == 3
 
 

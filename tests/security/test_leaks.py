@@ -50,6 +50,31 @@ def test_mount_table_shows_no_operator_path(run_role: RunFn, tmp_path: Path) -> 
     assert " /src " in table and " /case.json " in table
 
 
+def test_mount_table_names_nothing_about_the_controller(run_role: RunFn,
+                                                        tmp_path: Path) -> None:
+    """The staging directory a role sees in /proc/self/mountinfo names neither the
+    controller's pid, nor its start time, nor the host uid (it did:
+    ``cyclebox-staging-<uid>/<pid>-<start>-...``)."""
+    from runner.isolation.owner import current_owner
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "x.txt").write_text("x")
+    rec = run_role(["cat", "/proc/self/mountinfo"],
+                   mounts=[Mount(source=data, target="/data")])
+    assert rec.stop_reason is StopReason.OK, rec
+    table = rec.stdout_tail
+    line = next(ln for ln in table.splitlines() if " /data " in ln)
+    source = line.split()[3]  # the mount's root within its file system: the staged path
+    me = current_owner()
+    parts = [p for seg in source.split("/") for p in seg.split("-")]
+    assert str(me.pid) not in parts and str(me.start) not in parts, source
+    assert f"cyclebox-staging-{os.getuid()}" not in table, source
+    assert f"{me.pid}-{me.start}" not in table, table
+    name = source.rstrip("/").split("/")[-2]  # <base>/<cbx-in-random>/m0
+    assert name.startswith("cbx-in-") and len(name) == len("cbx-in-") + 32, source
+
+
 def test_gateway_mount_holds_no_owner_record(tmp_path: Path, run_role: RunFn,
                                              policies: object) -> None:
     from runner.gateway.config import parse_upstream

@@ -56,7 +56,7 @@ def test_pip_download_does_not_read_the_operators_working_directory(
     req.write_text("evil.tar.gz\n")         # past the line check: the download's own guard
     monkeypatch.chdir(project)
     monkeypatch.delenv("PIP_DOWNLOAD_ARGS", raising=False)
-    with pytest.raises(PrerequisiteError):
+    with pytest.raises((PrerequisiteError, ConfigError)):
         download_wheels(req, tmp_path / "wheels", lambda _m: None, what="the agent")
     assert not marker.exists(), "the project's sdist ran on the host"
 
@@ -104,6 +104,105 @@ def test_a_wheels_direct_url_dependency_is_not_built_on_the_host(
     req = tmp_path / "req.txt"
     req.write_text("lure==1.0\n")
     monkeypatch.setenv("PIP_DOWNLOAD_ARGS", f"--no-index --find-links {index}")
-    with pytest.raises(PrerequisiteError, match="only wheels"):
+    with pytest.raises(ConfigError, match=r"lure-1\.0-py3-none-any\.whl requires 'evil @ file"):
         download_wheels(req, tmp_path / "wheels", lambda _m: None, what="the agent")
     assert not marker.exists(), "a dependency's sdist was built on the host"
+
+
+def _wheel(where: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> Path:
+    """A minimal pure-Python wheel whose METADATA lists ``requires`` as Requires-Dist."""
+    import zipfile
+
+    path = where / f"{name}-{version}-py3-none-any.whl"
+    meta = (f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+            + "".join(f"Requires-Dist: {r}\n" for r in requires))
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA", meta)
+        z.writestr(f"{name}-{version}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: t\n"
+                   "Root-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{name}-{version}.dist-info/RECORD", "")
+    return path
+
+
+@pytest.mark.parametrize("target", ["passwd", "host-wheel", "http"])
+def test_a_wheels_direct_url_dependency_is_refused_before_anything_is_fetched(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str) -> None:
+    """Issue 21 ("requirements on the host"): a wheel from the index whose metadata says
+    ``Requires-Dist: evil @ file:///etc/passwd`` made the host's pip read that file (or
+    copy a host wheel into build/wheels/agent/, or fetch an http URL). Refused by name
+    (the wheel and the requirement) before the URL is touched; nothing is left in the
+    wheel directory."""
+    import http.server
+    import threading
+
+    hits: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    (tmp_path / "host").mkdir()
+    secret = _wheel(tmp_path / "host", "evil", "1.0") if target == "host-wheel" else None
+    url = {"passwd": "file:///etc/passwd",
+           "host-wheel": secret.as_uri() if secret else "",
+           "http": f"http://127.0.0.1:{server.server_address[1]}/evil-1.0-py3-none-any.whl",
+           }[target]
+    index = tmp_path / "index"
+    index.mkdir()
+    _wheel(index, "lure", "1.0", (f"evil @ {url}",))
+    req = tmp_path / "req.txt"
+    req.write_text("lure==1.0\n")
+    monkeypatch.setenv("PIP_DOWNLOAD_ARGS", f"--no-index --find-links {index}")
+    wheels = tmp_path / "state" / "wheels" / "agent" / "x"
+    try:
+        with pytest.raises(ConfigError) as caught:
+            download_wheels(req, wheels, lambda _m: None, what="the agent",
+                            field="project.requirements")
+    finally:
+        server.shutdown()
+    text = str(caught.value)
+    assert "project.requirements" in text
+    assert "lure-1.0-py3-none-any.whl" in text and f"evil @ {url}" in text, text
+    assert hits == [], f"the host fetched {hits}"
+    assert not wheels.exists()
+    assert list(wheels.parent.iterdir()) == [], "a partial wheel directory was left"
+
+
+def test_the_metadata_check_refuses_what_pip_would_let_through(tmp_path: Path) -> None:
+    """Second line behind pip's hook: every downloaded wheel's Requires-Dist is read."""
+    from runner.requirements import requires_dist_urls
+
+    bad = _wheel(tmp_path, "lure", "1.0", ("evil @ https://x.invalid/e.whl",
+                                            "ok>=1 ; python_version >= '3'",
+                                            "vcs @ git+https://x.invalid/r"))
+    assert requires_dist_urls(bad) == ["evil @ https://x.invalid/e.whl",
+                                       "vcs @ git+https://x.invalid/r"]
+    assert requires_dist_urls(_wheel(tmp_path, "fine", "1.0", ("a==1", "b[x]>=2"))) == []
+    (tmp_path / "junk-1.0-py3-none-any.whl").write_bytes(b"not a zip")
+    assert requires_dist_urls(tmp_path / "junk-1.0-py3-none-any.whl")
+
+
+def test_a_cached_wheel_set_is_checked_too(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wheel directory cached before the metadata check (its stamp still matching) is
+    refused the same way instead of being reused."""
+    import hashlib
+
+    monkeypatch.delenv("PIP_DOWNLOAD_ARGS", raising=False)
+    req = tmp_path / "req.txt"
+    req.write_text("lure==1.0\n")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "lure", "1.0", ("evil @ file:///etc/passwd",))
+    (wheels / ".stamp").write_text(hashlib.sha256(req.read_bytes()).hexdigest())
+    (wheels / ".digest").write_text("0" * 64)
+    with pytest.raises(ConfigError, match=r"lure-1\.0-py3-none-any\.whl requires 'evil @"):
+        download_wheels(req, wheels, lambda _m: None, what="the agent",
+                        field="project.requirements")

@@ -251,3 +251,20 @@ def test_sandbox_exec_relays_container_output_escaped(tmp_path: Path) -> None:
     text = assert_clean(res)
     assert_shown_escaped(text)
     assert "\\x1b]52;c;AAAA\\x07" in text
+
+
+def test_gateway_calls_on_a_run_with_no_calls_says_so(tmp_path: Path) -> None:
+    """Issue 20 item 6: an empty call log printed an empty table; a run directory whose
+    roles reached no model (no gateway/ at all) was refused as "calls.jsonl not found"."""
+    run = _call_log(tmp_path, [])
+    res = run_cli("gateway", "calls", str(run))
+    assert res.returncode == 0, res.stderr.decode()
+    assert b"no model calls recorded in" in res.stdout and b"seq" not in res.stdout
+    bare = tmp_path / "bare-run"
+    bare.mkdir()
+    (bare / "plan.json").write_text("{}")
+    res = run_cli("gateway", "calls", str(bare))
+    assert res.returncode == 0, res.stderr.decode()
+    assert b"no model calls recorded in" in res.stdout
+    res = run_cli("gateway", "calls", str(bare), "--json")
+    assert json.loads(res.stdout)["calls"] == []

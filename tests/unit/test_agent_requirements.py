@@ -59,3 +59,22 @@ def test_the_derived_tag_covers_each_input() -> None:
                 agent_input_hash("sha256:a", "humanize==4.12.2\n", "w", b"FROM x\n"),
                 agent_input_hash("sha256:a", "humanize==4.12.3\n", "v", b"FROM x\n"),
                 agent_input_hash("sha256:a", "humanize==4.12.3\n", "w", b"FROM y\n")}) == 5
+
+
+def test_unpinned_lines_are_named() -> None:
+    """Issue 20 item 6: a requirement line that pins no single version warns, by line."""
+    from runner.requirements import unpinned
+
+    text = _check(b"a==1.0\nb>=2\nc\nd===3\ne==1.*\nf[x]==2,!=3\ng~=1.2\n")
+    assert unpinned(text) == ["b>=2", "c", "e==1.*", "g~=1.2"]
+
+
+def test_pip_reason_has_no_escape_codes() -> None:
+    from runner.requirements import pip_reason
+
+    raw = ("\x1b[31mERROR: Cannot install a==1 and b==2\x1b[0m\n\x1b]8;;http://x\x07link"
+           "\x1b]8;;\x07\nTo fix this you could try to:\n1. loosen\n")
+    got = pip_reason(raw, 500)
+    assert got == "ERROR: Cannot install a==1 and b==2 / link", got
+    assert "\x1b" not in pip_reason("\x1b[2J\x1bc bare \x1b" * 3, 500)
+    assert len(pip_reason("ERROR: x" * 10_000, 300)) <= 303

@@ -20,6 +20,7 @@ from runner.errors import (
     EXIT_INTERRUPTED,
     EXIT_OUTPUT_REFUSED,
     EXIT_UNEXPECTED,
+    IntegrityError,
     OutputRejected,
     SandboxError,
 )
@@ -50,6 +51,40 @@ def test_classify_names_reason_and_exit_code() -> None:
             raise RuntimeError("while checking leftovers") from exc
     except RuntimeError as wrapped:
         assert classify(wrapped).reason == "engine_error"
+
+
+def test_an_explicit_cyclebox_error_wins_over_the_engine_error_it_was_raised_in() -> None:
+    """Issue 21 fault 1: ``raise ConfigError(...) from None`` inside ``except SandboxError``
+    (an unsatisfiable project.requirements) exited 6, and "engine not reachable"
+    (PrerequisiteError from None over a docker error) exited 6: classify followed
+    ``__context__`` and checked engine errors before the class raised on purpose."""
+    import requests.exceptions
+
+    from runner.errors import EXIT_BAD_INPUT, EXIT_PREREQUISITE, ConfigError, PrerequisiteError
+
+    try:
+        try:
+            raise SandboxError("image build failed: returned a non-zero code: 1")
+        except SandboxError:
+            raise ConfigError("requirements conflict", field="project.requirements") from None
+    except ConfigError as bad:
+        got = classify(bad)
+        assert (got.reason, got.exit_code) == ("cyclebox_error", EXIT_BAD_INPUT)
+    try:
+        try:
+            raise requests.exceptions.ConnectionError("refused")
+        except requests.exceptions.ConnectionError:
+            raise PrerequisiteError("Docker engine not reachable") from None
+    except PrerequisiteError as missing:
+        assert classify(missing).exit_code == EXIT_PREREQUISITE
+    try:
+        try:
+            raise requests.exceptions.ConnectionError("refused")
+        except requests.exceptions.ConnectionError as exc:
+            raise SandboxError("engine lost") from exc
+    except SandboxError as lost:
+        assert (classify(lost).reason, classify(lost).exit_code) == ("engine_error",
+                                                                    EXIT_ENGINE)
 
 
 def test_one_line_escapes_controls_and_surrogates() -> None:
@@ -118,8 +153,10 @@ def test_deep_trees_are_walked_iteratively(tmp_path: Path) -> None:
             collect(out)
         _used, entries = dir_usage(out)
         assert entries == 1501
-        files, escaped = _files(tmp_path)
-        assert len(files) == 1 and next(iter(files)).endswith("/d/leaf") and escaped == {}
+        # the receipt's walk is bounded (64 levels; copy-out lets 32 through): refused by
+        # name, never a RecursionError
+        with pytest.raises(IntegrityError, match="nested deeper than 64"):
+            _files(tmp_path)
     finally:
         remove_deep(out)
 

@@ -254,7 +254,8 @@ def test_an_exhausted_budget_leaves_cases_not_attempted(planned: Freeze) -> None
     base = records(plan, "baseline")
     not_attempted = [c for c, r in base.items() if r["status"] == "not_attempted"]
     assert len(not_attempted) == POLICY_CASES - 1, base
-    assert all(base[c]["reason"] == "budget: call refused" for c in not_attempted)
+    # the headline names the real cause, not a generic "call refused"
+    assert all(base[c]["reason"] == "budget: max_calls 1 reached" for c in not_attempted), base
     assert len(refused) >= POLICY_CASES - 1
     assert outcome.result.verdict != "accept_for_review"
 
@@ -394,3 +395,30 @@ def test_each_role_gets_its_own_uid(planned: Freeze, tmp_path: Path,
     # no judge in this cycle: the evaluator gets no gateway socket at all
     assert set(bound) == {("analyst", 20001), ("worker", 20002)}
     assert applied == [20004]
+
+
+def test_the_endpoint_token_reaches_containers_and_no_file_of_the_run(planned: Freeze) -> None:
+    """Model roles get the endpoint environment (key: their role's token); no plan,
+    record, receipt, report or log of the run holds a token (RunSpec env is never
+    written: a RunRecord has no env)."""
+    plan = planned()
+    box = fake(script())
+    assert run(plan, box).failure is None
+    tokens: dict[str, set[str]] = {}
+    for spec in box.specs:
+        env = dict(spec.env)
+        if not any(m.target == CONTAINER_DIR for m in spec.mounts):
+            assert "OPENAI_API_KEY" not in env  # no binding, no endpoint
+            continue
+        assert env["OPENAI_BASE_URL"] == "http://127.0.0.1:40080/v1"
+        assert env["ANTHROPIC_API_KEY"] == env["OPENAI_API_KEY"]
+        tokens.setdefault(spec.role, set()).add(env["OPENAI_API_KEY"])
+    assert set(tokens) == {"analyst", "worker"}  # the example has no judge
+    assert all(len(t) == 1 for t in tokens.values())  # per run and role
+    assert len(set().union(*tokens.values())) == 2  # never shared between roles
+    needles = [t.encode() for ts in tokens.values() for t in ts]
+    files = [p for p in plan.parent.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert len(files) > 20
+    for p in files:
+        data = p.read_bytes()
+        assert not any(n in data for n in needles), f"a role token is in {p}"

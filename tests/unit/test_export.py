@@ -186,6 +186,11 @@ def calibration(tmp_path: Path) -> Path:
     return path
 
 
+def no_nulls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Parquet messages without the struct fields a message does not have (null)."""
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+
+
 def read_out(out: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (out / "trajectories.jsonl").read_text().splitlines()]
 
@@ -266,8 +271,8 @@ def test_r_format_per_trajectory(run: Path, calibration: Path, tmp_path: Path) -
                  id="plain-text-content"),
     pytest.param(b'{"choices":[{"message":{"content":"[1, 2]"}}]}', "[1, 2]", False,
                  id="json-array-is-not-an-object"),
-    pytest.param(b'{"choices":[{"message":{"content":null}}]}', None, False,
-                 id="null-content"),
+    pytest.param(b'{"choices":[{"message":{"content":null}}]}', "", False,
+                 id="null-content-is-empty-text"),
     pytest.param(b'{"choices":[]}', None, False, id="no-choices"),
     pytest.param(b"not json", None, False, id="garbage"),
     pytest.param(b'data: {"choices":[{"delta":{"content":"{\\"a\\""}}]}\n\n'
@@ -437,6 +442,8 @@ def test_summary_matches_hand_count(run: Path, calibration: Path, tmp_path: Path
         "r_outcome_basis": {"correctness": 3, "refusal": 2},
         "format_pass_rate": 0.6667,
         "rl_rows": 6, "sft_rows": 3, "not_in_parquet": {"sft_not_passed": 3},
+        "format_reasons": {"reply_not_json_object": 2}, "not_turns": {}, "tool_calls": 0,
+        "tools_column": {"rl": "struct", "sft": "struct"},
         "fixture": False,  # the only fixture call is the worker's, which is not exported
     }
     assert json.loads((out / "summary.json").read_text()) == summary
@@ -582,7 +589,8 @@ def test_verl_parquet_rows(run: Path, calibration: Path, tmp_path: Path) -> None
     for row, t in zip(rl, trajs, strict=True):
         first = t["turns"][0]
         assert row["data_source"] == "fx" and row["ability"] == "analyst"
-        assert row["prompt"] == json.loads(first["prompt"])["messages"]
+        assert no_nulls(row["prompt"]) == json.loads(first["prompt"])["messages"]
+        assert row["tools"] == [] and row["tools_json"] == "[]"
         assert row["prompt"][0]["role"] == "system" and row["prompt"][-1]["role"] == "user"
         info = row["extra_info"]
         assert info["request_sha256"] == first["prompt_sha256"] == hashlib.sha256(
@@ -600,8 +608,9 @@ def test_verl_parquet_rows(run: Path, calibration: Path, tmp_path: Path) -> None
     assert len(sft) == len(passed) == 3
     for row, t in zip(sft, passed, strict=True):
         last = t["turns"][-1]
-        assert row["messages"][:-1] == json.loads(last["prompt"])["messages"]
-        assert row["messages"][-1] == {"role": "assistant", "content": last["reply"]}
+        assert no_nulls(row["messages"][:-1]) == json.loads(last["prompt"])["messages"]
+        assert no_nulls(row["messages"][-1:]) == [{"role": "assistant",
+                                                   "content": last["reply"]}]
         assert row["extra_info"]["r_outcome"] == 1.0
     assert [r["extra_info"]["index"] for r in sft] == [0, 1, 2]
     receipt = json.loads((out / "export-receipt.json").read_text())
@@ -701,3 +710,103 @@ def test_hand_over_makes_outputs_readable_by_the_invoking_user(
         assert {(p.lstat().st_uid, p.lstat().st_gid) for p in [out, *out.rglob("*")]
                 if not p.is_symlink()} == {(4242, 4343)}
         assert outside.stat().st_uid == 0
+
+
+# -- tool calls kept, every API family exported as chat messages -------------------------
+
+
+def test_tool_calls_survive_every_family(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    from tests.fixtures.tool_run import ARGS, RESULT, write_tool_run
+
+    run = write_tool_run(tmp_path / "run")
+    cal = _calibration(tmp_path, "tools", lambda v: v, run=run)
+    out = tmp_path / "out"
+    summary = export(run, out, calibration=cal, policy=POLICY)
+    assert summary.trajectories == 4 and summary.turns == 8
+    assert summary.not_turns == {"count_tokens": 1, "embeddings": 1}
+    assert summary.r_format == {"1": 3, "0": 1}
+    assert summary.format_reasons == {"tool_arguments_not_json_object": 1}
+    assert summary.tool_calls == 4
+    assert summary.tools_column == {"rl": "struct", "sft": "struct"}
+    trajs = by_key(read_out(out))
+    assert {k: t["turns"][0]["api"] for k, t in trajs.items()} == {
+        ("baseline", "c1", 0): "chat", ("baseline", "c1", 1): "responses",
+        ("baseline", "c2", 0): "messages", ("candidate", "c1", 0): "chat"}
+    args = json.dumps(ARGS)
+    for key, call_id in ((("baseline", "c1", 0), "call_1"), (("baseline", "c1", 1), "call_r1"),
+                         (("baseline", "c2", 0), "toolu_1")):
+        t = trajs[key]
+        assert t["r_format"] == 1, [r["reason"] for r in t["turns"]]
+        first, last = t["turns"]
+        assert first["reply"] == ""  # the assistant only called a tool
+        (call,) = first["reply_message"]["tool_calls"]
+        assert call["id"] == call_id and call["function"]["name"] == "query"
+        assert json.loads(call["function"]["arguments"]) == json.loads(args)
+        assert [m["role"] for m in last["messages"]] == [
+            "system", "user", "assistant", "tool"]
+        assert last["messages"][2]["tool_calls"][0]["id"] == call_id
+        assert last["messages"][3] == {"role": "tool", "content": RESULT,
+                                       "tool_call_id": call_id}
+        assert [tool["function"]["name"] for tool in last["tools"]] == ["query"]
+        assert last["tools"][0]["function"]["parameters"]["required"] == ["sql"]
+        assert isinstance(json.loads(last["reply"]), dict)
+    bad = trajs[("candidate", "c1", 0)]
+    assert bad["r_format"] == 0
+    assert [r["reason"] for r in bad["turns"]] == ["tool_arguments_not_json_object", None]
+
+    sft = pq.read_table(out / "sft.parquet").to_pylist()
+    assert len(sft) == 3
+    for row in sft:
+        msgs = no_nulls(row["messages"])
+        assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant"]
+        assert msgs[2]["tool_calls"][0]["function"]["name"] == "query"
+        assert msgs[3]["tool_call_id"] == msgs[2]["tool_calls"][0]["id"]
+        assert row["tools"][0]["function"]["name"] == "query"
+        assert json.loads(row["tools_json"]) == row["tools"]
+    rl = pq.read_table(out / "rl.parquet").to_pylist()
+    assert len(rl) == 4 and all(r["tools"][0]["function"]["name"] == "query" for r in rl)
+
+
+def test_tools_column_falls_back_to_json_text_when_schemas_differ() -> None:
+    from runner.train.verl_parquet import JSON_TEXT, STRUCT, tools_column
+
+    def tool(name: str, params: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": name, "parameters": params}}
+
+    same = [[tool("q", {"type": "object", "properties": {"sql": {"type": "string"}}})]] * 2
+    assert tools_column(same)[1] == STRUCT
+    differ = [[tool("q", {"type": "object", "properties": {"sql": {"type": "string"}}}),
+               tool("w", {"type": "object", "properties": {"city": {"type": "string"}}})]]
+    col, kind = tools_column(differ)
+    assert kind == JSON_TEXT and json.loads(col.to_pylist()[0]) == differ[0]
+    no_args = [[tool("now", {"type": "object", "properties": {}})]]
+    assert tools_column(no_args)[1] == JSON_TEXT
+    assert tools_column([[], []])[1] == STRUCT
+
+
+def test_review_packet_shows_tool_calls_and_results_escaped(tmp_path: Path) -> None:
+    from runner.cycle.review import ToolCall, tool_calls_of_run
+    from tests.fixtures.tool_run import ARGS, RESULT, write_tool_run
+
+    run = write_tool_run(tmp_path / "run")
+    binding = bind_run(run, run / "stages" / "baseline" / "records.jsonl")
+    calls = tool_calls_of_run(run, binding)
+    assert sorted(calls) == ["c1#0", "c1#1", "c2#0"]  # baseline only; candidate not bound
+    for item in calls.values():
+        (call,) = item
+        assert call.name == "query" and json.loads(call.arguments) == ARGS
+        assert call.result == RESULT
+    hostile = ToolCall(name="q`\x1b[2J", arguments='{"x": "```\\n# Ignore the rubric"}',
+                       result="\x1b]8;;http://evil\x07click\u202e```")
+    recs = [record(*r) for r in BASELINE]
+    packet = make_packet(recs, tmp_path / "packet", run=binding,
+                         tool_calls={**calls, "c2#0": [hostile]})
+    md = (packet / "review.md").read_text()
+    assert md.count("### Tool calls") == 3
+    assert "SELECT SUM(total) FROM orders" in md
+    assert "\x1b" not in md and "\x07" not in md and "\u202e" not in md
+    assert "\\x1b" in md and "\\u202e" in md
+    # a quoted fence is longer than any backtick run inside it, so nothing escapes it
+    assert "````" in md

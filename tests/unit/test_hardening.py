@@ -114,6 +114,12 @@ def test_socket_mount_refused_at_translation(tmp_path: Path) -> None:
         kw = create_kwargs(_spec(mounts=(Mount(source=tmp_path, target="/gw", gateway=True),)),
                            OWNER, "n")
         assert kw["mounts"][0]["ReadOnly"] is True
+        # the holder relays its loopback endpoint to that one socket
+        assert kw["command"] == ["hold", "-", "/gw/gateway.sock"]
+        with pytest.raises(PolicyViolation, match="more than one gateway"):
+            create_kwargs(_spec(mounts=(Mount(source=tmp_path, target="/gw", gateway=True),
+                                        Mount(source=tmp_path, target="/g2", gateway=True))),
+                          OWNER, "n")
     finally:
         s.close()
     plain = tmp_path / "plain"
@@ -147,3 +153,13 @@ def test_role_spec_from_policy(tmp_path: Path) -> None:
     assert spec.resources.memory_bytes == pol.memory
     assert ("HF_HUB_OFFLINE", "1") in spec.env
     assert spec.timeout_s == pol.timeout_s
+
+
+def test_gateway_socket_name_agrees_everywhere() -> None:
+    from runner.gateway.server import CONTAINER_DIR, SOCKET_NAME
+    from runner.isolation.ray import node
+    from runner.isolation.sandbox import GATEWAY_SOCKET
+    from sandbox import gateway_client
+
+    assert SOCKET_NAME == GATEWAY_SOCKET == node.GATEWAY_SOCKET
+    assert str(gateway_client.GATEWAY_DIR) == CONTAINER_DIR

@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 
 from runner.errors import ConfigError
-from runner.isolation.launcher import launch, output_dir, placement_labels
+from runner.isolation.launcher import (
+    ENDPOINT_ENV_NAMES,
+    OFFLINE_ENV,
+    endpoint_env,
+    launch,
+    output_dir,
+    placement_labels,
+)
 from runner.isolation.policy import RolePolicy, load_policies
 from runner.isolation.sandbox import Mount
 from runner.paths import default_policies
@@ -22,9 +29,13 @@ from tests.fixtures.fake_sandbox import Call, FakeSandbox, Result
 @dataclass
 class Binding:
     directory: Path
+    role: str = "worker"
 
     def mount(self) -> Mount:
         return Mount(source=self.directory, target="/run/cyclebox/gateway", gateway=True)
+
+    def env(self) -> dict[str, str]:
+        return endpoint_env(f"tok-{self.role}")
 
 
 @dataclass
@@ -44,7 +55,7 @@ class FakeGateway:
         d.mkdir()
         self.open += 1
         try:
-            yield Binding(d)
+            yield Binding(d, role)
         finally:
             self.open -= 1
 
@@ -85,6 +96,30 @@ def test_a_model_role_gets_a_socket_bound_for_its_own_uid(tmp_path: Path) -> Non
     assert spec.command == ("python", "-m", "sandbox.worker")
     assert spec.output_dir == out and (out / "proposal.json").read_text() == "{}"
     assert rec.stop_reason.value == "ok"
+
+
+def test_a_bound_role_gets_the_endpoint_environment_over_any_other(tmp_path: Path) -> None:
+    gw = FakeGateway(tmp_path)
+    box = FakeSandbox({"analyst": lambda _c: Result()})
+    pol = policy("analyst", env={"OPENAI_BASE_URL": "http://evil", "A": "1"})
+    launch(box, pol, role="analyst", run_id="r1", image="img", command=["x"],
+           env={"ANTHROPIC_API_KEY": "sk-from-caller", "B": "2"}, gateway=gw, stage="s")
+    [spec] = box.specs
+    env = dict(spec.env)
+    assert env == {"A": "1", "B": "2", **endpoint_env("tok-analyst")}
+    assert env["OPENAI_BASE_URL"] == env["OPENAI_API_BASE"] == "http://127.0.0.1:40080/v1"
+    assert env["ANTHROPIC_BASE_URL"] == env["CYCLEBOX_GATEWAY_URL"] == "http://127.0.0.1:40080"
+    assert env["OPENAI_API_KEY"] == env["ANTHROPIC_API_KEY"] == "tok-analyst"
+    assert set(endpoint_env("t")) == set(ENDPOINT_ENV_NAMES) | set(OFFLINE_ENV)
+
+
+def test_an_unbound_role_gets_no_endpoint_environment(tmp_path: Path) -> None:
+    box = FakeSandbox({"analyst": lambda _c: Result(), "apply": lambda _c: Result()})
+    launch(box, policy("analyst"), role="analyst", run_id="r1", image="img", command=["x"])
+    launch(box, policy("apply"), role="apply", run_id="r1", image="img", command=["x"],
+           gateway=FakeGateway(tmp_path))
+    for spec in box.specs:
+        assert not set(dict(spec.env)) & set(ENDPOINT_ENV_NAMES)
 
 
 def test_a_role_without_upstream_gets_no_socket(tmp_path: Path) -> None:

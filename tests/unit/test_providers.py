@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from runner.errors import ConfigError
-from runner.gateway.calllog import CallLog, CallRecord
+from runner.gateway.calllog import CallLog, CallRecord, Usage
 from runner.gateway.config import (
     Price,
     ReplayUpstream,
@@ -21,19 +21,26 @@ from runner.gateway.providers import (
     CallSite,
     ReplayProvider,
     ScriptedProvider,
-    inspect_completion,
-    inspect_stream,
+    inspect,
 )
 from runner.gateway.server import cost_usd, make_provider
 from runner.isolation.sandbox import Frozen
 from runner.loading import validate
 
 
+def inspect_completion(data: bytes) -> tuple[object, str | None]:
+    return inspect(data, stream=False)
+
+
+def inspect_stream(data: bytes) -> tuple[object, str | None]:
+    return inspect(data, stream=True)
+
+
 def test_inspect_completion() -> None:
     ok = json.dumps({"choices": [{"message": {"content": "x"}}],
                      "usage": {"prompt_tokens": 3, "completion_tokens": 4}}).encode()
     usage, err = inspect_completion(ok)
-    assert err is None and usage is not None and usage.total_tokens == 7
+    assert err is None and usage == Usage(prompt_tokens=3, completion_tokens=4, total_tokens=7)
     assert inspect_completion(b"<html>") == (None, "malformed_response")
     assert inspect_completion(b'{"choices": []}') == (None, "malformed_response")
     assert inspect_completion(b'{"choices": [{}], "x": NaN}') == (None, "malformed_response")
@@ -46,7 +53,7 @@ def test_inspect_stream() -> None:
             b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2}}\n\n'
             b"data: [DONE]\n\n")
     usage, err = inspect_stream(good)
-    assert err is None and usage is not None and usage.completion_tokens == 2
+    assert err is None and usage == Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3)
     assert inspect_stream(good[: good.index(b"data: [DONE]")])[1] == "truncated_stream"
     assert inspect_stream(b"data: {nope\n\ndata: [DONE]\n\n")[1] == "malformed_response"
 
@@ -198,8 +205,13 @@ class _Ups(Frozen):
 
 @pytest.mark.parametrize(("up", "field", "message"), [
     ({"models": ["m"]}, "upstreams.target.provider", "discriminator 'provider'"),
-    ({"provider": "anthropic", "models": ["m"]}, "upstreams.target.provider",
-     "'openai', 'scripted', 'replay'"),
+    ({"provider": "gemini", "models": ["m"]}, "upstreams.target.provider",
+     "'openai', 'anthropic', 'scripted', 'replay'"),
+    ({"provider": "anthropic", "models": ["m"], "credential": {"env": "K"}},
+     "upstreams.target.base_url", "Field required"),
+    ({"provider": "openai", "models": ["m"], "base_url": "http://x", "credential": {"env": "K"},
+      "anthropic_version": "2023-06-01"},
+     "upstreams.target", "anthropic_version is for provider anthropic, not openai"),
     ({"provider": "openai", "models": ["m"], "credential": {"env": "K"}},
      "upstreams.target.base_url", "Field required"),
     ({"provider": "openai", "models": ["m"], "base_url": "http://x"},
@@ -208,7 +220,7 @@ class _Ups(Frozen):
     ({"provider": "replay", "models": ["m"]}, "upstreams.target.replay_from",
      "Field required"),
     ({"provider": "scripted", "models": ["m"], "script": "s.yaml", "base_url": "http://x"},
-     "upstreams.target", "base_url is for provider openai, not scripted"),
+     "upstreams.target", "base_url is for provider openai or anthropic, not scripted"),
     ({"provider": "replay", "models": ["m"], "replay_from": "r", "script": "s.yaml"},
      "upstreams.target", "script is for provider scripted, not replay"),
 ])

@@ -26,6 +26,7 @@ from runner.isolation.ray import pin, relay
 from runner.isolation.ray.relay import (
     MAX_NODE_CONNECTIONS,
     MAX_PENDING,
+    MAX_PENDING_PER_SOURCE,
     MAX_PER_TICKET,
     HeadForwarder,
     NodeRelay,
@@ -278,34 +279,68 @@ def test_a_wrong_or_removed_ticket_is_closed_unanswered(
 
 # -- the caps ----------------------------------------------------------------------------
 
-def test_idle_connections_beyond_the_cap_are_closed_at_once_and_the_rest_time_out(
+def _from(source: str, port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), source_address=(source, 0))
+
+
+def test_one_source_holds_at_most_its_share_of_pending_slots_and_a_node_gets_in(
         gateway: Path, head: HeadForwarder, opened: list[socket.socket],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(relay, "CONNECT_TIMEOUT_S", 3.0)
-    for _ in range(MAX_PENDING):
-        opened.append(socket.create_connection(("127.0.0.1", head.port)))
-    assert eventually(lambda: head._pending == MAX_PENDING)
+    monkeypatch.setattr(relay, "HANDSHAKE_TIMEOUT_S", 3.0)
+    opened += [_from("127.0.0.2", head.port) for _ in range(MAX_PENDING_PER_SOURCE)]
+    assert eventually(lambda: head._pending == MAX_PENDING_PER_SOURCE)
     threads = threading.active_count()
-    extra = [socket.create_connection(("127.0.0.1", head.port)) for _ in range(3)]
+    extra = [_from("127.0.0.2", head.port) for _ in range(3)]
     opened.extend(extra)
     assert all(closed_unanswered(s, within=1.0) for s in extra)
-    assert head.refusals() == {"pending": 3}
+    assert head.refusals() == {"source": 3}
     assert threading.active_count() <= threads  # no thread for a refused connection
     assert still_open(opened[0])
-    # the idle ones are cut at the deadline (handshake and ticket, not per read)
+    ticket = head.add(gateway, b"token")
+    with node(ticket) as n:  # from 127.0.0.1: not held back by 127.0.0.2's flood
+        n.sendall(ticket.secret)
+        assert ping(n)
+    # the idle ones are cut at the handshake deadline (handshake and ticket, not per read)
     started = time.monotonic()
     assert closed_unanswered(opened[0], within=5.0)
     assert time.monotonic() - started < 4.0
-    assert eventually(lambda: head.refusals().get("tls") == MAX_PENDING)
+    assert eventually(lambda: head.refusals().get("tls") == MAX_PENDING_PER_SOURCE)
+    assert eventually(lambda: head._pending == 0)
+
+
+def test_a_flood_from_many_sources_cannot_keep_a_node_out(
+        gateway: Path, head: HeadForwarder, opened: list[socket.socket]) -> None:
+    """Every pending slot held by idle connections from many addresses: a node still gets
+    through at once (it takes the oldest idle connection's slot), and stays served."""
+    n_sources = MAX_PENDING // MAX_PENDING_PER_SOURCE
+    for i in range(MAX_PENDING):
+        opened.append(_from(f"127.0.1.{2 + i % n_sources}", head.port))
+    assert eventually(lambda: head._pending == MAX_PENDING)
     ticket = head.add(gateway, b"token")
+    started = time.monotonic()
     with node(ticket) as n:
         n.sendall(ticket.secret)
         assert ping(n)
+        assert time.monotonic() - started < relay.HANDSHAKE_TIMEOUT_S
+        assert head.refusals() == {"evicted": 1}
+        assert closed_unanswered(opened[0], within=1.0)  # the oldest idle one was cut
+        # more flood cannot cut a connection that presented its ticket
+        opened += [_from("127.0.2.2", head.port) for _ in range(MAX_PENDING_PER_SOURCE)]
+        # (the node's slot was given back when its ticket was admitted: 1 + 7 evictions)
+        assert eventually(lambda: head.refusals().get("evicted") == MAX_PENDING_PER_SOURCE)
+        assert ping(n)
+    assert eventually(lambda: head._pending <= MAX_PENDING)
+
+
+def test_the_heads_handshake_deadline_is_short() -> None:
+    """An idle unauthenticated connection holds a slot seconds, not ~10 s (a node's
+    handshake and ticket take milliseconds: bench/relay_flood.py)."""
+    assert relay.HANDSHAKE_TIMEOUT_S <= 2.0
 
 
 def test_a_ticket_trickled_in_is_cut_at_the_deadline(
         gateway: Path, head: HeadForwarder, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(relay, "CONNECT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(relay, "HANDSHAKE_TIMEOUT_S", 1.0)
     ticket = head.add(gateway, b"token")
     with node(ticket) as n:
         started = time.monotonic()

@@ -14,7 +14,7 @@ from junitparser import JUnitXml
 from runner.errors import OutputRejected
 from runner.report import build_report
 from runner.report.html import render_html
-from runner.report.render import junit, markdown, terminal_rows
+from runner.report.render import VERDICT_FILE, junit, markdown, terminal_rows
 from runner.report.text import h, md, one_line, visible
 
 HOSTILE = ("<script>document.title='pwned'</script><img src=x onerror=alert(1)> "
@@ -258,6 +258,27 @@ def test_output_file_symlink_is_replaced_not_followed(run: Path, tmp_path: Path)
     assert not link.is_symlink() and "`reject`" in link.read_text()
 
 
+@pytest.mark.parametrize("mask", [0o022, 0o002, 0o077])
+def test_report_files_get_the_users_umask(run: Path, tmp_path: Path, mask: int) -> None:
+    """Issue 20 item 6: every report file (JUnit, Markdown, HTML) was written 0600 by
+    mkstemp whatever the umask; now 0666 less the umask."""
+    import os
+    import stat
+
+    from runner.report.files import write_outputs
+
+    out = tmp_path / "reports"
+    out.mkdir()
+    old = os.umask(mask)
+    try:
+        write_outputs(run, junit=out / "j.xml", markdown=out / "s.md", html=out / "r.html")
+    finally:
+        os.umask(old)
+    for name in ("j.xml", "s.md", "r.html"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o666 & ~mask, name
+    assert sorted(p.name for p in out.iterdir()) == ["j.xml", "r.html", "s.md"]
+
+
 def test_output_dir_missing_is_a_config_error(run: Path, tmp_path: Path) -> None:
     from runner.errors import ConfigError
     from runner.report.files import check_targets
@@ -292,3 +313,23 @@ def test_markdown_values_never_autolink() -> None:
     assert "https://" not in out and "mailto:" not in out and "www." not in out.lower()
     assert "https&#58;//evil.example/x" in out and "www&#46;evil.example" in out
     assert md("a | b") == "a \\| b"  # a table cell stays one cell
+
+
+def test_the_terminal_summary_wraps_the_reason_instead_of_cutting_it(run: Path) -> None:
+    """Issue 20 item 6: the reason row was cut at 300 characters."""
+    from runner.cli.output import out, print_terminal
+
+    reason = "invalid comparison: " + "".join(f"case-{i:04d}-failed;" for i in range(90)) + "END"
+    doc = json.loads((run / "stages/compare/verdict.json").read_text())
+    doc["reasons"] = [reason, "x" * 5000]
+    (run / "stages/compare/verdict.json").write_text(json.dumps(doc))
+    report = build_report(run)
+    with out.capture() as cap:
+        print_terminal(report)
+    flat = re.sub(r"[\s│┃|]", "", cap.get())
+    assert reason.replace(" ", "") in flat, "the reason was cut"
+    rows = dict((k, v) for k, v in terminal_rows(report) if k == "reason" and v.startswith("x"))
+    capped = rows["reason"]
+    assert capped.endswith(f"/{VERDICT_FILE})") and "whole reason in" in capped
+    assert len(capped) < 5000
+    assert "case-0089-failed;END" in markdown(report)

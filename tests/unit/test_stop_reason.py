@@ -82,3 +82,32 @@ def test_gc_sweeps_staging_copies_of_a_dead_controller(tmp_path: Path) -> None:
     assert (tmp_path / "not-ours").exists()
     assert not (tmp_path / f"{dead.pid}-{dead.start}-abc").exists()
     assert (tmp_path / f"{me.pid}-{me.start}-abd").exists()
+
+
+def test_gc_sweeps_random_named_staging_copies_by_their_owner_record(tmp_path: Path) -> None:
+    """Copies are ``cbx-in-<random>`` (nothing about the controller in the mounted path)
+    with the owner record inside; one still ``cbx-in-new-<pid>-<start>-`` (killed before
+    the rename) is judged by its name; nothing without the prefix is touched."""
+    import json
+    from dataclasses import asdict, replace
+
+    from runner.isolation.gc import sweep_staging_dirs
+    from runner.isolation.owner import current_owner
+
+    me = current_owner()
+    dead = replace(me, start=me.start + 1)
+    for name, owner in (("cbx-in-" + "a" * 32, me), ("cbx-in-" + "b" * 32, dead),
+                        ("cbx-gw-other", dead)):
+        (tmp_path / name / "m0").mkdir(parents=True)
+        (tmp_path / name / "owner.json").write_text(json.dumps(asdict(owner)))
+    (tmp_path / f"cbx-in-new-{dead.pid}-{dead.start}-xyz").mkdir()
+    (tmp_path / f"cbx-in-new-{me.pid}-{me.start}-xyz").mkdir()
+    done = {r.name.rsplit("/", 1)[-1]: r
+            for r in sweep_staging_dirs(tmp_path, prefix="cbx-in-", remove_base=False)}
+    assert done["cbx-in-" + "b" * 32].removed
+    assert done[f"cbx-in-new-{dead.pid}-{dead.start}-xyz"].removed
+    assert not done["cbx-in-" + "a" * 32].removed
+    assert not done[f"cbx-in-new-{me.pid}-{me.start}-xyz"].removed
+    assert "cbx-gw-other" not in done and (tmp_path / "cbx-gw-other").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["cbx-in-" + "a" * 32, f"cbx-in-new-{me.pid}-{me.start}-xyz", "cbx-gw-other"])

@@ -17,7 +17,7 @@ import sqlite3
 import sys
 from pathlib import Path
 
-from sandbox.gateway_client import client
+from openai import OpenAI
 
 SRC = Path(__file__).resolve().parent
 MODEL = "fixture-target"
@@ -39,7 +39,7 @@ def main() -> int:
     store = Path("/data") / f"{case['store']}.sqlite"
     db = sqlite3.connect(f"file:{store}?mode=ro&immutable=1", uri=True)
     db.execute("PRAGMA query_only = ON")
-    reply = client().chat.completions.create(
+    reply = OpenAI().chat.completions.create(
         model=MODEL, temperature=0,
         messages=[{"role": "system", "content": instructions()},
                   {"role": "user", "content": f"{case['question']}\n\nSchema:\n{schema(db)}"}],

@@ -5,8 +5,8 @@ The contract (docs/contracts.md; `cyclebox schema answer`):
 - the unit table is /data/units.json (read-only), this source tree /src (read-only);
 - the answer goes to /out/answer.json: {"answer": <number>, "evidence": [from, to], ...}
   or {"refused": true, ...};
-- the model is reached only through the cyclebox gateway (sandbox.gateway_client), and
-  its name is in $CYCLEBOX_MODEL.
+- the model is reached with the OpenAI SDK as is (`OpenAI()`: cyclebox's environment
+  points it at the container's own gateway endpoint); its name is in $CYCLEBOX_MODEL.
 
 The model replies with one JSON object:
   {"value": <number>, "from": "<unit id>", "to": "<unit id>"}   a conversion to compute
@@ -23,7 +23,7 @@ import os
 import sys
 from pathlib import Path
 
-from sandbox.gateway_client import client
+from openai import OpenAI
 
 SRC = Path(__file__).resolve().parent
 
@@ -64,7 +64,7 @@ def main() -> int:
     case = json.loads(Path("/case/input.json").read_text())
     table = units()
     listing = "\n".join(f"- {uid}: {u['name']} ({u['dimension']})" for uid, u in table.items())
-    reply = client().chat.completions.create(
+    reply = OpenAI().chat.completions.create(
         model=model, temperature=0,
         messages=[{"role": "system", "content": instructions()},
                   {"role": "user", "content": f"{case['question']}\n\nUnits:\n{listing}"}],

@@ -19,6 +19,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import tarfile
 import tempfile
 import threading
@@ -33,8 +34,14 @@ import docker.errors
 import requests.exceptions
 from docker.models.containers import _create_container_args
 
-from runner import interrupts
-from runner.errors import OutputRejected, PolicyViolation, PrerequisiteError, SandboxError
+from runner import fswalk, interrupts
+from runner.errors import (
+    ConfigError,
+    OutputRejected,
+    PolicyViolation,
+    PrerequisiteError,
+    SandboxError,
+)
 from runner.isolation.collect import loads_strict
 from runner.isolation.copyout import CopyLimits, CopyRefused, Extracted, extract
 from runner.isolation.docker.hardening import create_kwargs, exec_kwargs, holder_argv
@@ -199,6 +206,15 @@ class _CopyOut:
         return fin
 
 
+def _holder_said(text: str) -> str:
+    """The holder's own refusal before READY (e.g. its loopback relay could not listen),
+    bounded and escaped, for the error message; empty when it said nothing of the kind."""
+    for line in text.splitlines()[:4]:
+        if line.startswith("relay: "):
+            return f" ({ascii(line[:200])[1:-1]})"
+    return ""
+
+
 def _status(text: str) -> dict[str, dict[str, Any]]:
     """The holder's status lines by phase ("pre" before the tar, "post" after it)."""
     out: dict[str, dict[str, Any]] = {}
@@ -226,42 +242,56 @@ def _seed_tar(spec: RunSpec, links: dict[str, str]) -> bytes | None:
 
     Only host-made content is ever here (a stage's fresh directory, e.g. the apply
     stage's throwaway repository). Its symlinks go into ``links``: only those exact
-    links may come back out (:func:`runner.isolation.copyout.extract`)."""
+    links may come back out (:func:`runner.isolation.copyout.extract`). The directory is
+    walked and read by descriptor (:mod:`runner.fswalk`): a path past ``PATH_MAX`` is
+    seeded like any other, and an entry that cannot be read is a named error, never
+    left out."""
     root = spec.output_dir
-    if root is None or not any(root.iterdir()):
+    if root is None:
         return None
     uid, gid = spec.uid, spec.gid
     buf = io.BytesIO()
     total = 0
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
-        for path in sorted(root.rglob("*")):
-            ti = tf.gettarinfo(str(path), arcname=path.relative_to(root).as_posix())
-            if ti.issym():
-                links[ti.name] = ti.linkname
-            elif not (ti.isreg() or ti.isdir()):
-                raise SandboxError(f"{path}: only regular files, directories and symlinks "
-                                   "can seed an output directory")
-            ti.uid, ti.gid, ti.uname, ti.gname = uid, gid, "", ""
-            total += ti.size
-            if total > spec.output_cap_bytes:
-                raise SandboxError(f"{root}: seed content exceeds the output cap of "
-                                   f"{spec.output_cap_bytes} bytes")
-            if ti.isreg():
-                with path.open("rb") as f:
-                    tf.addfile(ti, f)
-            else:
-                tf.addfile(ti)
-    return buf.getvalue()
+    seeded = False
+    try:
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+            for e in fswalk.walk(root, max_depth=4096):
+                seeded = True
+                ti = fswalk.tarinfo(e, e.rel)
+                if ti.issym():
+                    links[ti.name] = ti.linkname
+                ti.uid, ti.gid, ti.uname, ti.gname = uid, gid, "", ""
+                total += ti.size
+                if total > spec.output_cap_bytes:
+                    raise SandboxError(f"{root}: seed content exceeds the output cap of "
+                                       f"{spec.output_cap_bytes} bytes")
+                fswalk.add_to_tar(tf, e, ti)
+    except fswalk.WalkError as exc:
+        raise SandboxError(f"{root}/{exc}: the output directory cannot be seeded "
+                           "in full") from None
+    return buf.getvalue() if seeded else None
 
 
 STAGING_OWNER = "owner.json"
 
 
+STAGING_PREFIX = "cbx-in-"
+"""Per-run staging copies are ``<base>/cbx-in-<128 random bits>``: the path a role sees
+in ``/proc/self/mountinfo`` names no pid, start time or uid of the controller."""
+STAGING_NEW = STAGING_PREFIX + "new-"
+"""A copy being made (``cbx-in-new-<pid>-<start>-...``, never mounted): renamed to its
+random name once its owner record is inside, so `cyclebox gc` can always judge it."""
+
+
 def staging_base() -> Path:
-    """Where per-run input copies live: ``$CYCLEBOX_STAGING_DIR`` or
-    ``<tmp>/cyclebox-staging-<uid>``."""
-    return Path(os.environ.get(STAGING_ENV)
-                or Path(tempfile.gettempdir()) / f"cyclebox-staging-{os.getuid()}")
+    """Where per-run input copies live: ``$CYCLEBOX_STAGING_DIR``, or the temp directory
+    (each copy a private ``cbx-in-*`` directory in it, as gateway sockets are)."""
+    return Path(os.environ.get(STAGING_ENV) or tempfile.gettempdir())
+
+
+def legacy_staging_base() -> Path:
+    """Where copies lived before: ``<tmp>/cyclebox-staging-<uid>`` (swept by gc)."""
+    return Path(tempfile.gettempdir()) / f"cyclebox-staging-{os.getuid()}"
 
 
 def check_mount_sources(spec: RunSpec) -> None:
@@ -280,12 +310,46 @@ def check_mount_sources(spec: RunSpec) -> None:
                                   fix="pass the resolved path")
 
 
+def _new_staging_dir() -> Path:
+    """A fresh ``<base>/cbx-in-<random>`` holding its owner record (beside the mounted
+    ``m<i>`` directories, never in one), traversable (not listable) by the role uid.
+
+    It is made as ``cbx-in-new-<pid>-<start>-...`` (so `cyclebox gc` can judge it if the
+    controller dies before its record is written), then renamed: the mounted path, all a
+    container sees in ``/proc/self/mountinfo``, names nothing about the controller."""
+    base = staging_base()
+    custom = bool(os.environ.get(STAGING_ENV))
+    me = current_owner()
+    for attempt in range(5):  # another run may remove an empty custom base meanwhile
+        if custom:
+            base.mkdir(mode=0o711, exist_ok=True)
+            if base.is_symlink() or base.stat().st_uid != os.getuid():
+                raise SandboxError(f"staging directory {base} is not ours; "
+                                   f"Fix: set {STAGING_ENV} to a private directory")
+        try:
+            made = Path(tempfile.mkdtemp(prefix=f"{STAGING_NEW}{me.pid}-{me.start}-",
+                                         dir=base))
+            break
+        except FileNotFoundError:
+            if attempt == 4:
+                raise
+    try:
+        os.chmod(made, 0o711)  # noqa: S103
+        (made / STAGING_OWNER).write_text(json.dumps(asdict(me)))
+        final = base / f"{STAGING_PREFIX}{secrets.token_hex(16)}"
+        os.rename(made, final)
+    except BaseException:
+        shutil.rmtree(made, ignore_errors=True)
+        raise
+    return final
+
+
 class _Staging:
     """Bind sources the container cannot map back to the operator's paths.
 
     Each input mount is hard-linked (copied across file systems) into
-    ``$CYCLEBOX_STAGING_DIR`` or ``<tmp>/cyclebox-staging-<uid>``, under an opaque
-    per-run name, so ``/proc/self/mountinfo`` inside shows only that. The gateway
+    ``$CYCLEBOX_STAGING_DIR`` or the temp directory, under a random per-run name
+    (:func:`_new_staging_dir`), so ``/proc/self/mountinfo`` inside shows only that. The gateway
     socket directory is mounted as is (already an opaque temp directory)."""
 
     def __init__(self, spec: RunSpec) -> None:
@@ -307,69 +371,101 @@ class _Staging:
                 continue
             source = Path(m.source)
             if self.dir is None:
-                base = staging_base()
-                for attempt in range(5):  # another run may remove the empty base meanwhile
-                    base.mkdir(mode=0o711, exist_ok=True)
-                    if base.is_symlink() or base.stat().st_uid != os.getuid():
-                        raise SandboxError(f"staging directory {base} is not ours; "
-                                           f"Fix: set {STAGING_ENV} to a private directory")
-                    try:
-                        # The owner's pid and start time lead the name, so `cyclebox gc`
-                        # can judge a copy even if the controller died before the owner
-                        # record below was written.
-                        me = current_owner()
-                        self.dir = Path(tempfile.mkdtemp(prefix=f"{me.pid}-{me.start}-",
-                                                         dir=base))
-                        break
-                    except FileNotFoundError:
-                        if attempt == 4:
-                            raise
-                assert self.dir is not None  # noqa: S101 - for mypy
-                # traversable (not listable) by the role uid, which may differ from ours
-                os.chmod(self.dir, 0o711)  # noqa: S103
-                # Beside the mounted m<i> directories, never in one: `cyclebox gc`
-                # removes the staging copies of a controller that was SIGKILLed.
-                (self.dir / STAGING_OWNER).write_text(json.dumps(asdict(current_owner())))
+                self.dir = _new_staging_dir()
             dest = self.dir / f"m{i}"
-            _link_tree(source, dest)
+            _link_tree(source, dest, target=m.target)
             mounts.append(m.model_copy(update={"source": dest}))
         self.spec = spec.model_copy(update={"mounts": tuple(mounts)})
 
     def cleanup(self) -> None:
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
-            with contextlib.suppress(OSError):  # the shared base, only when empty
-                self.dir.parent.rmdir()
+            if os.environ.get(STAGING_ENV):
+                with contextlib.suppress(OSError):  # the shared base, only when empty
+                    self.dir.parent.rmdir()
 
 
-def _link_tree(src: Path, dest: Path) -> None:
+def _link_tree(src: Path, dest: Path, *, target: str = "/") -> None:
     """Hard-link ``src`` (file or tree) to ``dest``; copy where a link is impossible.
 
-    Symlinks inside are recreated as symlinks (a read-only bind shows them as before)."""
+    Symlinks inside are recreated as symlinks (a read-only bind shows them as before).
+    The tree is walked by directory descriptor (:mod:`runner.fswalk`) and written the same
+    way, so a path past ``PATH_MAX`` inside it is staged like any other; an entry that
+    cannot be read is bad input naming it (exit 3), never left out, and so is a path
+    that would be ``PATH_MAX`` or longer once mounted at ``target`` (no program in the
+    container could open it by name)."""
     def one(s: Path, d: Path) -> None:
         try:
             os.link(s, d, follow_symlinks=False)
         except OSError:
             shutil.copy2(s, d, follow_symlinks=False)
 
-    if src.is_dir() and not src.is_symlink():
-        # Staged directories are new inodes: readable by the role uid (which differs
-        # from ours when we run as root), as an input must be; files keep their modes.
-        dest.mkdir()
-        os.chmod(dest, STAGED_DIR_MODE)
-        for dirpath, dirnames, filenames in os.walk(src):
-            rel = Path(dirpath).relative_to(src)
-            for d in dirnames:
-                sp = Path(dirpath) / d
-                if sp.is_symlink():
-                    os.symlink(os.readlink(sp), dest / rel / d)
-                else:
-                    (dest / rel / d).mkdir()
-                    os.chmod(dest / rel / d, STAGED_DIR_MODE)
-            for f in filenames:
-                one(Path(dirpath) / f, dest / rel / f)
-    else:
+    if not (src.is_dir() and not src.is_symlink()):
         one(src, dest)
+        return
+    # Staged directories are new inodes: readable by the role uid (which differs
+    # from ours when we run as root), as an input must be; files keep their modes.
+    dest.mkdir()
+    os.chmod(dest, STAGED_DIR_MODE)
+    # (relative directory, its staged copy's fd): the current entry's ancestors only
+    made: list[tuple[str, int]] = [("", os.open(dest, fswalk.DIR_FLAGS))]
+    try:
+        for e in fswalk.walk(src, max_depth=4096):
+            parent = e.rel.rpartition("/")[0]
+            while made[-1][0] != parent:
+                os.close(made.pop()[1])
+            dfd = made[-1][1]
+            inside = len(os.fsencode(f"{target.rstrip('/')}/{e.rel}"))
+            if inside >= fswalk.PATH_MAX:
+                raise fswalk.WalkError(e.rel, f"path of {inside} bytes once mounted at "
+                                       f"{target}, past PATH_MAX ({fswalk.PATH_MAX}); no "
+                                       "program in the container could open it")
+            if e.is_link:
+                os.symlink(e.readlink(), e.name, dir_fd=dfd)
+            elif e.is_dir:
+                os.mkdir(e.name, STAGED_DIR_MODE, dir_fd=dfd)
+                sub = os.open(e.name, fswalk.DIR_FLAGS, dir_fd=dfd)
+                os.fchmod(sub, STAGED_DIR_MODE)
+                made.append((e.rel, sub))
+            else:
+                _link_or_copy(e, dfd)
+    except fswalk.WalkError as exc:
+        raise ConfigError(f"{src}/{fswalk.shown(exc.rel)}: {exc.reason}; the input tree "
+                          "cannot be staged in full", fix="make every entry of the input "
+                          "readable, with shorter paths (or remove it), and run again") from None
+    finally:
+        for _, fd in made:
+            os.close(fd)
+
+
+def _link_or_copy(e: fswalk.Entry, dfd: int) -> None:
+    """One non-directory entry of an input tree into the directory ``dfd``: a hard link,
+    or a copy (content, mode and times) where a link is impossible (another file system)."""
+    try:
+        os.link(e.name, e.name, src_dir_fd=e.parent_fd, dst_dir_fd=dfd, follow_symlinks=False)
+    except OSError:
+        _copy_in(e, dfd)
+
+
+def _copy_in(e: fswalk.Entry, dfd: int) -> None:
+    if not e.is_file:
+        raise fswalk.WalkError(e.rel, "not a regular file, directory or symlink, and it "
+                               "cannot be hard-linked into the staging copy")
+    src_fd = e.open()
+    try:
+        fd = os.open(e.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                     | getattr(os, "O_CLOEXEC", 0), stat.S_IMODE(e.st.st_mode), dir_fd=dfd)
+        try:
+            while chunk := os.read(src_fd, 1 << 20):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view):]
+            os.fchmod(fd, stat.S_IMODE(e.st.st_mode))
+            os.utime(fd, ns=(e.st.st_atime_ns, e.st.st_mtime_ns))
+        finally:
+            os.close(fd)
+    finally:
+        os.close(src_fd)
 
 
 def connect(timeout: int = 60) -> docker.DockerClient:
@@ -546,7 +642,8 @@ class DockerSandbox:
                 # no role process before the holder made itself non-dumpable
                 if not copy.ready.wait(READY_TIMEOUT_S) or not copy.ready_ok:
                     raise SandboxError(f"the {spec.role} container's holder did not protect "
-                                       f"its output stream within {READY_TIMEOUT_S:.0f} s")
+                                       f"its output stream within {READY_TIMEOUT_S:.0f} s"
+                                       + _holder_said(copy.errs.text()))
                 stream = api.exec_start(exec_id, stream=True, demux=True)
             except docker.errors.APIError as exc:
                 raise SandboxError(f"engine could not start the {spec.role} command: "
@@ -725,6 +822,9 @@ class DockerSandbox:
 
         return [*sweep_containers(self, only_orphans=only_orphans, dry_run=dry_run),
                 *sweep_staging_dirs(staging_base(), owner_name=STAGING_OWNER,
+                                    prefix=STAGING_PREFIX, dry_run=dry_run,
+                                    remove_base=bool(os.environ.get(STAGING_ENV))),
+                *sweep_staging_dirs(legacy_staging_base(), owner_name=STAGING_OWNER,
                                     dry_run=dry_run)]
 
     # -- images ----------------------------------------------------------------

@@ -45,7 +45,7 @@ from typing import Any
 from runner.errors import PolicyViolation
 from runner.isolation.owner import Owner
 from runner.isolation.policy import mount_violation
-from runner.isolation.sandbox import LABEL_PREFIX, MANAGED_LABEL, RunSpec
+from runner.isolation.sandbox import GATEWAY_SOCKET, LABEL_PREFIX, MANAGED_LABEL, RunSpec
 from runner.isolation.seccomp import load_profile
 from sandbox import holder
 
@@ -102,7 +102,7 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str) -> dict[str, Any]:
         "image": spec.image,
         # PID 1 is the holder; the role command runs through exec (exec_kwargs).
         "entrypoint": holder_argv(),
-        "command": ["hold", spec.output_target if spec.output_dir is not None else "-"],
+        "command": hold_args(spec),
         "name": container_name(spec, nonce),
         "user": spec.user,
         "working_dir": spec.workdir,
@@ -141,6 +141,19 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str) -> dict[str, Any]:
     if spec.runtime:
         kwargs["runtime"] = spec.runtime
     return kwargs
+
+
+def hold_args(spec: RunSpec) -> list[str]:
+    """The holder's arguments: the output directory (``-``: none) and, for a container
+    given a gateway socket, that socket's path inside, to relay loopback TCP to it."""
+    args = ["hold", spec.output_target if spec.output_dir is not None else "-"]
+    gateways = [m for m in spec.mounts if m.gateway]
+    if len(gateways) > 1:
+        raise PolicyViolation("more than one gateway socket mounted", field="mounts",
+                              fix="a container reaches exactly one binding")
+    if gateways:
+        args.append(f"{gateways[0].target.rstrip('/')}/{GATEWAY_SOCKET}")
+    return args
 
 
 def output_tmpfs_opts(spec: RunSpec) -> str:

@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -37,9 +38,13 @@ from runner.loading import load_model, relative_inside, show
 from runner.paths import images_dir, sandbox_src, state_dir
 
 PIP_WHEELS_ONLY = """\
+import json
 import sys
 from pip._internal.distributions.sdist import SourceDistribution
 from pip._internal.exceptions import InstallationError
+from pip._internal.resolution.resolvelib.factory import Factory
+
+MARK = "CYCLEBOX-REFUSED "
 
 
 def refuse(self, *args, **kwargs):
@@ -48,14 +53,57 @@ def refuse(self, *args, **kwargs):
         "distribution, direct URL or local path would run its build code here)")
 
 
+def _source(ireq):
+    parent = getattr(ireq, "comes_from", None)
+    link = getattr(parent, "link", None)
+    if link is not None:
+        return link.filename
+    return str(parent or "the requirements file")
+
+
+def _no_direct_urls(make):
+    def checked(self, ireq, *args, **kwargs):
+        url = getattr(getattr(ireq, "req", None), "url", None)
+        if ireq.link is not None or url:
+            sys.stderr.write(MARK + json.dumps({"requirement": str(ireq.req or ireq.link),
+                                                "source": _source(ireq)}) + "\\n")
+            raise InstallationError(
+                f"refusing the direct URL or path requirement {ireq.req or ireq.link} "
+                f"(from {_source(ireq)}): only index wheels are downloaded")
+        return make(self, ireq, *args, **kwargs)
+    return checked
+
+
+# Fail closed: a pip without these hooks is not run at all.
+for owner, name in ((SourceDistribution, "prepare_distribution_metadata"),
+                    (Factory, "_make_requirements_from_install_req")):
+    if not callable(getattr(owner, name, None)):
+        sys.stderr.write(f"ERROR: this pip has no {owner.__name__}.{name}; cyclebox cannot "
+                         "guard its downloads\\n")
+        sys.exit(2)
 SourceDistribution.prepare_distribution_metadata = refuse
+Factory._make_requirements_from_install_req = _no_direct_urls(
+    Factory._make_requirements_from_install_req)
 from pip._internal.cli.main import main
 sys.exit(main(["download", *sys.argv[1:]]))
 """
-"""``pip download`` with every source build refused. ``--only-binary=:all:`` covers index
-candidates only: a wheel's direct-URL dependency (``Requires-Dist: x @ https://...``) or
-a requirement that names a local archive is still built (its code run) to read its
-metadata. Run isolated (``-I``: no working directory on sys.path, no PYTHON* variables)."""
+"""``pip download`` with every source build and every direct URL or path requirement
+refused. ``--only-binary=:all:`` covers index candidates only: a wheel's direct-URL
+dependency (``Requires-Dist: x @ https://...`` or ``@ file:///...``) would be fetched (or
+a host file copied) and an sdist built (its code run) to read its metadata. The
+resolver's one funnel from a requirement to candidates refuses any requirement that
+carries a link before anything behind it is touched, and writes one ``CYCLEBOX-REFUSED``
+JSON line on stderr naming it and the wheel that asked. Run isolated (``-I``: no working
+directory on sys.path, no PYTHON* variables)."""
+REFUSED_MARK = "CYCLEBOX-REFUSED "
+NETWORK_SIGNS = ("NewConnectionError", "Max retries exceeded", "ConnectionError",
+                 "Temporary failure in name resolution", "Name or service not known",
+                 "ProxyError", "SSLError", "ConnectTimeout", "ReadTimeout",
+                 "Network is unreachable", "Connection refused", "Could not fetch URL",
+                 "timed out")
+"""Words in pip's output that mean the index could not be reached (a prerequisite), not
+that the requirements cannot be satisfied (bad input)."""
+MAX_REASON_CHARS = 1500
 
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")
 SCHEMA_VERSION = 1
@@ -177,42 +225,107 @@ def ensure_wheels(role: str, log: Log, inputs: ImageInputs | None = None) -> Pat
     return download_wheels(req, wheel_dir(role), log, what=f"the {role} image")
 
 
-def download_wheels(req: Path, wdir: Path, log: Log, *, what: str) -> Path:
+def download_wheels(req: Path, wdir: Path, log: Log, *, what: str,
+                   field: str | None = None) -> Path:
     """Wheels for ``req`` (cp311 manylinux) into ``wdir``, once per requirements content
-    and ``PIP_DOWNLOAD_ARGS``; ``wdir/.digest`` is the digest of the wheel set."""
+    and ``PIP_DOWNLOAD_ARGS``; ``wdir/.digest`` is the digest of the wheel set.
+
+    Downloaded into a fresh sibling directory renamed into place when complete: a failure
+    leaves no wheel behind. Every wheel's metadata is checked for direct URL or path
+    requirements (pip's hook refuses them before they are touched; the check here is the
+    second line). With ``field`` (operator input, e.g. ``project.requirements``), what pip
+    refuses is :class:`runner.requirements.RequirementsRefused` (exit 3, pip's reason
+    shown); an index that cannot be reached stays a PrerequisiteError."""
     extra = os.environ.get("PIP_DOWNLOAD_ARGS", "")
     stamp_value = _sha(req.read_bytes() + extra.encode())
     stamp = wdir / ".stamp"
     if stamp.is_file() and stamp.read_text().strip() == stamp_value:
+        _refuse_direct_urls(wdir, field)  # a set cached before this check existed
         return wdir
     if wdir.exists():
         shutil.rmtree(wdir)
-    wdir.mkdir(parents=True)
-    reqs = [ln for ln in req.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
-    if reqs:
-        cmd = [sys.executable, "-I", "-c", PIP_WHEELS_ONLY, "--only-binary=:all:",
-               "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
-               "--abi", "abi3", "--abi", "none", "-q", "-d", str(wdir.resolve()),
-               "-r", str(req.resolve())]
-        for plat in PLATFORMS:
-            cmd += ["--platform", plat]
-        cmd += extra.split()
-        log(f"downloading wheels for {what} into {wdir}")
-        # cwd: the fresh, empty wheel directory. pip resolves a requirement that looks
-        # like an archive name against its working directory (the operator's, often the
-        # project checkout) and would build an sdist found there on the host.
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=wdir)
-        if proc.returncode != 0:
-            raise PrerequisiteError(f"pip download for {what} failed:\n"
-                                    f"{proc.stderr.strip()[-2000:]}\nFix: check network access "
-                                    "to the package index, or PIP_DOWNLOAD_ARGS.")
-    # Digest of the wheel set, computed once here (hashing torch each build is slow).
-    digest = hashlib.sha256()
-    for whl in sorted(wdir.glob("*.whl")):
-        digest.update(whl.name.encode() + b"\0" + sha256_file(whl).encode() + b"\n")
-    (wdir / ".digest").write_text(digest.hexdigest())
-    stamp.write_text(stamp_value)
+    wdir.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{wdir.name}.", dir=wdir.parent))
+    try:
+        reqs = [ln for ln in req.read_text().splitlines()
+                if ln.strip() and not ln.startswith("#")]
+        if reqs:
+            _pip_download(req, work, extra, log, what=what, field=field)
+        _refuse_direct_urls(work, field)
+        # Digest of the wheel set, computed once here (hashing torch each build is slow).
+        digest = hashlib.sha256()
+        for whl in sorted(work.glob("*.whl")):
+            digest.update(whl.name.encode() + b"\0" + sha256_file(whl).encode() + b"\n")
+        (work / ".digest").write_text(digest.hexdigest())
+        (work / ".stamp").write_text(stamp_value)
+        os.chmod(work, 0o755)  # noqa: S103 - mkdtemp's 0700; wheels are not secret
+        work.rename(wdir)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     return wdir
+
+
+def _refuse_direct_urls(wdir: Path, field: str | None) -> None:
+    """RequirementsRefused naming the first wheel in ``wdir`` whose metadata requires a
+    URL or path."""
+    from runner.requirements import RequirementsRefused, requires_dist_urls
+
+    for whl in sorted(wdir.glob("*.whl")):
+        urls = requires_dist_urls(whl)
+        if urls:
+            raise RequirementsRefused(
+                f"the wheel {whl.name} requires {urls[0]!r}: a direct URL or path "
+                "requirement", field=field,
+                fix="depend on packages from the index only (name and version)")
+
+
+def _pip_download(req: Path, work: Path, extra: str, log: Log, *, what: str,
+                  field: str | None) -> None:
+    from runner.requirements import RequirementsRefused, pip_reason
+
+    cmd = [sys.executable, "-I", "-c", PIP_WHEELS_ONLY, "--only-binary=:all:",
+           "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
+           "--abi", "abi3", "--abi", "none", "--no-color", "--progress-bar", "off",
+           "-d", str(work.resolve()), "-r", str(req.resolve())]
+    for plat in PLATFORMS:
+        cmd += ["--platform", plat]
+    cmd += extra.split()
+    log(f"downloading wheels for {what} into {work.parent}")
+    # cwd: the fresh, empty wheel directory. pip resolves a requirement that looks
+    # like an archive name against its working directory (the operator's, often the
+    # project checkout) and would build an sdist found there on the host.
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "CLICOLOR_FORCE")}
+    env["NO_COLOR"] = "1"
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=work,
+                          env=env, errors="replace")
+    if proc.returncode == 0:
+        return
+    stderr = proc.stderr.replace(str(req.resolve()), req.name)
+    for line in stderr.splitlines():
+        if line.startswith(REFUSED_MARK):
+            try:
+                got = json.loads(line[len(REFUSED_MARK):])
+                refused, source = str(got["requirement"]), str(got["source"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            raise RequirementsRefused(
+                f"{source} requires {refused!r}: a direct URL or path requirement; nothing "
+                "behind it was fetched", field=field,
+                fix="depend on packages from the index only (name and version)")
+    # pip logs why a resolution is impossible at info level (stdout): keep that part.
+    out = proc.stdout
+    cause = out[out.find("The conflict is caused by"):] if "The conflict is caused by" in out \
+        else ""
+    reason = pip_reason(stderr + "\n" + cause, MAX_REASON_CHARS)
+    if field is not None and not any(sign in stderr for sign in NETWORK_SIGNS):
+        raise RequirementsRefused(
+            f"pip cannot satisfy the requirements: {reason}", field=field,
+            fix="check the names and versions (pip's reason above); pin versions that "
+                "publish cp311 manylinux or pure-Python wheels (no sdist is built) and "
+                "that agree with each other")
+    raise PrerequisiteError(f"pip download for {what} failed: {reason}\nFix: check network "
+                            "access to the package index, or PIP_DOWNLOAD_ARGS.")
 
 
 def input_hash(role: str, base_id: str, wheels_digest: str, *,

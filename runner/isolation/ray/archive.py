@@ -15,7 +15,8 @@ import shutil
 import tarfile
 from pathlib import Path
 
-from runner.errors import SandboxError
+from runner import fswalk
+from runner.errors import ConfigError, SandboxError
 
 ENTRY = "x"
 """The single top-level name an input tar holds (the mount's file or directory)."""
@@ -30,30 +31,40 @@ def _normalize(ti: tarfile.TarInfo) -> tarfile.TarInfo:
 
 def pack_input(source: Path) -> bytes:
     """A reproducible tar of ``source`` (file or tree) under :data:`ENTRY`; symlinks are
-    kept as links, never followed; anything but files, directories and links is refused."""
+    kept as links, never followed; anything but files, directories and links is refused.
+
+    Walked and read by directory descriptor (:mod:`runner.fswalk`): a path past
+    ``PATH_MAX`` is packed like any other, and an entry that cannot be read is a
+    ConfigError naming it (bad input, exit 3), never left out."""
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
-        paths = [source]
-        if source.is_dir() and not source.is_symlink():
-            paths += sorted(source.rglob("*"))
-        for p in paths:
-            arc = ENTRY if p == source else f"{ENTRY}/{p.relative_to(source).as_posix()}"
-            ti = tf.gettarinfo(str(p), arcname=arc)
-            if not (ti.isreg() or ti.isdir() or ti.issym()):
-                raise SandboxError(f"{p}: only files, directories and symlinks can be "
-                                   "shipped to a node as a mount")
-            _add(tf, p, ti)
+    try:
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+            with fswalk.root_entry(source) as top:
+                _add(tf, _shippable(source, top), ENTRY)
+                tree = top.is_dir
+            for e in fswalk.walk(source, max_depth=4096) if tree else ():
+                _add(tf, _shippable(source, e), f"{ENTRY}/{e.rel}")
+    except fswalk.WalkError as exc:
+        raise ConfigError(f"{source}/{exc}: the input cannot be shipped to a node in full",
+                          fix="make every entry of the input readable, with shorter paths "
+                          "(or remove it)") from None
     return buf.getvalue()
 
 
-def _add(tf: tarfile.TarFile, p: Path, ti: tarfile.TarInfo) -> None:
-    """``p`` under ``ti`` (normalized: no owner, no time), its content if a file."""
-    _normalize(ti)
-    if ti.isreg():
-        with p.open("rb") as f:
-            tf.addfile(ti, f)
-    else:
-        tf.addfile(ti)
+def _shippable(source: Path, e: fswalk.Entry) -> fswalk.Entry:
+    if not (e.is_file or e.is_dir or e.is_link):
+        where = f"{source}/{fswalk.shown(e.rel)}" if e.rel else str(source)
+        raise SandboxError(f"{where}: only files, directories and symlinks can be shipped "
+                           "to a node as a mount")
+    return e
+
+
+def _add(tf: tarfile.TarFile, e: fswalk.Entry, arcname: str) -> int:
+    """``e`` under ``arcname`` (normalized: no owner, no time), its content if a file;
+    returns the content size."""
+    ti = _normalize(fswalk.tarinfo(e, arcname))
+    fswalk.add_to_tar(tf, e, ti)
+    return ti.size
 
 
 def digest(data: bytes) -> str:
@@ -94,18 +105,22 @@ def cached(cache: Path, expected: str) -> Path | None:
 
 def pack_output(root: Path, cap: int) -> bytes:
     """A tar of a node-side output directory (already capped by the node's own copy-out)
-    for the head's safe reader; links are packed as links, never followed."""
+    for the head's safe reader; links are packed as links, never followed. Walked and read
+    by descriptor: a path past ``PATH_MAX`` is packed like any other; an entry that is not
+    a file, directory or link, or cannot be read, is a SandboxError naming it (never
+    left out)."""
     buf = io.BytesIO()
     total = 0
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
-        for p in sorted(root.rglob("*")):
-            ti = tf.gettarinfo(str(p), arcname=p.relative_to(root).as_posix())
-            if not (ti.isreg() or ti.isdir() or ti.issym()):
-                continue
-            total += ti.size
-            if total > cap:
-                raise SandboxError(f"node output exceeds its cap of {cap} bytes")
-            _add(tf, p, ti)
+    try:
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+            for e in fswalk.walk(root, max_depth=4096):
+                total += e.st.st_size if e.is_file else 0
+                if total > cap:
+                    raise SandboxError(f"node output exceeds its cap of {cap} bytes")
+                _add(tf, e, e.rel)
+    except fswalk.WalkError as exc:
+        raise SandboxError(f"{root}/{exc}: the output directory cannot be packed in full"
+                           ) from None
     return buf.getvalue()
 
 

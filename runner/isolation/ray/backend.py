@@ -40,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from runner import fswalk
 from runner.errors import (
     ConfigError,
     CycleboxError,
@@ -89,15 +90,22 @@ log = logging.getLogger(__name__)
 
 def _signature(source: Path) -> tuple[Any, ...]:
     """What must not change for a packed input to be reused: every entry's name, type,
-    size, mtime and inode (read without following links)."""
-    def one(p: Path) -> tuple[Any, ...]:
-        st = p.lstat()
-        return (p.relative_to(source).as_posix(), st.st_mode, st.st_size, st.st_mtime_ns,
-                st.st_ino)
+    size, mtime and inode (read without following links), walked by directory descriptor
+    (:mod:`runner.fswalk`): a path past ``PATH_MAX`` counts like any other, and an entry
+    that cannot be read is a ConfigError naming it, never left out."""
+    def one(rel: str, st: os.stat_result) -> tuple[Any, ...]:
+        return (rel, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ino)
 
-    rows = [one(source)]
-    if source.is_dir() and not source.is_symlink():
-        rows += [one(p) for p in sorted(source.rglob("*"))]
+    try:
+        with fswalk.root_entry(source) as top:
+            rows = [one(".", top.st)]
+            tree = top.is_dir
+        if tree:
+            rows += [one(e.rel, e.st) for e in fswalk.walk(source, max_depth=4096)]
+    except fswalk.WalkError as exc:
+        raise ConfigError(f"{source}/{exc}: the input cannot be shipped to a node in full",
+                          fix="make every entry of the input readable, with shorter paths "
+                          "(or remove it)") from None
     return tuple(rows)
 
 
@@ -346,6 +354,20 @@ class RaySandbox:
                 self._memo_bytes -= old[2]
         return entry[0], entry[1]
 
+    def _seed(self, root: Path, cap: int, links: dict[str, str]) -> list[Any] | None:
+        """The host-made seed of an output directory (walked by descriptor, its symlinks
+        into ``links``) as an object ref, or None when the directory is empty."""
+        seeded = False
+        try:
+            for e in fswalk.walk(root, max_depth=4096):
+                seeded = True
+                if e.is_link:
+                    links[e.rel] = e.readlink()
+        except fswalk.WalkError as exc:
+            raise SandboxError(f"{root}/{exc}: the output directory cannot be seeded "
+                               "in full") from None
+        return [self._ray.put(pack_output(root, cap))] if seeded else None
+
     def _forward(self) -> HeadForwarder:
         with self._lock:
             if self._forwarder is None:
@@ -372,11 +394,8 @@ class RaySandbox:
                 inputs.append((i, dg, [ref]))
         seed_links: dict[str, str] = {}
         seed: list[Any] | None = None
-        if spec.output_dir is not None and any(spec.output_dir.iterdir()):
-            for p in spec.output_dir.rglob("*"):
-                if p.is_symlink():
-                    seed_links[p.relative_to(spec.output_dir).as_posix()] = os.readlink(p)
-            seed = [self._ray.put(pack_output(spec.output_dir, spec.output_cap_bytes))]
+        if spec.output_dir is not None:
+            seed = self._seed(spec.output_dir, spec.output_cap_bytes, seed_links)
         node = self._pick()
         try:
             for m in spec.mounts:

@@ -13,8 +13,14 @@ Invariants:
 - The link is TLS (>= 1.2) pinned to the forwarder's ephemeral certificate, which the
   ticket carries (:mod:`runner.isolation.ray.pin`); the node trusts nothing else.
 - A connection to the forwarder must complete the handshake and send its binding's
-  32-byte ticket (compared in constant time) within :data:`CONNECT_TIMEOUT_S`; anything
-  else is closed unanswered.
+  32-byte ticket (compared in constant time) within :data:`HANDSHAKE_TIMEOUT_S`;
+  anything else is closed unanswered.
+- A flood of unauthenticated connections cannot keep a node out: one source address
+  holds at most :data:`MAX_PENDING_PER_SOURCE` of the :data:`MAX_PENDING` slots for
+  connections without a valid ticket yet, and when every slot is taken a new
+  connection takes the oldest one's (which is cut): a node, whose handshake and ticket
+  take milliseconds, is only kept out by :data:`MAX_PENDING` new connections inside its
+  own handshake.
 - Every count a peer drives is bounded: at most :data:`MAX_PENDING` connections to the
   forwarder without a valid ticket yet, at most :data:`MAX_PER_TICKET` live connections
   per ticket, at most :data:`MAX_NODE_CONNECTIONS` live connections into one node
@@ -54,9 +60,16 @@ CHUNK = 64 * 1024
 HIGH_WATER = 4 * CHUNK
 """Bytes buffered for one direction before the relay stops reading the other side."""
 CONNECT_TIMEOUT_S = 10.0
-"""Connect, TLS handshake and ticket, all within this."""
+"""A node's connect, TLS handshake and ticket to the head, all within this; and the
+head's connect to the gateway socket."""
+HANDSHAKE_TIMEOUT_S = 2.0
+"""On the head: the TLS handshake and ticket of a new connection, all within this. A real
+node needs about 2 ms on one host (measured: bench/relay_flood.py), a few round trips on
+a network; an idle unauthenticated connection holds its slot no longer than this."""
 MAX_PENDING = 64
 """Connections to the forwarder that have not yet presented a valid ticket."""
+MAX_PENDING_PER_SOURCE = 8
+"""Of those, from one source address."""
 MAX_PER_TICKET = 16
 """Live relayed connections per ticket (one container's concurrent model calls)."""
 MAX_NODE_CONNECTIONS = 16
@@ -169,25 +182,39 @@ def _cut(socks: set[socket.socket]) -> None:
             socket.socket.shutdown(s, socket.SHUT_RDWR)
 
 
-def _accept_loop(sock: socket.socket, serve: Callable[[socket.socket], None], *,
-                 closed: Callable[[], bool], admit: Callable[[], bool],
-                 unadmit: Callable[[], None]) -> None:
-    """Accept until ``sock`` closes: a connection ``admit`` takes (under its owner's cap)
-    gets a serving thread; one it refuses is closed at once, with no thread spawned; one
-    whose thread cannot start is closed and its slot given back (``unadmit``)."""
+def _accept_loop(sock: socket.socket, serve: Callable[[socket.socket, _Slot], None], *,
+                 closed: Callable[[], bool],
+                 admit: Callable[[socket.socket, object], _Slot | None],
+                 unadmit: Callable[[_Slot], None]) -> None:
+    """Accept until ``sock`` closes: a connection ``admit`` takes (under its owner's caps,
+    given the peer's address) gets a serving thread with its slot; one it refuses is
+    closed at once, with no thread spawned; one whose thread cannot start is closed and
+    its slot given back (``unadmit``)."""
     while not closed():
         try:
-            conn, _ = sock.accept()
+            conn, addr = sock.accept()
         except OSError:
             return
-        if not admit():
+        slot = admit(conn, addr)
+        if slot is None:
             conn.close()
             continue
         try:
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+            threading.Thread(target=serve, args=(conn, slot), daemon=True).start()
         except RuntimeError:  # no thread to be had: refuse, do not die
             conn.close()
-            unadmit()
+            unadmit(slot)
+
+
+class _Slot:
+    """One admitted connection while it has no valid ticket yet: its source address and
+    the socket to cut if a newer connection takes its slot."""
+
+    __slots__ = ("sock", "source")
+
+    def __init__(self, sock: socket.socket, source: str) -> None:
+        self.sock = sock
+        self.source = source
 
 
 def _recv_exactly(conn: socket.socket, n: int, deadline: float) -> bytes:
@@ -216,11 +243,17 @@ class HeadForwarder:
         self._live: Counter[bytes] = Counter()
         self._conns: dict[bytes, set[socket.socket]] = {}
         """The sockets (node side and gateway side) of each ticket's live connections."""
-        self._pending = 0
+        self._slots: dict[_Slot, None] = {}
+        """Connections without a valid ticket yet, oldest first."""
+        self._per_source: Counter[str] = Counter()
         self._refused: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="cbx-relay-head").start()
+
+    @property
+    def _pending(self) -> int:
+        return len(self._slots)
 
     def add(self, socket_path: Path, token: bytes) -> Ticket:
         secret = secrets.token_bytes(TICKET_BYTES)
@@ -241,9 +274,12 @@ class HeadForwarder:
             return sum(self._live.values())
 
     def refusals(self) -> dict[str, int]:
-        """Connections closed unserved, by reason: ``pending`` (too many without a ticket
-        yet), ``tls`` (no TLS handshake in time, or a failed one), ``ticket`` (none valid in time),
-        ``per_ticket`` (its ticket already has the most live connections)."""
+        """Connections closed unserved, by reason: ``source`` (its address already holds
+        :data:`MAX_PENDING_PER_SOURCE` connections without a ticket), ``evicted`` (without
+        a ticket yet, its slot taken by a newer connection while all were taken),
+        ``pending`` (no thread could be started for it), ``tls`` (no TLS handshake in
+        time, or a failed one), ``ticket`` (none valid in time), ``per_ticket`` (its
+        ticket already has the most live connections)."""
         with self._lock:
             return dict(self._refused)
 
@@ -251,29 +287,51 @@ class HeadForwarder:
         _accept_loop(self._sock, self._serve, closed=lambda: self._closed,
                      admit=self._take_slot, unadmit=self._give_slot)
 
-    def _take_slot(self) -> bool:
+    def _take_slot(self, conn: socket.socket, addr: object) -> _Slot | None:
+        source = str(addr[0]) if isinstance(addr, tuple) and addr else "?"
         with self._lock:
-            if self._pending < MAX_PENDING:
-                self._pending += 1
-                return True
-            self._refused["pending"] += 1
-            return False
+            if self._per_source[source] >= MAX_PENDING_PER_SOURCE:
+                self._refused["source"] += 1
+                return None
+            if len(self._slots) >= MAX_PENDING:
+                # the oldest connection without a ticket gives its slot up: a flood cannot
+                # hold every slot against a node that completes its handshake in time
+                oldest = next(iter(self._slots))
+                self._free(oldest)
+                self._refused["evicted"] += 1
+                _cut({oldest.sock})
+            slot = _Slot(conn, source)
+            self._slots[slot] = None
+            self._per_source[source] += 1
+            return slot
 
-    def _give_slot(self) -> None:
+    def _free(self, slot: _Slot) -> None:
+        """Give ``slot`` back (under the lock); a slot given back twice counts once."""
+        if self._slots.pop(slot, False) is None:
+            self._per_source[slot.source] -= 1
+            if self._per_source[slot.source] <= 0:
+                del self._per_source[slot.source]
+
+    def _give_slot(self, slot: _Slot) -> None:
         with self._lock:
-            self._pending -= 1
+            self._free(slot)
             self._refused["pending"] += 1
 
-    def _admit(self, given: bytes, sock: socket.socket) -> tuple[bytes, Path] | str:
+    def _admit(self, given: bytes, sock: socket.socket, slot: _Slot
+               ) -> tuple[bytes, Path] | str:
         """The route and a live slot for ``given`` (``sock`` is then shut down with the
-        ticket), or the refusal reason."""
+        ticket, and its pending slot given back: it can no longer be evicted), or the
+        refusal reason."""
         with self._lock:
+            if slot not in self._slots:
+                return "evicted"
             for secret, path in self._routes.items():
                 if hmac.compare_digest(secret, given):
                     if self._live[secret] >= MAX_PER_TICKET:
                         return "per_ticket"
                     self._live[secret] += 1
                     self._conns.setdefault(secret, set()).add(sock)
+                    self._free(slot)
                     return secret, path
         return "ticket"
 
@@ -296,35 +354,41 @@ class HeadForwarder:
                 if not conns:
                     del self._conns[secret]
 
-    def _open(self, conn: socket.socket) -> tuple[ssl.SSLSocket, bytes, Path] | None:
+    def _open(self, conn: socket.socket, slot: _Slot
+              ) -> tuple[ssl.SSLSocket, bytes, Path] | None:
         """Handshake and ticket within the deadline, then a live slot, or None (closed)."""
-        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         reason = "tls"
         sock = conn
         try:
-            conn.settimeout(CONNECT_TIMEOUT_S)  # the handshake's whole deadline
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)  # the handshake's whole deadline
             # wrap_socket detaches ``conn``: from here on ``tls`` owns the descriptor
-            sock = tls = self._ctx.wrap_socket(conn, server_side=True,
-                                               do_handshake_on_connect=False)
+            with self._lock:
+                if slot not in self._slots:  # evicted before it was wrapped
+                    raise OSError("evicted")
+                sock = tls = self._ctx.wrap_socket(conn, server_side=True,
+                                                   do_handshake_on_connect=False)
+                slot.sock = tls  # an eviction now cuts the TLS socket
             tls.do_handshake()
             reason = "ticket"
-            got = self._admit(_recv_exactly(tls, TICKET_BYTES, deadline), tls)
+            got = self._admit(_recv_exactly(tls, TICKET_BYTES, deadline), tls, slot)
         except (OSError, ValueError):
             got = reason
         if isinstance(got, str):
             with self._lock:
-                self._refused[got] += 1
+                if slot in self._slots:  # else already counted as evicted
+                    self._refused[got] += 1
             with contextlib.suppress(OSError):
                 sock.close()
             return None
         return tls, got[0], got[1]
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, slot: _Slot) -> None:
         try:
-            opened = self._open(conn)
+            opened = self._open(conn, slot)
         finally:
             with self._lock:
-                self._pending -= 1
+                self._free(slot)
         if opened is None:
             return
         tls, secret, path = opened
@@ -398,15 +462,15 @@ class NodeRelay:
         _accept_loop(self._sock, self._serve, closed=lambda: self._closed,
                      admit=self._take_slot, unadmit=self._give_slot)
 
-    def _take_slot(self) -> bool:
+    def _take_slot(self, conn: socket.socket, addr: object) -> _Slot | None:
         with self._lock:
             if self._live < MAX_NODE_CONNECTIONS:
                 self._live += 1
-                return True
+                return _Slot(conn, "container")
             self._refused["busy"] += 1
-            return False
+            return None
 
-    def _give_slot(self) -> None:
+    def _give_slot(self, slot: _Slot) -> None:
         with self._lock:
             self._live -= 1
             self._refused["busy"] += 1
@@ -436,7 +500,7 @@ class NodeRelay:
             self._conns.add(sock)
             return True
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, slot: _Slot) -> None:
         up: socket.socket | None = None
         try:
             if not self._attach(conn):

@@ -4,8 +4,9 @@ The contract (docs/contracts.md in cyclebox; `cyclebox schema answer`):
 - the case is /case/input.json, here {"question": "..."};
 - the data directory is /data (read-only), this source tree /src (read-only);
 - the answer goes to /out/answer.json: {"answer", "refused", "evidence", ...};
-- the model is reached only through the cyclebox gateway (sandbox.gateway_client), and
-  its name is in $CYCLEBOX_MODEL. No provider key ever reaches this container.
+- the model is reached with the OpenAI SDK as is: `OpenAI()` reads OPENAI_BASE_URL and
+  OPENAI_API_KEY, which cyclebox points at the container's own gateway endpoint (the key
+  is a per-run token, never a provider key); the model's name is in $CYCLEBOX_MODEL.
 
 The model is asked to reply with one JSON object:
   {"answer": <number or text>, "evidence": ["<fact id>", ...]}   an answer from the facts
@@ -19,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from sandbox.gateway_client import client
+from openai import OpenAI
 
 SRC = Path(__file__).resolve().parent
 
@@ -42,7 +43,7 @@ def main() -> int:
         print("CYCLEBOX_MODEL is not set: run this agent under cyclebox", file=sys.stderr)
         return 2
     case = json.loads(Path("/case/input.json").read_text())
-    reply = client().chat.completions.create(
+    reply = OpenAI().chat.completions.create(
         model=model, temperature=0,
         messages=[{"role": "system", "content": instructions()},
                   {"role": "user", "content": f"{case['question']}\n\nFacts:\n{facts()}"}],

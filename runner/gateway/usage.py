@@ -1,0 +1,178 @@
+"""Usage and completeness of upstream responses, per API family (pure).
+
+Each family reports tokens in its own fields and, when streamed, its own events; all are
+normalised into :class:`Usage` (prompt = every input token, cache reads and writes
+included; completion = every output token, reasoning included):
+
+- chat: ``usage.prompt_tokens`` / ``completion_tokens``,
+  ``prompt_tokens_details.cached_tokens`` (and ``cache_write_tokens``),
+  ``completion_tokens_details.reasoning_tokens``; a stream is complete with ``[DONE]``
+  and carries usage in its last chunk (``stream_options.include_usage``).
+- responses: ``usage.input_tokens`` / ``output_tokens``,
+  ``input_tokens_details.cached_tokens`` (and ``cache_write_tokens``),
+  ``output_tokens_details.reasoning_tokens``; a stream is complete with its terminal
+  ``response.completed`` / ``response.incomplete`` / ``response.failed`` event, whose
+  ``response.usage`` is the usage.
+- embeddings: ``usage.prompt_tokens``; never streamed.
+- messages (Anthropic): ``usage.input_tokens`` (uncached part only) +
+  ``cache_read_input_tokens`` + ``cache_creation_input_tokens``, ``output_tokens``; a
+  stream is complete with ``message_stop``; usage starts in ``message_start`` and
+  ``message_delta`` carries cumulative values.
+- count_tokens: ``{"input_tokens": N}``, not billed (no usage).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runner.errors import OutputRejected
+from runner.gateway.calllog import Api, Usage
+from runner.isolation.collect import loads_strict
+
+RESPONSES_TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+def _int(obj: Any, *path: str) -> int:
+    """A non-negative int at ``path`` inside nested dicts; 0 when absent or not an int."""
+    for key in path:
+        if not isinstance(obj, dict):
+            return 0
+        obj = obj.get(key)
+    return obj if isinstance(obj, int) and not isinstance(obj, bool) and obj >= 0 else 0
+
+
+def _has_int(obj: Any, key: str) -> bool:
+    v = obj.get(key) if isinstance(obj, dict) else None
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _make(prompt: int, completion: int, *, cached: int = 0, write: int = 0,
+          reasoning: int = 0) -> Usage:
+    return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                 total_tokens=prompt + completion, cached_tokens=min(cached, prompt),
+                 cache_write_tokens=min(write, prompt),
+                 reasoning_tokens=min(reasoning, completion))
+
+
+def usage_chat(u: Any) -> Usage | None:
+    if not (_has_int(u, "prompt_tokens") and _has_int(u, "completion_tokens")):
+        return None
+    return _make(u["prompt_tokens"], u["completion_tokens"],
+                 cached=_int(u, "prompt_tokens_details", "cached_tokens"),
+                 write=_int(u, "prompt_tokens_details", "cache_write_tokens"),
+                 reasoning=_int(u, "completion_tokens_details", "reasoning_tokens"))
+
+
+def usage_responses(u: Any) -> Usage | None:
+    if not (_has_int(u, "input_tokens") and _has_int(u, "output_tokens")):
+        return None
+    return _make(u["input_tokens"], u["output_tokens"],
+                 cached=_int(u, "input_tokens_details", "cached_tokens"),
+                 write=_int(u, "input_tokens_details", "cache_write_tokens"),
+                 reasoning=_int(u, "output_tokens_details", "reasoning_tokens"))
+
+
+def usage_embeddings(u: Any) -> Usage | None:
+    if not _has_int(u, "prompt_tokens"):
+        return None
+    return _make(u["prompt_tokens"], 0)
+
+
+def usage_messages(u: Any) -> Usage | None:
+    if not (_has_int(u, "input_tokens") and _has_int(u, "output_tokens")):
+        return None
+    read = _int(u, "cache_read_input_tokens")
+    write = _int(u, "cache_creation_input_tokens")
+    return _make(u["input_tokens"] + read + write, u["output_tokens"], cached=read,
+                 write=write, reasoning=_int(u, "output_tokens_details", "reasoning_tokens"))
+
+
+def sse_events(data: bytes) -> list[str]:
+    """The data payloads of an SSE body, in order (multi-line data joined by newlines)."""
+    events: list[str] = []
+    lines: list[str] = []
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        if not line:
+            if lines:
+                events.append("\n".join(lines))
+                lines = []
+        elif line.startswith("data:"):
+            value = line[5:]
+            lines.append(value[1:] if value.startswith(" ") else value)
+    if lines:
+        events.append("\n".join(lines))
+    return events
+
+
+def _json(data: bytes | str, what: str) -> Any:
+    try:
+        return loads_strict(data, source=what)
+    except OutputRejected:
+        return None
+
+
+def _body(api: Api, data: bytes) -> tuple[Usage | None, str | None]:
+    obj = _json(data, "upstream response")
+    if not isinstance(obj, dict):
+        return None, "malformed_response"
+    if api == "chat":
+        ok = isinstance(obj.get("choices"), list) and bool(obj["choices"])
+        return (usage_chat(obj.get("usage")), None) if ok else (None, "malformed_response")
+    if api == "responses":
+        ok = isinstance(obj.get("output"), list)
+        return (usage_responses(obj.get("usage")), None) if ok else (None, "malformed_response")
+    if api == "embeddings":
+        ok = isinstance(obj.get("data"), list)
+        return (usage_embeddings(obj.get("usage")), None) if ok else (None,
+                                                                     "malformed_response")
+    if api == "messages":
+        ok = obj.get("type") == "message" and isinstance(obj.get("content"), list)
+        return (usage_messages(obj.get("usage")), None) if ok else (None, "malformed_response")
+    return None, None if _has_int(obj, "input_tokens") else "malformed_response"
+
+
+def _stream(api: Api, data: bytes) -> tuple[Usage | None, str | None]:
+    events = sse_events(data)
+    if api == "chat":
+        if not events or events[-1].strip() != "[DONE]":
+            return None, "truncated_stream"
+        events = events[:-1]
+    objs = []
+    for ev in events:
+        obj = _json(ev, "upstream stream event")
+        if not isinstance(obj, dict):
+            return None, "malformed_response"
+        objs.append(obj)
+    if api == "chat":
+        usage = None
+        for obj in objs:
+            usage = usage_chat(obj.get("usage")) or usage
+        return usage, None
+    kinds = [o.get("type") for o in objs]
+    if api == "responses":
+        terminal = next((o for o in reversed(objs) if o.get("type") in RESPONSES_TERMINAL),
+                        None)
+        if terminal is None:
+            return None, "upstream_stream_error" if "error" in kinds else "truncated_stream"
+        resp = terminal.get("response")
+        return usage_responses(resp.get("usage") if isinstance(resp, dict) else None), None
+    if "message_stop" not in kinds:
+        return None, "upstream_stream_error" if "error" in kinds else "truncated_stream"
+    fields: dict[str, Any] = {}
+    for obj in objs:
+        if obj.get("type") == "message_start":
+            msg = obj.get("message")
+            u = msg.get("usage") if isinstance(msg, dict) else None
+        elif obj.get("type") == "message_delta":
+            u = obj.get("usage")
+        else:
+            continue
+        if isinstance(u, dict):  # message_delta's values are cumulative: the latest wins
+            fields.update({k: v for k, v in u.items() if v is not None})
+    return usage_messages(fields), None
+
+
+def inspect(data: bytes, *, stream: bool, api: Api = "chat") -> tuple[Usage | None, str | None]:
+    """(usage, error) of a family's response body or SSE stream; error names why the
+    response is not a complete one (malformed_response, truncated_stream, ...)."""
+    return _stream(api, data) if stream else _body(api, data)

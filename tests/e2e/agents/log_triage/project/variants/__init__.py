@@ -1,0 +1,1 @@
+"""One module per framework and API family; each has ``run(question, system, model) -> str``."""

@@ -1,0 +1,268 @@
+"""Attacks on the gateway's responses, embeddings and messages routes: budget tricks per
+family, server-side tools and state, a stream with no end, a 100 MB tool result, a token
+of another role. Each test fails when its guard is removed (the real gateway on its real
+socket, real HTTP upstreams)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+
+from runner.gateway.budget import BudgetPolicy, RunBudget
+from runner.gateway.calllog import CallLog
+from runner.gateway.config import UpstreamPolicy, parse_upstream
+from runner.gateway.server import Binding, Gateway
+from tests.fixtures.gateway_upstreams import upstream
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "fixtures" / "families_script.yaml"
+PRICE = {"input_per_mtok": 1.0, "output_per_mtok": 1.0}
+
+
+def scripted(**kw: Any) -> UpstreamPolicy:
+    return parse_upstream({"provider": "scripted", "script": str(SCRIPT), "models": ["m"],
+                           "prices": {"m": PRICE}, "max_tokens": 100, **kw})
+
+
+def post(gw: Gateway, b: Binding, path: str, body: object, role: str = "analyst"
+         ) -> httpx2.Response:
+    tok = gw.token_for(role)
+    with httpx2.Client(transport=httpx2.HTTPTransport(
+            uds=str(b.directory / "gateway.sock")), timeout=60) as c:
+        return c.post(f"http://gw{path}", content=json.dumps(body),
+                      headers={"authorization": f"Bearer {tok}",
+                               "content-type": "application/json"})
+
+
+MSG = [{"role": "user", "content": "hi"}]
+TRICKS: list[tuple[str, dict[str, Any], str, str]] = [
+    # (route, body, refused code, text the message must hold)
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": 10, "max_completion_tokens": 101},
+     "max_tokens_over_cap", "max_completion_tokens=101 exceeds the cap 100"),
+    ("/v1/chat/completions", {"messages": MSG, "n": 2}, "n_not_allowed",
+     "upstreams.target.rules.max_n in cycle.yaml"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 10_000_000}, "max_tokens_over_cap",
+     "max_output_tokens=10000000 exceeds the cap 100"),
+    ("/v1/responses", {"input": "hi", "max_tokens": 5}, "field_not_allowed", "'max_tokens'"),
+    ("/v1/messages", {"messages": MSG, "max_tokens": 50,
+                      "thinking": {"type": "enabled", "budget_tokens": 5000}},
+     "max_tokens_over_cap", "thinking.budget_tokens=5000"),
+    ("/v1/messages", {"messages": MSG, "max_tokens": 101}, "max_tokens_over_cap",
+     "max_tokens=101 exceeds the cap 100"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]}, "tool_not_allowed",
+     "server-side tools"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "mcp", "server_url": "http://x"}]},
+     "tool_not_allowed", "server-side tools"),
+    ("/v1/messages", {"messages": MSG, "max_tokens": 5, "tools": [
+        {"type": "web_search_20250305", "name": "web_search"}]}, "tool_not_allowed",
+     "server-side tools"),
+    ("/v1/messages", {"messages": MSG, "max_tokens": 5, "tools": [
+        {"type": "code_execution_20250825", "name": "code_execution"}]}, "tool_not_allowed",
+     "server-side tools"),
+    ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"},
+     "server_state_not_allowed", "previous_response_id"),
+    ("/v1/responses", {"input": "hi", "conversation": "conv_1"}, "server_state_not_allowed",
+     "conversation"),
+    ("/v1/responses", {"input": "hi", "background": True}, "background_not_allowed",
+     "background"),
+    ("/v1/responses", {"input": "hi", "service_tier": "priority"}, "service_tier_not_allowed",
+     "service_tier='priority'"),
+    ("/v1/messages", {"messages": MSG, "max_tokens": 5, "service_tier": "auto"},
+     "service_tier_not_allowed", "service_tier='auto'"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "https://evil.example/x.png"}]}]},
+     "remote_content_not_allowed", "input[0].content[0]"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_file", "file_url": "https://evil.example/x.pdf"}]}]},
+     "remote_content_not_allowed", "input[0].content[0]"),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "https://evil.example/x.png"}}]}]},
+     "remote_content_not_allowed", "messages[0].content[0].source"),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "document", "source": {"type": "file", "file_id": "f"}}]}]}]},
+     "remote_content_not_allowed", "messages[0].content[0].content[0].source"),
+    ("/v1/embeddings", {"input": "hi", "max_tokens": 5}, "field_not_allowed", "'max_tokens'"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "code", "text"), TRICKS,
+                         ids=[f"{t[0].rsplit('/', 1)[-1]}-{t[2]}-{i}"
+                              for i, t in enumerate(TRICKS)])
+def test_budget_and_remote_content_tricks_are_refused_naming_the_field(
+        tmp_path: Path, route: str, body: dict[str, Any], code: str, text: str) -> None:
+    up = scripted(rules={"allow_tools": True, "allow_images": True})
+    with Gateway(tmp_path, "t", {"target": up}, {"analyst": "target"}) as gw, \
+            gw.bound("analyst", stage="s", uid=os.getuid()) as b:
+        r = post(gw, b, route, {"model": "m", **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert text in err["message"]
+    if route.startswith("/v1/messages"):
+        assert r.json()["type"] == "error" and code in err["message"]
+    else:
+        assert err["code"] == code
+    recs = CallLog(tmp_path / "gateway").records()
+    assert [(x.status, x.error, x.request_stored) for x in recs] == [("refused", code, False)]
+
+
+@pytest.mark.parametrize(("route", "body"), [
+    ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {}}}]}),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f",
+                                                 "parameters": {}}]}),
+    ("/v1/messages", {"messages": MSG, "max_tokens": 5,
+                      "tools": [{"name": "f", "input_schema": {"type": "object"}}]}),
+])
+def test_function_tools_need_the_policy_and_the_error_names_its_place(
+        tmp_path: Path, route: str, body: dict[str, Any]) -> None:
+    with Gateway(tmp_path, "t", {"target": scripted()}, {"analyst": "target"}) as gw, \
+            gw.bound("analyst", stage="s", uid=os.getuid()) as b:
+        refused = post(gw, b, route, {"model": "m", **body})
+    assert refused.status_code == 400
+    assert "upstreams.target.rules.allow_tools in cycle.yaml" in refused.text
+    with Gateway(tmp_path / "on", "t", {"target": scripted(rules={"allow_tools": True})},
+                 {"analyst": "target"}) as gw, \
+            gw.bound("analyst", stage="s", uid=os.getuid()) as b:
+        assert post(gw, b, route, {"model": "m", **body}).status_code == 200
+
+
+@pytest.mark.parametrize(("route", "body", "cap_key"), [
+    ("/v1/chat/completions", {"messages": MSG}, "max_tokens"),
+    ("/v1/responses", {"input": "hi"}, "max_output_tokens"),
+    ("/v1/messages", {"messages": MSG}, "max_tokens"),
+])
+def test_missing_cap_gets_the_policy_cap_and_worst_case_usage_fits_the_reservation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, route: str, body: dict[str, Any],
+        cap_key: str) -> None:
+    """The upstream bills the worst case it can (every byte a token, the whole cap, half
+    of it reasoning): the reservation covers it, so admission never halts."""
+    monkeypatch.setenv("CBX_WORST_KEY", "sk-worst")
+    budget = RunBudget(BudgetPolicy(limit_usd=1.0, reservation_usd=0.0))
+    with upstream() as (url, srv):
+        provider = "anthropic" if route.startswith("/v1/messages") else "openai"
+        up = parse_upstream({
+            "provider": provider, "base_url": url.removesuffix("/v1") if provider ==
+            "anthropic" else url, "credential": {"env": "CBX_WORST_KEY"},
+            "models": ["worst-m"], "max_tokens": 777,
+            "prices": {"worst-m": {"input_per_mtok": 1, "output_per_mtok": 3,
+                                   "cache_write_per_mtok": 1.25}}})
+        with Gateway(tmp_path, "w", {"target": up}, {"analyst": "target"}, budget) as gw, \
+                gw.bound("analyst", stage="s", uid=os.getuid()) as b:
+            r = post(gw, b, route, {"model": "worst-m", **body})
+            assert r.status_code == 200, r.text
+    assert srv.requests[0][cap_key] == 777
+    rec = CallLog(tmp_path / "gateway").records()[0]
+    assert rec.usage is not None and rec.usage.completion_tokens == 777
+    assert rec.cost_basis == "measured"
+    assert budget.halted is None, budget.halted
+
+
+def test_a_stream_with_no_end_stops_at_the_deadline_charged_its_worst_case(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CBX_ENDLESS_KEY", "sk-endless")
+    budget = RunBudget(BudgetPolicy(limit_usd=1.0, reservation_usd=0.0))
+    with upstream() as (url, _srv):
+        up = parse_upstream({
+            "provider": "anthropic", "base_url": url.removesuffix("/v1"),
+            "credential": {"env": "CBX_ENDLESS_KEY"}, "models": ["endless-m"],
+            "max_tokens": 50, "call_deadline_s": 2, "prices": {"endless-m": PRICE}})
+        with Gateway(tmp_path, "e", {"target": up}, {"analyst": "target"}, budget) as gw, \
+                gw.bound("analyst", stage="s", uid=os.getuid()) as b:
+            t0 = time.monotonic()
+            r = post(gw, b, "/v1/messages", {"model": "endless-m", "stream": True,
+                                             "messages": MSG})
+            took = time.monotonic() - t0
+    assert r.status_code == 502 and took < 10
+    assert r.json()["type"] == "error" and "upstream_deadline" in r.json()["error"]["message"]
+    rec = CallLog(tmp_path / "gateway").records()[0]
+    assert (rec.status, rec.error, rec.api, rec.stream) == (
+        "infra_error", "upstream_deadline", "messages", True)
+    assert rec.cost_basis == "upper_bound" and rec.cost_usd is not None and rec.cost_usd > 0
+    assert budget.halted is None and budget.totals()["total"]["bounded_calls"] == 1  # type: ignore[index]
+
+
+def test_a_stream_without_usage_is_bounded_and_admission_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue-20 case: an OpenAI-compatible stream that ends with [DONE] but no usage."""
+    from tests.fixtures.fake_upstream import serve
+
+    srv = serve("127.0.0.1", 0)
+    import threading
+
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setenv("CBX_NOUSE_KEY", "sk-x")
+    budget = RunBudget(BudgetPolicy(limit_usd=1.0, reservation_usd=0.0))
+    try:
+        up = parse_upstream({"provider": "openai", "credential": {"env": "CBX_NOUSE_KEY"},
+                             "base_url": f"http://127.0.0.1:{srv.server_address[1]}/v1",
+                             "models": ["nousage-s", "ok-s"], "max_tokens": 10,
+                             "prices": {"nousage-s": PRICE, "ok-s": PRICE}})
+        with Gateway(tmp_path, "n", {"target": up}, {"analyst": "target"}, budget) as gw, \
+                gw.bound("analyst", stage="s", uid=os.getuid()) as b:
+            statuses = [post(gw, b, "/v1/chat/completions",
+                             {"model": m, "stream": True, "messages": MSG}).status_code
+                        for m in ("nousage-s", "ok-s")]
+    finally:
+        srv.shutdown()
+    recs = CallLog(tmp_path / "gateway").records()
+    assert statuses == [200, 200], [r.error for r in recs]
+    assert recs[0].cost_basis == "upper_bound" and recs[1].cost_basis == "measured"
+    assert budget.halted is None
+
+
+def test_a_100mb_tool_result_is_refused_from_its_length_without_being_held(
+        tmp_path: Path) -> None:
+    with Gateway(tmp_path, "big", {"target": scripted()}, {"analyst": "target"}) as gw, \
+            gw.bound("analyst", stage="s", uid=os.getuid()) as b:
+        prefix = json.dumps({"model": "m", "max_tokens": 5, "messages": [
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                          "content": ""}]}]})[:-6].encode()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10)
+        s.connect(str(b.directory / "gateway.sock"))
+        s.sendall((f"POST /v1/messages HTTP/1.1\r\nHost: gw\r\nx-api-key: "
+                   f"{gw.token_for('analyst')}\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {100 * 1024 * 1024}\r\n\r\n").encode() + prefix)
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+        s.close()
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    body = json.loads(reply.split(b"\r\n\r\n", 1)[1])
+    assert body["type"] == "error" and body["error"]["type"] == "request_too_large"
+    recs = CallLog(tmp_path / "gateway").records()
+    assert [(r.error, r.api, r.request_bytes) for r in recs] == [
+        ("request_too_large", "messages", 0)]
+
+
+def test_a_token_of_another_role_is_refused_on_every_route(tmp_path: Path) -> None:
+    ups = {"target": scripted(), "optimizer": scripted()}
+    with Gateway(tmp_path, "x", ups, {"analyst": "target", "worker": "optimizer"}) as gw, \
+            gw.bound("analyst", stage="s", uid=os.getuid()) as a, \
+            gw.bound("worker", stage="s", uid=os.getuid()):
+        stolen = gw.token_for("worker")
+        codes = []
+        for path, body in (("/v1/chat/completions", {"messages": MSG}),
+                           ("/v1/responses", {"input": "hi"}),
+                           ("/v1/embeddings", {"input": "hi"}),
+                           ("/v1/messages", {"messages": MSG, "max_tokens": 5})):
+            for header in ({"authorization": f"Bearer {stolen}"}, {"x-api-key": stolen}):
+                with httpx2.Client(transport=httpx2.HTTPTransport(
+                        uds=str(a.directory / "gateway.sock"))) as c:
+                    codes.append(c.post(f"http://gw{path}", headers=header,
+                                        content=json.dumps({"model": "m", **body})).status_code)
+    assert codes == [401] * 8
+    recs = CallLog(tmp_path / "gateway").records()
+    assert {r.error for r in recs} == {"bad_token"} and len(recs) == 8
+    assert {r.role for r in recs} == {"analyst"}

@@ -1,0 +1,119 @@
+"""Per-family usage parsing, stream completeness, cost with cache prices, worst case,
+and old call records (pure parts of the gateway)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runner.gateway.calllog import CallRecord, Usage
+from runner.gateway.config import Price, RequestRules
+from runner.gateway.server import cost_usd
+from runner.gateway.usage import inspect
+from runner.gateway.vet import Refusal, vet, worst_case_usd
+
+
+def sse(*events: tuple[str | None, object]) -> bytes:
+    return "".join((f"event: {n}\n" if n else "") + "data: "
+                   + (d if isinstance(d, str) else json.dumps(d)) + "\n\n"
+                   for n, d in events).encode()
+
+
+def test_chat_usage_with_cached_and_reasoning_tokens() -> None:
+    body = json.dumps({"choices": [{}], "usage": {
+        "prompt_tokens": 100, "completion_tokens": 50, "total_tokens": 150,
+        "prompt_tokens_details": {"cached_tokens": 40},
+        "completion_tokens_details": {"reasoning_tokens": 30}}}).encode()
+    assert inspect(body, stream=False) == (Usage(
+        prompt_tokens=100, completion_tokens=50, total_tokens=150, cached_tokens=40,
+        reasoning_tokens=30), None)
+
+
+def test_responses_usage_body_and_stream_terminal_events() -> None:
+    usage = {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15,
+             "input_tokens_details": {"cached_tokens": 4},
+             "output_tokens_details": {"reasoning_tokens": 2}}
+    want = Usage(prompt_tokens=10, completion_tokens=5, total_tokens=15, cached_tokens=4,
+                 reasoning_tokens=2)
+    assert inspect(json.dumps({"output": [], "usage": usage}).encode(), stream=False,
+                   api="responses") == (want, None)
+    start = ("response.created", {"type": "response.created", "response": {}})
+    for terminal in ("response.completed", "response.incomplete", "response.failed"):
+        done = (terminal, {"type": terminal, "response": {"usage": usage}})
+        assert inspect(sse(start, done), stream=True, api="responses") == (want, None)
+    assert inspect(sse(start), stream=True, api="responses") == (None, "truncated_stream")
+    err = ("error", {"type": "error", "message": "x"})
+    assert inspect(sse(start, err), stream=True, api="responses")[1] == "upstream_stream_error"
+
+
+def test_messages_usage_counts_cache_reads_and_writes_as_input() -> None:
+    u = {"input_tokens": 10, "output_tokens": 7, "cache_read_input_tokens": 100,
+         "cache_creation_input_tokens": 20}
+    got, err = inspect(json.dumps({"type": "message", "content": [], "usage": u}).encode(),
+                       stream=False, api="messages")
+    assert err is None and got == Usage(prompt_tokens=130, completion_tokens=7,
+                                        total_tokens=137, cached_tokens=100,
+                                        cache_write_tokens=20)
+
+
+def test_messages_stream_usage_is_cumulative_and_needs_message_stop() -> None:
+    start = ("message_start", {"type": "message_start", "message": {"usage": {
+        "input_tokens": 25, "output_tokens": 1, "cache_read_input_tokens": 5}}})
+    d1 = ("message_delta", {"type": "message_delta", "delta": {}, "usage": {"output_tokens": 9}})
+    d2 = ("message_delta", {"type": "message_delta", "delta": {},
+                            "usage": {"output_tokens": 15}})
+    stop = ("message_stop", {"type": "message_stop"})
+    got, err = inspect(sse(start, d1, d2, stop), stream=True, api="messages")
+    assert err is None and got == Usage(prompt_tokens=30, completion_tokens=15,
+                                        total_tokens=45, cached_tokens=5)
+    assert inspect(sse(start, d1), stream=True, api="messages") == (None, "truncated_stream")
+
+
+def test_embeddings_and_count_tokens() -> None:
+    body = json.dumps({"data": [], "usage": {"prompt_tokens": 8, "total_tokens": 8}}).encode()
+    assert inspect(body, stream=False, api="embeddings") == (Usage(
+        prompt_tokens=8, completion_tokens=0, total_tokens=8), None)
+    assert inspect(b'{"input_tokens": 3}', stream=False, api="count_tokens") == (None, None)
+    assert inspect(b'{"x": 3}', stream=False, api="count_tokens")[1] == "malformed_response"
+
+
+def test_cost_prices_cache_reads_writes_and_reasoning_as_output() -> None:
+    p = Price(input_per_mtok=3, output_per_mtok=15, cached_input_per_mtok=0.3,
+              cache_write_per_mtok=3.75)
+    u = Usage(prompt_tokens=1_000_000, completion_tokens=1_000_000, total_tokens=2_000_000,
+              cached_tokens=500_000, cache_write_tokens=100_000, reasoning_tokens=600_000)
+    assert cost_usd(u, p) == pytest.approx(0.4 * 3 + 0.5 * 0.3 + 0.1 * 3.75 + 15)
+    plain = Price(input_per_mtok=3, output_per_mtok=15)
+    assert cost_usd(u, plain) == pytest.approx(3 + 15)  # default: the input price
+
+
+def test_worst_case_uses_the_dearest_input_price_and_output_per_family() -> None:
+    rules = RequestRules(allow_tools=True)
+    p = Price(input_per_mtok=1, output_per_mtok=10, cache_write_per_mtok=2)
+    v = vet({"model": "m", "messages": [{"role": "user", "content": "x"}]}, rules=rules,
+            cap=100, api="messages")
+    assert v.body["max_tokens"] == 100 and v.max_tokens == 100
+    assert worst_case_usd(1000, v, p, rules) == pytest.approx(((1000 + 64) * 2 + 1000) / 1e6)
+    e = vet({"model": "m", "input": ["a", "b"]}, rules=rules, cap=100, api="embeddings")
+    assert e.max_tokens == 0 and "max_tokens" not in e.body
+    r = vet({"model": "m", "input": "x"}, rules=rules, cap=100, api="responses")
+    assert r.body["max_output_tokens"] == 100
+    t = vet({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 50,
+             "thinking": {"type": "enabled", "budget_tokens": 40}}, rules=rules, cap=100,
+            api="messages")
+    assert t.max_tokens == 50
+    with pytest.raises(Refusal, match=r"upstreams\.u\.rules\.max_n in cycle\.yaml"):
+        vet({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3},
+            rules=rules, cap=100, where="upstreams.u.rules")
+
+
+def test_old_call_records_load_with_defaults() -> None:
+    old = {"seq": 0, "ts": "2025-01-01T00:00:00.000+00:00", "run_id": "r", "role": "analyst",
+           "upstream": "target", "stage": "s", "turn": 0, "provider": "openai", "model": "m",
+           "fixture": False, "status": "ok", "latency_s": 0.1, "cost_usd": 0.001,
+           "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+           "request_sha256": "0" * 64}
+    rec = CallRecord.model_validate(old)
+    assert rec.api == "chat" and rec.cost_basis is None
+    assert rec.usage is not None and rec.usage.cached_tokens == 0

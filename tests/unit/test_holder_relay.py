@@ -1,0 +1,206 @@
+"""The holder's loopback relay, in-process against a plain unix-socket server: bytes
+unchanged both ways, half-close kept, connections and buffers bounded, the port not
+shareable, no thread of its own. The same code runs as PID 1 in every model-calling
+container (tests/integration, tests/security attack it there); here a test thread
+steps it as the holder's loop does."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sandbox import holder
+
+
+class Echo:
+    """A unix-socket server that echoes each connection (upper-cased, so a relay that
+    answered by itself would show) and counts connections open at once."""
+
+    def __init__(self, path: Path, *, hold: threading.Event | None = None) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(256)
+        self.open = 0
+        self.peak = 0
+        self.total = 0
+        self.hold = hold
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            with self.lock:
+                self.open += 1
+                self.total += 1
+                self.peak = max(self.peak, self.open)
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    def _serve(self, c: socket.socket) -> None:
+        try:
+            if self.hold is not None:
+                self.hold.wait(30)
+            while data := c.recv(1 << 16):
+                c.sendall(data.upper())
+            c.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        finally:
+            c.close()
+            with self.lock:
+                self.open -= 1
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="cbx-relay-"))  # unix socket paths are short
+    try:
+        yield d
+    finally:
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def relay_start(target: str, **kw: object) -> int:
+    relay = holder.relay_open(target, **kw)  # type: ignore[arg-type]
+
+    def loop() -> None:
+        while not relay.broken:
+            relay.step(holder.SIGNAL_POLL_MS)
+
+    threading.Thread(target=loop, daemon=True).start()
+    return relay.port
+
+
+def roundtrip(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+        got = bytearray()
+
+        def reader() -> None:
+            while chunk := c.recv(1 << 16):
+                got.extend(chunk)
+
+        t = threading.Thread(target=reader)
+        t.start()
+        c.sendall(data)
+        c.shutdown(socket.SHUT_WR)  # half-close: the answer must still come back
+        t.join(20)
+        return bytes(got)
+
+
+def test_bytes_pass_unchanged_both_ways_with_half_close(short_tmp: Path) -> None:
+    echo = Echo(short_tmp / "g.sock")
+    port = relay_start(str(echo.path), port=0)
+    assert roundtrip(port, b"POST /v1/chat hello\r\n\r\n{}") == b"POST /V1/CHAT HELLO\r\n\r\n{}"
+    big = os.urandom(3 << 20).hex().encode()  # 6 MiB: far past the per-direction buffer
+    assert roundtrip(port, big) == big.upper()
+    echo.close()
+
+
+def test_connections_are_bounded_and_queued_not_dropped(short_tmp: Path) -> None:
+    release = threading.Event()
+    echo = Echo(short_tmp / "g.sock", hold=release)
+    port = relay_start(str(echo.path), port=0, max_connections=4)
+    clients = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(12)]
+    time.sleep(0.5)
+    assert echo.open == 4, "the relay must hold at most max_connections upstream"
+    for i, c in enumerate(clients):
+        c.sendall(b"c%d" % i)
+        c.shutdown(socket.SHUT_WR)
+    release.set()
+    # the queued ones are served as slots free up, each its own answer
+    for i, c in enumerate(clients):
+        assert c.recv(100) == b"C%d" % i
+        c.close()
+    assert echo.peak == 4 and echo.total == 12
+    echo.close()
+
+
+def test_a_client_that_never_reads_holds_only_its_buffers(short_tmp: Path) -> None:
+    echo = Echo(short_tmp / "g.sock")
+    port = relay_start(str(echo.path), port=0, max_connections=2, buffer=4096)
+    stuck = socket.create_connection(("127.0.0.1", port), timeout=10)
+    stuck.setblocking(False)
+    sent = 0
+    with contextlib.suppress(BlockingIOError):
+        for _ in range(10_000):
+            sent += stuck.send(b"x" * 65536)
+    assert sent < 64 << 20, "back-pressure must reach the writer"
+    # the other slot still works
+    assert roundtrip(port, b"ok") == b"OK"
+    stuck.close()
+    assert roundtrip(port, b"again") == b"AGAIN"
+    echo.close()
+
+
+def test_gateway_gone_closes_the_client(short_tmp: Path) -> None:
+    port = relay_start(str(short_tmp / "missing.sock"), port=0)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+        assert c.recv(10) == b""
+
+
+@pytest.mark.parametrize("opt", [None, "SO_REUSEADDR", "SO_REUSEPORT"])
+@pytest.mark.parametrize("addr", ["127.0.0.1", "0.0.0.0"])
+def test_the_port_cannot_be_shared(short_tmp: Path, opt: str | None, addr: str) -> None:
+    echo = Echo(short_tmp / "g.sock")
+    port = relay_start(str(echo.path), port=0)
+    thief = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if opt:
+        thief.setsockopt(socket.SOL_SOCKET, getattr(socket, opt), 1)
+    with pytest.raises(OSError, match="in use"):
+        thief.bind((addr, port))
+    thief.close()
+    echo.close()
+
+
+def test_a_taken_port_is_an_error_not_a_second_listener(short_tmp: Path) -> None:
+    first = socket.socket()
+    first.bind(("127.0.0.1", 0))
+    first.listen()
+    with pytest.raises(OSError):
+        relay_start(str(short_tmp / "g.sock"), port=first.getsockname()[1])
+    first.close()
+
+
+def test_the_relay_starts_no_thread(short_tmp: Path) -> None:
+    """The holder stays one thread (every signal blocked in it; under gVisor with the OCI
+    seccomp profile PID 1 cannot create a thread at all)."""
+    code = (
+        "import os, socket, sys\n"
+        f"sys.path.insert(0, {str(Path(holder.__file__).parent.parent)!r})\n"
+        "from sandbox import holder\n"
+        f"r = holder.relay_open({str(short_tmp / 'g.sock')!r}, port=0)\n"
+        "c = socket.create_connection(('127.0.0.1', r.port))\n"
+        "for _ in range(5): r.step(10)\n"
+        "print(len(os.listdir('/proc/self/task')), len(r.conns))\n"
+    )
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True,
+                         text=True, check=True, timeout=30).stdout.split()
+    assert out == ["1", "0"]  # one thread; the connection closed (no gateway there)
+
+
+def test_a_failing_relay_is_broken_not_raising(short_tmp: Path) -> None:
+    relay = holder.relay_open(str(short_tmp / "g.sock"), port=0)
+    relay.lsock.close()  # poll on a closed listener: the round fails
+    relay.poller = None  # type: ignore[assignment]
+    relay.step(10)
+    assert relay.broken
