@@ -149,8 +149,8 @@ def timed(c):
 out = {}
 out["socket"] = timed(client())
 out["loopback"] = timed(openai.OpenAI())  # no arguments: OPENAI_BASE_URL / OPENAI_API_KEY
-print(json.dumps({k: {"p50_ms": 1000 * statistics.median(v),
-                      "p99_ms": 1000 * v[min(len(v) - 1, int(0.99 * len(v)))]}
+print(json.dumps({k: {"p50_ms": round(1000 * statistics.median(v), 3),
+                      "p99_ms": round(1000 * v[min(len(v) - 1, int(0.99 * len(v)))], 3)}
                   for k, v in out.items()}))
 """
 
