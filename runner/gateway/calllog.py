@@ -36,6 +36,8 @@ MAX_INDEX_BYTES = 1 << 30
 """Largest calls.jsonl read back (about two million calls)."""
 MAX_BLOB_BYTES = 1 << 30
 """Largest blob read back (requests and responses are capped far below by policy)."""
+KNOWN_BLOBS = 65536
+"""Digests of stored blobs remembered by a writer (a few MiB at most)."""
 DIGEST = r"^[0-9a-f]{64}$"
 """A blob name: a recorded run given to replay is hostile, and a digest that is a path
 (``../../x``) would open a file outside ``blobs/``."""
@@ -126,6 +128,14 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _exists(path: str) -> bool:
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 class CallLog:
     """Append-only writer/reader for one run's gateway directory."""
 
@@ -134,6 +144,8 @@ class CallLog:
         self.blobs = root / "blobs"
         self.index = root / "calls.jsonl"
         self.blobs.mkdir(parents=True, exist_ok=True)
+        self._blob_dir = f"{self.blobs}{os.sep}"
+        self._present: set[str] = set()
         self._lock = threading.Lock()
         self._dirty = False
         self._fd: int | None = None
@@ -146,15 +158,34 @@ class CallLog:
                     self._seq = sum(1 for _ in f)
 
     def put_blob(self, data: bytes) -> str:
+        """Store ``data`` under its sha256 (once): written whole to a private temporary
+        name, then renamed, so a blob's name never shows partial bytes. Plain ``os``
+        calls on a str path (stat; or open, write, close, rename): this runs once or
+        twice per call on the gateway's loop."""
         digest = sha256(data)
-        path = self.blobs / digest
-        if not path.exists():
-            tmp = path.with_suffix(f".tmp{threading.get_ident()}")
-            with tmp.open("wb") as f:
-                f.write(data)
-            tmp.replace(path)
-            self._dirty = True
+        path = self._blob_dir + digest
+        if digest in self._present or _exists(path):
+            self._remember(digest)
+            return digest
+        tmp = f"{path}.tmp{threading.get_ident()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        self._dirty = True
+        self._remember(digest)
         return digest
+
+    def _remember(self, digest: str) -> None:
+        """Blobs known to be stored (this log never deletes one): a repeated request or
+        response skips the stat. Bounded: forgotten all at once when full."""
+        if len(self._present) >= KNOWN_BLOBS:
+            self._present.clear()
+        self._present.add(digest)
 
     def next_seq(self) -> int:
         with self._lock:

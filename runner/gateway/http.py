@@ -41,6 +41,8 @@ from runner.gateway.config import GatewayLimits
 # Bytes a chunk's own framing may take beyond its data: a size line ("ffffffff\r\n"), the
 # CRLF after the data, and room for a short extension.
 CHUNK_LINE_ALLOWANCE = 64
+TIMER_SLACK_S = 0.005
+"""A connection deadline may fire this much early (loop timers are not exact anyway)."""
 
 REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
            404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
@@ -153,6 +155,8 @@ class Connection(asyncio.Protocol):
         self.busy = False
         self._reset()
         self.timer: asyncio.TimerHandle | None = None
+        self.due = 0.0
+        self.due_fn: Callable[[], None] | None = None
 
     # -- state ---------------------------------------------------------------------
     def _reset(self) -> None:
@@ -169,10 +173,38 @@ class Connection(asyncio.Protocol):
         self.started = False
         self.refused = False
 
+    # One deadline per connection (idle, head, body), moved by each phase. The loop's
+    # timer is re-armed only when a deadline comes earlier than the armed one; a later
+    # deadline is found when the armed timer fires (no cancel and call_later per phase,
+    # whose cancelled handles pile up in the loop's heap under load).
     def _timer(self, delay: float, fn: Callable[[], None]) -> None:
+        due = self.loop.time() + delay
+        self.due, self.due_fn = due, fn
+        if self.timer is None or self.timer.when() > due:
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer = self.loop.call_at(due, self._fire)
+
+    def _disarm(self) -> None:
+        """No deadline until the next ``_timer`` (the armed handle fires harmlessly)."""
+        self.due_fn = None
+
+    def _stop_timer(self) -> None:
+        self.due_fn = None
         if self.timer is not None:
             self.timer.cancel()
-        self.timer = self.loop.call_later(delay, fn)
+            self.timer = None
+
+    def _fire(self) -> None:
+        self.timer = None
+        fn = self.due_fn
+        if fn is None or self.closed:
+            return
+        if self.due - self.loop.time() > TIMER_SLACK_S:  # the deadline moved later
+            self.timer = self.loop.call_at(self.due, self._fire)
+            return
+        self.due_fn = None
+        fn()
 
     def _release(self) -> None:
         self.l.inflight -= self.reserved
@@ -199,8 +231,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.timer is not None:
-            self.timer.cancel()
+        self._stop_timer()
         if not self.busy:  # else the running task releases and un-counts it when it ends
             self.l.connections.discard(self)
             self._release()
@@ -347,8 +378,7 @@ class Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self.refused or self.head is None or self.transport is None:
             return
-        if self.timer is not None:
-            self.timer.cancel()
+        self._disarm()
         self.busy = True
         self.transport.pause_reading()
         body = b"".join(self.parts)
@@ -384,8 +414,7 @@ class Connection(asyncio.Protocol):
         self.transport.write(encode(reply, keep_alive=keep_alive))
         if not keep_alive:
             self.closed = True
-            if self.timer is not None:
-                self.timer.cancel()
+            self._stop_timer()
             self.transport.close()
 
     def _refuse(self, status: int, code: str, message: str) -> None:

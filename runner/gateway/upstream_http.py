@@ -15,8 +15,7 @@ import asyncio
 import ssl
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import httptools
 import httpx
@@ -30,43 +29,120 @@ class UpstreamError(Exception):
         self.kind, self.status, self.partial = kind, status, partial
 
 
-@dataclass
-class _Response:
-    status: int = 0
-    parts: list[bytes] = field(default_factory=list)
-    size: int = 0
-    complete: bool = False
-    headers_done: bool = False
-    keep_alive: bool = True
-    framed: bool = False
-    """Content-Length or chunked: EOF before completion is a truncation."""
+class _Conn(asyncio.Protocol):
+    """One upstream connection: an asyncio Protocol parsing responses as bytes arrive.
 
+    No StreamReader and no timeout context per read: bytes go straight into httptools,
+    one future per response is woken when it is complete (or can never be), and one
+    timer per response enforces the read timeout (re-armed lazily: a read resets only
+    a timestamp). A connection is reused only if it is idle, open, and nothing arrived
+    on it between responses."""
 
-class _Parser:
-    def __init__(self, resp: _Response, limit: int) -> None:
-        self.r, self.limit = resp, limit
-        self.p = httptools.HttpResponseParser(self)
-        self.too_large = False
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.error: OSError | None = None
+        self.busy = False
+        self._reset(0)
 
+    def _reset(self, limit: int) -> None:
+        self.status = 0
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.limit = limit
+        self.complete = self.headers_done = self.too_large = self.bad_http = False
+        self.framed = False
+        """Content-Length or chunked: EOF before completion is a truncation."""
+        self.keep_alive = True
+        self.parser = httptools.HttpResponseParser(self)
+        self.waiter: asyncio.Future[None] | None = None
+        self.last = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio protocol --------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.busy or self.waiter is None:
+            self.closed = True  # bytes nobody asked for: never reuse this connection
+            if self.transport is not None:
+                self.transport.close()
+            return
+        self.last = self.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.bad_http = True
+        if self.complete or self.too_large or self.bad_http:
+            self._wake()
+
+    def eof_received(self) -> bool:
+        self.closed = True
+        self._wake()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if isinstance(exc, OSError):
+            self.error = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    # -- httptools callbacks -------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
         n = name.lower()
         if n == b"content-length" or (n == b"transfer-encoding" and b"chunked" in value.lower()):
-            self.r.framed = True
+            self.framed = True
 
     def on_headers_complete(self) -> None:
-        self.r.status = self.p.get_status_code()
-        self.r.keep_alive = self.p.should_keep_alive()
-        self.r.headers_done = True
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+        self.headers_done = True
 
     def on_body(self, chunk: bytes) -> None:
-        self.r.size += len(chunk)
-        if self.r.size > self.limit:
+        self.size += len(chunk)
+        if self.size > self.limit:
             self.too_large = True
             return
-        self.r.parts.append(chunk)
+        self.parts.append(chunk)
 
     def on_message_complete(self) -> None:
-        self.r.complete = True
+        self.complete = True
+
+    # -- one exchange ----------------------------------------------------------------
+    async def exchange(self, request: bytes, limit: int, timeout: float) -> None:
+        """Send ``request`` and wait until its response is complete, too large, malformed,
+        or the connection ended; UpstreamError("upstream_timeout") when no byte arrives
+        for ``timeout`` seconds."""
+        assert self.transport is not None  # noqa: S101 - connected by create_connection
+        self._reset(limit)
+        self.busy = True
+        waiter = self.waiter = self.loop.create_future()
+        self.last = self.loop.time()
+        self.timer = self.loop.call_at(self.last + timeout, self._check_timeout, timeout)
+        try:
+            self.transport.write(request)
+            await waiter
+        finally:
+            if self.timer is not None:
+                self.timer.cancel()
+            self.waiter = None
+            self.busy = False
+
+    def _check_timeout(self, timeout: float) -> None:
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            return
+        due = self.last + timeout
+        if self.loop.time() >= due:
+            waiter.set_exception(UpstreamError("upstream_timeout"))
+        else:
+            self.timer = self.loop.call_at(due, self._check_timeout, timeout)
 
 
 class HttpClient:
@@ -83,21 +159,26 @@ class HttpClient:
         self.base = u.path.rstrip("/")
         self.host_header = u.netloc.rsplit("@", 1)[-1]
         self.read_timeout, self.max_response, self.max_idle = read_timeout, max_response, max_idle
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._idle: list[_Conn] = []
         self._ssl: ssl.SSLContext | None = None
 
-    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _connect(self) -> _Conn:
         while self._idle:
-            reader, writer = self._idle.pop()
-            if not reader.at_eof() and not writer.is_closing() and not reader.exception():
-                return reader, writer
-            writer.close()
+            conn = self._idle.pop()
+            if not conn.closed and conn.transport is not None \
+                    and not conn.transport.is_closing():
+                return conn
+            if conn.transport is not None:
+                conn.transport.close()
         if self.tls and self._ssl is None:
             self._ssl = _tls_context()
+        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.read_timeout):
-                return await asyncio.open_connection(
-                    self.host, self.port, ssl=self._ssl if self.tls else None, limit=1 << 20)
+                _, conn = await loop.create_connection(
+                    lambda: _Conn(loop), self.host, self.port,
+                    ssl=self._ssl if self.tls else None)
+                return conn
         except TimeoutError:
             raise UpstreamError("upstream_timeout") from None
         except (OSError, ssl.SSLError) as exc:
@@ -105,48 +186,34 @@ class HttpClient:
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
         """(status, body bytes); UpstreamError when no complete response arrived."""
-        reader, writer = await self._connect()
+        conn = await self._connect()
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        writer.write((f"POST {self.base}/{path} HTTP/1.1\r\nHost: {self.host_header}\r\n"
-                      f"Content-Length: {len(body)}\r\n{head}\r\n").encode("latin-1") + body)
-        resp = _Response()
-        parser = _Parser(resp, self.max_response)
+        request = (f"POST {self.base}/{path} HTTP/1.1\r\nHost: {self.host_header}\r\n"
+                   f"Content-Length: {len(body)}\r\n{head}\r\n").encode("latin-1") + body
         ok = False
         try:
-            while not resp.complete:
-                try:
-                    # asyncio.timeout, not wait_for: on 3.11 a nested wait_for can swallow
-                    # the cancellation of the call's deadline when a read completes at once.
-                    async with asyncio.timeout(self.read_timeout):
-                        data = await reader.read(65536)
-                except TimeoutError:
-                    raise UpstreamError("upstream_timeout") from None
-                except OSError:
-                    raise UpstreamError("upstream_disconnected", resp.status or None,
-                                        b"".join(resp.parts)) from None
-                if not data:
-                    if resp.headers_done and not resp.framed:
-                        break  # body delimited by close
-                    raise UpstreamError("upstream_disconnected", resp.status or None,
-                                        b"".join(resp.parts))
-                try:
-                    parser.p.feed_data(data)
-                except httptools.HttpParserError:
-                    raise UpstreamError("malformed_http", resp.status or None) from None
-                if parser.too_large:
-                    raise UpstreamError("response_too_large", resp.status,
-                                        b"".join(resp.parts))
-            ok = resp.complete and resp.keep_alive
-            return resp.status, b"".join(resp.parts)
+            await conn.exchange(request, self.max_response, self.read_timeout)
+            if conn.bad_http:
+                raise UpstreamError("malformed_http", conn.status or None)
+            if conn.too_large:
+                raise UpstreamError("response_too_large", conn.status, b"".join(conn.parts))
+            if not conn.complete:
+                if conn.error is None and conn.headers_done and not conn.framed:
+                    return conn.status, b"".join(conn.parts)  # body delimited by close
+                raise UpstreamError("upstream_disconnected", conn.status or None,
+                                    b"".join(conn.parts))
+            ok = conn.keep_alive and not conn.closed
+            return conn.status, b"".join(conn.parts)
         finally:
             if ok and len(self._idle) < self.max_idle:
-                self._idle.append((reader, writer))
-            else:
-                writer.close()
+                self._idle.append(conn)
+            elif conn.transport is not None:
+                conn.transport.close()
 
     async def aclose(self) -> None:
-        for _, writer in self._idle:
-            writer.close()
+        for conn in self._idle:
+            if conn.transport is not None:
+                conn.transport.close()
         self._idle.clear()
 
 
