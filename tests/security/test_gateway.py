@@ -577,7 +577,7 @@ def test_attacks_from_inside_a_hardened_container(tmp_path: Path, policies: Any,
     errors = [r.error for r in recs]
     assert errors.count("header_too_large") == 1 and errors.count("too_many_connections") == 1
     assert errors.count("bad_token") == 20 and "n_not_allowed" in errors
-    assert "field_not_allowed" in errors and errors[-1] is None
+    assert "service_tier_not_allowed" in errors and errors[-1] is None
     assert not any(r.request_stored for r in recs if r.status == "refused")
     assert dir_bytes(tmp_path / "gateway" / "blobs") < 64 * 1024
 
