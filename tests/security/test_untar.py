@@ -333,3 +333,37 @@ def _no_strays() -> Iterator[None]:
         if os.path.lexists(p):
             os.unlink(p)
 
+
+
+@pytest.mark.docker
+def test_cycle_with_a_committed_path_that_fits_under_src_runs_and_verifies(
+        tmp_path: Path) -> None:
+    """The agent's tree holds a 4,084-byte path: it fits under /src and under the apply
+    container's /work/repo (4,095 bytes), not under ``RUN/stages/baseline/src``. main: the
+    baseline export raised ``OSError [Errno 36]`` (exit 10, no receipt). (4,085 to 4,090
+    bytes still fit /src but not /work/repo, where the in-container seed writes by path.)"""
+    from tests.fixtures.cycle_project import cli_env, example_agent, project_with_agent, run_cli
+
+    cycle = project_with_agent(tmp_path / "cyc", example_agent())
+    repo = tmp_path / "cyc" / "repo"
+    blob = _git(repo, "hash-object", "-w", "--stdin", data=b"deep\n")
+    leaf = "f" * (4084 - LONG_DEPTH * (LONG_PART + 1))
+    tree = _mktree(repo, [f"100644 blob {blob}\t{leaf}"])
+    for d in reversed(DIRS[1:]):
+        tree = _mktree(repo, [f"040000 tree {tree}\t{d}"])
+    top = [r for r in _git(repo, "ls-tree", "-z", "HEAD").split("\0") if r]
+    root = _mktree(repo, [*top, f"040000 tree {tree}\t{DIRS[0]}"])
+    commit = _git(repo, "commit-tree", root, "-p", "HEAD", "-m", "deep")
+    _git(repo, "update-ref", "HEAD", commit)
+    out = tmp_path / ("R" * 60) / "run"
+    out.parent.mkdir()
+    env = cli_env(tmp_path)
+    res = run_cli("cycle", "run", str(cycle), "--out", str(out), env=env, timeout=900)
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert (out / "receipt.json").is_file(), (res.returncode, res.stderr[-3000:])
+    assert res.returncode in (0, 1), res.stderr[-3000:]
+    rel = "/".join([*DIRS, leaf])
+    assert len(rel) == 4084
+    assert read_at(out / "stages" / "baseline" / "src", rel)[0] == b"deep\n"
+    ver = run_cli("receipt", "verify", str(out), env=env)
+    assert ver.returncode == 0, ver.stdout + ver.stderr
