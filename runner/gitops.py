@@ -36,9 +36,9 @@ import contextlib
 import hashlib
 import os
 import shutil
+import signal
 import stat
 import subprocess
-import tarfile
 import tempfile
 import threading
 from collections import OrderedDict
@@ -50,7 +50,7 @@ from typing import Any
 import git
 from git.objects.fun import tree_entries_from_data
 
-from runner import fswalk
+from runner import fswalk, untar
 from runner.errors import ConfigError, IntegrityError
 
 FIXED_ENV = {
@@ -81,6 +81,13 @@ def _env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+EXPORT_LIMITS = untar.Limits(max_entries=MAX_TREE_ENTRIES, max_bytes=MAX_EXPORT_BYTES,
+                             max_depth=4096, symlinks=True)
+"""What an export writes at most: the tree walk's entries (git archive writes one per tree
+entry), the export size bound (export-subst may grow a file past its blob), the depth
+:func:`check_export` walks; committed symlinks are written as links."""
+
+
 MAX_GIT_STDERR = 2000
 """Characters of git's stderr a failure message quotes (the rest is cut, marked)."""
 MAX_ARCHIVE_TRAILER = 1024 * 1024
@@ -90,8 +97,6 @@ MAX_ARCHIVE_TRAILER = 1024 * 1024
 def git_failure(what: str, returncode: int, stderr: bytes) -> str:
     """``git WHAT failed (exit N | killed by SIGNAME): <stderr>`` with git's stderr
     escaped (one printable line, bounded) and a note when it printed nothing."""
-    import signal
-
     from runner.failures import one_line
 
     if returncode < 0:
@@ -444,34 +449,45 @@ def export_tree(repo: Path, tree: str, dest: Path) -> None:
                           f"files ({total}); refused before export", path=str(repo),
                           fix="keep large data out of the agent's source tree (a store)")
     dest.mkdir(parents=True)
-    # Streamed: the archive never sits in host memory whole.
+    # Streamed (the archive never sits in host memory whole) and written by directory
+    # descriptor (runner.untar): a path that fits under /src but not under the longer
+    # host directory is written like any other; nothing is written through a link.
     tree_id = head_tree(repo, tree)  # the shadow below has no refs
-    with tempfile.TemporaryFile() as errf, _shadow(repo) as (shadow, env):
-        proc = subprocess.Popen(["git", "archive", "--format=tar", tree_id], cwd=shadow,
-                                env=_env(env), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=errf)
-        assert proc.stdout is not None  # noqa: S101 - stdout=PIPE above
-        trailer = 0
-        try:
-            with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
-                tar.extractall(dest, filter="tar")
-            # tarfile stops at the end-of-archive marker; git may still be writing the
-            # padding of its last 10 KiB record. Closing the pipe before it has would
-            # kill git with SIGPIPE, an archive that was whole reported as a failure
-            # with an empty message. Read to the end (bounded) instead.
-            while trailer <= MAX_ARCHIVE_TRAILER and (chunk := proc.stdout.read(65536)):
-                trailer += len(chunk)
-        finally:
-            proc.stdout.close()
-            proc.wait()
-        errf.seek(0)
-        err = errf.read(64 * 1024)
+    refused: untar.UntarError | None = None
+    dfd = os.open(dest, fswalk.DIR_FLAGS)
+    try:
+        with tempfile.TemporaryFile() as errf, _shadow(repo) as (shadow, env):
+            proc = subprocess.Popen(["git", "archive", "--format=tar", tree_id], cwd=shadow,
+                                    env=_env(env), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=errf)
+            assert proc.stdout is not None  # noqa: S101 - stdout=PIPE above
+            trailer = 0
+            try:
+                untar.extract(proc.stdout, dfd, EXPORT_LIMITS)
+                # The extractor stops at the end-of-archive marker; git may still be
+                # writing the padding of its last 10 KiB record. Closing the pipe before
+                # it has would kill git with SIGPIPE, an archive that was whole reported
+                # as a failure with an empty message. Read to the end (bounded) instead.
+                while trailer <= MAX_ARCHIVE_TRAILER and (chunk := proc.stdout.read(65536)):
+                    trailer += len(chunk)
+            except untar.UntarError as exc:
+                refused = exc  # git is cut off (SIGPIPE): the refusal is the news
+            finally:
+                proc.stdout.close()
+                proc.wait()
+            errf.seek(0)
+            err = errf.read(64 * 1024)
+    finally:
+        os.close(dfd)
     if trailer > MAX_ARCHIVE_TRAILER:
         raise IntegrityError(f"git archive {tree[:12]} wrote more than "
                              f"{MAX_ARCHIVE_TRAILER} bytes after the end of the archive")
-    if proc.returncode != 0:
+    if proc.returncode != 0 and (refused is None or proc.returncode != -signal.SIGPIPE):
         raise ConfigError(git_failure(f"archive {tree[:12]}", proc.returncode, err),
                           path=str(repo))
+    if refused is not None:
+        raise IntegrityError(f"export of tree {tree} to {dest} refused: {refused} (an entry "
+                             "git archive wrote that the export does not write)")
     problems = check_export(repo, tree, dest)
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more"
@@ -577,6 +593,23 @@ def past_path_max(repo: Path, tree: str, target: str) -> tuple[str, int] | None:
         inside = base + len(os.fsencode(path))
         if inside >= fswalk.PATH_MAX:
             return path, inside
+    return None
+
+
+def unexportable(repo: Path, tree: str, target: str) -> tuple[str, str] | None:
+    """The first path of ``tree`` (in tree order) that could not be used once the tree is
+    exported and mounted at ``target``, with why: ``PATH_MAX`` bytes or longer there (no
+    program in the container could open it), or a name the export refuses
+    (:func:`runner.untar.name_problem`, e.g. a control character); None when all can."""
+    base = len(os.fsencode(target.rstrip("/"))) + 1
+    for path, _, _ in _walked(repo, tree):
+        inside = base + len(os.fsencode(path))
+        if inside >= fswalk.PATH_MAX:
+            return path, (f"path of {inside} bytes once mounted at {target}, past PATH_MAX "
+                          f"({fswalk.PATH_MAX}); no program in the container could open it")
+        problem = untar.name_problem(path)
+        if problem is not None:
+            return path, f"{problem} by the export"
     return None
 
 

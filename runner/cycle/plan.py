@@ -198,21 +198,20 @@ def _requirements_warnings(cycle: CycleFile, requirements: str | None) -> tuple[
 
 
 def _check_src_paths(repo: Path, tree: str, cycle: CycleFile, where: str) -> None:
-    """The agent's tree is mounted at /src in every case: a path in it that would be
-    PATH_MAX or longer there is bad input now, naming it, not an error in every case."""
+    """The agent's tree is exported and mounted at /src in every case: a path in it that
+    would be PATH_MAX or longer there, or a name the export refuses (a control
+    character), is bad input now, naming it, not an error in every case."""
     from runner import gitops
 
-    long = gitops.past_path_max(repo, tree, "/src")
-    if long is None:
+    bad = gitops.unexportable(repo, tree, "/src")
+    if bad is None:
         return
-    path, inside = long
+    path, why = bad
     sub = f":{cycle.project.subdir.strip('/')}" if cycle.project.subdir else ""
     raise ConfigError(f"{show(f'{cycle.project.base_ref}{sub}')} (tree {tree[:12]}) holds "
-                      f"{fswalk.shown(path)}: path of {inside} bytes once mounted at /src, past "
-                      f"PATH_MAX ({fswalk.PATH_MAX}); no program in the container could open "
-                      "it", path=where, field="project.base_ref",
-                      fix="commit the agent's tree with shorter paths (or without that "
-                      "file) and point project.base_ref at that commit")
+                      f"{fswalk.shown(path)}: {why}", path=where, field="project.base_ref",
+                      fix="commit the agent's tree with shorter paths and plain names (or "
+                      "without that file) and point project.base_ref at that commit")
 
 
 def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy] | None = None,

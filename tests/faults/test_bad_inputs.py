@@ -458,6 +458,24 @@ def _(e: Env) -> list[str]:
     return e.run_args()
 
 
+@case("project-tree-control-character-name", 3, "cycle.yaml", "project.base_ref",
+      "control character U+001B")
+def _(e: Env) -> list[str]:
+    # a committed name holding an escape character: the export (runner.untar) refuses it,
+    # so the plan does, naming it, before any container starts
+    repo = e.root / "agent"
+    shutil.copytree(EXAMPLE / "project", repo)
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "agent")
+    blob = _git(repo, "hash-object", "-w", "--stdin", data=b"x")
+    top = _git(repo, "ls-tree", "-z", "HEAD").split("\0")
+    root = _mktree(repo, [*[r for r in top if r], f"100644 blob {blob}\tnotes\x1b[2J.txt"])
+    commit = _git(repo, "commit-tree", root, "-p", "HEAD", "-m", "escape")
+    e.edit_cycle(lambda d: d["project"].update(repo=str(repo), base_ref=commit, subdir=None))
+    return e.run_args()
+
+
 @case("policy-missing", 3, "cycle.yaml", "policy", "does not exist")
 def _(e: Env) -> list[str]:
     e.set_cycle(policy="nope.yaml")

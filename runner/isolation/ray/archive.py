@@ -15,9 +15,11 @@ import shutil
 import tarfile
 from pathlib import Path
 
-from runner import fswalk
+from runner import fswalk, untar
 from runner.errors import ConfigError, SandboxError
 
+MAX_DEPTH = 4097
+"""Deepest entry of a tar a node unpacks: the packers walk 4,096 levels, under ``x``."""
 ENTRY = "x"
 """The single top-level name an input tar holds (the mount's file or directory)."""
 
@@ -43,6 +45,9 @@ def pack_input(source: Path) -> bytes:
                 _add(tf, _shippable(source, top), ENTRY)
                 tree = top.is_dir
             for e in fswalk.walk(source, max_depth=4096) if tree else ():
+                problem = untar.name_problem(e.rel)  # the node would refuse it
+                if problem is not None:
+                    raise fswalk.WalkError(e.rel, problem)
                 _add(tf, _shippable(source, e), f"{ENTRY}/{e.rel}")
     except fswalk.WalkError as exc:
         raise ConfigError(f"{source}/{exc}: the input cannot be shipped to a node in full",
@@ -84,8 +89,7 @@ def unpack_input(data: bytes, expected: str, cache: Path) -> Path:
     tmp = cache / f".{expected}.{os.getpid()}.{os.urandom(4).hex()}"
     tmp.mkdir(mode=0o755)
     try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tf:
-            tf.extractall(tmp, filter="tar")
+        _unpack(data, tmp, _limits(data, symlinks=True), "input archive " + expected[:12])
         os.chmod(tmp, 0o755)  # noqa: S103 - the role uid traverses to its input
         try:
             os.rename(tmp, final)
@@ -95,6 +99,28 @@ def unpack_input(data: bytes, expected: str, cache: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final / ENTRY
+
+
+def _limits(data: bytes, *, symlinks: bool, max_bytes: int | None = None) -> untar.Limits:
+    """Bounds for a tar held whole in memory: no more entries than its 512-byte headers,
+    no more file bytes than it holds (or ``max_bytes``), the depth the packers walk."""
+    return untar.Limits(max_entries=len(data) // 512, max_depth=MAX_DEPTH,
+                        max_bytes=len(data) if max_bytes is None else max_bytes,
+                        symlinks=symlinks)
+
+
+def _unpack(data: bytes, dest: Path, limits: untar.Limits, what: str) -> None:
+    """``data`` into the directory ``dest``, by directory descriptor (:mod:`runner.untar`):
+    a path past ``PATH_MAX`` on this node is written like any other; an entry refused
+    (absolute, ``..``, through a link, a hard link or device, a duplicate) is a
+    SandboxError naming it."""
+    fd = os.open(dest, fswalk.DIR_FLAGS)
+    try:
+        untar.extract(io.BytesIO(data), fd, limits)
+    except untar.UntarError as exc:
+        raise SandboxError(f"{what} refused on this node: {exc}") from None
+    finally:
+        os.close(fd)
 
 
 def cached(cache: Path, expected: str) -> Path | None:
@@ -124,8 +150,8 @@ def pack_output(root: Path, cap: int) -> bytes:
     return buf.getvalue()
 
 
-def unpack_seed(data: bytes, dest: Path) -> None:
-    """The head's seed content (host-made, e.g. the apply stage's checkout) into the
-    node's fresh output directory."""
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tf:
-        tf.extractall(dest, filter="tar")
+def unpack_seed(data: bytes, dest: Path, max_bytes: int | None = None) -> None:
+    """The head's seed content (host-made, e.g. the apply stage's checkout, its own
+    symlinks kept as links) into the node's fresh output directory, by directory
+    descriptor; at most ``max_bytes`` of file content (the output cap)."""
+    _unpack(data, dest, _limits(data, symlinks=True, max_bytes=max_bytes), "output seed")

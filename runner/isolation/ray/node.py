@@ -156,7 +156,7 @@ def run(spec: RunSpec, inputs: list[tuple[int, str, list[Any]]], seed: list[Any]
         if spec.output_dir is not None:
             out = fresh_output_dir(work / "out")
             if seed:
-                unpack_seed(ray.get(seed[0]), out)
+                unpack_seed(ray.get(seed[0]), out, spec.output_cap_bytes)
         node_spec = spec.model_copy(update={"mounts": tuple(mounts), "output_dir": out})
         try:
             rec = _sandbox().run(node_spec)
