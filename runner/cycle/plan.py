@@ -198,12 +198,14 @@ def _requirements_warnings(cycle: CycleFile, requirements: str | None) -> tuple[
 
 
 def _check_src_paths(repo: Path, tree: str, cycle: CycleFile, where: str) -> None:
-    """The agent's tree is exported and mounted at /src in every case: a path in it that
-    would be PATH_MAX or longer there, or a name the export refuses (a control
+    """The agent's tree is exported and mounted at /src in every case and checked out at
+    /work/repo by apply: a path in it that would be PATH_MAX or longer there, or a name the export refuses (a control
     character), is bad input now, naming it, not an error in every case."""
     from runner import gitops
 
-    bad = gitops.unexportable(repo, tree, "/src")
+    # The longest place the tree is used: the apply stage's checkout at /work/repo (the
+    # agent's mount /src is shorter), so a path usable in one is usable in both.
+    bad = gitops.unexportable(repo, tree, "/work/repo")
     if bad is None:
         return
     path, why = bad
