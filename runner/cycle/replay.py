@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runner.gateway.config import UpstreamPolicy, parse_upstream
+from runner.gateway.config import PROVIDER_FIELDS, UpstreamPolicy, parse_upstream
 
 
 def replay_upstreams(cycle_path: Path, recording: Path) -> dict[str, UpstreamPolicy]:
@@ -21,7 +21,9 @@ def replay_upstreams(cycle_path: Path, recording: Path) -> dict[str, UpstreamPol
 
     cycle, _ = load_cycle(cycle_path)
     ups = cycle.upstreams
-    return {name: parse_upstream({**up.model_dump(mode="json"), "provider": "replay",
-                                  "replay_from": str(recording.resolve()), "script": None,
-                                  "base_url": None, "credential": None})
+    # Every provider's own field goes (base_url, credential, anthropic_version, script):
+    # a replayed upstream keeps only what all providers share.
+    return {name: parse_upstream({**up.model_dump(mode="json"),
+                                  **dict.fromkeys(PROVIDER_FIELDS), "provider": "replay",
+                                  "replay_from": str(recording.resolve())})
             for name, up in ups.items()}

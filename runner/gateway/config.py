@@ -173,6 +173,8 @@ _PROVIDER_OF = {"base_url": ("openai", "anthropic"), "credential": ("openai", "a
                 "anthropic_version": ("anthropic",), "script": ("scripted",),
                 "replay_from": ("replay",)}
 """Provider-specific field -> the providers it belongs to."""
+PROVIDER_FIELDS: tuple[str, ...] = tuple(_PROVIDER_OF)
+"""Fields that belong to one provider or another (None on every other variant)."""
 
 
 class OpenAIUpstream(_Upstream):

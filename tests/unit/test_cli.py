@@ -243,6 +243,34 @@ def test_replay_answers_every_upstream_from_the_recording(tmp_path: Path) -> Non
         assert up.script is None and up.credential is None and up.base_url is None
 
 
+def test_replay_of_an_anthropic_upstream_drops_its_own_fields(tmp_path: Path) -> None:
+    # An anthropic upstream carries anthropic_version; a replayed one must not (the
+    # replay variant refuses another provider's field: this crashed `--replay`, exit 10).
+    import yaml
+
+    from runner.cycle.replay import replay_upstreams
+    from runner.paths import PROJECT_ROOT
+
+    src = PROJECT_ROOT / "examples" / "shop-analyst"
+    cyc = yaml.safe_load((src / "cycle.yaml").read_text())
+    cyc["upstreams"]["target"] = {
+        "provider": "anthropic", "models": ["claude-x"], "base_url": "https://api.anthropic.com",
+        "credential": {"env": "SOME_KEY"}, "anthropic_version": "2023-06-01"}
+    for name in ("manifest", "policy", "data_dir", "roles"):
+        if isinstance(cyc.get(name), str):
+            cyc[name] = str((src / cyc[name]).resolve())
+    if isinstance(cyc.get("project"), dict) and isinstance(cyc["project"].get("repo"), str):
+        cyc["project"]["repo"] = str((src / cyc["project"]["repo"]).resolve())
+    for up in cyc["upstreams"].values():
+        if up.get("script"):
+            up["script"] = str((src / up["script"]).resolve())
+    cycle = tmp_path / "cycle.yaml"
+    cycle.write_text(yaml.safe_dump(cyc))
+    ups = replay_upstreams(cycle, tmp_path / "rec")
+    assert ups["target"].provider == "replay" and ups["target"].models == ("claude-x",)
+    assert ups["target"].anthropic_version is None and ups["target"].base_url is None
+
+
 def test_readme_exit_code_table_is_the_one_table() -> None:
     from runner.paths import PROJECT_ROOT
 
