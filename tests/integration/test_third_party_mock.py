@@ -32,7 +32,8 @@ import yaml
 
 from runner.paths import PROJECT_ROOT
 
-pytestmark = [pytest.mark.docker, pytest.mark.slow]
+# each family's fixture may build the matrix's derived image, then records and replays
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(2700)]
 
 MOCK_PY = PROJECT_ROOT / "build" / "mock-venv" / "bin" / "python"
 KEYED = PROJECT_ROOT / "tests" / "fixtures" / "keyed_mock.py"
