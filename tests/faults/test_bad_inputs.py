@@ -306,12 +306,12 @@ def _(e: Env) -> list[str]:
     return e.run_args()
 
 
-@case("cycle-budget-inf", 3, "cycle.yaml", "non-finite")
+@case("cycle-budget-inf", 3, "cycle.yaml", "budget.limit_usd", "non-finite")
 def _(e: Env) -> list[str]:
     return _cycle_text(e, e.cycle.read_text().replace("limit_usd: 1.0", "limit_usd: .inf"))
 
 
-@case("cycle-judge-nan", 3, "cycle.yaml", "non-finite")
+@case("cycle-judge-nan", 3, "cycle.yaml", "judge.threshold", "non-finite")
 def _(e: Env) -> list[str]:
     return _cycle_text(e, e.cycle.read_text() + "judge: {model: fixture-judge, threshold: .nan}\n")
 
@@ -321,7 +321,8 @@ def _(e: Env) -> list[str]:
     return _cycle_text(e, e.cycle.read_text().replace("limit_usd: 1.0", 'limit_usd: "inf"'))
 
 
-@case("cycle-upstream-timeout-inf", 3, "cycle.yaml", "non-finite")
+@case("cycle-upstream-timeout-inf", 3, "cycle.yaml", "upstreams.target.timeout_s",
+      "non-finite")
 def _(e: Env) -> list[str]:
     return _cycle_text(e, e.cycle.read_text().replace(
         "max_tokens: 1024\n", "max_tokens: 1024\n    timeout_s: .inf\n", 1))
@@ -708,7 +709,7 @@ def _(e: Env) -> list[str]:
     return e.run_args()
 
 
-@case("roles-timeout-inf", 3, "roles.yaml", "non-finite")
+@case("roles-timeout-inf", 3, "roles.yaml", "roles.analyst.timeout_s", "non-finite")
 def _(e: Env) -> list[str]:
     text = ROLES.read_text().replace("timeout_s: 120", "timeout_s: .inf", 1)
     e.write("roles.yaml", text)
