@@ -202,7 +202,8 @@ def parse_yaml(text: str, *, path: str) -> Any:
         loc = (_node_loc(root, exc.node) if isinstance(exc, _NonFinite) and root is not None
                else None)
         raise ConfigError(f"not accepted as YAML: {where}{show(exc.problem or exc)}",
-                          path=path, field=field_path(loc) if loc else None, fix="plain YAML: no anchors, aliases, merge keys, "
+                          path=path, field=field_path(loc) if loc else None,
+                          fix="plain YAML: no anchors, aliases, merge keys, "
                           "duplicate keys, custom tags or non-finite numbers" if refused
                           else "correct the YAML syntax at that line") from None
     except (yaml.YAMLError, ValueError, RecursionError) as exc:

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from runner.errors import ConfigError
+from runner.failures import is_environment_error
 from runner.report.model import Report
 
 
@@ -28,19 +29,30 @@ def check_targets(**targets: Path | None) -> None:
         if path.is_dir():
             raise ConfigError(f"{path} is a directory", path=str(path), field=f"--{flag}",
                               fix="give a file name")
+        if not os.access(parent, os.W_OK | os.X_OK):  # also False on a read-only mount
+            raise ConfigError(f"cannot write into {parent} (read-only or not permitted)",
+                              path=str(path), field=f"--{flag}",
+                              fix="pick a path in a directory you can write")
 
 
-def _write(path: Path, data: bytes) -> None:
+def _write(path: Path, data: bytes, *, flag: str) -> None:
     """Write via a temporary file and rename: an existing symlink at ``path`` is replaced,
-    never followed."""
+    never followed. A directory that refuses the write (read-only, not permitted) is bad
+    input naming ``path`` and ``--flag``; a full disk stays an environment failure."""
     parent = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp: str | None = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and not is_environment_error(exc):
+            raise ConfigError(f"cannot write {path}: {exc.strerror or exc}", path=str(path),
+                              field=f"--{flag}", fix="pick a path in a directory you can "
+                              "write") from None
         raise
 
 
@@ -55,11 +67,11 @@ def write_outputs(run_dir: Path, *, junit: Path | None = None, markdown: Path | 
     check_targets(junit=junit, markdown=markdown, html=html)
     report = build_report(run_dir)
     if junit is not None:
-        _write(junit, render_junit(report))
+        _write(junit, render_junit(report), flag="junit")
     if markdown is not None:
-        _write(markdown, render_markdown(report).encode())
+        _write(markdown, render_markdown(report).encode(), flag="markdown")
     if html is not None:
         _write(html, render_html(report, run_dir=run_dir,
                                  html_dir=html.parent if str(html.parent) else Path("."))
-               .encode())
+               .encode(), flag="html")
     return report

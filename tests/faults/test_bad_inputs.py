@@ -53,6 +53,8 @@ class Env:
     vars: dict[str, str] = field(default_factory=dict)
     untouched: list[Path] = field(default_factory=list)
     """Paths whose bytes must not change (e.g. an existing --out)."""
+    cleanups: list[Callable[[], object]] = field(default_factory=list)
+    """Run after the command, last first (e.g. unmounting a read-only bind)."""
 
     @property
     def ex(self) -> Path:
@@ -97,6 +99,15 @@ class Env:
 
     def run_args(self) -> list[str]:
         return ["cycle", "run", str(self.cycle), "--out", str(self.out)]
+
+    def read_only(self, path: Path) -> Path:
+        """Make the directory ``path`` read-only (a read-only bind mount onto itself; root
+        ignores permission bits, not a read-only mount); undone after the command."""
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
+        self.cleanups.append(lambda: subprocess.run(["umount", "-l", str(path)], check=False))
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
+        return path
 
     def prepare(self) -> Path:
         """A prepared plan (freeze succeeded) in ``root/prepared``; returns plan.json."""
@@ -1000,6 +1011,61 @@ def _(e: Env) -> list[str]:
     return ["gateway", "calls", str(e.root)]
 
 
+# init and the manifest tools
+@case("init-under-read-only-dir", 3, "DIR", "ro/new", "Read-only")
+def _(e: Env) -> list[str]:
+    return ["init", str(e.read_only(e.root / "ro") / "new")]
+
+
+@case("init-into-read-only-dir", 3, "DIR", "ro", "Read-only")
+def _(e: Env) -> list[str]:
+    return ["init", str(e.read_only(e.root / "ro"))]
+
+
+@case("init-into-non-empty-dir", 3, "DIR", "not empty")
+def _(e: Env) -> list[str]:
+    e.write("full/keep.txt", "mine")
+    e.untouched.append(e.root / "full")
+    return ["init", str(e.root / "full")]
+
+
+def _manifest_copy(e: Env) -> Path:
+    """The example's manifest and data under root/m (the manifest's default --data)."""
+    m = e.root / "m"
+    (m / "data").mkdir(parents=True)
+    shutil.copy2(e.ex / "manifest.json", m / "manifest.json")
+    shutil.copy2(e.ex / "data" / "shop.sqlite", m / "data" / "shop.sqlite")
+    return m
+
+
+@case("manifest-rehash-read-only", 3, "manifest.json", "Read-only")
+def _(e: Env) -> list[str]:
+    m = _manifest_copy(e)
+    with (m / "data" / "shop.sqlite").open("ab") as f:
+        f.write(b"\0")  # a changed store: rehash has something to write
+    e.untouched.append(m)
+    e.read_only(m)
+    return ["manifest", "rehash", str(m / "manifest.json")]
+
+
+@case("manifest-build-out-read-only", 3, "--out", "ro/manifest.json", "Read-only")
+def _(e: Env) -> list[str]:
+    scen = e.write("proj/scenarios.yaml", (PROJECT_ROOT / "runner/project/template/"
+                                           "scenarios.yaml").read_text()
+                   .replace("__NAME__", "proj"))
+    shutil.copytree(PROJECT_ROOT / "runner/project/template/data", e.root / "proj/data")
+    return ["manifest", "build", "--scenarios", str(scen), "--data",
+            str(e.root / "proj/data"), "--out", str(e.read_only(e.root / "ro") / "manifest.json")]
+
+
+# report
+@case("report-markdown-read-only", 3, "--markdown", "ro/r.md")
+def _(e: Env) -> list[str]:
+    (e.root / "run").mkdir()
+    return ["report", str(e.root / "run"), "--markdown",
+            str(e.read_only(e.root / "ro") / "r.md")]
+
+
 # -- the test ------------------------------------------------------------------------------------
 @dataclass
 class Outcome:
@@ -1028,6 +1094,8 @@ def run_case(c: Case, root: Path) -> Outcome:
     finally:
         if lock_fd is not None:
             os.close(int(lock_fd))
+        for undo in reversed(e.cleanups):
+            undo()
     seconds = time.monotonic() - t0
     written = []
     if e.out.exists() and str(e.out) not in before:
