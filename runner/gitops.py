@@ -50,7 +50,8 @@ from typing import Any
 import git
 from git.objects.fun import tree_entries_from_data
 
-from runner.errors import ConfigError, IntegrityError
+from runner.errors import ConfigError, EnvironmentFailure, IntegrityError
+from runner.failures import environment_reason, one_line
 
 FIXED_ENV = {
     "GIT_AUTHOR_NAME": "cyclebox", "GIT_AUTHOR_EMAIL": "cyclebox@localhost",
@@ -90,10 +91,25 @@ def _git(args: list[str], *, cwd: Path | None = None, git_dir: Path | None = Non
     proc = subprocess.run(cmd, cwd=cwd, input=input_bytes, capture_output=True,
                           env=_env(extra_env), check=False)
     if check and proc.returncode != 0:
+        _raise_if_environment(args, proc.stderr, cwd or git_dir)
         raise ConfigError(f"git {' '.join(args[:3])} failed: "
                           f"{proc.stderr.decode(errors='replace').strip()}",
                           path=str(cwd or git_dir or "."))
     return proc.stdout
+
+
+def _raise_if_environment(args: list[str], stderr: bytes, where: Path | None) -> None:
+    """EnvironmentFailure (exit 9) when git failed because the machine did (disk full,
+    quota, I/O error, out of descriptors or memory), named with git's own line: that is
+    not the operator's input, and no fix to the cycle file would help."""
+    text = stderr.decode(errors="replace")
+    reason = environment_reason(text)
+    if reason is None:
+        return
+    line = next((ln.strip() for ln in text.splitlines() if reason in ln), reason)
+    raise EnvironmentFailure(f"git {' '.join(args[:3])} failed in {where or '.'}: "
+                             f"{one_line(line, 300)} (an environment failure: free disk "
+                             "space or fix the device, then run again)")
 
 
 # -- readers: GitPython over two batch processes per repository ------------------------------
@@ -434,6 +450,7 @@ def export_tree(repo: Path, tree: str, dest: Path) -> None:
         errf.seek(0)
         err = errf.read(64 * 1024)
     if proc.returncode != 0:
+        _raise_if_environment(["archive", tree[:12]], err, repo)
         raise ConfigError(f"git archive {tree[:12]} failed: "
                           f"{err.decode(errors='replace').strip()}", path=str(repo))
     problems = check_export(repo, tree, dest)
