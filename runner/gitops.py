@@ -183,6 +183,16 @@ def close_readers() -> None:
 atexit.register(close_readers)
 
 
+def close_readers_under(root: Path) -> None:
+    """Stop the cached readers of the repositories inside ``root`` (a run's own
+    repositories, read by the stage that made them and then never again by this process);
+    readers of other repositories stay cached."""
+    base = os.path.abspath(root)
+    with _readers_lock:
+        for key in [k for k in _readers if k[0] == base or k[0].startswith(base + os.sep)]:
+            _readers.pop(key).close()
+
+
 def _open_reader(repo: Path) -> tuple[tuple[str, int, int], _Repo]:
     for name in ENV_REFUSED:
         if name in os.environ:
