@@ -1066,6 +1066,64 @@ def _(e: Env) -> list[str]:
             str(e.read_only(e.root / "ro") / "r.md")]
 
 
+@case("report-run-not-a-directory", 3, "RUN_DIR", "not a directory")
+def _(e: Env) -> list[str]:
+    return ["report", str(e.root / "nope"), "--markdown", str(e.root / "r.md")]
+
+
+@case("manifest-check-data-missing", 3, "manifest.json", "--data", "does not exist")
+def _(e: Env) -> list[str]:
+    return ["manifest", "check", str(e.ex / "manifest.json"), "--data", str(e.root / "nope")]
+
+
+# export (a hand-built finished run with a calibration bound to its receipt)
+def _export(e: Env, damage: Callable[[Path], object]) -> list[str]:
+    from tests.faults.test_export_faults import make_run
+    from tests.unit.test_export import _calibration
+
+    run = make_run(e.root / "run")
+    cal = _calibration(e.root, "table", lambda v: v, run)
+    damage(run)
+    return ["export", "--run", str(run), "--out", str(e.out), "--calibration", str(cal)]
+
+
+@case("export-records-gone", 8, "stages/candidate/records.jsonl is missing", "receipt")
+def _(e: Env) -> list[str]:
+    return _export(e, lambda run: (run / "stages/candidate/records.jsonl").unlink())
+
+
+@case("export-records-cut-mid-line", 8, "stages/baseline/records.jsonl", "receipt")
+def _(e: Env) -> list[str]:
+    def cut(run: Path) -> None:
+        f = run / "stages/baseline/records.jsonl"
+        f.write_bytes(f.read_bytes()[:-30])
+    return _export(e, cut)
+
+
+@case("export-no-calibration", 3, "--calibration", "calibration_missing")
+def _(e: Env) -> list[str]:
+    from tests.faults.test_export_faults import make_run
+
+    run = make_run(e.root / "run")
+    return ["export", "--run", str(run), "--out", str(e.out)]
+
+
+# dream compare
+@case("dream-compare-mode-off", 3, "cycle.yaml", "dream.mode")
+def _(e: Env) -> list[str]:
+    e.set_cycle(dream={"mode": "off"})
+    return ["dream", "compare", str(e.cycle), "--out", str(e.out)]
+
+
+@case("dream-compare-out-exists", 3, "--out", "already exists")
+def _(e: Env) -> list[str]:
+    e.set_cycle(dream={"mode": "template"})
+    e.out.mkdir()
+    (e.out / "keep").write_text("evidence")
+    e.untouched.append(e.out)
+    return ["dream", "compare", str(e.cycle), "--out", str(e.out)]
+
+
 # -- the test ------------------------------------------------------------------------------------
 @dataclass
 class Outcome:
