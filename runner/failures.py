@@ -10,6 +10,7 @@ imports docker.
 from __future__ import annotations
 
 import errno
+import os
 from dataclasses import dataclass
 
 from runner.errors import (
@@ -83,6 +84,17 @@ def is_environment_error(exc: BaseException) -> bool:
     return any(isinstance(e, EnvironmentFailure | MemoryError)
                or (isinstance(e, OSError) and e.errno in _ENVIRONMENT_ERRNOS)
                for e in _chain(exc))
+
+
+def environment_reason(text: str) -> str | None:
+    """The first machine failure a tool's own message names (``No space left on device``,
+    ``Input/output error``, ``Too many open files``...), for tools that report an errno
+    only as text (git); None when it names none."""
+    for code in (*sorted(_ENVIRONMENT_ERRNOS), errno.EIO):
+        reason = os.strerror(code)
+        if reason in text:
+            return reason
+    return None
 
 
 def classify(exc: BaseException) -> Failure:

@@ -51,7 +51,8 @@ import git
 from git.objects.fun import tree_entries_from_data
 
 from runner import fswalk, untar
-from runner.errors import ConfigError, IntegrityError
+from runner.errors import ConfigError, EnvironmentFailure, IntegrityError
+from runner.failures import environment_reason, one_line
 
 FIXED_ENV = {
     "GIT_AUTHOR_NAME": "cyclebox", "GIT_AUTHOR_EMAIL": "cyclebox@localhost",
@@ -122,9 +123,24 @@ def _git(args: list[str], *, cwd: Path | None = None, git_dir: Path | None = Non
     proc = subprocess.run(cmd, cwd=cwd, input=input_bytes, capture_output=True,
                           env=_env(extra_env), check=False)
     if check and proc.returncode != 0:
+        _raise_if_environment(args, proc.stderr, cwd or git_dir)
         raise ConfigError(git_failure(" ".join(args[:3]), proc.returncode, proc.stderr),
                           path=str(cwd or git_dir or "."))
     return proc.stdout
+
+
+def _raise_if_environment(args: list[str], stderr: bytes, where: Path | None) -> None:
+    """EnvironmentFailure (exit 9) when git failed because the machine did (disk full,
+    quota, I/O error, out of descriptors or memory), named with git's own line: that is
+    not the operator's input, and no fix to the cycle file would help."""
+    text = stderr.decode(errors="replace")
+    reason = environment_reason(text)
+    if reason is None:
+        return
+    line = next((ln.strip() for ln in text.splitlines() if reason in ln), reason)
+    raise EnvironmentFailure(f"git {' '.join(args[:3])} failed in {where or '.'}: "
+                             f"{one_line(line, 300)} (an environment failure: free disk "
+                             "space or fix the device, then run again)")
 
 
 # -- readers: GitPython over two batch processes per repository ------------------------------
@@ -196,6 +212,16 @@ def close_readers() -> None:
 
 
 atexit.register(close_readers)
+
+
+def close_readers_under(root: Path) -> None:
+    """Stop the cached readers of the repositories inside ``root`` (a run's own
+    repositories, read by the stage that made them and then never again by this process);
+    readers of other repositories stay cached."""
+    base = os.path.abspath(root)
+    with _readers_lock:
+        for key in [k for k in _readers if k[0] == base or k[0].startswith(base + os.sep)]:
+            _readers.pop(key).close()
 
 
 def _open_reader(repo: Path) -> tuple[tuple[str, int, int], _Repo]:
@@ -483,6 +509,7 @@ def export_tree(repo: Path, tree: str, dest: Path) -> None:
         raise IntegrityError(f"git archive {tree[:12]} wrote more than "
                              f"{MAX_ARCHIVE_TRAILER} bytes after the end of the archive")
     if proc.returncode != 0 and (refused is None or proc.returncode != -signal.SIGPIPE):
+        _raise_if_environment(["archive", tree[:12]], err, repo)
         raise ConfigError(git_failure(f"archive {tree[:12]}", proc.returncode, err),
                           path=str(repo))
     if refused is not None:

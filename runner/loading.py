@@ -155,9 +155,33 @@ class StrictLoader(yaml.SafeLoader):
     def construct_yaml_float(self, node: ScalarNode) -> float:
         value = super().construct_yaml_float(node)
         if not math.isfinite(value):
-            raise ConstructorError(None, None, f"non-finite number {show(node.value)} is not "
-                                   "accepted", node.start_mark)
+            raise _NonFinite(node)
         return value
+
+
+class _NonFinite(ConstructorError):
+    """A non-finite float; carries its node so that the error can name the field."""
+
+    def __init__(self, node: ScalarNode) -> None:
+        super().__init__(None, None, f"non-finite number {show(node.value)} is not accepted",
+                         node.start_mark)
+        self.node = node
+
+
+def _node_loc(root: Node, target: Node) -> tuple[int | str, ...] | None:
+    """The key path from ``root`` to ``target`` in a composed YAML tree (None: not found)."""
+    stack: list[tuple[Node, tuple[int | str, ...]]] = [(root, ())]
+    while stack:
+        node, loc = stack.pop()
+        if node is target:
+            return loc
+        if isinstance(node, MappingNode):
+            for key, value in node.value:
+                name = key.value if isinstance(key, ScalarNode) else "?"
+                stack.append((value, (*loc, str(name))))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((v, (*loc, i)) for i, v in enumerate(node.value))
+    return None
 
 
 StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)
@@ -166,15 +190,20 @@ StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_y
 def parse_yaml(text: str, *, path: str) -> Any:
     """One YAML document under :class:`StrictLoader`; ConfigError with line and column."""
     loader: StrictLoader | None = None
+    root: Node | None = None
     try:
         loader = StrictLoader(text)  # the reader checks characters here already
-        return loader.get_single_data()
+        root = loader.get_single_node()
+        return None if root is None else loader.construct_document(root)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         refused = isinstance(exc, ComposerError | ConstructorError)
+        loc = (_node_loc(root, exc.node) if isinstance(exc, _NonFinite) and root is not None
+               else None)
         raise ConfigError(f"not accepted as YAML: {where}{show(exc.problem or exc)}",
-                          path=path, fix="plain YAML: no anchors, aliases, merge keys, "
+                          path=path, field=field_path(loc) if loc else None,
+                          fix="plain YAML: no anchors, aliases, merge keys, "
                           "duplicate keys, custom tags or non-finite numbers" if refused
                           else "correct the YAML syntax at that line") from None
     except (yaml.YAMLError, ValueError, RecursionError) as exc:

@@ -3,17 +3,26 @@
 ``refuse_existing`` is checked first, so a rerun into used evidence fails before any
 work; ``make_fresh_dir`` decides races; ``remove_created`` takes back what a failed
 command made before its run started, so the corrected rerun can use the same path.
+``staged`` is for a command whose output is only whole or absent (an export corpus, a
+build context): it is written under a hidden sibling name and renamed into place at the
+end, so a failure, a full disk or a signal leaves nothing at ``out`` to block the rerun.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import os
+import secrets
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from runner.errors import ConfigError
+from runner.failures import is_environment_error
 
-__all__ = ["make_fresh_dir", "refuse_existing", "remove_created"]
+__all__ = ["make_fresh_dir", "refuse_existing", "remove_created", "staged"]
 
 
 def make_fresh_dir(out: Path) -> list[Path]:
@@ -63,3 +72,70 @@ def remove_created(created: list[Path]) -> None:
     for d in reversed(parents):
         with contextlib.suppress(OSError):
             d.rmdir()
+
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+
+
+def _rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst``; FileExistsError when ``dst`` exists (renameat2
+    RENAME_NOREPLACE where the kernel and file system have it; else checked, then renamed)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        fn = None
+    if fn is not None:
+        if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst),
+              _RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(code, os.strerror(code), str(dst))
+    if dst.exists() or dst.is_symlink():
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+    os.rename(src, dst)
+
+
+@contextlib.contextmanager
+def staged(out: Path, *, field: str = "--out") -> Iterator[Path]:
+    """A new hidden directory beside ``out`` to write into; renamed to ``out`` when the
+    block ends normally (never over an existing ``out``: ConfigError), removed with its
+    content and the parents this made when it does not (an error, a full disk, a signal).
+
+    So ``out`` exists only whole: an interrupted or failed command leaves nothing that
+    blocks running it again. A directory that refuses the write is bad input naming
+    ``out``; a full disk stays an environment failure."""
+    refuse_existing(out)
+    created: list[Path] = []
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    made = False
+    try:
+        try:
+            for parent in reversed(out.parents):
+                if not parent.exists():
+                    with contextlib.suppress(FileExistsError):
+                        parent.mkdir()
+                        created.append(parent)
+            tmp.mkdir()
+            made = True
+        except OSError as exc:
+            if is_environment_error(exc):
+                raise
+            raise ConfigError(f"cannot create {out}: {exc.strerror or exc}", field=field,
+                              fix="choose an output directory you can write") from None
+        yield tmp
+        try:
+            _rename_noreplace(tmp, out)
+        except FileExistsError:
+            raise ConfigError(f"{out} already exists (made while this command ran); prior "
+                              "evidence is never overwritten", field=field,
+                              fix="choose a new output directory") from None
+    except BaseException:
+        if made:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for d in reversed(created):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise

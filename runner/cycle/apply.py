@@ -146,7 +146,18 @@ def apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
     inside the directory the container wrote (its .git/config could carry commands):
     it clones it with --no-local into ``candidate.git`` and checks that clone. With
     ``export_to``, the candidate tree is exported there and checked against its blobs.
+    The git readers of the stage's own repositories are stopped when it ends (nothing
+    reads them again in this process; cached, each held two processes and four pipes).
     """
+    try:
+        return _apply_proposal(stage_dir, repo, tree, run=run, uid=uid, export_to=export_to)
+    finally:
+        gitops.close_readers_under(stage_dir)
+
+
+def _apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
+                    run: Callable[[Path], RunRecord], uid: int,
+                    export_to: Path | None) -> Applied | ApplyRefusal:
     work = stage_dir / "work"
     work.mkdir(mode=0o700)
     base_commit = gitops.throwaway_repo(repo, tree, work / "repo")

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NoReturn
 
 from pydantic import Field
 
+from runner import interrupts
 from runner.cycle.compare import load_records
 from runner.cycle.config import DreamSpec, load_cycle
 from runner.cycle.dream import DreamSummary
@@ -27,7 +28,14 @@ from runner.cycle.plan import (
 )
 from runner.cycle.receipt import build
 from runner.cycle.run import CycleRunner, Progress
-from runner.errors import ConfigError
+from runner.errors import (
+    ConfigError,
+    CycleboxError,
+    EnvironmentFailure,
+    Interrupted,
+    SandboxError,
+)
+from runner.failures import Failure
 from runner.hashing import canonical_bytes, sha256_file
 from runner.isolation.sandbox import Frozen, Sandbox
 from runner.outdir import make_fresh_dir, refuse_existing
@@ -106,7 +114,18 @@ def _arm(cycle: Path, out: Path, *, images: dict[str, str], spec: DreamSpec,
          sandbox: Sandbox, progress: Progress | None) -> DreamArm:
     _, plan_hash = freeze(cycle, out, images=images, dream_override=spec)
     outcome = CycleRunner(out / "plan.json", sandbox=sandbox, progress=progress).run()
-    receipt = build(outcome)
+    failure = outcome.failure
+    if failure is not None and failure.reason == "environment_failure":
+        # disk full: no receipt (as `cycle run`), and no second arm
+        raise EnvironmentFailure(f"{_first(outcome.result.reasons, failure.reason)} (no "
+                                 f"receipt written; partial arm in {out})")
+    with interrupts.shielded():
+        receipt = build(outcome)
+    if failure is not None or interrupts.seen():
+        # A signal, a lost engine or a bug ended this arm: the paired comparison cannot be
+        # made, so the other arm never starts and no dream receipt is written. This arm's
+        # verdict and receipt (naming the reason) stay as evidence.
+        _stop(failure, out)
     plan = read_plan_doc(out / "plan.json").plan
     split = {s.id: s.split for s in load_frozen_manifest(out).scenarios}
     cases = {c for c in plan.policy.cases if split.get(c) != DEVELOPMENT}
@@ -127,6 +146,20 @@ def _arm(cycle: Path, out: Path, *, images: dict[str, str], spec: DreamSpec,
         model_calls=total.calls, dream=receipt.dream,
         patch_sha256=outcome.patch_sha256,
     )
+
+
+def _first(reasons: tuple[str, ...] | list[str], default: str) -> str:
+    return reasons[0] if reasons else default
+
+
+def _stop(failure: Failure | None, arm: Path) -> NoReturn:
+    """Raise the error whose exit code says why an arm stopped (130, 6 or 10)."""
+    where = f"the {arm.name} arm's verdict and receipt are in {arm}; no dream receipt"
+    if failure is None or failure.reason == "interrupted":
+        raise Interrupted(f"dream compare interrupted; {where}")
+    if failure.reason == "engine_error":
+        raise SandboxError(f"dream compare stopped: {failure.message}; {where}")
+    raise CycleboxError(f"dream compare stopped: {failure.message}; {where}")
 
 
 def paired(cycle: Path, out: Path, *, images: dict[str, str], sandbox: Sandbox,

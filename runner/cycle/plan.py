@@ -199,8 +199,9 @@ def _requirements_warnings(cycle: CycleFile, requirements: str | None) -> tuple[
 
 def _check_src_paths(repo: Path, tree: str, cycle: CycleFile, where: str) -> None:
     """The agent's tree is exported and mounted at /src in every case and checked out at
-    /work/repo by apply: a path in it that would be PATH_MAX or longer there, or a name the export refuses (a control
-    character), is bad input now, naming it, not an error in every case."""
+    /work/repo by apply: a path in it that would be PATH_MAX or longer there, or a name
+    the export refuses (a control character), is bad input now, naming it, not an error
+    in every case."""
     from runner import gitops
 
     # The longest place the tree is used: the apply stage's checkout at /work/repo (the

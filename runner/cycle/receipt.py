@@ -608,6 +608,8 @@ def _candidate_problems(root_fd: int, run_dir: Path, tree: str | None) -> list[s
         got = gitops.commit_tree(run_dir / CANDIDATE_GIT, commit)
     except (ConfigError, IntegrityError) as exc:
         return [f"{where}: cannot recompute the tree of {commit[:80]}: {exc}"]
+    finally:
+        gitops.close_readers_under(run_dir / CANDIDATE_GIT)  # read once per verify
     if got != tree:
         return [f"{where}: tree of commit {commit} is {got}, the receipt says {tree}"]
     return []

@@ -17,6 +17,7 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from runner.errors import ConfigError
+from runner.failures import is_environment_error
 from runner.loading import show
 from runner.project import manifest_tools
 
@@ -105,10 +106,15 @@ def scaffold(dest: Path, *, name: str | None = None) -> Scaffold:
                 f.write(data)
             written.append("/".join(parts))
         built = manifest_tools.build(dest / "scenarios.yaml", dest / "data")
-        manifest_tools.write_atomic(built.manifest, dest / "manifest.json")
+        manifest_tools.write_atomic(built.manifest, dest / "manifest.json", field="DIR")
         written.append("manifest.json")
-    except BaseException:
+    except BaseException as exc:
         _undo(dest, written, created_root)
+        if isinstance(exc, OSError) and not is_environment_error(exc):
+            # a read-only or forbidden place: the operator's choice of DIR, named
+            where = show(str(exc.filename or dest))
+            raise ConfigError(f"cannot write {where}: {exc.strerror or exc}", field="DIR",
+                              fix="give a new directory in a place you can write") from None
         raise
     return Scaffold(root=dest, name=pname, files=sorted(written))
 

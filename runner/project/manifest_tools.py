@@ -33,6 +33,7 @@ from runner.cycle.models import SPLITS, Manifest, Reference, Scenario, Store, sc
 from runner.cycle.scorer_specs import Scoring
 from runner.cycle.scoring import project_scorer_file
 from runner.errors import CheckFailed, ConfigError
+from runner.failures import is_environment_error
 from runner.hashing import sha256_file
 from runner.isolation.sandbox import Frozen
 from runner.loading import is_inside, load_model, relative_inside, show
@@ -109,8 +110,21 @@ def stores_of(spec: dict[str, str], data_dir: Path, *, path: str,
         if not is_inside(p, data_dir):
             raise ConfigError(f"{show(str(p))} resolves outside {data_dir}", path=path,
                               field=f, fix="keep every store inside the data directory")
-        out[sid] = Store(path=rel, sha256=sha256_file(p), size_bytes=p.stat().st_size)
+        size, digest = _size_and_hash(p, path=path, field=f)
+        out[sid] = Store(path=rel, sha256=digest, size_bytes=size)
     return out
+
+
+def _size_and_hash(p: Path, *, path: str, field: str) -> tuple[int, str]:
+    """Size and sha256 of a store file; ConfigError naming it when it cannot be read (a full
+    disk or descriptor table stays an environment failure)."""
+    try:
+        return p.stat().st_size, sha256_file(p)
+    except OSError as exc:
+        if is_environment_error(exc):
+            raise
+        raise ConfigError(f"{show(str(p))} cannot be read: {exc.strerror or exc}", path=path,
+                          field=field, fix="make the store file readable") from None
 
 
 def build(scenarios_path: Path, data_dir: Path) -> Built:
@@ -189,7 +203,7 @@ def mismatches(path: Path, data_dir: Path) -> list[Mismatch]:
         if not regular:
             out.append(Mismatch(f"stores.{sid}.path", f"{p} is missing or not a regular file"))
             continue
-        size, digest = p.stat().st_size, sha256_file(p)
+        size, digest = _size_and_hash(p, path=show(str(path)), field=f"stores.{sid}.path")
         if digest != st.sha256:
             out.append(Mismatch(f"stores.{sid}.sha256", f"{p} has sha256 {digest[:12]}…; the "
                                 f"manifest says {st.sha256[:12]}…"))
@@ -228,29 +242,42 @@ def rehash(path: Path, data_dir: Path) -> list[str]:
                if getattr(stores[k], attr) != getattr(m.stores[k], attr)]
     changed += [k for k in ("reference_hash", "data_hash") if getattr(fixed, k) != getattr(m, k)]
     if changed:
-        write_atomic(fixed, path)
+        write_atomic(fixed, path, field=None)  # the manifest itself, named by its path
     return changed
 
 
-def write_atomic(m: Manifest, path: Path) -> None:
+def write_atomic(m: Manifest, path: Path, *, field: str | None = "--out") -> None:
     """Write the manifest next to ``path`` and rename it over ``path`` (no torn file); an
-    existing file keeps its mode, a new one gets the umask's."""
+    existing file keeps its mode, a new one gets the umask's.
+
+    A directory or file that refuses the write (read-only, not permitted) is bad input
+    naming ``path`` (and ``field``, the option that named it, if any); a full disk stays an
+    environment failure."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+    def refused(exc: OSError) -> ConfigError:
+        return ConfigError(f"cannot write {show(str(path))}: {exc.strerror or exc}",
+                           path=None if field else show(str(path)), field=field,
+                           fix=f"make {show(str(path.parent))} writable, or write elsewhere")
+
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
                      0o666)
     except OSError as exc:
-        raise ConfigError(f"cannot write into {show(str(path.parent))}: {exc.strerror}",
-                          field="--out", fix="an existing directory you can write") from None
+        if is_environment_error(exc):
+            raise
+        raise refused(exc) from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(manifest_bytes(m))
         with contextlib.suppress(FileNotFoundError):
             os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and not is_environment_error(exc):
+            raise refused(exc) from None
         raise
 
 

@@ -55,6 +55,19 @@ class _Reader:
     def json(self, rel: str) -> Any:
         return self._try(readfs.read_json, rel)
 
+    def json_object(self, rel: str) -> dict[str, Any] | None:
+        """A JSON object, or None with a problem naming the file when it is valid JSON of
+        another kind (a list, a string, a number)."""
+        known = len(self.problems)
+        doc = self.json(rel)
+        if isinstance(doc, dict):
+            return doc
+        if len(self.problems) > known:  # unreadable: that problem is named already
+            return None
+        self.problems.append(f"{rel}: expected a JSON object, found a {_kind(doc)}; "
+                             "the file is not what cyclebox wrote")
+        return None
+
     def jsonl(self, rel: str) -> list[Any]:
         return self._try(readfs.read_jsonl, rel) or []
 
@@ -66,6 +79,11 @@ class _Reader:
         data: bytes | None = self._try(lambda r, p: readfs.read_bytes(r, p, limit, head=head),
                                        rel)
         return data
+
+
+def _kind(doc: Any) -> str:
+    names = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if doc is None else names.get(type(doc), type(doc).__name__)
 
 
 def _answer_text(answer: dict[str, object] | None) -> str | None:
@@ -161,7 +179,7 @@ def build_report(run_dir: Path) -> Report:
     if not found:
         raise OutputRejected(f"{run_dir}: no plan.json (a regular file); {hint}")
     rd = _Reader(run_dir)
-    doc = rd.json("plan.json")
+    doc = rd.json_object("plan.json")
     plan: dict[str, Any] = doc.get("plan", {}) if isinstance(doc, dict) else {}
     raw_policy = plan.get("policy")
     policy: dict[str, Any] = raw_policy if isinstance(raw_policy, dict) else {}
@@ -184,10 +202,12 @@ def build_report(run_dir: Path) -> Report:
                           candidate=tuple(sorted(v["candidate"], key=lambda a: a.trial)))
                   for cid, v in by_case.items())
 
-    verdict_doc = rd.json("stages/compare/verdict.json")
-    v: dict[str, Any] = verdict_doc if isinstance(verdict_doc, dict) else {}
+    v: dict[str, Any] = rd.json_object("stages/compare/verdict.json") or {}
     verdict = str(v.get("verdict", "incomplete"))
     if verdict not in EXIT:
+        if "verdict" in v:
+            rd.problems.append(cap(f"stages/compare/verdict.json: unknown verdict "
+                                   f"{v['verdict']!r}", 500))
         verdict = "incomplete"
     stats = None
     if isinstance(v.get("statistics"), dict):
@@ -198,7 +218,7 @@ def build_report(run_dir: Path) -> Report:
     costs, fixture = _costs(rd)
     receipt = rd.raw("receipt.json", readfs.MAX_FILE)
     patch = rd.raw("stages/apply/candidate.patch", MAX_PATCH, head=True)
-    receipt_doc = rd.json("receipt.json") if receipt is not None else None
+    receipt_doc = rd.json_object("receipt.json") if receipt is not None else None
     timing = receipt_doc.get("timing") if isinstance(receipt_doc, dict) else None
     reasons = v.get("reasons") if isinstance(v.get("reasons"), list) else []
     trials = plan.get("trials")

@@ -12,6 +12,7 @@ import secrets
 from pathlib import Path
 
 from runner.errors import ConfigError
+from runner.failures import is_environment_error
 from runner.report.model import Report
 
 
@@ -28,29 +29,42 @@ def check_targets(**targets: Path | None) -> None:
         if path.is_dir():
             raise ConfigError(f"{path} is a directory", path=str(path), field=f"--{flag}",
                               fix="give a file name")
+        if not os.access(parent, os.W_OK | os.X_OK):  # also False on a read-only mount
+            raise ConfigError(f"cannot write into {parent} (read-only or not permitted)",
+                              path=str(path), field=f"--{flag}",
+                              fix="pick a path in a directory you can write")
 
 
-def _write(path: Path, data: bytes) -> None:
+def _write(path: Path, data: bytes, *, flag: str) -> None:
     """Write via a temporary file and rename: an existing symlink at ``path`` is replaced,
     never followed. The file gets the operator's umask (0666 less it), like any file a
-    command writes for them; ``mkstemp``'s 0600 made a shared CI summary unreadable."""
+    command writes for them; ``mkstemp``'s 0600 made a shared CI summary unreadable. A
+    directory that refuses the write (read-only, not permitted) is bad input naming
+    ``path`` and ``--flag``; a full disk stays an environment failure."""
     parent = path.parent if str(path.parent) else Path(".")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    for _ in range(100):
-        tmp = parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-        try:
-            fd = os.open(tmp, flags, 0o666)
-            break
-        except FileExistsError:
-            continue
-    else:
-        raise FileExistsError(f"no free temporary name beside {path}")
+    tmp: Path | None = None
     try:
+        for _ in range(100):
+            candidate = parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+            try:
+                fd = os.open(candidate, flags, 0o666)
+            except FileExistsError:
+                continue
+            tmp = candidate
+            break
+        else:
+            raise FileExistsError(f"no free temporary name beside {path}")
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as exc:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and not is_environment_error(exc):
+            raise ConfigError(f"cannot write {path}: {exc.strerror or exc}", path=str(path),
+                              field=f"--{flag}", fix="pick a path in a directory you can "
+                              "write") from None
         raise
 
 
@@ -65,11 +79,11 @@ def write_outputs(run_dir: Path, *, junit: Path | None = None, markdown: Path | 
     check_targets(junit=junit, markdown=markdown, html=html)
     report = build_report(run_dir)
     if junit is not None:
-        _write(junit, render_junit(report))
+        _write(junit, render_junit(report), flag="junit")
     if markdown is not None:
-        _write(markdown, render_markdown(report).encode())
+        _write(markdown, render_markdown(report).encode(), flag="markdown")
     if html is not None:
         _write(html, render_html(report, run_dir=run_dir,
                                  html_dir=html.parent if str(html.parent) else Path("."))
-               .encode())
+               .encode(), flag="html")
     return report

@@ -45,7 +45,16 @@ from runner.gateway.transcript import NOT_TURNS, Unparsed, arguments_are_objects
 from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_json
 from runner.isolation.collect import loads_strict
 from runner.isolation.sandbox import Frozen
-from runner.loading import load_model, parse_model, read_capped, show
+from runner.loading import (
+    decode_utf8,
+    load_model,
+    parse_json,
+    parse_model,
+    read_capped,
+    show,
+    validate,
+)
+from runner.outdir import staged
 
 SIDES = {"baseline": "baseline", "candidate": "candidate"}
 
@@ -265,14 +274,52 @@ def reply_of(response: bytes) -> tuple[str | None, bool]:
     return turn["reply"], turn["parsed"]
 
 
+class _ReceiptFiles(BaseModel):
+    """The run receipt's file table (path -> sha256), which the export checks the records
+    files against; ``runner.cycle.receipt.Receipt`` is the whole document."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    files: dict[str, str]
+
+
 def _grades(run: Path) -> dict[str, Record]:
+    """The graded records of both arms, joined by :func:`join_key`.
+
+    Each records file the run's receipt names must be there with the bytes the receipt
+    hashed (IntegrityError naming the file otherwise: a missing file is not "nothing was
+    graded"); a file the receipt does not name is refused too. A line that is not a record
+    is a ConfigError naming ``file:line``."""
+    receipt = load_model(run / "receipt.json", _ReceiptFiles, fmt="json", what="run receipt",
+                         ref=(str(run), "--run"), fix=RUN_FIX)
     out = {}
     for side in SIDES:
-        f = run / "stages" / side / "records.jsonl"
-        if not f.is_file():
+        rel = f"stages/{side}/records.jsonl"
+        f = run / rel
+        want = receipt.files.get(rel)
+        try:
+            present = f.is_file() or f.is_symlink() or f.exists()
+        except OSError:
+            present = True  # read below, and named there
+        if want is None:
+            if present:
+                raise IntegrityError(f"{f}: the run's receipt does not name this records "
+                                     "file; it was added after the run")
             continue
-        for line in f.read_text().splitlines():
-            r = Record.model_validate_json(line)
+        if not present:
+            raise IntegrityError(f"{f} is missing; the run's receipt recorded it (sha256 "
+                                 f"{want[:16]}…), so its grades cannot be left out")
+        data = read_capped(f, what="records file", fix=RUN_FIX)
+        got = sha256_bytes(data)
+        if got != want:
+            raise IntegrityError(f"{f}: sha256 {got}, the run's receipt recorded {want}; the "
+                                 "records changed after the run")
+        text = decode_utf8(data, path=show(str(f)))
+        for n, line in enumerate(text.split("\n"), start=1):
+            if not line.strip():
+                continue
+            where = f"{show(str(f))}:{n}"
+            r = validate(Record, parse_json(line, path=where), path=where, fix=RUN_FIX)
             out[join_key(side, r.case_id, r.trial)] = r
     return out
 
@@ -336,36 +383,39 @@ def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPoli
     rl_rows, sft_rows, skipped = verl_rows(trajectories, refs, ability=",".join(policy.roles))
     from runner.train.verl_parquet import write_rl, write_sft
 
-    out.mkdir(parents=True)
-    body = "".join(json.dumps(t, sort_keys=True, ensure_ascii=False) + "\n"
-                   for t in trajectories)
-    (out / "trajectories.jsonl").write_text(body, encoding="utf-8")
-    tools_kind = {"rl": write_rl(rl_rows, out / RL_PARQUET),
-                  "sft": write_sft(sft_rows, out / SFT_PARQUET)}
-    fmt_pass = sum(t["r_format"] for t in trajectories)
-    summary = ExportSummary(
-        trajectories=len(trajectories), turns=sum(len(t["turns"]) for t in trajectories),
-        r_format={"1": fmt_pass, "0": len(trajectories) - fmt_pass},
-        r_outcome={"1": sum(t["r_outcome"] == 1.0 for t in trajectories),
-                   "0": sum(t["r_outcome"] == 0.0 for t in trajectories),
-                   "null": sum(t["r_outcome"] is None for t in trajectories)},
-        r_outcome_basis={b: sum(t["r_outcome_basis"] == b for t in trajectories)
-                         for b in ("correctness", "refusal")},
-        format_pass_rate=round(fmt_pass / len(trajectories), 4) if trajectories else None,
-        rl_rows=len(rl_rows), sft_rows=len(sft_rows), not_in_parquet=skipped,
-        format_reasons=format_reasons(trajectories), not_turns=dict(sorted(not_turns.items())),
-        tool_calls=sum(len((r["reply_message"] or {}).get("tool_calls", []))
-                       for t in trajectories for r in t["turns"]),
-        tools_column=tools_kind, fixture=any(t["fixture"] for t in trajectories))
-    (out / "summary.json").write_text(json.dumps(summary.model_dump(mode="json"), indent=1,
-                                                 sort_keys=True))
-    receipt = ExportReceipt(
-        format=fmt, run=str(run), run_receipt_sha256=cal.run_receipt_sha256,
-        calibration_sha256=cal_sha, kappa=kappa, min_kappa=policy.min_kappa,
-        trajectories_sha256=sha256_bytes(body.encode("utf-8")),
-        rl_parquet_sha256=sha256_file(out / RL_PARQUET),
-        sft_parquet_sha256=sha256_file(out / SFT_PARQUET), summary=summary)
-    (out / "export-receipt.json").write_bytes(canonical_bytes(receipt))
+    # written under a hidden sibling name and renamed into place: a failure, a full disk
+    # or a signal leaves no partial corpus, and nothing at --out that blocks the rerun
+    with staged(out) as tmp:
+        body = "".join(json.dumps(t, sort_keys=True, ensure_ascii=False) + "\n"
+                       for t in trajectories)
+        (tmp / "trajectories.jsonl").write_text(body, encoding="utf-8")
+        tools_kind = {"rl": write_rl(rl_rows, tmp / RL_PARQUET),
+                      "sft": write_sft(sft_rows, tmp / SFT_PARQUET)}
+        fmt_pass = sum(t["r_format"] for t in trajectories)
+        summary = ExportSummary(
+            trajectories=len(trajectories), turns=sum(len(t["turns"]) for t in trajectories),
+            r_format={"1": fmt_pass, "0": len(trajectories) - fmt_pass},
+            r_outcome={"1": sum(t["r_outcome"] == 1.0 for t in trajectories),
+                       "0": sum(t["r_outcome"] == 0.0 for t in trajectories),
+                       "null": sum(t["r_outcome"] is None for t in trajectories)},
+            r_outcome_basis={b: sum(t["r_outcome_basis"] == b for t in trajectories)
+                             for b in ("correctness", "refusal")},
+            format_pass_rate=round(fmt_pass / len(trajectories), 4) if trajectories else None,
+            rl_rows=len(rl_rows), sft_rows=len(sft_rows), not_in_parquet=skipped,
+            format_reasons=format_reasons(trajectories),
+            not_turns=dict(sorted(not_turns.items())),
+            tool_calls=sum(len((r["reply_message"] or {}).get("tool_calls", []))
+                           for t in trajectories for r in t["turns"]),
+            tools_column=tools_kind, fixture=any(t["fixture"] for t in trajectories))
+        (tmp / "summary.json").write_text(json.dumps(summary.model_dump(mode="json"), indent=1,
+                                                     sort_keys=True))
+        receipt = ExportReceipt(
+            format=fmt, run=str(run), run_receipt_sha256=cal.run_receipt_sha256,
+            calibration_sha256=cal_sha, kappa=kappa, min_kappa=policy.min_kappa,
+            trajectories_sha256=sha256_bytes(body.encode("utf-8")),
+            rl_parquet_sha256=sha256_file(tmp / RL_PARQUET),
+            sft_parquet_sha256=sha256_file(tmp / SFT_PARQUET), summary=summary)
+        (tmp / "export-receipt.json").write_bytes(canonical_bytes(receipt))
     return summary
 
 

@@ -23,6 +23,7 @@ from runner.errors import (
     ConfigError,
     EnvironmentFailure,
     IntegrityError,
+    Interrupted,
     OutputRejected,
     SandboxError,
 )
@@ -271,9 +272,14 @@ def sft(trainer: Trainer, corpus: Path, base: Path, out: Path, *, lr: float, see
     _check_model_dir(base)
     out = out.resolve()
     trainer.fresh_output(out)
-    inputs = _fresh_inputs(out, {"config.json": json.dumps({
-        "lr": lr, "seed": seed, "epochs": epochs, "include_failed": include_failed,
-        "base_model_host": str(base.resolve())})})
+    try:
+        inputs = _fresh_inputs(out, {"config.json": json.dumps({
+            "lr": lr, "seed": seed, "epochs": epochs, "include_failed": include_failed,
+            "base_model_host": str(base.resolve())})})
+    except BaseException:  # nothing ran: --out must not block the rerun
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    interrupted = False
     try:
         rec = run_trainer(trainer, "sandbox.train.sft", out=out, run_id="train-sft",
                           on_event=on_event,
@@ -289,6 +295,14 @@ def sft(trainer: Trainer, corpus: Path, base: Path, out: Path, *, lr: float, see
             raise SandboxError(f"sft failed: {rec.stop_reason.value} {rec.detail} "
                                f"{rec.stderr_tail[-800:]}")
         return verify_receipt(out, SftReceipt)
+    except (KeyboardInterrupt, Interrupted):
+        interrupted = True
+        raise
     finally:
         shutil.rmtree(inputs, ignore_errors=True)
-        hand_over(out)  # the evidence of a failed run too
+        if interrupted:
+            # stopped by a signal: no receipt claims anything, and an --out left behind
+            # would only make the same command refuse to run again ("exists")
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            hand_over(out)  # the evidence of a failed run too

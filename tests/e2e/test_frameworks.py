@@ -32,7 +32,8 @@ import yaml
 
 from runner import gitops
 
-# the first run builds the matrix's derived image (~100 wheels), then records and replays 16 cases a side
+# the first run builds the matrix's derived image (~100 wheels), then records and
+# replays 16 cases a side
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(2700)]
 
 ROOT = Path(__file__).resolve().parents[2]

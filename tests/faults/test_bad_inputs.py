@@ -54,6 +54,8 @@ class Env:
     vars: dict[str, str] = field(default_factory=dict)
     untouched: list[Path] = field(default_factory=list)
     """Paths whose bytes must not change (e.g. an existing --out)."""
+    cleanups: list[Callable[[], object]] = field(default_factory=list)
+    """Run after the command, last first (e.g. unmounting a read-only bind)."""
 
     @property
     def ex(self) -> Path:
@@ -98,6 +100,15 @@ class Env:
 
     def run_args(self) -> list[str]:
         return ["cycle", "run", str(self.cycle), "--out", str(self.out)]
+
+    def read_only(self, path: Path) -> Path:
+        """Make the directory ``path`` read-only (a read-only bind mount onto itself; root
+        ignores permission bits, not a read-only mount); undone after the command."""
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
+        self.cleanups.append(lambda: subprocess.run(["umount", "-l", str(path)], check=False))
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
+        return path
 
     def prepare(self) -> Path:
         """A prepared plan (freeze succeeded) in ``root/prepared``; returns plan.json."""
@@ -307,12 +318,12 @@ def _(e: Env) -> list[str]:
     return e.run_args()
 
 
-@case("cycle-budget-inf", 3, "cycle.yaml", "non-finite")
+@case("cycle-budget-inf", 3, "cycle.yaml", "budget.limit_usd", "non-finite")
 def _(e: Env) -> list[str]:
     return _cycle_text(e, e.cycle.read_text().replace("limit_usd: 1.0", "limit_usd: .inf"))
 
 
-@case("cycle-judge-nan", 3, "cycle.yaml", "non-finite")
+@case("cycle-judge-nan", 3, "cycle.yaml", "judge.threshold", "non-finite")
 def _(e: Env) -> list[str]:
     return _cycle_text(e, e.cycle.read_text() + "judge: {model: fixture-judge, threshold: .nan}\n")
 
@@ -322,7 +333,8 @@ def _(e: Env) -> list[str]:
     return _cycle_text(e, e.cycle.read_text().replace("limit_usd: 1.0", 'limit_usd: "inf"'))
 
 
-@case("cycle-upstream-timeout-inf", 3, "cycle.yaml", "non-finite")
+@case("cycle-upstream-timeout-inf", 3, "cycle.yaml", "upstreams.target.timeout_s",
+      "non-finite")
 def _(e: Env) -> list[str]:
     return _cycle_text(e, e.cycle.read_text().replace(
         "max_tokens: 1024\n", "max_tokens: 1024\n    timeout_s: .inf\n", 1))
@@ -881,7 +893,7 @@ def _(e: Env) -> list[str]:
     return e.run_args()
 
 
-@case("roles-timeout-inf", 3, "roles.yaml", "non-finite")
+@case("roles-timeout-inf", 3, "roles.yaml", "roles.analyst.timeout_s", "non-finite")
 def _(e: Env) -> list[str]:
     text = ROLES.read_text().replace("timeout_s: 120", "timeout_s: .inf", 1)
     e.write("roles.yaml", text)
@@ -1172,6 +1184,119 @@ def _(e: Env) -> list[str]:
     return ["gateway", "calls", str(e.root)]
 
 
+# init and the manifest tools
+@case("init-under-read-only-dir", 3, "DIR", "ro/new", "Read-only")
+def _(e: Env) -> list[str]:
+    return ["init", str(e.read_only(e.root / "ro") / "new")]
+
+
+@case("init-into-read-only-dir", 3, "DIR", "ro", "Read-only")
+def _(e: Env) -> list[str]:
+    return ["init", str(e.read_only(e.root / "ro"))]
+
+
+@case("init-into-non-empty-dir", 3, "DIR", "not empty")
+def _(e: Env) -> list[str]:
+    e.write("full/keep.txt", "mine")
+    e.untouched.append(e.root / "full")
+    return ["init", str(e.root / "full")]
+
+
+def _manifest_copy(e: Env) -> Path:
+    """The example's manifest and data under root/m (the manifest's default --data)."""
+    m = e.root / "m"
+    (m / "data").mkdir(parents=True)
+    shutil.copy2(e.ex / "manifest.json", m / "manifest.json")
+    shutil.copy2(e.ex / "data" / "shop.sqlite", m / "data" / "shop.sqlite")
+    return m
+
+
+@case("manifest-rehash-read-only", 3, "manifest.json", "Read-only")
+def _(e: Env) -> list[str]:
+    m = _manifest_copy(e)
+    with (m / "data" / "shop.sqlite").open("ab") as f:
+        f.write(b"\0")  # a changed store: rehash has something to write
+    e.untouched.append(m)
+    e.read_only(m)
+    return ["manifest", "rehash", str(m / "manifest.json")]
+
+
+@case("manifest-build-out-read-only", 3, "--out", "ro/manifest.json", "Read-only")
+def _(e: Env) -> list[str]:
+    scen = e.write("proj/scenarios.yaml", (PROJECT_ROOT / "runner/project/template/"
+                                           "scenarios.yaml").read_text()
+                   .replace("__NAME__", "proj"))
+    shutil.copytree(PROJECT_ROOT / "runner/project/template/data", e.root / "proj/data")
+    return ["manifest", "build", "--scenarios", str(scen), "--data",
+            str(e.root / "proj/data"), "--out", str(e.read_only(e.root / "ro") / "manifest.json")]
+
+
+# report
+@case("report-markdown-read-only", 3, "--markdown", "ro/r.md")
+def _(e: Env) -> list[str]:
+    (e.root / "run").mkdir()
+    return ["report", str(e.root / "run"), "--markdown",
+            str(e.read_only(e.root / "ro") / "r.md")]
+
+
+@case("report-run-not-a-directory", 3, "RUN_DIR", "not a directory")
+def _(e: Env) -> list[str]:
+    return ["report", str(e.root / "nope"), "--markdown", str(e.root / "r.md")]
+
+
+@case("manifest-check-data-missing", 3, "manifest.json", "--data", "does not exist")
+def _(e: Env) -> list[str]:
+    return ["manifest", "check", str(e.ex / "manifest.json"), "--data", str(e.root / "nope")]
+
+
+# export (a hand-built finished run with a calibration bound to its receipt)
+def _export(e: Env, damage: Callable[[Path], object]) -> list[str]:
+    from tests.faults.test_export_faults import make_run
+    from tests.unit.test_export import _calibration
+
+    run = make_run(e.root / "run")
+    cal = _calibration(e.root, "table", lambda v: v, run)
+    damage(run)
+    return ["export", "--run", str(run), "--out", str(e.out), "--calibration", str(cal)]
+
+
+@case("export-records-gone", 8, "stages/candidate/records.jsonl is missing", "receipt")
+def _(e: Env) -> list[str]:
+    return _export(e, lambda run: (run / "stages/candidate/records.jsonl").unlink())
+
+
+@case("export-records-cut-mid-line", 8, "stages/baseline/records.jsonl", "receipt")
+def _(e: Env) -> list[str]:
+    def cut(run: Path) -> None:
+        f = run / "stages/baseline/records.jsonl"
+        f.write_bytes(f.read_bytes()[:-30])
+    return _export(e, cut)
+
+
+@case("export-no-calibration", 3, "--calibration", "calibration_missing")
+def _(e: Env) -> list[str]:
+    from tests.faults.test_export_faults import make_run
+
+    run = make_run(e.root / "run")
+    return ["export", "--run", str(run), "--out", str(e.out)]
+
+
+# dream compare
+@case("dream-compare-mode-off", 3, "cycle.yaml", "dream.mode")
+def _(e: Env) -> list[str]:
+    e.set_cycle(dream={"mode": "off"})
+    return ["dream", "compare", str(e.cycle), "--out", str(e.out)]
+
+
+@case("dream-compare-out-exists", 3, "--out", "already exists")
+def _(e: Env) -> list[str]:
+    e.set_cycle(dream={"mode": "template"})
+    e.out.mkdir()
+    (e.out / "keep").write_text("evidence")
+    e.untouched.append(e.out)
+    return ["dream", "compare", str(e.cycle), "--out", str(e.out)]
+
+
 # -- the test ------------------------------------------------------------------------------------
 @dataclass
 class Outcome:
@@ -1200,6 +1325,8 @@ def run_case(c: Case, root: Path) -> Outcome:
     finally:
         if lock_fd is not None:
             os.close(int(lock_fd))
+        for undo in reversed(e.cleanups):
+            undo()
     seconds = time.monotonic() - t0
     written = []
     if e.out.exists() and str(e.out) not in before:

@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import stat
 import tarfile
@@ -54,6 +55,7 @@ from runner.isolation.sandbox import (
     RunFlags,
     RunRecord,
     RunSpec,
+    StopReason,
     SweepResult,
     classify_stop,
 )
@@ -80,6 +82,34 @@ class _Finish:
     limit: bool = False
     invalid: bool = False
     detail: str = ""
+
+
+class _DiedEarly(Exception):
+    """The container stopped (killed from outside) before its role command could run."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        super().__init__("container stopped before its command ran")
+        self.state = state
+
+
+def killed_from_outside(container: Mapping[str, Any], *, ours: bool) -> str | None:
+    """A detail naming an outside kill when the container itself (the holder, PID 1)
+    stopped with a signal we did not send: e.g. ``docker kill`` (137, SIGKILL). The
+    holder exits 0 after a copy-out; only our own last-resort kill (``ours``) or the
+    kernel's OOM killer (flagged) would also stop it by a signal."""
+    state = container.get("State")
+    if ours or not isinstance(state, Mapping) or state.get("Running") \
+            or state.get("OOMKilled"):
+        return None
+    code = state.get("ExitCode")
+    if not isinstance(code, int) or code <= 128:
+        return None
+    try:
+        name = signal.Signals(code - 128).name
+    except ValueError:
+        name = f"signal {code - 128}"
+    return (f"the container was killed from outside the controller (exit {code}, {name}; "
+            "e.g. docker kill)")
 
 
 class _CopyOut:
@@ -153,7 +183,9 @@ class _CopyOut:
             self.ready.set()  # the stream ended: whoever waits for the marker stops
             self.done.set()
 
-    def result(self) -> _Finish:
+    def result(self, *, holder_gone: bool = False) -> _Finish:
+        """What the copy-out found; ``holder_gone``: the container stopped (killed from
+        outside), so no status line can still be on its way."""
         fin = _Finish()
         spec = self.spec
         if not self.done.is_set():
@@ -163,7 +195,7 @@ class _CopyOut:
         if isinstance(got, CopyRefused):
             # decided before the end of the stream: the status line, written before
             # the tar but on the other pipe, may still be on its way
-            self.announced.wait(STOP_GRACE_S)
+            self.announced.wait(0 if holder_gone else STOP_GRACE_S)
         status = _status(self.errs.text())
         pre, post = status.get("pre"), status.get("post")
         if pre is None or (post is None and not isinstance(got, CopyRefused)):
@@ -611,6 +643,7 @@ class DockerSandbox:
         fin = _Finish()
         image_id = spec.image
         cid: str | None = None
+        ours_killed = False
         try:
             seed_links: dict[str, str] = {}
             seed = _seed_tar(spec, seed_links)
@@ -640,12 +673,19 @@ class DockerSandbox:
                     self._seed(cid, spec, seed)
                 exec_id = api.exec_create(cid, **exec_kwargs(spec))["Id"]
                 # no role process before the holder made itself non-dumpable
-                if not copy.ready.wait(READY_TIMEOUT_S) or not copy.ready_ok:
+                if not self._wait_ready(copy, cid) or not copy.ready_ok:
                     raise SandboxError(f"the {spec.role} container's holder did not protect "
                                        f"its output stream within {READY_TIMEOUT_S:.0f} s"
                                        + _holder_said(copy.errs.text()))
                 stream = api.exec_start(exec_id, stream=True, demux=True)
-            except docker.errors.APIError as exc:
+            except (SandboxError, docker.errors.APIError) as exc:
+                # The container stopped under us (docker kill right after start): a run
+                # that ended, named, rather than an engine failure that ends the cycle.
+                dead = self._stopped(cid, within_s=2.0)  # a kill may still be landing
+                if dead is not None and killed_from_outside(dead, ours=False):
+                    raise _DiedEarly(dead) from None
+                if isinstance(exc, SandboxError):
+                    raise
                 raise SandboxError(f"engine could not start the {spec.role} command: "
                                    f"{exc.explanation or exc}") from None
 
@@ -692,6 +732,9 @@ class DockerSandbox:
             pumper.start()
             exec_info = self._wait_exec(exec_id, pumper, deadline)
             running = exec_state(exec_info)[1]
+            # a command ended by SIGKILL (or dropped): was the whole container killed?
+            killed = exec_state(exec_info)[0] in (None, 137)
+            dead = None if running else self._stopped(cid, within_s=1.0 if killed else 0.0)
             if running:
                 timed_out = True
             stop_role(None)  # also stops what the command left running in the background
@@ -700,12 +743,19 @@ class DockerSandbox:
             copy.done.wait(STOP_GRACE_S + FINISH_BASE_S
                            + spec.output_cap_bytes / FINISH_BYTES_PER_S)
             if not copy.done.is_set():
+                ours_killed = True
                 with contextlib.suppress(docker.errors.APIError):
                     api.kill(cid)
                 copy.done.wait(10)
-            pumper.join(timeout=STOP_GRACE_S)
-            fin = copy.result()
+            # a container killed under us may leave the exec's stream open until it is
+            # removed: nothing more will come, so do not wait the full grace for it
+            pumper.join(timeout=0.5 if dead is not None else STOP_GRACE_S)
+            fin = copy.result(holder_gone=dead is not None
+                              and killed_from_outside(dead, ours=ours_killed) is not None)
             state = api.inspect_container(cid)
+            image_id = str(state.get("Image", spec.image))
+        except _DiedEarly as died:
+            state = died.state
             image_id = str(state.get("Image", spec.image))
         finally:
             confirmed = self._remove(cid) if cid else True
@@ -714,9 +764,14 @@ class DockerSandbox:
                                    output_dir_exceeded=fin.limit, output_invalid=fin.invalid,
                                    output_detail=fin.detail, cleanup_confirmed=confirmed)
         reason, detail = classify_stop(flags)
+        exit_code = flags.exit_code
+        outside = killed_from_outside(state, ours=ours_killed)
+        if outside is not None and reason is StopReason.PROCESS_FAILED:
+            detail = outside if exec_info is None else f"{outside}; the command: {detail}"
+            exit_code = int(state["State"]["ExitCode"])  # what ended it: the outside kill
         return RunRecord(
             run_id=spec.run_id, role=spec.role, image_id=image_id,
-            container_name=str(kwargs["name"]), exit_code=flags.exit_code, stop_reason=reason,
+            container_name=str(kwargs["name"]), exit_code=exit_code, stop_reason=reason,
             detail=detail, wall_s=round(time.monotonic() - started, 3),
             stdout_bytes=out.total, stderr_bytes=err.total,
             stdout_tail=out.text(), stderr_tail=err.text(), cleanup_confirmed=confirmed,
@@ -747,6 +802,31 @@ class DockerSandbox:
             else:
                 time.sleep(wait)
             step = min(step * 2, 0.25)
+
+    def _wait_ready(self, copy: _CopyOut, cid: str) -> bool:
+        """Wait for the holder's readiness marker (:data:`READY_TIMEOUT_S`); False at once
+        when the container stopped meanwhile (its attach stream may stay open)."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not copy.ready.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline or self._stopped(cid) is not None:
+                return False
+        return True
+
+    def _stopped(self, cid: str, within_s: float = 0.0) -> dict[str, Any] | None:
+        """The container's inspect JSON once it is no longer running (polled for up to
+        ``within_s``); None while it runs or when the engine cannot say."""
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                info: dict[str, Any] = self.client.api.inspect_container(cid)
+            except (docker.errors.APIError, requests.exceptions.RequestException):
+                return None
+            state = info.get("State")
+            if isinstance(state, Mapping) and not state.get("Running"):
+                return info
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.1)
 
     def _seed(self, cid: str, spec: RunSpec, data: bytes) -> None:
         """Copy the host output directory's content into the output tmpfs (exec, stdin)."""

@@ -222,7 +222,11 @@ def wheel_dir(role: str) -> Path:
 def ensure_wheels(role: str, log: Log, inputs: ImageInputs | None = None) -> Path:
     """Download the role's wheels once per requirements content; return the directory."""
     req = requirements_file(role, inputs or load_inputs())
-    return download_wheels(req, wheel_dir(role), log, what=f"the {role} image")
+    try:
+        return download_wheels(req, wheel_dir(role), log, what=f"the {role} image")
+    except BaseException:  # a partial wheel set (full disk, signal): downloaded again next time
+        shutil.rmtree(wheel_dir(role), ignore_errors=True)
+        raise
 
 
 def download_wheels(req: Path, wdir: Path, log: Log, *, what: str,
@@ -365,17 +369,21 @@ def _assemble_context(role: str, wheels: Path, inputs: ImageInputs) -> Path:
     ctx = state_dir() / "context" / role
     if ctx.exists():
         shutil.rmtree(ctx)
-    (ctx / "wheels").mkdir(parents=True)
-    shutil.copy2(images_dir() / "Dockerfile", ctx / "Dockerfile")
-    shutil.copy2(requirements_file(role, inputs), ctx / "requirements.txt")
-    shutil.copy2(images_dir() / "harden.sh", ctx / "harden.sh")
-    for whl in wheels.glob("*.whl"):
-        link_or_copy(whl, ctx / "wheels" / whl.name)
-    root = sandbox_src()
-    for f in role_files(role, inputs):
-        dest = ctx / "sandbox" / f.relative_to(root)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(f, dest)
+    try:
+        (ctx / "wheels").mkdir(parents=True)
+        shutil.copy2(images_dir() / "Dockerfile", ctx / "Dockerfile")
+        shutil.copy2(requirements_file(role, inputs), ctx / "requirements.txt")
+        shutil.copy2(images_dir() / "harden.sh", ctx / "harden.sh")
+        for whl in wheels.glob("*.whl"):
+            link_or_copy(whl, ctx / "wheels" / whl.name)
+        root = sandbox_src()
+        for f in role_files(role, inputs):
+            dest = ctx / "sandbox" / f.relative_to(root)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, dest)
+    except BaseException:  # a full disk or a signal: no partial context stays behind
+        shutil.rmtree(ctx, ignore_errors=True)
+        raise
     return ctx
 
 
@@ -437,14 +445,16 @@ def build_roles(roles: list[str], log: Log, *, force: bool = False,
         built = existing is None or force
         if built:
             ctx = _assemble_context(role, wheels, inputs)
-            log(f"building {tag} (network none)")
-            for line in backend.build(ctx, tag, nocache=nocache,
-                                      buildargs={"BASE_IMAGE": base_ref, "ROLE": role},
-                                      labels={"io.cyclebox.role": role,
-                                              "io.cyclebox.input_hash": ih,
-                                              "io.cyclebox.base": base_id}):
-                log(line)
-            shutil.rmtree(ctx, ignore_errors=True)
+            try:
+                log(f"building {tag} (network none)")
+                for line in backend.build(ctx, tag, nocache=nocache,
+                                          buildargs={"BASE_IMAGE": base_ref, "ROLE": role},
+                                          labels={"io.cyclebox.role": role,
+                                                  "io.cyclebox.input_hash": ih,
+                                                  "io.cyclebox.base": base_id}):
+                    log(line)
+            finally:  # a failed or interrupted build leaves no context behind either
+                shutil.rmtree(ctx, ignore_errors=True)
             existing = backend.image_id(tag)
             if existing is None:
                 raise PrerequisiteError(f"build of {tag} reported success but no image exists")
