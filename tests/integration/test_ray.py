@@ -233,11 +233,18 @@ class EnvironScan:
             self.seen[ident] = ppid
             at = env.find(self.key)
             if at >= 0 and ident not in self.holders:
-                found.append((ident, ppid, cmd or f"[{comm}]", env, at))
-        for ident, ppid, cmd, env, at in found:  # after the pass: parents are recorded
-            verdict, line = self.judge(ident, ppid)
-            self.holders[ident] = {"verdict": verdict, "cmdline": cmd, "line": line,
-                                   "pass": self.passes, "context": mask(env, self.key, at)}
+                # judged at once, while its parents most likely still run; a parent that
+                # exited already may have been read later in this pass: judged again then
+                self._hold(ident, ppid, cmd or f"[{comm}]", env, at)
+                if self.holders[ident]["verdict"] == "unknown":
+                    found.append((ident, ppid, cmd or f"[{comm}]", env, at))
+        for args in found:
+            self._hold(*args)
+
+    def _hold(self, ident: Ident, ppid: int, cmd: str, env: bytes, at: int) -> None:
+        verdict, line = self.judge(ident, ppid)
+        self.holders[ident] = {"verdict": verdict, "cmdline": cmd, "line": line,
+                               "pass": self.passes, "context": mask(env, self.key, at)}
 
     def _parent(self, pid: int, born_by: int) -> tuple[Ident, int] | None:
         """The process ``pid`` that started no later than ``born_by`` (so not a newcomer
