@@ -382,6 +382,56 @@ def test_canary_key_on_the_head_reaches_no_worker_node(cluster: RayCluster,
         (s["hits"], s["scanned"]) for s in scans]
 
 
+CHURN = """
+import subprocess, sys, tempfile
+src = sys.argv[1]
+while True:  # short children (git) and grandchildren (a clone's upload-pack, index-pack)
+    subprocess.run(["git", "--version"], capture_output=True)
+    with tempfile.TemporaryDirectory() as d:
+        subprocess.run(["git", "-c", "protocol.file.allow=always", "clone", "-q",
+                        "file://" + src, d + "/c"], capture_output=True)
+"""
+
+
+def test_environ_scan_judges_short_lived_children_and_names_a_foreign_holder(
+        tmp_path: Path) -> None:
+    """The canary test's judge: children and grandchildren of the root that live a few
+    milliseconds are the root's (the judgement that read the parent line after a whole
+    pass took about one in 150 for foreign under load); a process outside the root's
+    tree holding the key is named, with its parent line and the key masked."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "f").write_text("x")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t",
+                    "add", "f"], check=True)
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t",
+                    "commit", "-qm", "f"], check=True)
+    key = "sk-cbxcanary-" + os.urandom(12).hex()
+    env = dict(os.environ, CBX_SCAN_KEY=key)
+    root = subprocess.Popen([sys.executable, "-c", CHURN, str(repo)], env=env)
+    foreign = subprocess.Popen(["sleep", "60"], env=env)
+    scan = EnvironScan(key.encode(), root.pid)
+    try:
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            scan.scan()
+            time.sleep(0.02)
+    finally:
+        root.kill()
+        foreign.kill()
+        root.wait()
+        foreign.wait()
+    theirs = {i: h for i, h in scan.holders.items() if i[0] != foreign.pid}
+    assert len(theirs) > 5, scan.holders
+    assert any(len(h["line"]) > 2 for h in theirs.values()), theirs  # grandchildren seen
+    wrong = {i: h for i, h in theirs.items() if h["verdict"] != "root"}
+    assert not wrong, wrong
+    (named,) = [h for i, h in scan.holders.items() if i[0] == foreign.pid]
+    assert named["verdict"] == "other" and named["line"][-1] == "1", named
+    assert key not in str(named) and "CBX_SCAN_KEY=<KEY>" in named["context"], named
+
+
 def test_doctor_checks_every_node_and_refuses_a_dead_address(cluster: RayCluster) -> None:
     """``doctor --backend ray``: every cyclebox node answers its engine, image, probe,
     relay-socket and relay-port checks; a mistyped address is refused by name within
