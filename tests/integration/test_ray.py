@@ -155,37 +155,151 @@ def run_id(run: Path) -> str:
     return f"{doc['plan']['name']}-{doc['plan_hash'][:10]}"
 
 
-def ancestors(pid: int) -> set[int]:
-    seen = set()
-    while pid > 1 and pid not in seen:
-        seen.add(pid)
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            break
-        pid = int(stat.rpartition(")")[2].split()[1])
-    return seen
+Ident = tuple[int, int]
+"""A process: (pid, start time in clock ticks since boot). Pids alone are reused within
+minutes on a busy host (pid_max 32768): a pid is never an identity here."""
 
 
-def cmdline(pid: int) -> str:
+def _stat(dirfd: int) -> tuple[int, int, str]:
+    """(start, ppid, comm) of the process whose ``/proc/<pid>`` directory is ``dirfd``."""
+    fd = os.open("stat", os.O_RDONLY, dir_fd=dirfd)
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200].decode()
-    except OSError:
-        return "?"
+        text = os.read(fd, 4096).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+    comm, _, rest = text.partition(" (")[2].rpartition(") ")
+    fields = rest.split()
+    return int(fields[19]), int(fields[1]), comm
 
 
-def environ_holders(marker: bytes, scanned: set[int]) -> set[int]:
-    """Processes whose environment holds ``marker``; every pid read goes into ``scanned``."""
-    found = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+def _read(dirfd: int, name: str) -> bytes:
+    fd = os.open(name, os.O_RDONLY, dir_fd=dirfd)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def mask(data: bytes, key: bytes, at: int, width: int = 120) -> str:
+    """``width`` bytes either side of ``at``, the key itself masked."""
+    return repr(data[max(0, at - width):at + width].replace(key, b"<KEY>"))
+
+
+class EnvironScan:
+    """Who holds ``key`` in their environment, judged exactly on a host whose processes
+    come and go and whose pids are reused within minutes.
+
+    Each pass lists ``/proc`` and reads every process through a directory descriptor of
+    its ``/proc/<pid>`` (which names that one process: once its pid is reused the reads
+    fail instead of reading the newcomer): first its stat (start time, parent), then its
+    environment. A holder is judged at once: it is the root's (the controller's) when its
+    parent, as read before its environment, is the root, or a process that started no
+    later than it and is the root's in turn (the parent read live, or as an earlier pass
+    recorded it when it has exited since). A holder whose line cannot be followed to the
+    root or to pid 1 is ``unknown``, reported, never taken for the root's."""
+
+    def __init__(self, key: bytes, root: int) -> None:
+        self.key = key
+        self.root = root
+        self.seen: dict[Ident, int] = {}
+        """Every process read (identity -> parent pid), over all passes."""
+        self.holders: dict[Ident, dict[str, Any]] = {}
+        self.passes = 0
+
+    def scan(self) -> None:
+        self.passes += 1
+        found: list[tuple[Ident, int, str, bytes, int]] = []
+        for name in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                dirfd = os.open(f"/proc/{name}", os.O_RDONLY | os.O_DIRECTORY)
+            except OSError:
+                continue
+            try:
+                start, ppid, comm = _stat(dirfd)
+                env = _read(dirfd, "environ")
+                try:
+                    cmd = _read(dirfd, "cmdline")[:200].replace(b"\0", b" ").decode(
+                        "utf-8", "replace")
+                except OSError:  # exited after its environment was read: still judged
+                    cmd = ""
+            except OSError:  # exited before its environment could be read
+                continue
+            finally:
+                os.close(dirfd)
+            ident = (int(name), start)
+            self.seen[ident] = ppid
+            at = env.find(self.key)
+            if at >= 0 and ident not in self.holders:
+                # judged at once, while its parents most likely still run; a parent that
+                # exited already may have been read later in this pass: judged again then
+                self._hold(ident, ppid, cmd or f"[{comm}]", env, at)
+                if self.holders[ident]["verdict"] == "unknown":
+                    found.append((ident, ppid, cmd or f"[{comm}]", env, at))
+        for args in found:
+            self._hold(*args)
+
+    def _hold(self, ident: Ident, ppid: int, cmd: str, env: bytes, at: int) -> None:
+        verdict, line = self.judge(ident, ppid)
+        self.holders[ident] = {"verdict": verdict, "cmdline": cmd, "line": line,
+                               "pass": self.passes, "context": mask(env, self.key, at)}
+
+    def _parent(self, pid: int, born_by: int) -> tuple[Ident, int] | None:
+        """The process ``pid`` that started no later than ``born_by`` (so not a newcomer
+        that took a parent's pid after it exited), and its own parent pid."""
         try:
-            data = Path(f"/proc/{pid}/environ").read_bytes()
+            dirfd = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                start, ppid, _ = _stat(dirfd)
+            finally:
+                os.close(dirfd)
+            if start <= born_by:
+                return (pid, start), ppid
         except OSError:
-            continue
-        scanned.add(int(pid))
-        if marker in data:
-            found.add(int(pid))
-    return found
+            pass
+        earlier = [(s, pp) for (p, s), pp in self.seen.items() if p == pid and s <= born_by]
+        if not earlier:
+            return None
+        start, ppid = max(earlier)
+        return (pid, start), ppid
+
+    def judge(self, ident: Ident, ppid: int) -> tuple[str, list[str]]:
+        """("root" | "other" | "unknown", the line of parents followed)."""
+        line = [f"{ident[0]}@{ident[1]}"]
+        if ident[0] == self.root:  # the root's pid is not reused while it is not reaped
+            return "root", [f"{line[0]} (root)"]
+        born_by = ident[1]
+        while True:
+            if ppid == self.root:
+                return "root", [*line, f"{ppid} (root)"]
+            if ppid <= 1:
+                return "other", [*line, str(ppid)]
+            up = self._parent(ppid, born_by)
+            if up is None:
+                return "unknown", [*line, f"{ppid} (exited, never read)"]
+            (pid, born_by), ppid = up
+            line.append(f"{pid}@{born_by}")
+            if len(line) > 64:
+                return "unknown", line
+
+    def read_alive(self, pid: int) -> list[Ident]:
+        """The identities read with ``pid`` (several when it was reused)."""
+        return [i for i in self.seen if i[0] == pid]
+
+
+def start_of(pid: int) -> int | None:
+    try:
+        dirfd = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        return _stat(dirfd)[0]
+    except OSError:
+        return None
+    finally:
+        os.close(dirfd)
 
 
 def test_canary_key_on_the_head_reaches_no_worker_node(cluster: RayCluster,
@@ -209,13 +323,10 @@ def test_canary_key_on_the_head_reaches_no_worker_node(cluster: RayCluster,
         proc = subprocess.Popen([*CLI, "cycle", "run", str(cycle), "--out", str(run),
                                  "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=env, cwd=PROJECT_ROOT)
-        holders: dict[int, tuple[bool, str]] = {}
-        scanned: set[int] = set()
+        scan = EnvironScan(canary.encode(), proc.pid)
         try:
             while proc.poll() is None:  # who holds the key while the cycle runs
-                for p in environ_holders(canary.encode(), scanned) - {os.getpid()} - set(holders):
-                    # judged at once: (started by the controller, command line)
-                    holders[p] = (proc.pid in ancestors(p), cmdline(p))
+                scan.scan()
                 time.sleep(0.1)
             out, err = proc.communicate(timeout=30)
         finally:
@@ -232,28 +343,93 @@ def test_canary_key_on_the_head_reaches_no_worker_node(cluster: RayCluster,
     # gateway would have failed the cycle; a call without the key hits the 401 rule)
     assert stats["total_requests"] > 0 and "unauthorized-or-unknown" not in stats["by_rule"]
     # only the controller (and what it started, e.g. git) ever held the key; no process
-    # of the cluster, and in particular no node process that ran a relay
-    assert holders, "the scan must see the controller"
-    assert all(ours for ours, _ in holders.values()), holders
+    # of the cluster, and in particular no node process that ran a relay. Processes are
+    # told apart by (pid, start time): on a busy host a pid comes back within minutes.
+    (Path(os.environ.get("CANARY_DIAG", str(tmp_path))) / "holders.json").write_text(
+        json.dumps({"controller": proc.pid, "passes": scan.passes, "holders": {
+            f"{p}@{s}": h for (p, s), h in scan.holders.items()}}, indent=1))
+    assert any(p == proc.pid for p, _ in scan.holders), "the scan must see the controller"
+    foreign = {f"{p}@{s}": h for (p, s), h in scan.holders.items() if h["verdict"] != "root"}
+    assert not foreign, f"the key is held outside the controller: {foreign}"
     rows = containers(run)
     relays = {int(r["labels"][PID_LABEL]) for r in rows}
     cluster_pids = cluster.pids()
-    # the node processes that ran the containers and their relays were read while alive
-    assert relays and relays <= scanned and len(relays) >= 2
-    assert not (set(holders) & (cluster_pids | relays))
+    # the node processes that ran the containers and their relays were read while alive:
+    # a child of one of the cluster's own processes under that pid (it may be reused)
+    read = {r: [i for i in scan.read_alive(r) if scan.seen[i] in cluster_pids]
+            for r in relays}
+    assert len(relays) >= 2 and all(read.values()), read
+    cluster_ids = {(p, s) for p in cluster_pids if (s := start_of(p)) is not None}
+    assert cluster_ids
+    held = set(scan.holders) & (cluster_ids | {i for ids in read.values() for i in ids})
+    assert not held, held
     assert len({r["labels"][NODE_LABEL] for r in rows}) == 2
     # nothing any node wrote (input cache, run directories) holds it
     files = [f for f in cluster.node_dir.rglob("*") if f.is_file() and not f.is_symlink()]
     assert files
     for f in files:
-        assert b"cbxcanary" not in f.read_bytes(), f
+        data = f.read_bytes()
+        i = data.find(b"cbxcanary")
+        assert i < 0, (f, data[max(0, i - 200):i + 200].replace(canary.encode(), b"<KEY>"))
     # no container's engine view, nor anything a container could read, holds it
     assert inspector.seen
-    for doc in inspector.seen.values():
-        assert "cbxcanary" not in doc
+    for cid, doc in inspector.seen.items():
+        i = doc.find("cbxcanary")
+        assert i < 0, (cid, doc[max(0, i - 300):i + 200].replace(canary, "<KEY>"))
     scans = [json.loads(p.read_text()) for p in (run / "stages").glob(
         "*/cases/*/out/canary-scan.json")]
-    assert scans and all(s["hits"] == [] and s["scanned"] > 0 for s in scans)
+    assert scans and all(s["hits"] == [] and s["scanned"] > 0 for s in scans), [
+        (s["hits"], s["scanned"]) for s in scans]
+
+
+CHURN = """
+import subprocess, sys, tempfile
+src = sys.argv[1]
+while True:  # short children (git) and grandchildren (a clone's upload-pack, index-pack)
+    subprocess.run(["git", "--version"], capture_output=True)
+    with tempfile.TemporaryDirectory() as d:
+        subprocess.run(["git", "-c", "protocol.file.allow=always", "clone", "-q",
+                        "file://" + src, d + "/c"], capture_output=True)
+"""
+
+
+def test_environ_scan_judges_short_lived_children_and_names_a_foreign_holder(
+        tmp_path: Path) -> None:
+    """The canary test's judge: children and grandchildren of the root that live a few
+    milliseconds are the root's (the judgement that read the parent line after a whole
+    pass took about one in 150 for foreign under load); a process outside the root's
+    tree holding the key is named, with its parent line and the key masked."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "f").write_text("x")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t",
+                    "add", "f"], check=True)
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t",
+                    "commit", "-qm", "f"], check=True)
+    key = "sk-cbxcanary-" + os.urandom(12).hex()
+    env = dict(os.environ, CBX_SCAN_KEY=key)
+    root = subprocess.Popen([sys.executable, "-c", CHURN, str(repo)], env=env)
+    foreign = subprocess.Popen(["sleep", "60"], env=env)
+    scan = EnvironScan(key.encode(), root.pid)
+    try:
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            scan.scan()
+            time.sleep(0.02)
+    finally:
+        root.kill()
+        foreign.kill()
+        root.wait()
+        foreign.wait()
+    theirs = {i: h for i, h in scan.holders.items() if i[0] != foreign.pid}
+    assert len(theirs) > 5, scan.holders
+    assert any(len(h["line"]) > 2 for h in theirs.values()), theirs  # grandchildren seen
+    wrong = {i: h for i, h in theirs.items() if h["verdict"] != "root"}
+    assert not wrong, wrong
+    (named,) = [h for i, h in scan.holders.items() if i[0] == foreign.pid]
+    assert named["verdict"] == "other" and named["line"][-1] == "1", named
+    assert key not in str(named) and "CBX_SCAN_KEY=<KEY>" in named["context"], named
 
 
 def test_doctor_checks_every_node_and_refuses_a_dead_address(cluster: RayCluster) -> None:
