@@ -8,7 +8,9 @@ and never import the Docker backend.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +58,26 @@ def sandbox() -> Sandbox:
     from runner.isolation.registry import get_sandbox
 
     return get_sandbox(str(_choice["name"]), **dict(_choice["options"]))
+
+
+def exit_if_stranded(code: int) -> None:
+    """End the process with ``code`` now, past the interpreter's own shutdown, when the
+    opened backend lost what it runs on (the Ray head: Ray's shutdown waits on it, and
+    its core worker crashes the interpreter's teardown with SIGSEGV). Everything was
+    written by then; the other exit handlers run first."""
+    if not sandbox.cache_info().currsize:
+        return
+    lost = getattr(sandbox(), "head_lost", None)
+    if not callable(lost) or not lost():
+        return
+    import atexit
+    import os
+
+    atexit._run_exitfuncs()  # the backend took Ray's own shutdown off the list
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(int(code or 0))
 
 
 def role_image(role: str) -> str:

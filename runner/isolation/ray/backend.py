@@ -31,6 +31,7 @@ ended (no live stream).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -650,7 +651,16 @@ def _watch_head(ray: Any, address: str) -> HeadWatch | None:
         host, _, port = str(node.gcs_address).rpartition(":")
         targets.append(("GCS", (host.strip("[]"), int(port))))
         targets.append(("raylet", (str(node.node_ip_address), int(node.node_manager_port))))
-    return HeadWatch(address, targets) if targets else None
+    return HeadWatch(address, targets, on_lost=_skip_ray_shutdown) if targets else None
+
+
+def _skip_ray_shutdown() -> None:
+    """Once the head is lost, the driver's exit must not go through ``ray.shutdown``
+    (registered by Ray with atexit): it waits on the dead head for seconds."""
+    with contextlib.suppress(Exception):
+        import ray._private.worker
+
+        atexit.unregister(ray._private.worker.shutdown)
 
 
 def _differs(ref: str, ids: dict[str, str | None], head_id: str | None) -> PrerequisiteError:

@@ -52,9 +52,11 @@ class HeadWatch:
 
     def __init__(self, address: str, targets: list[Target], *, every: float = EVERY_S,
                  grace: float = GRACE_S,
-                 check: Callable[[tuple[str, int]], str | None] = probe) -> None:
+                 check: Callable[[tuple[str, int]], str | None] = probe,
+                 on_lost: Callable[[], object] | None = None) -> None:
         self.address, self.targets = address, list(targets)
         self.every, self.grace, self._check = every, grace, check
+        self._on_lost = on_lost
         self._cond = threading.Condition()
         self._since: float | None = None  # first failed probe of the current outage
         self._why = ""
@@ -76,6 +78,7 @@ class HeadWatch:
         with self._cond:
             if self._lost is not None:
                 return
+            was_lost = False
             if failed is None:
                 self._since, self._why = None, ""
             else:
@@ -90,7 +93,10 @@ class HeadWatch:
                         "to it. Its nodes' runs end with it: `cyclebox gc` on each node "
                         "removes what they leave. Fix: restart the cluster (`ray start "
                         "--head`, then the nodes) and run again")
+                    was_lost = True
             self._cond.notify_all()
+        if was_lost and self._on_lost is not None:
+            self._on_lost()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every):
