@@ -421,7 +421,7 @@ def test_loopback_endpoint_on_a_node_reaches_the_heads_gateway(
     assert [(r.role, r.case, r.status) for r in recs] == [("analyst", "c1", "ok")]
 
 
-SLOW_EVERY_RUN = "\nimport time as _t\n_t.sleep(150)  # every run: in the stage when the head goes\n"
+SLOW_EVERY_RUN = "\nimport time as _t\n_t.sleep(150)  # in the stage when the head goes\n"
 HEAD_LOST_BOUND_S = 30.0
 """From the head's kill to the controller's exit (Ray's own GCS wait alone is 60 s)."""
 
