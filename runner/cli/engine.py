@@ -35,6 +35,12 @@ def choose_backend(name: str | None = None, *, ray_address: str | None = None) -
     if ray_address and name != "ray":
         raise ConfigError("--ray-address is only for the ray backend", field="--ray-address",
                           fix="add --backend ray, or drop --ray-address")
+    if name == "ray" and ray_address is not None:
+        from runner.isolation.ray.address import ADDRESS_FIX, address_problem
+
+        why = address_problem(ray_address)
+        if why is not None:  # bad input (3), not a cluster that was not found (5)
+            raise ConfigError(why, field="--ray-address", fix=ADDRESS_FIX)
     if sandbox.cache_info().currsize:
         raise ConfigError("the backend was chosen after it was opened", field="--backend",
                           fix="report this as a bug")
