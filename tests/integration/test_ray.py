@@ -504,8 +504,15 @@ def test_head_lost_mid_stage_ends_with_exit_6_a_named_verdict_and_a_receipt(
             time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive, [cmdline(p) for p in alive]
-    gc = cli("gc", "--json")
+    # gc would remove every one of them (a dry run: the engine is shared, and a real gc
+    # would also take other sessions' orphans); then exactly this run's are removed
+    gc = cli("gc", "--dry-run", "--json")
     assert gc.returncode == 0, gc.stdout + gc.stderr
+    mine = [r for r in json.loads(gc.stdout) if r["kind"] == "container" and r["run_id"] == rid]
+    assert all(r["would_remove"] for r in mine), mine
+    from runner.isolation.docker.backend import DockerSandbox
+
+    DockerSandbox().leftovers(rid)
     assert run_containers(rid) == []
     from runner.isolation.ray import node as node_side
 
