@@ -76,6 +76,7 @@ def main() -> None:
         code = guarded_exit_for(exc)
     finally:
         _remove_own_git_dirs()
+    engine.exit_if_stranded(code)
     sys.exit(code)
 
 

@@ -8,7 +8,9 @@ and never import the Docker backend.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,12 @@ def choose_backend(name: str | None = None, *, ray_address: str | None = None) -
     if ray_address and name != "ray":
         raise ConfigError("--ray-address is only for the ray backend", field="--ray-address",
                           fix="add --backend ray, or drop --ray-address")
+    if name == "ray" and ray_address is not None:
+        from runner.isolation.ray.address import ADDRESS_FIX, address_problem
+
+        why = address_problem(ray_address)
+        if why is not None:  # bad input (3), not a cluster that was not found (5)
+            raise ConfigError(why, field="--ray-address", fix=ADDRESS_FIX)
     if sandbox.cache_info().currsize:
         raise ConfigError("the backend was chosen after it was opened", field="--backend",
                           fix="report this as a bug")
@@ -56,6 +64,26 @@ def sandbox() -> Sandbox:
     from runner.isolation.registry import get_sandbox
 
     return get_sandbox(str(_choice["name"]), **dict(_choice["options"]))
+
+
+def exit_if_stranded(code: int) -> None:
+    """End the process with ``code`` now, past the interpreter's own shutdown, when the
+    opened backend lost what it runs on (the Ray head: Ray's shutdown waits on it, and
+    its core worker crashes the interpreter's teardown with SIGSEGV). Everything was
+    written by then; the other exit handlers run first."""
+    if not sandbox.cache_info().currsize:
+        return
+    lost = getattr(sandbox(), "head_lost", None)
+    if not callable(lost) or not lost():
+        return
+    import atexit
+    import os
+
+    atexit._run_exitfuncs()  # the backend took Ray's own shutdown off the list
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(int(code or 0))
 
 
 def role_image(role: str) -> str:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from runner.errors import ConfigError
 from runner.gateway.budget import BudgetPolicy
@@ -82,6 +82,16 @@ class RaySpec(Frozen):
     address: str | None = None
     """The cluster's head (``HOST:PORT``); omitted: Ray's ``auto`` (the cluster this
     machine belongs to). ``--ray-address`` overrides it."""
+
+    @field_validator("address")
+    @classmethod
+    def _address_form(cls, v: str | None) -> str | None:
+        from runner.isolation.ray.address import ADDRESS_FIX, address_problem
+
+        why = address_problem(v) if v is not None else None
+        if why is not None:
+            raise ValueError(f"{why}; expected: {ADDRESS_FIX.removeprefix('give ')}")
+        return v
 
 
 class CycleFile(Frozen):

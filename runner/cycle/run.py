@@ -255,9 +255,13 @@ class CycleRunner:
         deadline = time.monotonic() + STOP_GRACE_S
         while True:
             self._stop_containers()
-            _, pending = wait(futures, timeout=0.3)
+            # done() counts a job the pool's shutdown cancelled before it started;
+            # wait() never does (it waits for a notification that never comes), so
+            # waiting on those alone took the whole grace period
+            pending = [f for f in futures if not f.done()]
             if not pending or time.monotonic() > deadline:
                 return
+            wait(pending, timeout=0.3)
 
     def _stop_containers(self) -> None:
         """Admit no new container and kill and remove the run's running ones."""

@@ -599,6 +599,77 @@ def _(e: Env) -> list[str]:
     return ["images", "gc"]
 
 
+# the Ray backend: a mistyped address is bad input (3) naming the flag or the field, before
+# Ray is asked (Ray said "Invalid address format" or an int() error, exit 5); a well-formed
+# address where no cluster answers is a missing prerequisite (5), named within seconds
+def _ray(e: Env, *address: str) -> list[str]:
+    return [*e.run_args(), "--backend", "ray", *(["--ray-address", *address] if address
+                                                 else [])]
+
+
+@case("ray-address-without-ray-backend", 3, "--ray-address", "only for the ray backend")
+def _(e: Env) -> list[str]:
+    return [*e.run_args(), "--ray-address", "10.0.0.1:6379"]
+
+
+@case("ray-unknown-backend", 3, "--backend", "unknown backend 'nosuch'", "docker, ray")
+def _(e: Env) -> list[str]:
+    return [*e.run_args(), "--backend", "nosuch"]
+
+
+@case("ray-address-port-not-a-number", 3, "--ray-address", "'head:notaport'", "65535")
+def _(e: Env) -> list[str]:
+    return _ray(e, "head:notaport")
+
+
+@case("ray-address-port-out-of-range", 3, "--ray-address", "'10.0.0.1:99999'", "65535")
+def _(e: Env) -> list[str]:
+    return _ray(e, "10.0.0.1:99999")
+
+
+@case("ray-address-without-port", 3, "--ray-address", "not HOST:PORT")
+def _(e: Env) -> list[str]:
+    return _ray(e, "headnode")
+
+
+@case("ray-address-with-space", 3, "--ray-address", "space or control character")
+def _(e: Env) -> list[str]:
+    return _ray(e, "not an address")
+
+
+@case("ray-address-empty", 3, "--ray-address", "empty Ray address")
+def _(e: Env) -> list[str]:
+    return _ray(e, "")
+
+
+@case("ray-cycle-address-malformed", 3, "cycle.yaml", "ray.address", "a URL, not HOST:PORT")
+def _(e: Env) -> list[str]:
+    e.set_cycle(backend="ray", ray={"address": "http://head"})
+    return e.run_args()
+
+
+@case("ray-cycle-address-unknown-key", 3, "cycle.yaml", "ray.adress")
+def _(e: Env) -> list[str]:
+    e.set_cycle(backend="ray", ray={"adress": "10.0.0.1:6379"})
+    return e.run_args()
+
+
+@case("ray-cluster-unreachable", 5, "Ray cluster not reachable at 127.0.0.1:1",
+      "ray start --head")
+def _(e: Env) -> list[str]:
+    return _ray(e, "127.0.0.1:1")
+
+
+@case("ray-gc-cluster-unreachable", 5, "Ray cluster not reachable at 127.0.0.1:1")
+def _(e: Env) -> list[str]:
+    return ["gc", "--backend", "ray", "--ray-address", "127.0.0.1:1"]
+
+
+@case("ray-doctor-address-malformed", 3, "--ray-address", "'head:'")
+def _(e: Env) -> list[str]:
+    return ["doctor", "--backend", "ray", "--ray-address", "head:"]
+
+
 # the agent's own requirements (project.requirements): resolved offline from a local
 # --find-links directory of wheels built here; every refusal is bad input (exit 3) naming
 # the field, the file and pip's own reason, and leaves no wheel behind

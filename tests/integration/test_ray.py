@@ -595,3 +595,107 @@ def test_loopback_endpoint_on_a_node_reaches_the_heads_gateway(
     assert rec.stdout_tail.strip() == "pong" and NODE_LABEL in rec.labels
     recs = CallLog(tmp_path / "gateway").records()
     assert [(r.role, r.case, r.status) for r in recs] == [("analyst", "c1", "ok")]
+
+
+SLOW_EVERY_RUN = "\nimport time as _t\n_t.sleep(150)  # in the stage when the head goes\n"
+HEAD_LOST_BOUND_S = 30.0
+"""From the head's kill to the controller's exit (Ray's own GCS wait alone is 60 s)."""
+
+
+def managed() -> list[tuple[str, str, dict[str, str]]]:
+    from runner.isolation.docker.backend import DockerSandbox
+
+    return DockerSandbox().managed_containers()
+
+
+@pytest.fixture
+def own_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
+    """A cluster of this test alone: its head is killed (only its own processes)."""
+    c = RayCluster(tmp_path_factory.mktemp("own-nodes"))
+    try:
+        yield c
+    finally:
+        c.cluster.shutdown()
+
+
+def test_head_lost_mid_stage_ends_with_exit_6_a_named_verdict_and_a_receipt(
+        own_cluster: RayCluster, tmp_path: Path) -> None:
+    """Every process of the head (GCS, raylet, object store) killed while the baseline's
+    runs are under way on the worker nodes: the controller says so within seconds
+    (before: exit 1 with nothing written, at Ray's 60 s GCS wait, or a hang), exit 6,
+    a verdict naming the lost cluster, a receipt that verifies; the containers and node
+    run directories the dead cluster left are gc-able."""
+    agent = example_agent().replace("from __future__ import annotations\n",
+                                    "from __future__ import annotations\n" + SLOW_EVERY_RUN, 1)
+    cycle = project_with_agent(tmp_path / "cyc", agent)
+    run = tmp_path / "run"
+    head = own_cluster.cluster.head_node
+    head_pids = {i.process.pid for infos in head.all_processes.values() for i in infos}
+    assert head_pids and head_pids <= own_cluster.pids()
+    proc = subprocess.Popen([*CLI, "cycle", "run", str(cycle), "--out", str(run), "--json",
+                             "--backend", "ray", "--ray-address", own_cluster.address],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=PROJECT_ROOT, env=dict(os.environ, PYTHONFAULTHANDLER="1"))
+    try:
+        wait_for(lambda: stage_started(run, "baseline")
+                 and any(own_cluster.node_dir.glob("*/runs/*/out")), proc,
+                 "baseline runs on the nodes")
+        rid = run_id(run)
+        t0 = time.monotonic()
+        own_cluster.cluster.remove_node(head, allow_graceful=False)  # SIGKILL, its own pids
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGABRT)  # PYTHONFAULTHANDLER: every thread's stack
+            out, err = proc.communicate(timeout=30)
+            raise AssertionError(f"no exit 120 s after the head was killed:\n"
+                                 f"{err[-8000:]}") from None
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    detail = f"rc {proc.returncode} after {elapsed:.1f}s\n{out[-3000:]}\n{err[-3000:]}"
+    print(f"head killed -> controller exit {proc.returncode} in {elapsed:.1f} s\n{err}")
+    assert proc.returncode == 6, detail
+    assert "Traceback" not in err, detail
+    assert elapsed < HEAD_LOST_BOUND_S, detail
+    v = verdict(run)
+    assert v["verdict"] == "invalid_comparison", v
+    assert v["reasons"][0].startswith("engine_error"), v["reasons"]
+    assert "Ray head" in v["reasons"][0] and own_cluster.address in v["reasons"][0], v
+    assert "Ray head" in err and own_cluster.address in err, detail
+    res = cli("receipt", "verify", str(run))
+    assert res.returncode == 0, res.stdout + res.stderr
+    receipt = json.loads((run / "receipt.json").read_text())
+    assert receipt["outcome"]["verdict"] == "invalid_comparison"
+    # the lost cluster's leftovers could not be checked: the receipt says so, never []
+    assert receipt["leftovers"] and all("unknown" in x for x in receipt["leftovers"])
+    # what the dead cluster leaves (its nodes' task processes go with it) is gc-able:
+    # the containers by the local engine's gc, the node run directories by the nodes' own
+    own_cluster.cluster.shutdown()
+    owners = {int(labels["io.cyclebox.owner_pid"]) for _, _, labels in managed()
+              if labels.get("io.cyclebox.run_id") == rid}
+    deadline = time.monotonic() + 60  # the dead raylets' task processes exit after them
+    while (alive := {p for p in owners if Path(f"/proc/{p}").exists()}) and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive, [cmdline(p) for p in alive]
+    # gc would remove every one of them (a dry run: the engine is shared, and a real gc
+    # would also take other sessions' orphans); then exactly this run's are removed
+    gc = cli("gc", "--dry-run", "--json")
+    assert gc.returncode == 0, gc.stdout + gc.stderr
+    mine = [r for r in json.loads(gc.stdout) if r["kind"] == "container" and r["run_id"] == rid]
+    assert all(r["would_remove"] for r in mine), mine
+    from runner.isolation.docker.backend import DockerSandbox
+
+    DockerSandbox().leftovers(rid)
+    assert run_containers(rid) == []
+    from runner.isolation.ray import node as node_side
+
+    os.environ[node_side.NODE_DIR_ENV] = str(own_cluster.node_dir)
+    try:
+        node_side.sweep_scratch(dry_run=False)
+    finally:
+        os.environ.pop(node_side.NODE_DIR_ENV)
+    left = [d for d in own_cluster.node_dir.glob("*/runs/*") if d.is_dir()]
+    assert left == [], left

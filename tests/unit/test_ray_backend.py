@@ -247,3 +247,26 @@ def test_cycle_file_backend_is_optional_and_named() -> None:
     assert fields["backend"].description and fields["ray"].description
     schema = CycleFile.model_json_schema(by_alias=True)
     assert schema["properties"]["backend"]["enum"] == ["docker", "ray"]
+
+
+@pytest.mark.parametrize("address", ["auto", "10.0.0.1:6379", "head.example:6379",
+                                     "[::1]:6379", "ray://head:10001", "h:1", "h:65535"])
+def test_well_formed_ray_addresses_pass(address: str) -> None:
+    from runner.isolation.ray.address import address_problem
+
+    assert address_problem(address) is None
+
+
+@pytest.mark.parametrize(("address", "why"), [
+    ("", "empty"), ("   ", "empty"), ("head", "not HOST:PORT"), (":6379", "not HOST:PORT"),
+    ("head:", "port ''"), ("head:0", "port '0'"), ("head:65536", "port '65536'"),
+    ("head:6379x", "port '6379x'"), ("head:١٢٣", "port '١٢٣'"), ("::1:6379", "IPv6"),
+    ("[::1:6379", "IPv6"), ("http://head:6379", "a URL"), ("he ad:1", "space"),
+    ("head:1\n", "control"), ("h" * 2000 + ":1", "longer than 1024")])
+def test_malformed_ray_addresses_are_named(address: str, why: str) -> None:
+    from runner.isolation.ray.address import address_problem
+
+    got = address_problem(address)
+    assert got is not None and why in got, got
+    with pytest.raises(ConfigError, match="--ray-address"):
+        choose_backend("ray", ray_address=address)

@@ -13,7 +13,11 @@ Each :class:`RunSpec` becomes one Ray task, pinned to a node that advertises the
 - reads the returned output tar with the same safe reader as a local run
   (:func:`runner.isolation.copyout.extract`) into ``spec.output_dir``;
 - turns a lost node (or a task that never returned) into a record with stop reason
-  ``node_lost``; it never retries a run (a retry would replace a failure, SPEC §2).
+  ``node_lost``; it never retries a run (a retry would replace a failure, SPEC §2);
+- watches the head it joined (:mod:`runner.isolation.ray.headwatch`): once the head is
+  lost, every call raises SandboxError naming the cluster (the stage ends as an engine
+  failure, exit 6, with a verdict and a receipt) and nothing more is asked of Ray, which
+  would otherwise end the controller with exit 1 and nothing written.
 
 - checks that every node has the image ids the plan uses; a node that lacks one gets it
   from the head's own engine (``docker save`` of the id the head resolved, in bounded
@@ -27,6 +31,7 @@ ended (no live stream).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -55,6 +60,7 @@ from runner.isolation.docker.backend import TAIL_BYTES, DockerSandbox, check_mou
 from runner.isolation.ray import node as node_side
 from runner.isolation.ray import ship
 from runner.isolation.ray.archive import digest, pack_input, pack_output
+from runner.isolation.ray.headwatch import HeadWatch, Target
 from runner.isolation.ray.relay import HeadForwarder, Ticket
 from runner.isolation.sandbox import (
     OutputCallback,
@@ -259,6 +265,8 @@ class RaySandbox:
                 if (sigterm is not None
                         and threading.current_thread() is threading.main_thread()):
                     signal.signal(signal.SIGTERM, sigterm)
+        self.address = address or "auto"
+        self._watch = _watch_head(ray, self.address)
         self.resource = resource
         self.relay_host = relay_host or str(
             ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
@@ -274,9 +282,21 @@ class RaySandbox:
         self._head_engine: DockerSandbox | None = None
         self._ship_lock = threading.Lock()
 
+    # -- the head ----------------------------------------------------------------
+    def head_lost(self) -> str | None:
+        """Why the head this controller joined is lost (None while it answers)."""
+        return self._watch.lost if self._watch is not None else None
+
+    def _head(self) -> None:
+        """Before a Ray call that needs the head: SandboxError naming the cluster once
+        the head is lost (a call then could end the process with exit 1, unnamed)."""
+        if self._watch is not None:
+            self._watch.ensure()
+
     # -- nodes -------------------------------------------------------------------
     def nodes(self) -> list[str]:
         """Ids of the alive nodes that advertise the cyclebox resource."""
+        self._head()
         return sorted(n["NodeID"] for n in self._ray.nodes()  # type: ignore[no-untyped-call]
                       if n.get("Alive") and (n.get("Resources") or {}).get(self.resource, 0) > 0)
 
@@ -314,8 +334,8 @@ class RaySandbox:
         deadline = time.monotonic() + EACH_NODE_S  # one deadline, however many hang
         for n, ref in refs.items():
             try:
-                out.append((n, self._ray.get(ref, timeout=max(0.0, deadline
-                                                               - time.monotonic()))))
+                self._until_ready(ref, deadline)
+                out.append((n, self._ray.get(ref, timeout=0)))
             except self._ray.exceptions.RayTaskError as exc:
                 raise SandboxError(f"on node {n[:12]}: "
                                    f"{one_line(str(exc.cause or exc), ANSWER_TEXT_MAX)}"
@@ -326,6 +346,15 @@ class RaySandbox:
                 self.unanswered.append(n)
                 continue
         return out
+
+    def _until_ready(self, ref: Any, deadline: float) -> None:
+        """Wait for ``ref`` until ``deadline`` (then ``ray.get`` times out on it),
+        SandboxError as soon as the head is lost."""
+        while (left := deadline - time.monotonic()) > 0:
+            if self._ray.wait([ref], timeout=min(0.5, left))[0]:
+                return
+            if self._watch is not None:
+                self._watch.check()
 
     def on_each_node(self, fn: Callable[..., Any], *args: Any) -> list[tuple[str, Any]]:
         """``fn(*args)`` on every alive cyclebox node: (node id, result) of each that
@@ -385,6 +414,7 @@ class RaySandbox:
         check_mounts(spec)
         if cancel is not None and cancel.is_set():
             raise SandboxError(f"{spec.role} container not started: the run is stopping")
+        self._head()
         started = time.monotonic()
         inputs: list[tuple[int, str, list[Any]]] = []
         ticket: Ticket | None = None
@@ -398,6 +428,7 @@ class RaySandbox:
             seed = self._seed(spec.output_dir, spec.output_cap_bytes, seed_links)
         node = self._pick()
         try:
+            self._head()
             for m in spec.mounts:
                 if m.gateway:
                     src = Path(m.source)
@@ -433,6 +464,9 @@ class RaySandbox:
             ready, _ = ray.wait([ref], timeout=0.5)
             if ready:
                 break
+            if self._watch is not None:
+                # the node's run ends with its cluster; the head is asked nothing more
+                self._watch.check()
             if cancel is not None and cancel.is_set() and not cancelled:
                 # KeyboardInterrupt in the task: DockerSandbox.run's finally removes it
                 ray.cancel(ref)
@@ -528,6 +562,7 @@ class RaySandbox:
         the node that refused, died or did not answer in time."""
         assert self._head_engine is not None  # noqa: S101 - _head_image made it
         ray = self._ray
+        self._head()
         if self._head_engine.image_size(head_id) > ship.MAX_IMAGE_BYTES:
             raise PrerequisiteError(
                 f"image {ref} ({head_id}) is larger than {ship.MAX_IMAGE_BYTES} bytes, the "
@@ -603,6 +638,29 @@ class RaySandbox:
     def close(self) -> None:
         if self._forwarder is not None:
             self._forwarder.close()
+        if self._watch is not None:
+            self._watch.close()
+
+
+def _watch_head(ray: Any, address: str) -> HeadWatch | None:
+    """A watch on the head this driver joined: its GCS port and this driver's raylet;
+    None where Ray names neither (Ray Client, ``ray://``)."""
+    targets: list[Target] = []
+    with contextlib.suppress(Exception):  # whatever this Ray version lacks is not watched
+        node = ray._private.worker.global_worker.node
+        host, _, port = str(node.gcs_address).rpartition(":")
+        targets.append(("GCS", (host.strip("[]"), int(port))))
+        targets.append(("raylet", (str(node.node_ip_address), int(node.node_manager_port))))
+    return HeadWatch(address, targets, on_lost=_skip_ray_shutdown) if targets else None
+
+
+def _skip_ray_shutdown() -> None:
+    """Once the head is lost, the driver's exit must not go through ``ray.shutdown``
+    (registered by Ray with atexit): it waits on the dead head for seconds."""
+    with contextlib.suppress(Exception):
+        import ray._private.worker
+
+        atexit.unregister(ray._private.worker.shutdown)
 
 
 def _differs(ref: str, ids: dict[str, str | None], head_id: str | None) -> PrerequisiteError:
