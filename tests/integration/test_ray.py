@@ -289,6 +289,14 @@ class EnvironScan:
         return [i for i in self.seen if i[0] == pid]
 
 
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200].decode(
+            errors="backslashreplace")
+    except OSError:
+        return "?"
+
+
 def start_of(pid: int) -> int | None:
     try:
         dirfd = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY)
