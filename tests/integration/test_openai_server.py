@@ -389,7 +389,11 @@ def test_costs_come_from_the_servers_usage(recorded: dict[str, Any]) -> None:
         reply = json.loads(log.blob(r.response_sha256 or ""))
         # the usage recorded is what the server reported ...
         assert r.usage is not None
-        assert r.usage.model_dump() == reply["usage"]
+        assert r.usage.model_dump(include={"prompt_tokens", "completion_tokens",
+                                           "total_tokens"}) == reply["usage"]
+        # fakellm reports no cached or reasoning tokens: none are invented
+        assert r.usage.cached_tokens == r.usage.reasoning_tokens == 0
+        assert r.usage.cache_write_tokens == 0 and r.cost_basis == "measured"
         # ... which is the server's own count, not our scripted provider's
         assert r.usage.prompt_tokens == sum(fakellm_tokens(m["content"])
                                             for m in body["messages"])
