@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import stat
 import tarfile
 from collections.abc import Iterator
@@ -229,7 +230,7 @@ def test_stream_refusals(tmp_path: Path, member: tuple[tarfile.TarInfo, bytes | 
                          why: str) -> None:
     dest = tmp_path / "dest"
     dest.mkdir()
-    with pytest.raises(CopyRefused, match=why.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(CopyRefused, match=re.escape(why)):
         extract(_chunks(_tar(_member("ok", data=b"fine"), member)), dest, LIM)
     assert sorted(p.name for p in dest.iterdir()) == ["ok"]
     assert not (tmp_path / "escape").exists()
