@@ -171,19 +171,18 @@ def in_container(n: int) -> dict[str, object]:
         return {"status": "not_run", "reason": why}
     import tempfile
 
-    from runner.gateway.config import load_upstreams
+    from bench.loopback import unthrottled_upstreams
     from runner.gateway.server import Gateway
     from runner.isolation.docker.images import resolve_image
     from runner.isolation.launcher import launch
     from runner.isolation.policy import load_policies
     from runner.isolation.registry import get_sandbox
     from runner.isolation.sandbox import StopReason
-    from runner.paths import default_policies, default_upstreams
+    from runner.paths import default_policies
 
     policies = load_policies(default_policies())
     with tempfile.TemporaryDirectory(prefix="cbx-bench-ic-") as tmp, \
-            Gateway(Path(tmp), "bench", dict(load_upstreams(default_upstreams())),
-                    {"analyst": "target"}) as gw:
+            Gateway(Path(tmp), "bench", unthrottled_upstreams(), {"analyst": "target"}) as gw:
         rec = launch(get_sandbox("docker"), policies.roles["analyst"], role="analyst",
                      run_id="bench", image=resolve_image("analyst"),
                      command=["python", "-c", IN_CONTAINER % n], gateway=gw, stage="bench",

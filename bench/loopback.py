@@ -48,6 +48,16 @@ print(json.dumps(lat))
 """
 
 
+def unthrottled_upstreams() -> dict[str, Any]:
+    """The offline upstreams with the target binding's request rate lifted: the default
+    (50/s, burst 100) would refuse a tight loop of calls with 429."""
+    ups: dict[str, Any] = dict(load_upstreams(default_upstreams()))
+    target = ups["target"]
+    ups["target"] = target.model_copy(update={"limits": target.limits.model_copy(
+        update={"rate_per_s": 10_000.0, "burst": 10_000})})
+    return ups
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calls", type=int, default=200)
@@ -56,11 +66,7 @@ def main() -> None:
     policy = load_policies(default_policies()).roles["analyst"]
     policy = policy.model_copy(update={"timeout_s": 600.0})
     backend: Any = get_sandbox("docker")
-    ups = load_upstreams(default_upstreams())
-    # the binding's request rate (50/s by default) would refuse a tight loop of calls
-    target = ups["target"]
-    ups["target"] = target.model_copy(update={"limits": target.limits.model_copy(
-        update={"rate_per_s": 10_000.0, "burst": 10_000})})
+    ups = unthrottled_upstreams()
     with tempfile.TemporaryDirectory() as tmp, \
             Gateway(Path(tmp), "bench", ups, {"analyst": "target"}) as gw:
         rec = launch(backend, policy, role="analyst", run_id="bench",
