@@ -46,7 +46,9 @@ def _killer(match: Callable[[dict[str, str]], bool], delay: float) -> list[str]:
     killed: list[str] = []
 
     def watch() -> None:
-        deadline = time.monotonic() + 300
+        # long enough for a whole cycle to reach its apply stage on a loaded machine (a
+        # CI run with the suite beside it took over 300 s to get there: never killed)
+        deadline = time.monotonic() + 900
         while time.monotonic() < deadline and not killed:
             for c in client.containers.list(filters={"label": "io.cyclebox.managed"}):
                 if match(c.labels):

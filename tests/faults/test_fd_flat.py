@@ -71,4 +71,8 @@ def test_cycles_in_one_process_leave_descriptors_flat(tmp_path: Path) -> None:
         counts.append(_descriptors())
         # nothing of this run's own repositories is still read by this process
         assert _git_children(run) == [], _git_children(run)
-    assert counts[-1] == counts[0], counts
+    # flat: no kind grows from the first cycle to the last (a pooled engine connection
+    # the first cycle opened may be closed later: 61 -> 60 sockets in a CI run); pipes,
+    # what leaked before the fix, exactly equal
+    assert all(counts[-1][k] <= counts[0][k] for k in counts[-1]), counts
+    assert counts[-1]["pipe"] == counts[0]["pipe"], counts
