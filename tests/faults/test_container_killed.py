@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import docker
@@ -40,23 +39,29 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow]
 PROMPT_S = 5.0
 
 
-def _killer(match: Callable[[dict[str, str]], bool], delay: float) -> list[str]:
-    """Kill the first running container whose labels match, ``delay`` s after it shows."""
+def _killer(labels: dict[str, str], delay: float) -> list[str]:
+    """Kill the first container with ``labels`` ``delay`` s after the engine reports its
+    start. Driven by the engine's event stream, not by listing: a list (one inspect per
+    container) on a loaded engine took longer than the apply container lived, and the
+    kill never happened (the cycle then ended normally, rc 0)."""
     client = docker.from_env()
     killed: list[str] = []
+    flt = {"type": "container", "event": "start",
+           "label": [f"{k}={v}" for k, v in labels.items()]}
+    events = client.events(decode=True, filters=flt,
+                           until=time.time() + 900)  # a whole cycle, on a loaded machine
 
     def watch() -> None:
-        # long enough for a whole cycle to reach its apply stage on a loaded machine (a
-        # CI run with the suite beside it took over 300 s to get there: never killed)
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline and not killed:
-            for c in client.containers.list(filters={"label": "io.cyclebox.managed"}):
-                if match(c.labels):
-                    time.sleep(delay)
-                    c.kill()
-                    killed.append(c.name)
-                    return
-            time.sleep(0.005)
+        for ev in events:
+            time.sleep(delay)
+            cid = ev.get("id") or ev.get("Actor", {}).get("ID")
+            try:
+                client.api.kill(cid)
+            except docker.errors.APIError:
+                continue  # gone already (it ended by itself): wait for the next
+            killed.append(ev.get("Actor", {}).get("Attributes", {}).get("name", cid))
+            events.close()
+            return
 
     threading.Thread(target=watch, daemon=True).start()
     return killed
@@ -72,7 +77,7 @@ def test_killed_right_after_start_is_a_named_run(seeded: bool, delay: float, bac
     out = output_dir(policy, tmp_path / "out")
     if seeded:  # the apply stage seeds its output directory like this
         (out / "seeded.txt").write_text("seed")
-    killed = _killer(lambda labels: labels.get("io.cyclebox.run_id") == rid, delay)
+    killed = _killer({"io.cyclebox.run_id": rid}, delay)
     t0 = time.monotonic()
     rec = launch(backend, policy, role="analyst", run_id=rid,  # type: ignore[arg-type]
                  image=resolve_image("analyst"), command=["python", "-c",
@@ -97,8 +102,7 @@ def test_apply_container_killed_gives_invalid_comparison(tmp_path: Path) -> None
     proc = start_cycle(cycle, run, env)
     wait_for((run / "plan.json").is_file, proc, "the plan frozen")
     rid = run_id(run)
-    killed = _killer(lambda labels: labels.get("io.cyclebox.run_id") == rid
-                     and labels.get("io.cyclebox.role") == "apply", 0.0)
+    killed = _killer({"io.cyclebox.run_id": rid, "io.cyclebox.role": "apply"}, 0.0)
     out, err = proc.communicate(timeout=600)
     detail = f"rc {proc.returncode}\n{out}\n{err}"
     assert killed, detail
