@@ -116,7 +116,13 @@ def sweep_staging_dirs(base: Path, *, owner_name: str = "owner.json", prefix: st
         return []
     here = current_owner()
     dirs: list[tuple[Path, bool | None]] = []
-    for d in sorted(root.iterdir()):
+    try:
+        entries = sorted(root.iterdir())
+    except FileNotFoundError:
+        # Another sweeper on this host (a Ray node beside this one) removed the base
+        # once it was empty, after the check above: nothing is left to sweep here.
+        return []
+    for d in entries:
         if not d.name.startswith(prefix) or d.is_symlink() or not d.is_dir():
             continue
         if (d / owner_name).is_file():

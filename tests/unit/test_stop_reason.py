@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -111,3 +112,22 @@ def test_gc_sweeps_random_named_staging_copies_by_their_owner_record(tmp_path: P
     assert "cbx-gw-other" not in done and (tmp_path / "cbx-gw-other").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["cbx-in-" + "a" * 32, f"cbx-in-new-{me.pid}-{me.start}-xyz", "cbx-gw-other"])
+
+
+def test_staging_sweep_of_a_base_another_sweeper_just_removed(tmp_path: Path,
+                                                              monkeypatch: Any) -> None:
+    # Ray nodes on one host sweep the same scratch bases at once; one removes a base once
+    # it is empty, between another's check and its listing (gc exited 6 "No such file").
+    from runner.isolation.gc import sweep_staging_dirs
+
+    base = tmp_path / "runs"
+    base.mkdir()
+    real = Path.iterdir
+
+    def vanished(self: Path) -> Any:
+        if self == base:
+            base.rmdir()
+        return real(self)
+
+    monkeypatch.setattr(Path, "iterdir", vanished)
+    assert sweep_staging_dirs(base) == []
