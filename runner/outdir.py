@@ -25,6 +25,17 @@ from runner.failures import is_environment_error
 __all__ = ["make_fresh_dir", "refuse_existing", "remove_created", "staged"]
 
 
+def make_parents(out: Path, created: list[Path]) -> None:
+    """Create ``out``'s missing parents, outermost first, appending each one this call
+    made to ``created`` as it goes (so a failure midway still names what it made; one a
+    racer made a moment earlier is not ours)."""
+    for parent in reversed(out.parents):
+        if not parent.exists():
+            with contextlib.suppress(FileExistsError):
+                parent.mkdir()
+                created.append(parent)
+
+
 def make_fresh_dir(out: Path) -> list[Path]:
     """Create ``out`` exclusively (an existing one is refused, also when a racer made it a
     moment ago); returns the directories created, ``out`` last, for :func:`remove_created`.
@@ -33,11 +44,7 @@ def make_fresh_dir(out: Path) -> list[Path]:
     a directory from under a racer that is about to create its own ``out`` there."""
     created: list[Path] = []
     try:
-        for parent in reversed(out.parents):
-            if not parent.exists():
-                with contextlib.suppress(FileExistsError):
-                    parent.mkdir()
-                    created.append(parent)
+        make_parents(out, created)
         out.mkdir()
     except FileExistsError:
         raise ConfigError(f"{out} already exists; prior evidence is never overwritten",
@@ -113,11 +120,7 @@ def staged(out: Path, *, field: str = "--out") -> Iterator[Path]:
     made = False
     try:
         try:
-            for parent in reversed(out.parents):
-                if not parent.exists():
-                    with contextlib.suppress(FileExistsError):
-                        parent.mkdir()
-                        created.append(parent)
+            make_parents(out, created)
             tmp.mkdir()
             made = True
         except OSError as exc:
