@@ -23,30 +23,14 @@ from runner.cycle.receipt import _files, _present, _sha256_in
 from runner.errors import IntegrityError
 from runner.paths import PROJECT_ROOT
 from tests.fixtures.cycle_project import cli_env, example_agent, project_with_agent, run_cli
+from tests.fixtures.deep import LONG_DEPTH, LONG_FILE, LONG_PART, make_long
 
-DEPTH = 16
-PART = 240  # 16 directories of 240 bytes + "/" each, and a 234-byte file name: 4,090 bytes
-FILE = "f" * (4090 - DEPTH * (PART + 1))
+# 16 directories of 240 bytes + "/" each, and a 234-byte file name: 4,090 bytes
+DEPTH, PART, FILE = LONG_DEPTH, LONG_PART, LONG_FILE
 
 
 def _make_deep(root: Path, data: bytes = b"deep\n") -> str:
-    """Write ``root/<16 dirs>/<file>`` (4,090 bytes relative) by dir fd; return the rel."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    parts = []
-    try:
-        for i in range(DEPTH):
-            name = f"{i:02d}" + "d" * (PART - 2)
-            os.mkdir(name, dir_fd=fd)
-            nfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = nfd
-            parts.append(name)
-        wfd = os.open(FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=fd)
-        os.write(wfd, data)
-        os.close(wfd)
-    finally:
-        os.close(fd)
-    rel = "/".join([*parts, FILE])
+    rel = make_long(root, data)
     assert len(rel.encode()) == 4090
     return rel
 
