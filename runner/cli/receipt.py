@@ -1,8 +1,9 @@
-"""``cyclebox receipt``: sign, verify and compare run receipts."""
+"""``cyclebox receipt``: sign, attest, verify and compare run receipts."""
 
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,23 +15,35 @@ from runner.cli.output import err, out
 from runner.errors import EXIT_INTEGRITY, EXIT_OK, CycleboxError
 from runner.termsafe import emit_json, safe
 
-app = typer.Typer(no_args_is_help=True, help="Verify and compare receipts.")
+app = typer.Typer(no_args_is_help=True,
+                  help="Sign, attest (in-toto / SLSA), verify and compare receipts.")
+
+
+class KeyKind(StrEnum):
+    ed25519 = "ed25519"
+    ecdsa_p256 = "ecdsa-p256"
 
 
 @app.command("keygen")
-def receipt_keygen(out_key: Annotated[Path, typer.Option("--out", help="Private key file.")]
-                   ) -> None:
-    """Create an Ed25519 signing key (0600) and KEY.pub."""
+def receipt_keygen(out_key: Annotated[Path, typer.Option("--out", help="Private key file.")],
+                   kind: Annotated[KeyKind, typer.Option(
+                       "--type", help="ed25519, or ecdsa-p256 (what cosign verifies).")
+                   ] = KeyKind.ed25519) -> None:
+    """Create a signing key (PEM, 0600), KEY.pub (PEM) and KEY.pub.json (securesystemslib
+    key dict with its keyid)."""
+    from runner.cycle.keys import keyid, load_public
     from runner.cycle.signing import keygen
 
-    pub = keygen(out_key)
+    pub = keygen(out_key, kind.value)
     out.print(f"private key {safe(out_key)} (keep it off shared machines); public key "
-              f"{safe(pub)}", highlight=False)
+              f"{safe(pub)} and {safe(pub)}.json; keyid {keyid(load_public(pub))}",
+              highlight=False)
 
 
 @app.command("sign")
 def receipt_sign(run_dir: Annotated[Path, typer.Argument(help="A cycle run directory.")],
-                 key: Annotated[Path, typer.Option(help="Ed25519 private key (PEM).")]) -> None:
+                 key: Annotated[Path, typer.Option(
+                     help="Ed25519 or ECDSA P-256 private key (PEM).")]) -> None:
     """Sign receipt.json into a DSSE envelope (receipt.dsse.json)."""
     from runner.cycle.signing import sign
 
@@ -41,7 +54,8 @@ def receipt_sign(run_dir: Annotated[Path, typer.Argument(help="A cycle run direc
 @app.command("verify")
 def receipt_verify(run_dir: Annotated[Path, typer.Argument(help="A cycle run directory.")],
                    pubkey: Annotated[Path | None, typer.Option(
-                       help="Also require a valid DSSE signature by this Ed25519 key.")] = None,
+                       help="Also require a valid receipt.dsse.json signature by this public "
+                       "key (PEM, Ed25519 or ECDSA P-256).")] = None,
                    json_out: JsonOpt = False) -> None:
     """Re-hash every file the receipt names (and check its signature with --pubkey);
     exit 8 naming each mismatch."""
@@ -64,6 +78,40 @@ def receipt_verify(run_dir: Annotated[Path, typer.Argument(help="A cycle run dir
                   if not problems else f"receipt verification FAILED ({len(problems)} "
                                        "problem(s))", highlight=False)
     raise typer.Exit(EXIT_OK if not problems else EXIT_INTEGRITY)
+
+
+@app.command("attest")
+def receipt_attest(run_dir: Annotated[Path, typer.Argument(help="A cycle run directory.")],
+                   key: Annotated[Path, typer.Option(
+                       help="Ed25519 or ECDSA P-256 private key (PEM).")],
+                   bundle: Annotated[Path | None, typer.Option(
+                       "--out", help="Bundle file to create (never overwritten). Default: "
+                       "RUN/receipt.intoto.jsonl.")] = None,
+                   markdown: Annotated[Path | None, typer.Option(
+                       "--markdown", help="Also write the subjects and their digests as "
+                       "Markdown (CI step summary).")] = None,
+                   json_out: JsonOpt = False) -> None:
+    """Write in-toto Statements (cyclebox evaluation, SLSA provenance v1) in DSSE
+    envelopes, one a line (.intoto.jsonl), for a run whose receipt verifies; exit 8 and
+    write nothing otherwise. See docs/attestations.md."""
+    from runner.attest.bundle import attest
+    from runner.attest.summary import summary_json, summary_markdown
+    from runner.report.files import _write, check_targets
+
+    check_targets(markdown=markdown)
+    done = attest(run_dir, key, bundle)
+    if markdown is not None:
+        _write(markdown, summary_markdown(done).encode(), flag="markdown")
+    if json_out:
+        emit_json(summary_json(done))
+        return
+    out.print(f"attested: {safe(done.path)} ({len(done.statements)} statements, "
+              f"{done.keytype} keyid {done.keyid})", highlight=False)
+    for st in done.statements:
+        out.print(f"  {safe(st.predicateType)}", highlight=False)
+        for s in st.subject:
+            digests = ", ".join(f"{safe(k)}:{safe(v)}" for k, v in sorted(s.digest.items()))
+            out.print(f"    {safe(s.name or '')}  {digests}", highlight=False)
 
 
 @app.command("compare")

@@ -40,14 +40,19 @@ CANDIDATE_GIT = "stages/apply/candidate.git"
 commit and tree ids, which ``verify`` recomputes from it."""
 _UNBOUND_FILES = frozenset({RECEIPT, ENVELOPE})
 _UNBOUND_DIRS = (CANDIDATE_GIT + "/", "stages/apply/work/repo/.git/")
+BUNDLE_SUFFIX = ".intoto.jsonl"
+"""Attestation bundles (runner.attest) written beside the receipt after it: a top-level
+file with this suffix is made from the receipt, so the receipt cannot bind it."""
 
 
 def _unbound(rel: str) -> bool:
     """Files of a run directory the receipt does not bind, one rule for the writer's walk
     and ``verify``: the top-level receipt and its signature, and the two git directories
     of the apply stage, matched by exact path (a role's ``out/candidate.git/`` or
-    ``out/receipt.json`` is bound like any other output)."""
-    return rel in _UNBOUND_FILES or rel.startswith(_UNBOUND_DIRS)
+    ``out/receipt.json`` is bound like any other output), and top-level attestation
+    bundles (``*.intoto.jsonl``; no role writes at the top level)."""
+    return (rel in _UNBOUND_FILES or rel.startswith(_UNBOUND_DIRS)
+            or ("/" not in rel and rel.endswith(BUNDLE_SUFFIX)))
 
 
 def _files(root: Path) -> tuple[dict[str, str], dict[str, str]]:

@@ -1,25 +1,24 @@
-"""Signed receipts: an Ed25519 signature in a DSSE envelope (SPEC §10).
+"""Signed receipts: an Ed25519 or ECDSA P-256 signature in a DSSE envelope (SPEC §10).
 
 A receipt's hashes catch accidental drift; a signature makes it tamper-evident
 against anyone without the private key. ``receipt.dsse.json`` holds the exact bytes
 of ``receipt.json`` as its payload, signed over DSSE's pre-authentication encoding.
-Keys are PEM files; the private key is written 0600 and never leaves the host.
+Keys are PEM files (:mod:`runner.cycle.keys`); the private key is written 0600 and never
+leaves the host. Envelopes written before attestations existed name their Ed25519 key by
+a 16-digit keyid (:func:`runner.cycle.keys.legacy_keyid`); they still verify. The
+standard in-toto attestations of a run are :mod:`runner.attest`.
 """
 
 from __future__ import annotations
 
 import base64
-import errno
-import hashlib
 import json
-import os
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import BaseModel, ConfigDict
 
+from runner.cycle import keys
+from runner.cycle.keys import KeyType, PublicKey
 from runner.errors import ConfigError, IntegrityError
 from runner.isolation.sandbox import Frozen
 from runner.loading import load_model
@@ -34,85 +33,21 @@ def pae(payload_type: str, payload: bytes) -> bytes:
     return b"DSSEv1 %d %s %d %s" % (len(t), t, len(payload), payload)
 
 
-def _raw(pub: Ed25519PublicKey) -> bytes:
-    return pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+def keygen(path: Path, kind: KeyType = "ed25519") -> Path:
+    """A new signing key at ``path`` (see :func:`runner.cycle.keys.keygen`)."""
+    return keys.keygen(path, kind)
 
 
-def keyid(pub: Ed25519PublicKey) -> str:
-    return hashlib.sha256(_raw(pub)).hexdigest()[:16]
-
-
-def keygen(path: Path) -> Path:
-    """Write a new private key (0600) at ``path`` and its public key at ``path.pub``.
-
-    Both are created exclusively (never overwritten, never through a symlink); the
-    directory must exist (ConfigError naming it otherwise: a key is not written into a
-    directory the operator did not make on purpose). Nothing is left on failure."""
-    pub_path = path.with_name(path.name + ".pub")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise ConfigError(f"directory {parent} does not exist", path=str(path), field="--out",
-                          fix=f"create it first (mkdir -p {parent}) or give a path in an "
-                          "existing directory")
-    if path.exists() or path.is_symlink() or pub_path.exists() or pub_path.is_symlink():
-        raise ConfigError(f"{path} or {pub_path} exists; keys are never overwritten",
-                          field="--out", fix="give a new key path")
-    key = Ed25519PrivateKey.generate()
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    written: list[Path] = []
-    try:
-        for target, mode, data in (
-                (path, 0o600, key.private_bytes(serialization.Encoding.PEM,
-                                                serialization.PrivateFormat.PKCS8,
-                                                serialization.NoEncryption())),
-                (pub_path, 0o644, key.public_key().public_bytes(
-                    serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))):
-            fd = os.open(target, flags, mode)
-            written.append(target)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-    except OSError as exc:
-        for p in written:
-            p.unlink(missing_ok=True)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE):
-            raise  # the machine, not the input: the CLI maps it to environment_failure
-        if isinstance(exc, FileExistsError):
-            raise ConfigError(f"{exc.filename} exists; keys are never overwritten",
-                              field="--out", fix="give a new key path") from None
-        raise ConfigError(f"cannot write {exc.filename or path}: {exc.strerror}",
-                          path=str(path), field="--out",
-                          fix="give a path in a directory you can write") from None
-    return pub_path
-
-
-def _load_private(path: Path) -> Ed25519PrivateKey:
-    try:
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read private key: {exc}", path=str(path),
-                          fix="cyclebox receipt keygen --out KEY") from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise ConfigError("not an Ed25519 private key", path=str(path))
-    return key
-
-
-def load_public(path: Path) -> Ed25519PublicKey:
-    try:
-        key = serialization.load_pem_public_key(path.read_bytes())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read public key: {exc}", path=str(path)) from None
-    if not isinstance(key, Ed25519PublicKey):
-        raise ConfigError("not an Ed25519 public key", path=str(path))
-    return key
+load_public = keys.load_public
 
 
 def sign(run_dir: Path, key_path: Path) -> Path:
     """Write ``run_dir/receipt.dsse.json`` signing the exact bytes of receipt.json."""
-    key = _load_private(key_path)
+    key = keys.load_private(key_path)
     payload = (run_dir / "receipt.json").read_bytes()
-    sig = key.sign(pae(PAYLOAD_TYPE, payload))
+    sig = keys.sign_bytes(key, pae(PAYLOAD_TYPE, payload))
     env = {"payloadType": PAYLOAD_TYPE, "payload": base64.b64encode(payload).decode(),
-           "signatures": [{"keyid": keyid(key.public_key()),
+           "signatures": [{"keyid": keys.keyid(key.public_key()),
                            "sig": base64.b64encode(sig).decode()}]}
     out = run_dir / ENVELOPE
     if out.exists():
@@ -123,9 +58,10 @@ def sign(run_dir: Path, key_path: Path) -> Path:
 
 class Signature(Frozen):
     keyid: str
-    """First 16 hex digits of the sha256 of the raw public key."""
+    """securesystemslib's keyid of the key (older envelopes: 16 hex digits, legacy)."""
     sig: str
-    """Base64 Ed25519 signature over the DSSE pre-authentication encoding."""
+    """Base64 signature over the DSSE pre-authentication encoding (Ed25519 raw, ECDSA
+    DER)."""
 
 
 class Envelope(BaseModel):
@@ -140,7 +76,7 @@ class Envelope(BaseModel):
     signatures: tuple[Signature, ...]
 
 
-def verify_signature(run_dir: Path, pub: Ed25519PublicKey) -> None:
+def verify_signature(run_dir: Path, pub: PublicKey) -> None:
     """IntegrityError unless the envelope is signed by ``pub`` over today's receipt.json."""
     try:
         env = load_model(run_dir / ENVELOPE, Envelope, fmt="json", what="signature envelope",
@@ -152,12 +88,15 @@ def verify_signature(run_dir: Path, pub: Ed25519PublicKey) -> None:
         raise IntegrityError(f"{ENVELOPE}: unexpected payloadType {env.payloadType!r}")
     if payload != (run_dir / "receipt.json").read_bytes():
         raise IntegrityError(f"{ENVELOPE}: signed payload differs from receipt.json")
+    ids = {keys.keyid(pub), keys.legacy_keyid(pub)}
     for s in env.signatures:
-        if s.keyid != keyid(pub):
+        if s.keyid not in ids:
             continue
         try:
-            pub.verify(base64.b64decode(s.sig, validate=True), pae(PAYLOAD_TYPE, payload))
-        except (InvalidSignature, ValueError):
-            raise IntegrityError(f"{ENVELOPE}: signature does not verify") from None
+            sig = base64.b64decode(s.sig, validate=True)
+        except ValueError:
+            raise IntegrityError(f"{ENVELOPE}: signature is not base64") from None
+        if not keys.verify_bytes(pub, sig, pae(PAYLOAD_TYPE, payload)):
+            raise IntegrityError(f"{ENVELOPE}: signature does not verify")
         return
-    raise IntegrityError(f"{ENVELOPE}: no signature by key {keyid(pub)}")
+    raise IntegrityError(f"{ENVELOPE}: no signature by key {keys.keyid(pub)}")
