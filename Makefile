@@ -84,11 +84,26 @@ $(MOCK_STAMP):
 	$(MOCK_VENV)/bin/pip install -q --only-binary=:all: mock-ai-api==0.1.1
 	@touch $@
 
+ATTEST_VENV := build/attest-venv
+ATTEST_STAMP := $(ATTEST_VENV)/.installed
+
+$(ATTEST_STAMP): tests/attest-env.txt
+	rm -rf $(ATTEST_VENV)
+	$(PY) -m venv $(ATTEST_VENV)
+	$(ATTEST_VENV)/bin/pip install -q --upgrade pip
+	$(ATTEST_VENV)/bin/pip install -q --only-binary=:all: -r tests/attest-env.txt
+	$(ATTEST_VENV)/bin/python -c "from securesystemslib.dsse import Envelope; \
+	  from securesystemslib.signer import SSlibKey; \
+	  from in_toto_attestation.v1.statement import Statement; import jsonschema"
+	@touch $@
+
+attest-env: $(ATTEST_STAMP) ## securesystemslib + in-toto-attestation + jsonschema (PyPI) in build/attest-venv: third-party verifiers of attestations, for tests
+
 mock-env: $(MOCK_STAMP) ## mock-ai-api 0.1.1 (PyPI) in build/mock-venv: the third-party upstream for every API family, for tests
 
 verl-env: $(VERL_STAMP) ## verl 0.9.1 + CPU torch in build/verl-venv: the export's real consumer, for tests
 
-test: setup docker gvisor chromium images check verl-env mock-env ## Everything: set-up (engine, gVisor, Chromium, images, verl env), lint, then unit, integration, security, faults and e2e tests
+test: setup docker gvisor chromium images check verl-env mock-env attest-env ## Everything: set-up (engine, gVisor, Chromium, images, verl env), lint, then unit, integration, security, faults and e2e tests
 	$(BIN)/pytest tests/unit tests/integration tests/security tests/faults tests/e2e
 
 faults: setup docker images ## Fault tier: signals at each stage, engine cut, disk full, bad inputs (root, real engine)

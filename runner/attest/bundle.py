@@ -102,24 +102,23 @@ def _write_once(path: Path, data: bytes) -> None:
     tmp = parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
     made = False
     try:
-        fd = os.open(tmp, flags, 0o644)
+        fd = os.open(tmp, flags, 0o644)  # a random name: an existing one is an OSError below
         made = True
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.link(tmp, path)  # never replaces: FileExistsError when the target appeared
+        try:
+            os.link(tmp, path)  # never replaces: FileExistsError when the target appeared
+        except FileExistsError:
+            raise ConfigError(f"{show(str(path))} appeared while attesting; an attestation "
+                              "bundle is never overwritten", field="--out",
+                              fix="give a new --out path") from None
         dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
-    except FileExistsError as exc:
-        if exc.filename is not None and Path(exc.filename) == tmp:
-            raise  # a planted temporary name: not the target; cannot happen twice in a row
-        raise ConfigError(f"{show(str(path))} appeared while attesting; an attestation "
-                          "bundle is never overwritten", field="--out",
-                          fix="give a new --out path") from None
     except OSError as exc:
         if is_environment_error(exc):
             raise

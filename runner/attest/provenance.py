@@ -27,7 +27,7 @@ here.
 from __future__ import annotations
 
 import math
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -107,6 +107,8 @@ def dependencies(f: RunFacts) -> list[ResourceDescriptor]:
 def _times(f: RunFacts) -> tuple[str, str]:
     try:
         finished = datetime.fromisoformat(f.receipt.generated_at)
+        if finished.tzinfo is None:
+            raise ValueError("no time zone")
     except ValueError:
         raise ConfigError(f"generated_at {f.receipt.generated_at[:40]!r} is not an ISO time",
                           path=str(f.run_dir / RECEIPT), field="generated_at",
@@ -115,7 +117,7 @@ def _times(f: RunFacts) -> tuple[str, str]:
     started = finished - timedelta(seconds=spent)
 
     def z(t: datetime) -> str:
-        return t.strftime("%Y-%m-%dT%H:%M:%SZ")  # RFC 3339 UTC, as the protobuf JSON wants
+        return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")  # RFC 3339, protobuf's JSON
 
     return z(started), z(finished)
 

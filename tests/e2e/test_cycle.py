@@ -1,6 +1,6 @@
 """The improvement cycle end to end through the CLI, on the bundled example (offline).
 
-One accepted demo run is shared by the module; every test that must change something
+One accepted demo run is shared by the session (tests/e2e/conftest.py); every test that must change something
 works on its own copy (of the example or of the run directory).
 """
 
@@ -43,11 +43,9 @@ def example_copy(dest: Path, **changes: Any) -> Path:
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    run = tmp_path_factory.mktemp("demo") / "run"
-    res = cyclebox("cycle", "run", str(EXAMPLE / "cycle.yaml"), "--out", str(run), "--json")
-    assert res.returncode == 0, res.stdout + res.stderr
-    return run, json.loads(res.stdout)
+def demo(shop_demo: tuple[Path, dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+    """The session's demo run (tests/e2e/conftest.py), shared with test_attest.py."""
+    return shop_demo
 
 
 def test_demo_accepts_for_review_and_receipt_verifies(demo: tuple[Path, dict[str, Any]]) -> None:
