@@ -1,7 +1,7 @@
 """The improvement cycle end to end through the CLI, on the bundled example (offline).
 
-One accepted demo run is shared by the session (tests/e2e/conftest.py); every test that must change something
-works on its own copy (of the example or of the run directory).
+One accepted demo run is shared by the session (tests/e2e/conftest.py); every test that
+must change something works on its own copy (of the example or of the run directory).
 """
 
 from __future__ import annotations

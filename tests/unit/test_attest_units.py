@@ -31,7 +31,7 @@ from runner.errors import ConfigError, IntegrityError
 def test_ed25519_keyid_is_securesystemslibs_default(tmp_path: Path) -> None:
     pub = keys.load_public(keys.keygen(tmp_path / "k"))
     raw = pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
-    canonical = ('{"keytype":"ed25519","keyval":{"public":"%s"},"scheme":"ed25519"}' % raw)
+    canonical = '{"keytype":"ed25519","keyval":{"public":"' + raw + '"},"scheme":"ed25519"}'
     assert keys.keyid(pub) == hashlib.sha256(canonical.encode()).hexdigest()
     d = json.loads((tmp_path / "k.pub.json").read_text())
     assert d == {"keyid": keys.keyid(pub), "keytype": "ed25519", "scheme": "ed25519",
@@ -42,8 +42,8 @@ def test_p256_keyid_hashes_the_pem_with_raw_newlines(tmp_path: Path) -> None:
     # OLPC canonical JSON escapes only quote and backslash: the PEM's newlines stay bytes
     pub = keys.load_public(keys.keygen(tmp_path / "k", "ecdsa-p256"))
     pem = (tmp_path / "k.pub").read_text()
-    canonical = ('{"keytype":"ecdsa","keyval":{"public":"%s"},'
-                 '"scheme":"ecdsa-sha2-nistp256"}' % pem)
+    canonical = ('{"keytype":"ecdsa","keyval":{"public":"' + pem
+                 + '"},"scheme":"ecdsa-sha2-nistp256"}')
     assert "\n" in canonical
     assert keys.keyid(pub) == hashlib.sha256(canonical.encode()).hexdigest()
     assert oct(os.stat(tmp_path / "k").st_mode & 0o777) == "0o600"
