@@ -1175,6 +1175,24 @@ def _(e: Env) -> list[str]:
     return ["receipt", "keygen", "--out", str(e.root / "no-such-dir" / "signing.pem")]
 
 
+@case("attest-run-missing", 3, "RUN", "not a directory")
+def _(e: Env) -> list[str]:
+    return ["receipt", "attest", str(e.root / "no-run"), "--key", str(e.root / "k")]
+
+
+@case("attest-key-missing", 3, "no-key.pem", "cannot read private key")
+def _(e: Env) -> list[str]:
+    e.write("run/receipt.json", "{}")
+    return ["receipt", "attest", str(e.root / "run"), "--key", str(e.root / "no-key.pem")]
+
+
+@case("attest-key-not-a-key", 3, "key.pem", "cannot read private key")
+def _(e: Env) -> list[str]:
+    e.write("run/receipt.json", "{}")
+    return ["receipt", "attest", str(e.root / "run"), "--key",
+            str(e.write("key.pem", "-----BEGIN PRIVATE KEY-----\nnope\n"))]
+
+
 @case("receipt-compare-list", 3, "receipt.json", "expected a mapping")
 def _(e: Env) -> list[str]:
     e.write("a/receipt.json", "[]")
