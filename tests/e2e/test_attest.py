@@ -177,6 +177,19 @@ def test_step_summary_shows_every_subject_digest(attested: dict[str, Path]) -> N
                 assert f"{algo}&#58;{value}" in text
 
 
+def test_json_output_names_the_bundle_and_every_subject(attested: dict[str, Path]) -> None:
+    bundle = attested["run"] / "json.intoto.jsonl"
+    res = cyclebox("receipt", "attest", str(attested["run"]), "--key",
+                   str(attested["ed25519-key"]), "--out", str(bundle), "--json")
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    assert got["bundle"] == str(bundle) and got["scheme"] == "ed25519"
+    key_dict = json.loads(Path(f"{attested['ed25519-key']}.pub.json").read_text())
+    assert got["keyid"] == key_dict["keyid"]
+    assert [s["subject"] for s in got["statements"]] == [
+        decoded(e)["subject"] for e in lines(bundle)]
+
+
 def test_unverified_run_is_refused_with_8_and_nothing_written(attested: dict[str, Path],
                                                               tmp_path: Path) -> None:
     copy = tmp_path / "run"

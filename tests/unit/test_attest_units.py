@@ -148,3 +148,34 @@ def test_summary_markdown_escapes_what_the_run_named(tmp_path: Path) -> None:
     assert "<script>" not in row and "http://" not in row
     assert row.count("|") - row.count("\\|") == 4  # three cells, the name's pipe escaped
     assert f"sha256&#58;{'ab' * 32}" in row
+
+
+def test_the_published_schema_names_exactly_the_predicate_models_fields() -> None:
+    """A field added to the model but not to docs/attestations/evaluation-v1.schema.json
+    (or the reverse) fails here, before any run: the schema is the contract."""
+    from pydantic import BaseModel
+
+    from runner.attest.evaluation import EvaluationPredicate
+    from runner.paths import PROJECT_ROOT
+
+    schema = json.loads((PROJECT_ROOT / "docs/attestations/evaluation-v1.schema.json")
+                        .read_text())
+
+    def fields(model: type[BaseModel], node: dict[str, object], where: str) -> None:
+        props = node["properties"]
+        assert isinstance(props, dict)
+        assert set(props) == set(model.model_fields) == set(node["required"]), where  # type: ignore[arg-type]
+        assert node["additionalProperties"] is False, where
+        for name, f in model.model_fields.items():
+            sub = f.annotation
+            args = getattr(sub, "__args__", ())
+            inner = next((a for a in (sub, *args) if isinstance(a, type)
+                          and issubclass(a, BaseModel)), None)
+            if inner is None:
+                continue
+            child = props[name]
+            child = child.get("items", child) if isinstance(child, dict) else child
+            assert isinstance(child, dict)
+            fields(inner, child, f"{where}.{name}")
+
+    fields(EvaluationPredicate, schema, "predicate")
