@@ -16,25 +16,22 @@
   second, since no run records its start time yet), and receipt.json and plan.json as
   byproducts.
 
-Resolved artefacts are read from ``inputs/agent-artifacts.json`` when a plan froze one:
-``{"schema": 1, "artifacts": [{"ecosystem": "pypi"|"npm"|"deb", "name", "version",
-"filename", "sha256"}]}``, each listed as a ResourceDescriptor with a package URL. Plans
-today freeze only the checked requirement lines (the derived analyst image's id covers the
-wheel digest); a toolchain that records its artefacts there is attested with no change
-here.
+Resolved artefacts are read from ``inputs/agent-artifacts.json`` when a plan froze one
+(:mod:`runner.cycle.artifacts`), each listed as a ResourceDescriptor with a package URL.
+Plans today freeze only the checked requirement lines (the derived analyst image's id
+covers the wheel digest); a toolchain that records its artefacts there is attested with
+no change here.
 """
 
 from __future__ import annotations
 
 import math
 from datetime import UTC, datetime, timedelta
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict
 
 import runner
 from runner.attest.evaluation import RunFacts, candidate_subjects
 from runner.attest.statement import ResourceDescriptor, Statement
+from runner.cycle.artifacts import AGENT_ARTIFACTS, PURL_TYPE, ArtifactList
 from runner.cycle.plan import AGENT_REQUIREMENTS
 from runner.cycle.receipt import RECEIPT
 from runner.errors import ConfigError
@@ -43,28 +40,6 @@ from runner.loading import load_model
 SLSA_PROVENANCE = "https://slsa.dev/provenance/v1"
 BUILD_TYPE = "https://cyclebox.dev/attestations/cycle/v1"
 BUILDER_ID = "https://cyclebox.dev/cli"
-ARTIFACTS = "agent-artifacts.json"
-"""inputs/ file a toolchain may freeze listing the agent's resolved artefacts."""
-_PURL_TYPE = {"pypi": "pypi", "npm": "npm", "deb": "deb"}
-
-
-class Artifact(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    ecosystem: Literal["pypi", "npm", "deb"]
-    name: str
-    version: str
-    filename: str
-    sha256: str
-
-
-class ArtifactList(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    schema_: int = 1
-    artifacts: tuple[Artifact, ...]
-
-
 def _image(role: str, image_id: str) -> ResourceDescriptor:
     algo, _, hexd = image_id.partition(":")
     return ResourceDescriptor(name=f"image:{role}", digest={algo: hexd} if hexd else
@@ -77,12 +52,12 @@ def _input(f: RunFacts, name: str) -> ResourceDescriptor:
 
 
 def _artifacts(f: RunFacts) -> list[ResourceDescriptor]:
-    if ARTIFACTS not in f.plan.plan.inputs:
+    if AGENT_ARTIFACTS not in f.plan.plan.inputs:
         return []
-    doc = load_model(f.run_dir / "inputs" / ARTIFACTS, ArtifactList, fmt="json",
-                     what="agent artefacts", fix=f"the inputs/{ARTIFACTS} freeze wrote")
+    doc = load_model(f.run_dir / "inputs" / AGENT_ARTIFACTS, ArtifactList, fmt="json",
+                     what="agent artefacts", fix=f"the inputs/{AGENT_ARTIFACTS} freeze wrote")
     return [ResourceDescriptor(name=a.filename, digest={"sha256": a.sha256},
-                               uri=f"pkg:{_PURL_TYPE[a.ecosystem]}/{a.name}@{a.version}",
+                               uri=f"pkg:{PURL_TYPE[a.ecosystem]}/{a.name}@{a.version}",
                                annotations={"kind": f"{a.ecosystem}-artifact"})
             for a in doc.artifacts]
 

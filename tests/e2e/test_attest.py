@@ -255,3 +255,36 @@ def test_full_disk_is_an_environment_failure_and_leaves_nothing(
     assert res.returncode == 9, res.stdout + res.stderr
     assert "No space left on device" in res.stderr, res.stderr
     assert os.listdir(full) == []
+
+
+def test_frozen_agent_artifacts_become_resolved_dependencies(attested: dict[str, Path],
+                                                             tmp_path: Path) -> None:
+    """A plan that froze inputs/agent-artifacts.json (runner/cycle/artifacts.py) lists each
+    artefact with a package URL; the SLSA predicate still parses strictly there."""
+    from runner.attest.bundle import statements
+
+    copy = tmp_path / "run"
+    shutil.copytree(attested["run"], copy, symlinks=True)
+    whl = {"ecosystem": "pypi", "name": "tabulate", "version": "0.9.0",
+           "filename": "tabulate-0.9.0-py3-none-any.whl", "sha256": "ab" * 32}
+    deb = {"ecosystem": "deb", "name": "jq", "version": "1.6-2.1", "filename":
+           "jq_1.6-2.1_amd64.deb", "sha256": "cd" * 32}
+    (copy / "inputs" / "agent-artifacts.json").write_text(
+        json.dumps({"schema": 1, "artifacts": [whl, deb]}))
+    doc = json.loads((copy / "plan.json").read_text())
+    doc["plan"]["inputs"]["agent-artifacts.json"] = "00" * 32  # read, not re-hashed, here
+    (copy / "plan.json").write_text(json.dumps(doc))
+    prov = next(s for s in statements(copy) if s.predicateType.startswith("https://slsa"))
+    deps = prov.predicate["buildDefinition"]["resolvedDependencies"]
+    assert {"name": whl["filename"], "uri": "pkg:pypi/tabulate@0.9.0",
+            "digest": {"sha256": whl["sha256"]},
+            "annotations": {"kind": "pypi-artifact"}} in deps
+    assert any(d.get("uri") == "pkg:deb/jq@1.6-2.1" for d in deps)
+    script = ("import json,sys\nimport google.protobuf.json_format as j\n"
+              "from in_toto_attestation.predicates.provenance.v1 import provenance_pb2 as p\n"
+              "j.ParseDict(json.load(open(sys.argv[1])), p.Provenance())\n")
+    pred = tmp_path / "prov.json"
+    pred.write_text(json.dumps(prov.predicate))
+    res = subprocess.run([str(VENV_PY), "-I", "-c", script, str(pred)], capture_output=True,
+                         text=True, check=False, timeout=60)
+    assert res.returncode == 0, res.stderr
