@@ -7,6 +7,8 @@ Targets (issue 20, as ratios within one run, all gateway limits on, every call r
 concurrency 1 gateway p50 <= 1.3x direct p50; concurrency 8 gateway requests/s >= 0.9x
 direct. The figures are ratios of two paths measured in the same run on a shared machine:
 run it three times and take medians (the machine's load is reported as ``loadavg``).
+``gateway_cpu_us_per_call``: CPU seconds the gateway process spent (``/proc/PID/stat``)
+per call, which the load of other processes does not distort.
 
 ``--in-container``: also the in-container path (issue 20): an unmodified SDK
 (``openai.OpenAI()``, no arguments) inside a real hardened analyst container, through the
@@ -94,12 +96,20 @@ async def victim(info: dict[str, str], n: int) -> dict[str, float]:
             "p99_ms": round(1000 * pct(lat, 0.99), 3)}
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(v: list[float], q: float) -> float:
     s = sorted(v)
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
 async def measure(info: dict[str, str], port: int, n: int) -> dict[str, object]:
+    """c1 and c8 rounds, gateway and direct interleaved; the gateway's CPU per call from
+    /proc (clock ticks: use enough requests for the figure to be more than a few ticks)."""
     gw_headers = {"Authorization": f"Bearer {info['token']}", "Content-Type": "application/json"}
     direct_headers = {"Authorization": "Bearer sk-bench", "Content-Type": "application/json"}
     limits = httpx2.Limits(max_connections=16, max_keepalive_connections=16)
@@ -114,12 +124,14 @@ async def measure(info: dict[str, str], port: int, n: int) -> dict[str, object]:
         await load(direct, direct_url, direct_headers, 50, conc)
         rows: dict[str, list[float]] = {"gateway": [], "direct": []}
         walls: dict[str, float] = {"gateway": 0.0, "direct": 0.0}
+        cpu0 = cpu_s(int(info["pid"]))  # the gateway idles (no CPU) in the direct rounds
         for _ in range(4):  # interleave rounds so drift hits both sides
             for name, c, url, h in (("gateway", gw, gw_url, gw_headers),
                                     ("direct", direct, direct_url, direct_headers)):
                 lat, wall = await load(c, url, h, n // 4, conc)
                 rows[name] += lat
                 walls[name] += wall
+        gw_cpu = cpu_s(int(info["pid"])) - cpu0
         res = {}
         for name, lat in rows.items():
             res[name] = {"p50_ms": round(1000 * statistics.median(lat), 3),
@@ -127,6 +139,9 @@ async def measure(info: dict[str, str], port: int, n: int) -> dict[str, object]:
                          "requests_per_s": round(len(lat) / walls[name], 1)}
         res["added_p50_ms"] = round(res["gateway"]["p50_ms"] - res["direct"]["p50_ms"], 3)
         res["added_p99_ms"] = round(res["gateway"]["p99_ms"] - res["direct"]["p99_ms"], 3)
+        # CPU the gateway process spent per call: what the machine's load does not distort
+        # (the latency ratios above are wall-clock figures on a shared CPU).
+        res["gateway_cpu_us_per_call"] = round(1e6 * gw_cpu / len(rows["gateway"]), 1)
         out[f"concurrency_{conc}"] = res
     await gw.aclose()
     await direct.aclose()
@@ -240,6 +255,8 @@ def main() -> None:
                 flooded["p50_ms"] / c1["gateway"]["p50_ms"], 3)},  # type: ignore[index]
         "ratios": {"c1_p50_gateway_over_direct": p50_ratio,
                    "c8_rps_gateway_over_direct": rps_ratio},
+        "gateway_cpu_us_per_call": {"c1": c1["gateway_cpu_us_per_call"],  # type: ignore[index]
+                                    "c8": c8["gateway_cpu_us_per_call"]},  # type: ignore[index]
         "targets": {"c1_p50_gateway_over_direct_max": 1.3, "c8_rps_gateway_over_direct_min": 0.9},
         "meets_targets": p50_ratio <= 1.3 and rps_ratio >= 0.9,
         "loadavg": {"before": [round(x, 2) for x in load_before],

@@ -41,11 +41,13 @@ class Change:
 
 
 def _no_dup_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
+    out = dict(pairs)  # built in C; a duplicate shows as a shorter dict
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"duplicate key {k!r}")
+            seen.add(k)
     return out
 
 
@@ -62,6 +64,8 @@ def _finite(text: str) -> float:
 
 def _check_depth(text: str, limit: int) -> None:
     """Refuse nesting deeper than ``limit`` before the recursive parser sees it."""
+    if text.count("[") + text.count("{") <= limit:
+        return  # nesting never exceeds the opening brackets; the scan below costs per token
     depth = 0
     for m in _JSON_TOKENS.finditer(text):
         c = m.group()

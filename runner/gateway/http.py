@@ -32,7 +32,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import httptools
 
@@ -219,8 +219,8 @@ class Connection(asyncio.Protocol):
 
     # -- asyncio protocol --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)  # noqa: S101
-        self.transport = transport
+        # A stream transport (uvloop's is not an asyncio.Transport subclass).
+        self.transport = cast(asyncio.Transport, transport)
         if len(self.l.connections) >= self.l.limits.max_connections:
             self._refuse(503, "too_many_connections",
                          f"more than {self.l.limits.max_connections} connections at once "

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import uvloop
+
 from runner import interrupts
 from runner.errors import ConfigError, OutputRejected
 from runner.gateway.budget import BudgetPolicy, BudgetRefused, RunBudget
@@ -189,7 +191,10 @@ class Gateway:
             keys.append(key or "")
         self._redactor = Redactor(keys)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="cyclebox-gw-io")
-        self._loop = asyncio.new_event_loop()
+        # uvloop: the loop, transports and timers in C rather than Python, about 12% less
+        # gateway CPU per call (bench/gateway.py); the listener and the upstream client
+        # use only the asyncio Protocol/Transport API, which it implements.
+        self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="cyclebox-gateway",
                                         daemon=True)
         self._thread.start()

@@ -291,7 +291,11 @@ def test_500_hostile_connections_with_4mib_bodies_keep_rss_bounded(tmp_path: Pat
     errors = {r.error for r in recs}
     assert errors <= {"too_many_connections", "inflight_bytes", "refusals_not_itemized",
                       "body_timeout", "bad_request"}, errors
-    assert "too_many_connections" in errors
+    # Which cap refuses first depends on how the loop batches accepts: the stdlib loop
+    # accepts a burst before reading any head (the connection cap fires); uvloop accepts
+    # one at a time and refuses each over-cap body at its head, closing it, so fewer
+    # than max_connections are ever open. The connection cap has its own test above.
+    assert errors & {"too_many_connections", "inflight_bytes"}, errors
 
 
 # -- one socket flooded, another served ----------------------------------------------------

@@ -1,5 +1,6 @@
 """The gateway's HTTP listener against a fake handler: trailers and pipelined/closed
-connections must stay inside the listener's caps (review findings, no docker needed)."""
+connections must stay inside the listener's caps (review findings, no docker needed).
+Each test runs on the stdlib loop and on uvloop, the loop the gateway runs on."""
 
 from __future__ import annotations
 
@@ -7,12 +8,22 @@ import asyncio
 import contextlib
 import os
 import tempfile
+from collections.abc import Callable, Coroutine
 from typing import Any
+
+import pytest
+import uvloop
 
 from runner.gateway.config import GatewayLimits
 from runner.gateway.http import Head, Listener, Reply
 
 MiB = 1024 * 1024
+Run = Callable[[Coroutine[Any, Any, None]], None]
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def run(request: pytest.FixtureRequest) -> Run:
+    return asyncio.run if request.param == "asyncio" else uvloop.run
 
 
 class FakeHandler:
@@ -76,7 +87,7 @@ async def _send_until_closed(path: str, first: bytes, more: bytes,
     return answer, sent
 
 
-def test_trailer_fields_are_refused_and_not_kept() -> None:
+def test_trailer_fields_are_refused_and_not_kept(run: Run) -> None:
     async def main() -> None:
         h = FakeHandler()
         lst = await _listener(h)
@@ -87,10 +98,10 @@ def test_trailer_fields_are_refused_and_not_kept() -> None:
         assert sent < 20 * MiB  # the gateway stopped reading
         assert h.calls == 0
         await lst.close(0)
-    asyncio.run(main())
+    run(main())
 
 
-def test_one_endless_trailer_field_is_bounded() -> None:
+def test_one_endless_trailer_field_is_bounded(run: Run) -> None:
     # httptools accumulates a field's bytes itself and reports it only when it ends.
     async def main() -> None:
         h = FakeHandler()
@@ -101,10 +112,10 @@ def test_one_endless_trailer_field_is_bounded() -> None:
         assert [c for c, _, _ in h.refusals] == ["header_too_large"]
         assert sent < 20 * MiB
         await lst.close(0)
-    asyncio.run(main())
+    run(main())
 
 
-def test_chunked_body_in_small_chunks_with_a_large_head_is_served() -> None:
+def test_chunked_body_in_small_chunks_with_a_large_head_is_served(run: Run) -> None:
     async def main() -> None:
         h = FakeHandler()
         lst = await _listener(h)
@@ -120,10 +131,10 @@ def test_chunked_body_in_small_chunks_with_a_large_head_is_served() -> None:
         assert h.calls == 1 and h.refusals == []
         w.close()
         await lst.close(0)
-    asyncio.run(main())
+    run(main())
 
 
-def test_closed_and_pipelined_connections_stay_inside_the_caps() -> None:
+def test_closed_and_pipelined_connections_stay_inside_the_caps(run: Run) -> None:
     """A full 1 MiB request plus one pipelined byte, then close, again and again: the
     handler tasks stay within max_connections, the held bodies within
     max_inflight_bytes, and the pipelining refusal is not charged to the first request."""
@@ -158,4 +169,26 @@ def test_closed_and_pipelined_connections_stay_inside_the_caps() -> None:
         assert h.running == 1  # a new client is served again
         w.close()
         await lst.close(0)
-    asyncio.run(main())
+    run(main())
+
+
+def test_a_connection_is_not_read_while_its_request_is_handled(run: Run) -> None:
+    """Bytes sent behind a request wait in the kernel until its answer is written (the
+    listener pauses reading): the answer is 200, and only then is the rest read and
+    refused. Read while busy, the junk would be refused first and the answer lost."""
+    async def main() -> None:
+        h = FakeHandler(sleep_s=0.5)
+        lst = await _listener(h)
+        r, w = await asyncio.open_unix_connection(lst.path)
+        w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")
+        await w.drain()
+        await asyncio.sleep(0.2)  # the request is being handled
+        w.write(b"\x00" * 65536)  # not HTTP
+        await w.drain()
+        line = await asyncio.wait_for(r.readline(), 5)
+        assert line.startswith(b"HTTP/1.1 200 "), (line, h.refusals)
+        await asyncio.wait_for(r.read(), 5)  # then the junk is read, refused, closed
+        assert h.calls == 1 and [c for c, _, _ in h.refusals] == ["bad_http"]
+        w.close()
+        await lst.close(0)
+    run(main())

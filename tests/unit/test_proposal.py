@@ -125,6 +125,23 @@ def test_strict_json_and_strip_fence_helpers() -> None:
     assert strip_fence("say ```json\n{}\n```") == "say ```json\n{}\n```"
 
 
+@pytest.mark.parametrize(("text", "error"), [
+    ("[" * 64 + "]" * 64, None),  # at the limit, no more brackets: the scan is skipped
+    ("[" * 65 + "]" * 65, "deeper than 64"),
+    ("[" * 64 + "[]" + "]" * 64, "deeper than 64"),
+    ("[" + "[]," * 100 + "[]]", None),  # many brackets, shallow: scanned and accepted
+    ('["' + "[" * 100 + '"]', None),  # brackets inside a string do not nest
+    ('{"a": {"b": 1, "c": 2, "b": 3}}', "duplicate key 'b'"),  # named, however deep
+    ('[{"k": 1}, {"k": 2}]', None),  # the same key in two objects is no duplicate
+])
+def test_strict_json_depth_and_duplicate_keys(text: str, error: str | None) -> None:
+    if error is None:
+        assert strict_json(text) == json.loads(text)
+    else:
+        with pytest.raises(ValueError, match=error):
+            strict_json(text)
+
+
 # -- check_path -------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("path", "reason"), [
