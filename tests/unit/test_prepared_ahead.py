@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import yaml
 
+from runner.cycle.plan import freeze
 from runner.cycle.receipt import build, compare_receipts
 from runner.cycle.run import CycleRunner
 from runner.errors import SandboxError
 from runner.gateway.server import CONTAINER_DIR
-from tests.fixtures.fake_sandbox import Call, FakeSandbox, Result
-from runner.cycle.plan import freeze
 from tests.fixtures.cycle_project import example_agent, project_with_agent
+from tests.fixtures.fake_sandbox import Call, FakeSandbox, Result
 from tests.unit.test_cycle_runner import (
     IMAGES,
     POLICY_CASES,
@@ -146,7 +146,8 @@ def test_an_interrupt_mid_stage_discards_every_prepared_container(planned: Freez
     outcome = run(plan, box)
     assert outcome.failure is not None and outcome.failure.reason == "interrupted"
     assert box.live() == []
-    assert [p for p in analyst_runs(box) if p.state == "discarded"], [(placement(p.spec), p.state) for p in box.prepared]
+    assert [p for p in analyst_runs(box) if p.state == "discarded"], [
+        (placement(p.spec), p.state) for p in box.prepared]
     assert all(p.uses <= 1 for p in box.prepared)
 
 
