@@ -146,6 +146,14 @@ class CycleFile(Frozen):
     ray: RaySpec | None = None
     """Ray cluster settings, read only with ``backend: ray``."""
 
+    @field_validator("concurrency", mode="before")
+    @classmethod
+    def _concurrency(cls, v: object) -> object:
+        # one message naming both forms, not pydantic's one per union member
+        if v == "auto" or (type(v) is int and 1 <= v <= 64):
+            return v
+        raise ValueError(f"must be a whole number from 1 to 64 or auto, not {v!r}")
+
     @model_validator(mode="after")
     def _seeds(self) -> CycleFile:
         if self.seeds and len(self.seeds) != self.trials:
