@@ -435,16 +435,18 @@ class CycleRunner:
             # running cases a moment to see their container go.
             self._stopping.set()
             with contextlib.suppress(Exception):  # the sweep below removes what is left
-                ahead.close(join_s=STOP_GRACE_S)
+                # a prepare stuck in the engine is not waited for: it sees the stop and
+                # discards its own container when it returns, and _drain sweeps meanwhile
+                ahead.close(join_s=1.0)
             gate.open()
             pool.shutdown(wait=False, cancel_futures=True)
             self._drain(futures)
             raise
         finally:
-            ahead.close(join_s=STOP_GRACE_S)
             control.stop()
             self.timings.update(control.timings(stage))
-            self.timings.update(_waits(stage, ahead.waits, jobs))
+            self.timings.update(_waits(stage, dict(ahead.waits), jobs))
+            ahead.close(join_s=1.0)  # the normal way out: nothing is left to discard
         pool.shutdown(wait=True)
         return results
 
