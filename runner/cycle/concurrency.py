@@ -117,15 +117,20 @@ class HostProbe:
 
     def __init__(self, proc: Path = Path("/proc")) -> None:
         self.proc = proc
-        self._last = cpu_times((proc / "stat").read_text())
+        try:
+            self._last: tuple[int, int] | None = cpu_times((proc / "stat").read_text())
+        except (OSError, ValueError):
+            self._last = None  # no /proc here: every sample raises, nothing is decided
 
     def memory(self) -> int:
         return mem_available((self.proc / "meminfo").read_text())
 
     def sample(self) -> Sample:
         busy, total = cpu_times((self.proc / "stat").read_text())
-        d_busy, d_total = busy - self._last[0], total - self._last[1]
-        self._last = (busy, total)
+        last, self._last = self._last, (busy, total)
+        if last is None:
+            raise ValueError("no earlier /proc/stat sample to compare with")
+        d_busy, d_total = busy - last[0], total - last[1]
         share = d_busy / d_total if d_total > 0 else 1.0
         return Sample(cpu_busy=min(1.0, max(0.0, share)), mem_available=self.memory())
 
@@ -151,7 +156,11 @@ class Control:
         self.bounds = Bounds(per_case_bytes=per_case_bytes,
                              ceiling=max(1, min(AUTO_CEILING, jobs)))
         if self.auto:
-            self.limit = initial(cores(), self.probe.memory(), self.bounds)
+            try:
+                free = self.probe.memory()
+            except (OSError, ValueError):  # memory unknown: one case per core
+                free = int(cores() * per_case_bytes / MEMORY_SHARE) + 1
+            self.limit = initial(cores(), free, self.bounds)
         else:
             self.limit = int(setting)
         self.workers = self.bounds.ceiling if self.auto else max(1, min(self.limit, jobs))

@@ -139,7 +139,11 @@ def test_an_open_gate_lets_every_waiting_job_through() -> None:
     gate = Gate(1)
     gate.enter(0)
     passed = threading.Event()
-    t = threading.Thread(target=lambda: (gate.enter(1), passed.set()))
+    def second() -> None:
+        gate.enter(1)
+        passed.set()
+
+    t = threading.Thread(target=second)
     t.start()
     assert not passed.wait(0.1)
     gate.open()
@@ -320,3 +324,26 @@ def test_a_failed_prepare_releases_its_binding_at_once(tmp_path: Path) -> None:
         prepare(box, spec_policy(), role="analyst", run_id="r1", image="img",
                 command=["true"], gateway=binder)
     assert binder.open == 0
+
+
+def test_unknown_memory_prepares_nothing_ahead() -> None:
+    class Blind:
+        def memory(self) -> int:
+            raise OSError("no /proc")
+
+    control = cc.Control(4, 10, per_case_bytes=GIB // 2, probe=Blind())  # type: ignore[arg-type]
+    assert control.depth(0) == 0
+    assert control.timings("baseline")["baseline.lookahead_max"] == 0.0
+
+
+def test_auto_without_proc_starts_at_the_cores_and_stays(tmp_path: Path) -> None:
+    probe = cc.HostProbe(tmp_path)  # an empty directory: no stat, no meminfo
+    with pytest.raises((OSError, ValueError)):
+        probe.sample()
+    control = cc.Control("auto", 10, per_case_bytes=GIB // 2, probe=probe, interval_s=0.01)
+    assert control.limit == min(cc.cores(), 10)
+    control.start(lambda _n: None)
+    time.sleep(0.1)
+    control.stop()
+    assert control.chosen == [control.limit]
+    assert control.depth(0) == 0
