@@ -1,19 +1,23 @@
 """Cycle overhead: the demo plan scaled to 2 trials (26 case x trial runs per side, 52
 analyst containers, plus evaluator x2, worker and apply) on the scripted provider at
-concurrency 2, against the same number of raw `docker run --rm` invocations of the
-analyst image (same hardening flags, same concurrency) running the agent's imports,
-`python -c 'import json, sqlite3, openai'` (the model call itself is what the cycle
-adds on top, through the gateway). Both in one run.
+``--concurrency`` (default 2), against the same number of raw `docker run --rm`
+invocations of the analyst image (same hardening flags, same concurrency) running the
+agent's imports, `python -c 'import json, sqlite3, openai'` (the model call itself is what
+the cycle adds on top, through the gateway). Both in one run; ``--rounds N`` alternates
+cycle and raw N times and reports the median ratio (the machine may be shared).
 
-Target (issue 4): cycle wall time / raw container time <= 1.3.
+Targets: issue 4, cycle / raw <= 1.3; issue 23, at concurrency 1 (where the next cases'
+containers are prepared while one runs) <= 0.8 and at concurrency 2 <= 0.93.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,13 +54,33 @@ def scaled_example(dest: Path, trials: int) -> Path:
     return dest / "cycle.yaml"
 
 
+TARGETS = {1: 0.8, 2: 0.93}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--trials", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
+    rounds = [one_round(a.trials, a.concurrency, i) for i in range(a.rounds)]
+    ratios = sorted(r["ratio_cycle_over_raw"] for r in rounds)
+    target = TARGETS.get(a.concurrency, 1.3)
+    result = {**rounds[-1], "rounds": len(rounds), "ratios": ratios,
+              "ratio_median": ratios[len(ratios) // 2], "target_ratio": target,
+              "loadavg": [round(x, 2) for x in os.getloadavg()]}
+    result["meets_target"] = result["ratio_median"] <= target
+    report(result, a.out)
+
+
+def one_round(trials: int, concurrency: int, i: int) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="cbx-bench-cycle-"))
-    cycle = scaled_example(work / "example", a.trials)
+    cycle = scaled_example(work / "example", trials)
+    cyc = yaml.safe_load(cycle.read_text())
+    cyc["concurrency"] = concurrency
+    cyc["name"] = f"bench-cycle-{i}"
+    cycle.write_text(yaml.safe_dump(cyc))
     cli = str(PROJECT_ROOT / ".venv" / "bin" / "cyclebox")
     t0 = time.perf_counter()
     res = subprocess.run([cli, "cycle", "run", str(cycle), "--out", str(work / "run"), "--json"],
@@ -79,23 +103,23 @@ def main() -> None:
         subprocess.run(raw_args, check=True, capture_output=True)
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
         list(pool.map(raw_one, range(len(containers))))
     raw_wall = time.perf_counter() - t0
     result = {
-        "bench": "cycle", "trials": a.trials, "verdict": out["verdict"],
+        "bench": "cycle", "trials": trials, "verdict": out["verdict"],
         "containers": len(containers), "analyst_case_trial_runs": analyst_runs,
-        "concurrency": 2,
+        "concurrency": concurrency,
         "cycle_wall_s": round(cycle_wall, 2),
         "raw_docker_wall_s": round(raw_wall, 2),
         "ratio_cycle_over_raw": round(cycle_wall / raw_wall, 3),
-        "per_stage_s": out["timing"],
-        "target_ratio": 1.3,
+        "per_stage_s": {k: v for k, v in out["timing"].items() if "prepared_wait_s." not in k
+                        or not k.split("prepared_wait_s.")[1].count("__t")},
         "raw_command": RAW_COMMAND,
     }
-    result["meets_target"] = result["ratio_cycle_over_raw"] <= 1.3
-    report(result, a.out)
+    print(json.dumps(result), file=sys.stderr, flush=True)
     shutil.rmtree(work, ignore_errors=True)
+    return result
 
 
 if __name__ == "__main__":

@@ -166,7 +166,9 @@ def cycle_run(
         # The report's rows (verdict, reasons, pass counts per arm and split, changes,
         # cost per role with unknown and fixture costs named), then this run's timing.
         print_terminal(report, extra=(
-            ("time per stage", ", ".join(f"{k} {v:.1f}s" for k, v in timings.items())),
+            # a dotted key is a stage's detail (concurrency, prepared waits): receipt only
+            ("time per stage", ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()
+                                         if "." not in k)),
             ("receipt", str(outcome.run_dir / "receipt.json"))))
     raise typer.Exit(EXIT_CODES[result.verdict])
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -133,8 +133,11 @@ class CycleFile(Frozen):
     """Runs of every case per side; must equal the comparison policy's trials."""
     seeds: tuple[int, ...] = ()
     """Per-trial seeds, recorded in the plan; defaults to 0..trials-1."""
-    concurrency: int = Field(default=2, ge=1, le=64)
-    """Analyst containers run at once."""
+    concurrency: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = 2
+    """Analyst containers run at once; ``auto``: start from the cores and the free memory
+    and follow the host's CPU and memory headroom (the values chosen are recorded in the
+    receipt's timing). Either way the next cases' containers are prepared ahead, within
+    memory. Not part of the outcome."""
     backend: Literal["docker", "ray"] = "docker"
     """Where role containers run: ``docker``, this machine's engine; ``ray``, the nodes of
     a Ray cluster (each advertising the ``cyclebox`` resource, with Docker and the role
@@ -142,6 +145,14 @@ class CycleFile(Frozen):
     of the outcome: the same plan reaches the same verdict on either."""
     ray: RaySpec | None = None
     """Ray cluster settings, read only with ``backend: ray``."""
+
+    @field_validator("concurrency", mode="before")
+    @classmethod
+    def _concurrency(cls, v: object) -> object:
+        # one message naming both forms, not pydantic's one per union member
+        if v == "auto" or (type(v) is int and 1 <= v <= 64):
+            return v
+        raise ValueError(f"must be a whole number from 1 to 64 or auto, not {v!r}")
 
     @model_validator(mode="after")
     def _seeds(self) -> CycleFile:

@@ -20,7 +20,7 @@ import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -111,7 +111,7 @@ class Plan(Frozen):
     dream: DreamSpec
     trials: int
     seeds: tuple[int, ...]
-    concurrency: int
+    concurrency: int | Literal["auto"]
     inputs: dict[str, str]
     """inputs/ file -> sha256."""
 

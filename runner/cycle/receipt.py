@@ -337,10 +337,11 @@ class ReceiptRow(Frozen):
 def compare_receipts(recorded: Receipt, replayed: Receipt) -> tuple[ReceiptRow, ...]:
     """Input and outcome hashes of two runs side by side (timings aside). Every frozen
     input section is compared except how model calls are answered (a replay answers from
-    the recording instead of the original provider)."""
+    the recording instead of the original provider) and how many cases ran at once (no
+    outcome depends on it: a run at ``concurrency: auto`` compares equal to one at 2)."""
     a, b = recorded.model_dump(mode="json"), replayed.model_dump(mode="json")
     keys = ["identities", "base_tree", "images"]
-    skip = {"upstreams", "upstream_ids", "inputs"}
+    skip = {"upstreams", "upstream_ids", "inputs", "concurrency"}
     keys += [f"inputs.{k}" for k in sorted(a["inputs"]) if k not in skip]
     keys += [f"outcome.{k}" for k in a["outcome"] if k != "inputs"]
 

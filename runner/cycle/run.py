@@ -27,6 +27,7 @@ from runner import gitops, interrupts
 from runner.cycle.apply import apply_proposal, read_proposal
 from runner.cycle.brief import build_brief, failing_development, nothing_to_brief
 from runner.cycle.compare import compare
+from runner.cycle.concurrency import Control
 from runner.cycle.models import (
     DEVELOPMENT,
     ComparisonResult,
@@ -44,6 +45,7 @@ from runner.cycle.plan import (
     load_plan,
     plan_lock,
 )
+from runner.cycle.schedule import Gate, Lookahead
 from runner.cycle.scoring import (
     PROJECT_SCORER_INPUT,
     apply_grades,
@@ -60,14 +62,40 @@ from runner.gateway.server import Gateway
 from runner.hashing import safe_text, sha256_bytes, write_json
 from runner.isolation import image_use
 from runner.isolation.collect import Limits, collect
-from runner.isolation.launcher import launch, output_dir
-from runner.isolation.sandbox import Mount, RunRecord, Sandbox, StopReason
+from runner.isolation.launcher import output_dir, prepare
+from runner.isolation.sandbox import Mount, PreparedRun, RunRecord, Sandbox, StopReason
 
 STOP_GRACE_S = 6.0
 """How long, after a stop, the run's containers are swept while case threads return."""
 
 Progress = Callable[[str, int, int], None]
 """(stage, done, total) as work completes."""
+
+
+@dataclass(frozen=True)
+class _Ready:
+    """One analyst case made ready: its fresh output directory and its container."""
+
+    out: Path
+    run: PreparedRun
+
+
+def _discard(ready: _Ready | None) -> None:
+    if ready is not None:
+        ready.run.discard()
+
+
+def _waits(stage: str, waits: dict[int, float],
+           jobs: list[tuple[Scenario, int]]) -> dict[str, float]:
+    """Timing keys: how long each case's container waited prepared before its case took
+    it (0 when the case prepared its own), and the median and longest wait."""
+    out = {f"{stage}.prepared_wait_s.{jobs[i][0].id}__t{jobs[i][1]}": round(w, 3)
+           for i, w in sorted(waits.items())}
+    if waits:
+        ordered = sorted(waits.values())
+        out[f"{stage}.prepared_wait_s.median"] = round(ordered[len(ordered) // 2], 3)
+        out[f"{stage}.prepared_wait_s.max"] = round(ordered[-1], 3)
+    return out
 
 
 class StageFailed(Exception):
@@ -316,11 +344,23 @@ class CycleRunner:
              output_target: str = "/out", env: dict[str, str] | None = None) -> RunRecord:
         if self._stopping.is_set():
             raise StageFailed("stopping: no new container is started")
-        rec = launch(self.backend, frozen_role(self.plan, self.dir, role), role=role,
-                     run_id=self.run_id, image=self.plan.images[role], command=command,
-                     mounts=mounts, output_dir=out, output_target=output_target, env=env,
-                     gateway=self.gw, stage=stage, case=case, trial=trial,
-                     cancel=self._stopping)
+        run = prepare(self.backend, frozen_role(self.plan, self.dir, role), role=role,
+                      run_id=self.run_id, image=self.plan.images[role], command=command,
+                      mounts=mounts, output_dir=out, output_target=output_target, env=env,
+                      gateway=self.gw, stage=stage, case=case, trial=trial)
+        return self._record_run(run, stage=stage, out=out, case=case, trial=trial)
+
+    def _record_run(self, run: PreparedRun, *, stage: str, out: Path,
+                    case: str | None = None, trial: int | None = None) -> RunRecord:
+        """Run a prepared container (or remove it unrun when the run is stopping) and
+        keep its record and output tails."""
+        role = run.spec.role
+        try:
+            if self._stopping.is_set():
+                raise StageFailed("stopping: no new container is started")
+            rec = run.run(cancel=self._stopping)
+        finally:
+            run.discard()  # a no-op after the run; otherwise it never runs
         row = {"stage": stage, "case": case, "trial": trial, **rec.model_dump(mode="json")}
         row.pop("stdout_tail")
         row.pop("stderr_tail")
@@ -358,12 +398,31 @@ class CycleRunner:
         return dest
 
     def _analyst(self, stage: str, src: Path, cases: list[str]) -> list[Record]:
+        """Every case x trial exactly once, in plan order, ``concurrency`` at once, the
+        next ones' containers prepared ahead (:mod:`runner.cycle.schedule`)."""
         jobs = [(self.scenarios[c], t) for c in cases for t in range(self.plan.trials)]
         done = 0
         self.progress(stage, 0, len(jobs))
         results: list[Record] = []
-        pool = ThreadPoolExecutor(max_workers=self.plan.concurrency)
-        futures = [pool.submit(self._case, stage, src, sc, t) for sc, t in jobs]
+        control = Control(self.plan.concurrency, len(jobs),
+                          per_case_bytes=self.plan.roles["analyst"].memory)
+        gate = Gate(control.limit)
+        ahead: Lookahead[_Ready | None] = Lookahead(
+            len(jobs), prepare=lambda i: self._prepare_case(stage, src, *jobs[i]),
+            discard=_discard, depth=lambda: control.depth(gate.inside),
+            closed=lambda: StageFailed("stopping: no new container is started"))
+
+        def job(i: int) -> Record:
+            gate.enter(i)
+            try:
+                return self._case(stage, *jobs[i], lambda: ahead.take(i))
+            finally:
+                gate.leave()
+
+        pool = ThreadPoolExecutor(max_workers=control.workers)
+        control.start(gate.set_limit)
+        ahead.start()
+        futures = [pool.submit(job, i) for i in range(len(jobs))]
         self._inflight = futures
         try:
             for fut in futures:
@@ -371,11 +430,23 @@ class CycleRunner:
                 done += 1
                 self.progress(stage, done, len(jobs))
         except BaseException:
-            # Never wait for the pool on the way out: kill its containers, cancel what
-            # did not start and give running cases a moment to see their container go.
+            # Never wait for the pool on the way out: admit nothing new, discard what was
+            # prepared, kill the run's containers, cancel what did not start and give
+            # running cases a moment to see their container go.
+            self._stopping.set()
+            with contextlib.suppress(Exception):  # the sweep below removes what is left
+                # a prepare stuck in the engine is not waited for: it sees the stop and
+                # discards its own container when it returns, and _drain sweeps meanwhile
+                ahead.close(join_s=1.0)
+            gate.open()
             pool.shutdown(wait=False, cancel_futures=True)
             self._drain(futures)
             raise
+        finally:
+            control.stop()
+            self.timings.update(control.timings(stage))
+            self.timings.update(_waits(stage, dict(ahead.waits), jobs))
+            ahead.close(join_s=1.0)  # the normal way out: nothing is left to discard
         pool.shutdown(wait=True)
         return results
 
@@ -383,13 +454,14 @@ class CycleRunner:
         return Identities(data_hash=self.plan.data_hash, reference_hash=self.plan.reference_hash,
                           scorer=self.plan.scorer, judge=self.plan.judge_id)
 
-    def _case(self, stage: str, src: Path, sc: Scenario, trial: int) -> Record:
+    def _case(self, stage: str, sc: Scenario, trial: int,
+              take: Callable[[], _Ready | None]) -> Record:
         """One analyst case; a crash while handling its output invalidates this case only.
 
         Engine and environment failures, and a stop, end the whole cycle instead.
         """
         try:
-            rec = self._case_inner(stage, src, sc, trial)
+            rec = self._case_inner(stage, sc, trial, take)
         except StageFailed:
             raise
         except Exception as exc:
@@ -403,21 +475,38 @@ class CycleRunner:
             rec = rec.model_copy(update={"reason": safe_text(rec.reason)})
         return rec
 
-    def _case_inner(self, stage: str, src: Path, sc: Scenario, trial: int) -> Record:
-        base = dict(case_id=sc.id, trial=trial, split=sc.split, identities=self._identities())
+    def _prepare_case(self, stage: str, src: Path, sc: Scenario, trial: int) -> _Ready | None:
+        """The case's own input and output directories and its container, prepared (None
+        once the budget halted: nothing is prepared for a case that will not run)."""
         if self.budget.halted:
-            return Record(**base, status="not_attempted", reason=f"budget: {self.budget.halted}")
+            return None
+        if self._stopping.is_set():
+            raise StageFailed("stopping: no new container is started")
         case_dir = self.dir / "stages" / stage / "cases" / f"{sc.id}__t{trial}"
         (case_dir / "input").mkdir(parents=True)
         write_json(case_dir / "input" / "input.json", sc.input)
         out = self._fresh("analyst", case_dir / "out")
         env = {"CYCLEBOX_SEED": str(self.plan.seeds[trial]), "CYCLEBOX_TRIAL": str(trial),
                "CYCLEBOX_CASE_ID": sc.id, **self._model_env}
-        rec = self._run("analyst", list(self.plan.project.spec.entry), stage=stage, case=sc.id,
-                        trial=trial, out=out, env=env,
-                        mounts=[Mount(source=src, target="/src"),
-                                Mount(source=case_dir / "input", target="/case"),
-                                Mount(source=Path(self.plan.data_dir), target="/data")])
+        run = prepare(self.backend, frozen_role(self.plan, self.dir, "analyst"),
+                      role="analyst", run_id=self.run_id, image=self.plan.images["analyst"],
+                      command=list(self.plan.project.spec.entry), output_dir=out, env=env,
+                      gateway=self.gw, stage=stage, case=sc.id, trial=trial,
+                      mounts=[Mount(source=src, target="/src"),
+                              Mount(source=case_dir / "input", target="/case"),
+                              Mount(source=Path(self.plan.data_dir), target="/data")])
+        return _Ready(out=out, run=run)
+
+    def _case_inner(self, stage: str, sc: Scenario, trial: int,
+                    take: Callable[[], _Ready | None]) -> Record:
+        base = dict(case_id=sc.id, trial=trial, split=sc.split, identities=self._identities())
+        ready = take()
+        if ready is None or self.budget.halted:
+            # Prepared before the budget halted: removed unrun, the case not attempted.
+            _discard(ready)
+            return Record(**base, status="not_attempted", reason=f"budget: {self.budget.halted}")
+        out = ready.out
+        rec = self._record_run(ready.run, stage=stage, out=out, case=sc.id, trial=trial)
         calls = self.gw.calls(stage, sc.id, trial)
         usage = {r: t.model_dump(mode="json") for r, t in summarize(calls).per_role.items()}
         common = dict(base, latency_s=rec.wall_s, usage=usage)

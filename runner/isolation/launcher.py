@@ -24,7 +24,14 @@ from typing import Protocol
 
 from runner.isolation.policy import RolePolicy
 from runner.isolation.roles import fresh_output_dir, role_spec
-from runner.isolation.sandbox import Mount, OutputCallback, RunRecord, RunSpec, Sandbox
+from runner.isolation.sandbox import (
+    Mount,
+    OutputCallback,
+    PreparedRun,
+    RunRecord,
+    RunSpec,
+    Sandbox,
+)
 from sandbox.holder import RELAY_HOST, RELAY_PORT
 
 STAGE_LABEL = "io.cyclebox.stage"
@@ -109,6 +116,24 @@ def build_spec(policy: RolePolicy, *, role: str, run_id: str, image: str,
     return spec
 
 
+def _bound_spec(stack: contextlib.ExitStack, policy: RolePolicy, *, role: str, run_id: str,
+                image: str, command: Sequence[str], mounts: Sequence[Mount],
+                output_dir: Path | None, output_target: str,
+                env: Mapping[str, str] | None, gateway: GatewayBinder | None,
+                stage: str | None, case: str | None, trial: int | None) -> RunSpec:
+    """The spec of one role container, its gateway binding (if any) entered on ``stack``."""
+    all_mounts = list(mounts)
+    all_env = dict(env or {})
+    if policy.upstream and gateway is not None:
+        binding = stack.enter_context(gateway.bound(
+            role, stage=stage or role, uid=policy.uid, case=case, trial=trial))
+        all_mounts.append(binding.mount())
+        all_env.update(binding.env())
+    return build_spec(policy, role=role, run_id=run_id, image=image, command=command,
+                      mounts=all_mounts, output_dir=output_dir, output_target=output_target,
+                      env=all_env, labels=placement_labels(stage, case, trial))
+
+
 def launch(sandbox: Sandbox, policy: RolePolicy, *, role: str, run_id: str, image: str,
            command: Sequence[str], mounts: Sequence[Mount] = (),
            output_dir: Path | None = None, output_target: str = "/out",
@@ -124,15 +149,70 @@ def launch(sandbox: Sandbox, policy: RolePolicy, *, role: str, run_id: str, imag
     and the policy's; without a gateway the role has no model access at all. ``stage``,
     ``case`` and ``trial`` become container labels and key the gateway's call records.
     """
-    mounts = list(mounts)
-    env = dict(env or {})
     with contextlib.ExitStack() as stack:
-        if policy.upstream and gateway is not None:
-            binding = stack.enter_context(gateway.bound(
-                role, stage=stage or role, uid=policy.uid, case=case, trial=trial))
-            mounts.append(binding.mount())
-            env.update(binding.env())
-        spec = build_spec(policy, role=role, run_id=run_id, image=image, command=command,
-                          mounts=mounts, output_dir=output_dir, output_target=output_target,
-                          env=env, labels=placement_labels(stage, case, trial))
+        spec = _bound_spec(stack, policy, role=role, run_id=run_id, image=image,
+                           command=command, mounts=mounts, output_dir=output_dir,
+                           output_target=output_target, env=env, gateway=gateway,
+                           stage=stage, case=case, trial=trial)
         return sandbox.run(spec, on_output=on_output, cancel=cancel)
+
+
+def prepare(sandbox: Sandbox, policy: RolePolicy, *, role: str, run_id: str, image: str,
+            command: Sequence[str], mounts: Sequence[Mount] = (),
+            output_dir: Path | None = None, output_target: str = "/out",
+            env: Mapping[str, str] | None = None, gateway: GatewayBinder | None = None,
+            stage: str | None = None, case: str | None = None,
+            trial: int | None = None) -> PreparedRun:
+    """What :func:`launch` does up to the role command: the gateway bound, the spec built
+    and ``sandbox.prepare(spec)`` called. The binding lives until the returned run has
+    run or is discarded (whichever comes first); a failed prepare releases it at once."""
+    with contextlib.ExitStack() as stack:
+        spec = _bound_spec(stack, policy, role=role, run_id=run_id, image=image,
+                           command=command, mounts=mounts, output_dir=output_dir,
+                           output_target=output_target, env=env, gateway=gateway,
+                           stage=stage, case=case, trial=trial)
+        prepared = sandbox.prepare(spec)
+        return BoundRun(prepared, stack.pop_all())
+
+
+class BoundRun:
+    """A :class:`PreparedRun` holding its gateway binding: released when the container
+    has run (after its record is back) or is discarded, exactly once."""
+
+    def __init__(self, prepared: PreparedRun, binding: contextlib.ExitStack) -> None:
+        self._prepared = prepared
+        self._binding = binding
+        self._lock = threading.Lock()
+        self._released = False
+
+    @property
+    def spec(self) -> RunSpec:
+        return self._prepared.spec
+
+    def _release(self, exc: BaseException | None = None) -> None:
+        """Leave the binding once; an exception is passed in as :func:`launch`'s block
+        would pass it (the gateway then cancels in-flight calls without its grace)."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        if exc is None:
+            self._binding.close()
+        else:
+            self._binding.__exit__(type(exc), exc, exc.__traceback__)
+
+    def run(self, *, on_output: OutputCallback | None = None,
+            cancel: threading.Event | None = None) -> RunRecord:
+        try:
+            rec = self._prepared.run(on_output=on_output, cancel=cancel)
+        except BaseException as exc:
+            self._release(exc)
+            raise
+        self._release()
+        return rec
+
+    def discard(self) -> None:
+        try:
+            self._prepared.discard()
+        finally:
+            self._release()

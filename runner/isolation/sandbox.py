@@ -16,6 +16,8 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from runner.errors import SandboxError
+
 LABEL_PREFIX = "io.cyclebox"
 """Every label a backend puts on what it creates starts with this."""
 MANAGED_LABEL = f"{LABEL_PREFIX}.managed"
@@ -226,6 +228,53 @@ OutputCallback = Callable[[str, bytes], None]
 """Receives ("stdout" | "stderr", chunk) as the container writes."""
 
 
+class PreparedRun(Protocol):
+    """One container made ready for exactly one RunSpec (created, its holder started and
+    waiting, inputs staged, the gateway bound by the launcher): ``run`` at most once, then
+    it is removed; ``discard`` removes it unrun. Either may be called after the other
+    (the second is a no-op), from any thread."""
+
+    @property
+    def spec(self) -> RunSpec: ...
+
+    def run(self, *, on_output: OutputCallback | None = None,
+            cancel: threading.Event | None = None) -> RunRecord: ...
+
+    def discard(self) -> None: ...
+
+
+class DeferredRun:
+    """The default for a backend that cannot prepare ahead: nothing happens until ``run``,
+    which is ``sandbox.run(spec)``; ``discard`` before it means the spec never runs."""
+
+    def __init__(self, sandbox: Sandbox, spec: RunSpec) -> None:
+        self._sandbox = sandbox
+        self._spec = spec
+        self._lock = threading.Lock()
+        self._used = False
+
+    @property
+    def spec(self) -> RunSpec:
+        return self._spec
+
+    def _claim(self) -> bool:
+        """True for the first of ``run``/``discard`` only: one spec, one run."""
+        with self._lock:
+            first, self._used = not self._used, True
+            return first
+
+    def run(self, *, on_output: OutputCallback | None = None,
+            cancel: threading.Event | None = None) -> RunRecord:
+        if not self._claim():
+            # Running twice (or after a discard) would reuse a container: refused loudly,
+            # never a second record for the same spec.
+            raise SandboxError(f"prepared {self._spec.role} run already used or discarded")
+        return self._sandbox.run(self._spec, on_output=on_output, cancel=cancel)
+
+    def discard(self) -> None:
+        self._claim()
+
+
 class Sandbox(Protocol):
     """Where role commands run: the one seam between the cycle and an isolation backend.
 
@@ -240,6 +289,11 @@ class Sandbox(Protocol):
     def run(self, spec: RunSpec, *, on_output: OutputCallback | None = None,
             cancel: threading.Event | None = None) -> RunRecord:
         """Run to completion (or limit), remove the container, return the record."""
+        ...
+
+    def prepare(self, spec: RunSpec) -> PreparedRun:
+        """Create and start the container for ``spec`` up to the point where only the role
+        command is left to start; raise as ``run`` would (the caller records it)."""
         ...
 
     def image_id(self, ref: str) -> str | None:

@@ -130,7 +130,7 @@ def render_html(r: Report, *, run_dir: Path, html_dir: Path) -> str:
     p.append("</table>")
     if r.timing:
         p.append("<p class=\"muted\">time per stage: " + h(", ".join(
-            f"{k} {v:.1f}s" for k, v in r.timing.items())) + "</p>")
+            f"{k} {v:.1f}s" for k, v in r.timing.items() if "." not in k)) + "</p>")
     p.append(f"<p>receipt sha256 <code>{h(r.receipt_sha256 or 'MISSING')}</code>"
              f" · plan <code>{h(r.plan_hash or '?')}</code></p>")
     if r.problems:

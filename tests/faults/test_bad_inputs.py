@@ -312,6 +312,18 @@ def _(e: Env) -> list[str]:
     return e.run_args()
 
 
+@case("cycle-concurrency-word", 3, "cycle.yaml", "concurrency", "1 to 64 or auto")
+def _(e: Env) -> list[str]:
+    e.set_cycle(concurrency="fast")
+    return e.run_args()
+
+
+@case("cycle-concurrency-zero", 3, "cycle.yaml", "concurrency", "1 to 64 or auto")
+def _(e: Env) -> list[str]:
+    e.set_cycle(concurrency=0)
+    return e.run_args()
+
+
 @case("cycle-seeds-mismatch", 3, "cycle.yaml", "seeds")
 def _(e: Env) -> list[str]:
     e.set_cycle(seeds=[1, 2])

@@ -51,7 +51,9 @@ from runner.isolation.policy import mount_violation
 from runner.isolation.sandbox import (
     LABEL_PREFIX,
     MANAGED_LABEL,
+    DeferredRun,
     OutputCallback,
+    PreparedRun,
     RunFlags,
     RunRecord,
     RunSpec,
@@ -604,6 +606,11 @@ class DockerSandbox:
         self.owner = owner or current_owner()
 
     # -- running ---------------------------------------------------------------
+    def prepare(self, spec: RunSpec) -> PreparedRun:
+        """Deferred until the holder starts the role command itself (issue 23, part 1, on
+        branch ``holder``): the container is created when the case runs."""
+        return DeferredRun(self, spec)
+
     def run(self, spec: RunSpec, *, on_output: OutputCallback | None = None,
             cancel: threading.Event | None = None) -> RunRecord:
         """Run one role command to completion or limit, copy its output out; always remove.

@@ -63,7 +63,9 @@ from runner.isolation.ray.archive import digest, pack_input, pack_output
 from runner.isolation.ray.headwatch import HeadWatch, Target
 from runner.isolation.ray.relay import HeadForwarder, Ticket
 from runner.isolation.sandbox import (
+    DeferredRun,
     OutputCallback,
+    PreparedRun,
     RunRecord,
     RunSpec,
     StopReason,
@@ -408,6 +410,11 @@ class RaySandbox:
         return self._forward()
 
     # -- running -----------------------------------------------------------------
+    def prepare(self, spec: RunSpec) -> PreparedRun:
+        """Deferred: the node creates the container when the case runs. Preparing on the
+        node ahead of the case (a Ray actor holding it) is not built yet."""
+        return DeferredRun(self, spec)
+
     def run(self, spec: RunSpec, *, on_output: OutputCallback | None = None,
             cancel: threading.Event | None = None) -> RunRecord:
         """Run ``spec`` on a cluster node; the record says which (``io.cyclebox.node``)."""
