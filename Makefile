@@ -103,7 +103,7 @@ mock-env: $(MOCK_STAMP) ## mock-ai-api 0.1.1 (PyPI) in build/mock-venv: the thir
 
 verl-env: $(VERL_STAMP) ## verl 0.9.1 + CPU torch in build/verl-venv: the export's real consumer, for tests
 
-test: setup docker gvisor chromium images check verl-env mock-env attest-env ## Everything: set-up (engine, gVisor, Chromium, images, verl env), lint, then unit, integration, security, faults and e2e tests
+test: setup docker gvisor chromium images check verl-env mock-env attest-env ## Everything: set-up (engine, gVisor, Chromium, images, verl, mock and attest envs), lint, then unit, integration, security, faults and e2e tests
 	$(BIN)/pytest tests/unit tests/integration tests/security tests/faults tests/e2e
 
 faults: setup docker images ## Fault tier: signals at each stage, engine cut, disk full, bad inputs (root, real engine)

@@ -95,56 +95,64 @@ def test_securesystemslib_and_in_toto_attestation_accept_the_bundle(
     assert cyclebox("receipt", "verify", str(attested["run"])).returncode == 0
 
 
-def test_the_three_attacks_fail_in_the_third_party_verifier(attested: dict[str, Path],
-                                                             tmp_path: Path) -> None:
+Attempt = tuple[Path, Path, Path, str]
+"""(bundle, key, run directory, what the verifier's FAIL line must say)."""
+
+
+def _attack(kind: str, attested: dict[str, Path], tmp: Path) -> list[Attempt]:
+    """Each variant of one attack, as a verifier input."""
     run, bundle, key = attested["run"], attested["ed25519"], attested["ed25519-key"]
     envs = lines(bundle)
 
     def write(name: str, rows: list[dict[str, Any]]) -> Path:
-        p = tmp_path / name
+        p = tmp / name
         p.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return p
 
-    # 1. tampered subject: the evaluation Statement re-encoded naming another patch digest
-    ev = decoded(envs[0])
-    ev["subject"][0]["digest"]["sha256"] = "0" * 64
-    forged = {**envs[0], "payload": base64.b64encode(json.dumps(ev).encode()).decode()}
-    res = third_party(write("subject.jsonl", [forged, envs[1]]), key, run)
-    assert res.returncode == 1 and "DSSE signature does not verify" in res.stdout, res.stdout
-    # ... and the signed subject no longer matching a changed file on disk
-    copy = tmp_path / "run"
-    shutil.copytree(run, copy, symlinks=True)
-    patch = copy / "stages/apply/candidate.patch"
-    patch.write_bytes(patch.read_bytes() + b"\n")
-    res = third_party(bundle, key, copy)
-    assert res.returncode == 1, res.stdout
-    assert "stages/apply/candidate.patch: sha256 differs" in res.stdout, res.stdout
+    def reencoded(doc: dict[str, Any]) -> dict[str, Any]:
+        return {**envs[0], "payload": base64.b64encode(json.dumps(doc).encode()).decode()}
 
-    # 2. swapped predicate: the provenance payload under the evaluation signature
-    swapped = {**envs[0], "payload": envs[1]["payload"]}
-    res = third_party(write("swapped.jsonl", [swapped, envs[1]]), key, run)
-    assert res.returncode == 1 and "DSSE signature does not verify" in res.stdout, res.stdout
-    # ... and an evaluation predicate with its verdict flipped, signature kept
-    ev = decoded(envs[0])
-    ev["predicate"]["verdict"] = "reject"
-    flipped = {**envs[0], "payload": base64.b64encode(json.dumps(ev).encode()).decode()}
-    res = third_party(write("flipped.jsonl", [flipped, envs[1]]), key, run)
-    assert res.returncode == 1 and "DSSE signature does not verify" in res.stdout, res.stdout
-
-    # 3. wrong key: the P-256 key, and that key's dict claiming the Ed25519 keyid
+    bad_sig = "DSSE signature does not verify"
+    if kind == "tampered-subject":
+        # the Statement re-encoded naming another patch digest, signature kept ...
+        ev = decoded(envs[0])
+        ev["subject"][0]["digest"]["sha256"] = "0" * 64
+        # ... and the signed subject no longer matching a patch changed on disk
+        copy = tmp / "run"
+        shutil.copytree(run, copy, symlinks=True)
+        patch = copy / "stages/apply/candidate.patch"
+        patch.write_bytes(patch.read_bytes() + b"\n")
+        return [(write("subject.jsonl", [reencoded(ev), envs[1]]), key, run, bad_sig),
+                (bundle, key, copy, "stages/apply/candidate.patch: sha256 differs")]
+    if kind == "swapped-predicate":
+        # the provenance payload under the evaluation signature, and a flipped verdict
+        ev = decoded(envs[0])
+        ev["predicate"]["verdict"] = "reject"
+        swapped = {**envs[0], "payload": envs[1]["payload"]}
+        return [(write("swapped.jsonl", [swapped, envs[1]]), key, run, bad_sig),
+                (write("flipped.jsonl", [reencoded(ev), envs[1]]), key, run, bad_sig)]
+    # wrong key: the P-256 key, and that key's dict claiming the Ed25519 keyid
     other = attested["ecdsa-p256-key"]
-    res = third_party(bundle, other, run)
-    assert res.returncode == 1 and "DSSE signature does not verify" in res.stdout, res.stdout
     claimed = json.loads(Path(f"{other}.pub.json").read_text())
     claimed["keyid"] = json.loads(Path(f"{key}.pub.json").read_text())["keyid"]
-    liar = tmp_path / "liar"
+    liar = tmp / "liar"
     Path(f"{liar}.pub.json").write_text(json.dumps(claimed))
     shutil.copy(f"{other}.pub", f"{liar}.pub")
-    res = third_party(bundle, liar, run)
-    assert res.returncode == 1 and "is not securesystemslib's keyid" in res.stdout, res.stdout
+    return [(bundle, other, run, bad_sig),
+            (bundle, liar, run, "is not securesystemslib's keyid")]
 
+
+@pytest.mark.parametrize("kind", ["tampered-subject", "swapped-predicate", "wrong-key"])
+def test_the_attack_fails_in_the_third_party_verifier(attested: dict[str, Path],
+                                                     tmp_path: Path, kind: str) -> None:
+    for bundle, key, run, why in _attack(kind, attested, tmp_path):
+        res = third_party(bundle, key, run)
+        print(f"{kind}: exit {res.returncode}: {res.stdout.strip()[:300]}")  # for the report
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert res.stdout.startswith("FAIL: ") and why in res.stdout, res.stdout
     # positive control: the untouched bundle still verifies
-    assert third_party(bundle, key, run).returncode == 0
+    assert third_party(attested["ed25519"], attested["ed25519-key"],
+                       attested["run"]).returncode == 0
 
 
 def test_the_evaluation_predicate_validates_against_its_published_schema(
