@@ -58,5 +58,6 @@ export function canaryScan(): void {
     }
   };
   walk("/");
-  fs.writeFileSync("/out/canary-scan.json", JSON.stringify({ hits, scanned }));
+  // only what a replay sees alike: the count of files read varies with /tmp
+  fs.writeFileSync("/out/canary-scan.json", JSON.stringify({ hits, read_over_1000: scanned > 1000 }));
 }
