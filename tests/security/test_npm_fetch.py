@@ -121,7 +121,8 @@ def nothing_left(tmp: Path) -> None:
 
 def test_a_well_formed_package_is_laid_out_with_its_bin(tmp_path: Path,
                                                         registry: Registry) -> None:
-    body = tgz({"package/package.json": b'{"name":"ok"}', "package/cli.js": b"#!/usr/bin/env node\n"})
+    body = tgz({"package/package.json": b'{"name":"ok"}',
+                "package/cli.js": b"#!/usr/bin/env node\n"})
     url = registry.publish("ok", "1.0.0", body)
     nm = install(tmp_path, registry, {"node_modules/ok": {
         "version": "1.0.0", "resolved": url, "integrity": sri(body), "bin": {"ok": "cli.js"}}})

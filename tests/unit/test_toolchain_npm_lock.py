@@ -162,7 +162,7 @@ def test_the_registry_setting_is_respected() -> None:
     assert registry_problem(f"{local}a/-/a-1.0.0.tgz", local) is None
     assert "plain http" in str(registry_problem("http://mirror.example/a/-/a-1.tgz",
                                                 "http://mirror.example/"))
-    with pytest.raises(NpmRefused, match="not on the npm registry http://127.0.0.1:4873/"):
+    with pytest.raises(NpmRefused, match=r"not on the npm registry http://127\.0\.0\.1:4873/"):
         parse({"node_modules/a": entry("a")}, registry=local)
 
 

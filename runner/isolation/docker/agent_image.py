@@ -172,7 +172,8 @@ def ensure_agent_image(analyst_id: str, toolchains: AgentToolchains | str, log: 
                     f"the agent's toolchains ({', '.join(s.name for s in parts)})")
             raise RequirementsRefused(
                 f"{what} do not install offline into the analyst image "
-                f"({pip_reason(str(exc), 300)}); the build said: {shown}", field=field if pip else f"project.{parts[0].name}",
+                f"({pip_reason(str(exc), 300)}); the build said: {shown}",
+                field=field if pip else f"project.{parts[0].name}",
                 fix="pin versions that agree with the analyst's own packages "
                     "(images/analyst/requirements.txt) and publish cp311 manylinux or "
                     "pure-Python wheels" if pip else
