@@ -223,7 +223,9 @@ def test_the_host_canary_is_nowhere_in_the_run_or_the_image(runs: dict[str, Any]
     scans = [json.loads(p.read_text()) for p in sorted(
         (run / "stages").glob("*/cases/*/out/canary-scan.json"))]
     assert len(scans) == 2 * len(INCIDENTS) * len(matrix.VARIANTS)
-    assert all(s["hits"] == [] and s["read_over_1000"] for s in scans), scans
+    assert all(s["hits"] == [] for s in scans), [s["hits"] for s in scans if s["hits"]]
+    full = [s for s in scans if s["mode"] == "full"]
+    assert len(full) == 2 and all(s["read_over_1000"] for s in full), "a scan must read"
     # the engine's view of every container of the run (env, mounts, labels, command)
     started = {json.loads(ln)["container_name"]
                for ln in (run / "containers.jsonl").read_text().splitlines()}
