@@ -256,6 +256,10 @@ def parse_lockfile(lock: bytes, package_json: bytes, *, source: str, pkg_source:
                           **named, fix=registry_fix)
         resolved = entry.get("resolved")
         url = resolved if isinstance(resolved, str) else tarball_url(name, version, registry)
+        if url.startswith(DEFAULT_REGISTRY) and registry != DEFAULT_REGISTRY:
+            # npm's replace-registry-host (default "npmjs"): a lockfile made against the
+            # public registry is fetched from the configured mirror; integrity still pins it
+            url = registry + url[len(DEFAULT_REGISTRY):]
         problem = registry_problem(url, registry)
         if problem:
             raise _refuse(source, key, problem, **named, fix=registry_fix)

@@ -162,8 +162,12 @@ def test_the_registry_setting_is_respected() -> None:
     assert registry_problem(f"{local}a/-/a-1.0.0.tgz", local) is None
     assert "plain http" in str(registry_problem("http://mirror.example/a/-/a-1.tgz",
                                                 "http://mirror.example/"))
+    # npm's replace-registry-host: the public registry's tarballs come from the mirror
+    mirrored = parse({"node_modules/a": entry("a")}, registry=local)
+    assert mirrored.packages[0].url == f"{local}a/-/a-1.0.0.tgz"
+    other = entry("a", resolved="https://registry.yarnpkg.com/a/-/a-1.0.0.tgz")
     with pytest.raises(NpmRefused, match=r"not on the npm registry http://127\.0\.0\.1:4873/"):
-        parse({"node_modules/a": entry("a")}, registry=local)
+        parse({"node_modules/a": other}, registry=local)
 
 
 def test_keys_bins_and_sync_are_checked() -> None:
