@@ -260,3 +260,35 @@ def test_the_builder_leaves_no_build_context_and_no_image_after_a_refusal(
     assert list((state / "context").iterdir()) == []
     assert not list((state / "npm" / "tarballs").glob("*"))
     assert {d.id for d in derived_images()} == before
+
+
+def test_a_decompression_bomb_stops_at_the_bound(tmp_path: Path, registry: Registry,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from runner.toolchain import npm_fetch
+    from runner.untar import Limits
+
+    monkeypatch.setattr(npm_fetch, "LIMITS", Limits(max_entries=100, max_bytes=1 << 20,
+                                                    max_depth=16))
+    body = tgz({"package/zeros.bin": b"\0" * (8 << 20)})  # 8 MB of zeros: ~8 KB gzipped
+    assert len(body) < 64 << 10
+    url = registry.publish("bomb", "1.0.0", body)
+    with pytest.raises(NpmRefused, match=r"bomb@1\.0\.0's tarball was refused: more than "
+                       r"100 entries or 1048576 bytes unpacked"):
+        install(tmp_path, registry, {"node_modules/bomb": {
+            "version": "1.0.0", "resolved": url, "integrity": sri(body)}})
+    assert list((tmp_path / "context").iterdir()) == []
+
+
+def test_a_tarball_holding_a_nested_packages_place_is_refused(tmp_path: Path,
+                                                              registry: Registry) -> None:
+    outer = tgz({"package/index.js": b"", "package/node_modules/inner": b"a file"})
+    inner = tgz({"package/index.js": b""})
+    u1 = registry.publish("outer", "1.0.0", outer)
+    u2 = registry.publish("inner", "1.0.0", inner)
+    with pytest.raises(NpmRefused, match=r"node_modules/outer/node_modules/inner: its place is "
+                       r"taken by a file of an enclosing package's tarball"):
+        install(tmp_path, registry, {
+            "node_modules/outer": {"version": "1.0.0", "resolved": u1, "integrity": sri(outer)},
+            "node_modules/outer/node_modules/inner": {"version": "1.0.0", "resolved": u2,
+                                                      "integrity": sri(inner)}})
+    assert list((tmp_path / "context").iterdir()) == []
