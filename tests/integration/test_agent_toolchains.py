@@ -26,7 +26,8 @@ f['esm'] = run('node', '--input-type=module', '-e',
                'import OpenAI from "openai"; import Anthropic from "@anthropic-ai/sdk";'
                'import { streamText } from "ai";'
                'import { createOpenAI } from "@ai-sdk/openai";'
-               'console.log(typeof OpenAI, typeof Anthropic, typeof streamText, typeof createOpenAI)')
+               'console.log(typeof OpenAI, typeof Anthropic, typeof streamText,'
+               ' typeof createOpenAI)')
 f['write_node_modules'] = os.access('/node_modules', os.W_OK)
 setuid = subprocess.run(['find', '/', '-xdev', '(', '-perm', '-4000', '-o', '-perm', '-2000',
                          ')', '-type', 'f'], capture_output=True, text=True).stdout.split()
