@@ -84,10 +84,10 @@ def decide(current: int, sample: Sample, bounds: Bounds) -> int:
 
 def lookahead(concurrency: int, mem_available: int, per_case_bytes: int,
               running: int = 0) -> int:
-    """Containers prepared ahead of the running ones: up to one per running case, no more
-    than the memory left beside the running ones holds at the role's limit."""
-    room = memory_cap(mem_available, per_case_bytes, running=running) - max(running,
-                                                                            concurrency)
+    """Containers prepared ahead of the running ones: up to one per running case, and only
+    while running plus prepared ones, every one counted at the role's limit (a running
+    case may still grow to it), fit the available share."""
+    room = memory_cap(mem_available, per_case_bytes) - max(running, concurrency)
     return max(0, min(concurrency, room))
 
 

@@ -186,7 +186,9 @@ def test_auto_starts_from_the_cores_within_memory() -> None:
 
 def test_lookahead_is_bounded_by_concurrency_and_memory() -> None:
     assert cc.lookahead(4, 20 * GIB, GIB // 2) == 4
-    assert cc.lookahead(4, 2 * GIB, GIB // 2, running=4) == 3
+    assert cc.lookahead(4, 4 * GIB, GIB // 2, running=4) == 2  # 0.8 x 4 GiB holds 6
+    assert cc.lookahead(4, 2 * GIB, GIB // 2, running=4) == 0  # the running ones may grow
+    assert cc.lookahead(32, 21 * GIB, GIB // 2, running=32) == 1
     assert cc.lookahead(4, 0, GIB // 2, running=4) == 0
     assert cc.lookahead(1, 20 * GIB, 6 * GIB) == 1
     assert cc.lookahead(2, 8 * GIB, 6 * GIB) == 0  # one at 6 GiB fits, not two running
