@@ -13,6 +13,7 @@ import pytest
 
 from runner.errors import ConfigError
 from runner.isolation.launcher import (
+    EGRESS_ENV,
     ENDPOINT_ENV_NAMES,
     OFFLINE_ENV,
     endpoint_env,
@@ -110,7 +111,7 @@ def test_a_bound_role_gets_the_endpoint_environment_over_any_other(tmp_path: Pat
     assert env["OPENAI_BASE_URL"] == env["OPENAI_API_BASE"] == "http://127.0.0.1:40080/v1"
     assert env["ANTHROPIC_BASE_URL"] == env["CYCLEBOX_GATEWAY_URL"] == "http://127.0.0.1:40080"
     assert env["OPENAI_API_KEY"] == env["ANTHROPIC_API_KEY"] == "tok-analyst"
-    assert set(endpoint_env("t")) == set(ENDPOINT_ENV_NAMES) | set(OFFLINE_ENV)
+    assert set(endpoint_env("t")) == set(ENDPOINT_ENV_NAMES) | set(OFFLINE_ENV) | set(EGRESS_ENV)
 
 
 def test_an_unbound_role_gets_no_endpoint_environment(tmp_path: Path) -> None:
