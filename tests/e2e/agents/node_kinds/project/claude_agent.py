@@ -32,12 +32,8 @@ CLAUDE = "/node_modules/@anthropic-ai/claude-code-linux-x64/claude"
 """The native binary of the platform package. The main package's bin/claude.exe is a
 placeholder its postinstall script overwrites; no install script runs in cyclebox."""
 HOME = Path("/tmp/home")
-PROMPT = """You answer one question for an evaluation. The case is the JSON file
-/case/input.json; read-only data files, if any, are under /data. Read what you need with
-your tools. Reply with ONLY a JSON object, no prose and no code fence:
-{"answer": <your answer>, "refused": false, "evidence": [<names your answer rests on>]}
-If the question cannot or must not be answered, reply {"answer": null, "refused": true,
-"evidence": []}."""
+PROMPT = Path(__file__).resolve().parent / "prompts" / "coding_cli.md"
+"""The task, as the CLI is asked it (the cycle's worker may edit this file)."""
 
 
 def answer_of(text: str) -> dict[str, object]:
@@ -68,7 +64,7 @@ def main() -> int:
                ANTHROPIC_DEFAULT_HAIKU_MODEL=model,
                CLAUDE_CODE_DISABLE_EXPERIMENTAL_BETAS="1")
     done = subprocess.run(
-        [CLAUDE, "-p", PROMPT, "--output-format", "json", "--model", model,
+        [CLAUDE, "-p", PROMPT.read_text(), "--output-format", "json", "--model", model,
          "--dangerously-skip-permissions"],
         env=env, cwd=HOME / "work", stdin=subprocess.DEVNULL, capture_output=True,
         check=False)

@@ -25,12 +25,8 @@ from pathlib import Path
 CODEX = "/node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex"
 """The native binary of the platform package: bin/codex.js only finds and execs it."""
 HOME = Path("/tmp/home")
-PROMPT = """You answer one question for an evaluation. The case is the JSON file
-/case/input.json; read-only data files, if any, are under /data. Read what you need with
-your shell tool. Reply with ONLY a JSON object, no prose and no code fence:
-{"answer": <your answer>, "refused": false, "evidence": [<names your answer rests on>]}
-If the question cannot or must not be answered, reply {"answer": null, "refused": true,
-"evidence": []}."""
+PROMPT = Path(__file__).resolve().parent / "prompts" / "coding_cli.md"
+"""The task, as the CLI is asked it (the cycle's worker may edit this file)."""
 
 
 def config(model: str, base_url: str) -> str:
@@ -87,7 +83,7 @@ def main() -> int:
     done = subprocess.run(
         [CODEX, "exec", "--json", "--skip-git-repo-check", "--ephemeral",
          "--sandbox", "danger-full-access", "--cd", str(HOME / "work"),
-         "--output-last-message", str(last), PROMPT],
+         "--output-last-message", str(last), PROMPT.read_text()],
         env=env, stdin=subprocess.DEVNULL, check=False)
     if done.returncode != 0 or not last.is_file():
         print(f"codex exec exited {done.returncode}", file=sys.stderr)
