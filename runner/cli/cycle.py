@@ -27,6 +27,7 @@ from runner.termsafe import emit_json, safe
 
 if TYPE_CHECKING:
     from runner.gateway.config import UpstreamPolicy
+    from runner.toolchain import AgentToolchains, DerivedAnalyst
 
 app = typer.Typer(no_args_is_help=True, help="Run improvement cycles.")
 commands = typer.Typer()
@@ -171,12 +172,13 @@ def cycle_run(
     raise typer.Exit(EXIT_CODES[result.verdict])
 
 
-def _derive(build: Callable[..., str]) -> Callable[[str, str], str]:
+def _derive(build: Callable[..., DerivedAnalyst]
+            ) -> Callable[[str, AgentToolchains], DerivedAnalyst]:
     """The derived-image builder for freeze, its steps printed on stderr."""
     def log(line: str) -> None:
         err.print(safe(line, 300), highlight=False)
 
-    return lambda analyst_id, requirements: build(analyst_id, requirements, log=log)
+    return lambda analyst_id, toolchains: build(analyst_id, toolchains, log=log)
 
 
 def _discard_unstarted(out_dir: Path) -> None:

@@ -18,6 +18,7 @@ from runner.errors import ConfigError, PrerequisiteError
 from runner.isolation.sandbox import Sandbox
 
 if TYPE_CHECKING:
+    from runner.toolchain import AgentToolchains, DerivedAnalyst
     from runner.train.host import Trainer
 
 _choice: dict[str, Any] = {"name": "docker", "options": {}}
@@ -108,13 +109,13 @@ def cycle_images(*, check_engine: bool = False) -> dict[str, str]:
     return ids
 
 
-def derive_analyst(analyst_id: str, requirements: str, *,
-                   log: Callable[[str], None]) -> str:
-    """Id of the analyst image extended with a project's checked requirements, built
-    offline on first use (``log`` hears the steps) and reused while unchanged."""
+def derive_analyst(analyst_id: str, toolchains: AgentToolchains, *,
+                   log: Callable[[str], None]) -> DerivedAnalyst:
+    """The analyst image extended with a project's checked toolchains (pip, apt, npm),
+    built offline on first use (``log`` hears the steps) and reused while unchanged."""
     from runner.isolation.docker.agent_image import ensure_agent_image
 
-    return ensure_agent_image(analyst_id, requirements, log).id
+    return ensure_agent_image(analyst_id, toolchains, log).derived()
 
 
 def trainer() -> Trainer:

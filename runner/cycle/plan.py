@@ -65,6 +65,7 @@ from runner.isolation.sandbox import Frozen
 from runner.isolation.seccomp import load_profile
 from runner.loading import is_inside, load_data, load_model, relative_inside, show, validate
 from runner.outdir import make_fresh_dir, refuse_existing, remove_created
+from runner.toolchain import AgentToolchains, DerivedAnalyst
 from sandbox.proposal import Refused, check_changes, check_path
 
 CYCLE_ROLES = ("analyst", "worker", "evaluator", "apply")
@@ -146,10 +147,17 @@ class _Checked:
 
     requirements: str | None = None
     """The agent's checked requirement lines (project.requirements), if it declares any."""
+    toolchains: AgentToolchains = AgentToolchains()  # noqa: RUF009 - frozen, shared safely
+    """Everything the agent adds to the analyst image (pip, apt, npm), checked."""
 
 
 AGENT_REQUIREMENTS = "agent-requirements.txt"
 """The inputs/ copy of the agent's checked requirement lines."""
+AGENT_TOOLCHAINS = "agent-toolchains.json"
+"""The inputs/ record of what the derived analyst image installed (versions per
+toolchain), bound by hash like every frozen input."""
+AGENT_NPM_LOCK = "agent-package-lock.json"
+AGENT_NPM_PACKAGE = "agent-package.json"
 
 
 def _agent_requirements(cycle: CycleFile, repo: Path, tree: str, where: str) -> str | None:
@@ -276,11 +284,14 @@ def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy
     roles = {r: pols.roles[r].model_copy(update={"upstream": role_upstream.get(r)})
              for r in CYCLE_ROLES}
     requirements = _agent_requirements(cycle, inputs.repo, tree, where)
+    from runner.cycle.toolchains import agent_toolchains
+
+    toolchains = agent_toolchains(cycle, inputs.repo, tree, where, requirements)
     return _Checked(cycle=cycle, inputs=inputs, manifest=manifest, policy=policy, roles=roles,
                     tree=tree, upstreams=frozen,
                     warnings=((dirty,) if dirty else ()) + _requirements_warnings(
                         cycle, requirements),
-                    requirements=requirements)
+                    requirements=requirements, toolchains=toolchains)
 
 
 def used_upstreams(cycle: CycleFile, pols: RolePolicies, *, path: str,
@@ -328,7 +339,8 @@ def freeze(cycle_path: Path, out: Path, *, images: ImagesArg,
            dream_override: DreamSpec | None = None,
            check_credentials: bool = True,
            warn: Callable[[str], None] | None = None,
-           derive_analyst: Callable[[str, str], str] | None = None) -> tuple[Plan, str]:
+           derive_analyst: Callable[[str, AgentToolchains], str | DerivedAnalyst] | None
+           = None) -> tuple[Plan, str]:
     """Write ``out/plan.json``; return (plan, plan_hash).
 
     Every input, credential and image is checked first; only then is ``out`` created, with
@@ -336,9 +348,9 @@ def freeze(cycle_path: Path, out: Path, *, images: ImagesArg,
     the other gets that refusal). A failure while writing removes ``out`` again, so the
     corrected rerun can use the same path. ``warn`` is given each warning the checks
     found (e.g. uncommitted changes the run leaves out). A project with
-    ``project.requirements`` gets the analyst image ``derive_analyst(analyst_id,
-    requirements)`` returns (the caller's backend builds it offline when missing), and the
-    plan freezes that image's id as the analyst's.
+    ``project.requirements``, ``project.apt`` or ``project.npm`` gets the analyst image
+    ``derive_analyst(analyst_id, toolchains)`` returns (the caller's backend builds it
+    offline when missing), and the plan freezes that image's id as the analyst's.
     """
     refuse_existing(out)
     c = check_cycle(cycle_path, upstream_override=upstream_override,
@@ -350,29 +362,33 @@ def freeze(cycle_path: Path, out: Path, *, images: ImagesArg,
     missing = [r for r in CYCLE_ROLES if r not in image_ids]
     if missing:
         raise PrerequisiteError(f"no image for roles {missing}. Fix: cyclebox images build")
-    if c.requirements is not None:
+    derived: DerivedAnalyst | None = None
+    if not c.toolchains.empty():
         if derive_analyst is None:
-            raise PrerequisiteError("project.requirements is set but this caller cannot build "
+            raise PrerequisiteError("project.requirements, apt or npm is set but this caller "
+                                    "cannot build "
                                     "the derived analyst image. Fix: run the cycle with "
                                     "`cyclebox cycle run`")
         from runner.requirements import RequirementsRefused
 
         try:
-            derived = derive_analyst(image_ids["analyst"], c.requirements)
+            got = derive_analyst(image_ids["analyst"], c.toolchains)
         except RequirementsRefused as exc:  # name the file and the cycle file
             raise exc.named(c.cycle.project.requirements or "requirements",
                             show(str(cycle_path))) from None
-        image_ids = {**image_ids, "analyst": derived}
+        derived = got if isinstance(got, DerivedAnalyst) else DerivedAnalyst(id=got)
+        image_ids = {**image_ids, "analyst": derived.id}
     created = make_fresh_dir(out)
     try:
-        return _write_frozen(c, cycle_path, out, image_ids, dream_override)
+        return _write_frozen(c, cycle_path, out, image_ids, dream_override, derived)
     except BaseException:
         remove_created(created)
         raise
 
 
 def _write_frozen(c: _Checked, cycle_path: Path, out: Path, images: dict[str, str],
-                  dream_override: DreamSpec | None) -> tuple[Plan, str]:
+                  dream_override: DreamSpec | None,
+                  derived: DerivedAnalyst | None = None) -> tuple[Plan, str]:
     cycle, manifest, policy = c.cycle, c.manifest, c.policy
     inputs_dir = out / "inputs"
     table: dict[str, str] = {}
@@ -396,6 +412,14 @@ def _write_frozen(c: _Checked, cycle_path: Path, out: Path, images: dict[str, st
     if c.requirements is not None:
         (inputs_dir / AGENT_REQUIREMENTS).write_text(c.requirements)
         table[AGENT_REQUIREMENTS] = sha256_file(inputs_dir / AGENT_REQUIREMENTS)
+    npm = c.toolchains.npm
+    agent_files = ({AGENT_NPM_LOCK: npm.lockfile, AGENT_NPM_PACKAGE: npm.package_json}
+                   if npm else {})
+    if derived is not None:
+        agent_files[AGENT_TOOLCHAINS] = derived.record().encode()
+    for name, data in agent_files.items():
+        (inputs_dir / name).write_bytes(data)
+        table[name] = sha256_file(inputs_dir / name)
     brief_sha = None
     if c.inputs.brief is not None:
         dest = _copy_input(c.inputs.brief, inputs_dir, "brief.md", table)

@@ -1,21 +1,23 @@
-"""The analyst image plus a project's own requirements: derived offline, reused while unchanged.
+"""The analyst image plus a project's own toolchains: derived offline, reused while unchanged.
 
-A project may declare pip requirements (``project.requirements`` in cycle.yaml: a file in
-its source tree, read from the frozen base tree; see docs/agent-dependencies.md). Freezing
-then derives an analyst image for it:
+A project may declare pip requirements (``project.requirements``), Debian packages
+(``project.apt``) and an npm lockfile (``project.npm``) in cycle.yaml, read from the
+frozen base tree (docs/agent-dependencies.md). Freezing then derives ONE analyst image
+for all of them; each toolchain is one resolver (:mod:`.toolchain_stages`), this module
+the one builder:
 
-1. The requirement lines are checked (:func:`check_requirements`): names, extras and
-   version specifiers only. No pip option, URL, file reference or marker reaches the
-   host's ``pip download``, and only wheels are fetched (``--only-binary=:all:``), so
-   nothing from the project runs on the host.
-2. Their wheels are downloaded on the host into ``build/wheels/agent/<sha>/``, once per
-   requirements content.
-3. ``images/agent.Dockerfile`` builds ``FROM`` the analyst image's id with
-   ``--network none``; the venv's own packages are pip constraints, so an agent
-   requirement cannot move the openai SDK the gateway client relies on.
+1. Each resolver checks its input and resolves it on the host without running anything
+   from the project: pip downloads wheels only (``--only-binary=:all:``), apt downloads
+   .debs with a private state seeded from the analyst image's dpkg status, npm fetches
+   registry tarballs whose sha512 the lockfile names (never an install script).
+2. ``images/agent.Dockerfile`` builds ``FROM`` the analyst image's id with
+   ``--network none``: dpkg installs the .debs, a throwaway pip installs the wheels into
+   the venv (its own packages as constraints), node_modules is copied to
+   ``/node_modules``; only what those installs changed reaches the final image, which
+   is hardened again (images/harden.sh: no setuid file, the same user and entry point).
 
-Invariant: the tag ``cyclebox/analyst-deps:<hash>`` covers the analyst image id, the
-checked requirements, the wheel digest and the Dockerfile; an existing tag is reused
+Invariant: the tag ``cyclebox/analyst-deps:<hash>`` covers the analyst image id, each
+toolchain's inputs and artefact digests and the build files; an existing tag is reused
 (nothing is downloaded or built), and the plan freezes the resulting image id as the
 analyst's.
 """
@@ -24,25 +26,25 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from runner.errors import PrerequisiteError, SandboxError
 from runner.isolation import image_use
-from runner.isolation.docker.images import (
-    MAX_REASON_CHARS,
-    Log,
-    download_wheels,
-    link_or_copy,
-)
+from runner.isolation.docker.images import MAX_REASON_CHARS, Log
 from runner.paths import images_dir, state_dir
 from runner.requirements import RequirementsRefused, check_requirements, pip_reason
+from runner.toolchain import AgentToolchains, DerivedAnalyst
 
 TAG_REPO = "cyclebox/analyst-deps"
 REQUIREMENTS_LABEL = "io.cyclebox.agent_requirements"
 """Label every derived image carries (the sha256 of its requirement lines)."""
+TOOLCHAINS_LABEL = "io.cyclebox.agent_toolchains"
+"""The versions each toolchain installed (JSON: pip lines, apt name=version, npm
+name@version)."""
 STATE_LABEL = "io.cyclebox.state_dir"
 """The state directory whose freezes built it (where its users' locks live)."""
 
@@ -51,18 +53,25 @@ __all__ = ["TAG_REPO", "AgentImage", "DerivedImage", "check_requirements", "deri
 
 @dataclass(frozen=True)
 class AgentImage:
-    """The derived analyst image for one requirements content."""
+    """The derived analyst image for one set of toolchains."""
 
     tag: str
     id: str
     analyst_id: str
     """The analyst image it was built from."""
     requirements_sha256: str
-    """sha256 of the checked requirement lines (as written to the build context)."""
+    """sha256 of the checked requirement lines ('' hashed when there are none)."""
     wheels_digest: str
+    """The pip stage's digest ('' without project.requirements)."""
     input_hash: str
     built: bool
     """True when this call built it; False when the tag already existed."""
+    installed: dict[str, list[str]] = field(default_factory=dict)
+    """Per toolchain (pip, apt, npm), the pinned versions it installs."""
+
+    def derived(self) -> DerivedAnalyst:
+        return DerivedAnalyst(id=self.id, installed={k: list(v) for k, v in
+                                                     self.installed.items()})
 
 
 def _sha(data: bytes) -> str:
@@ -70,33 +79,67 @@ def _sha(data: bytes) -> str:
 
 
 def agent_input_hash(analyst_id: str, requirements: str, wheels_digest: str,
-                     dockerfile: bytes) -> str:
-    """Hash of everything the derived image is built from."""
+                     dockerfile: bytes, stages: tuple[tuple[str, str], ...] = ()) -> str:
+    """Hash of everything the derived image is built from: the analyst image, each
+    toolchain stage's (name, digest), the pip lines and the build files."""
     h = hashlib.sha256()
     h.update(f"analyst={analyst_id}\nwheels={wheels_digest}\n".encode())
     h.update(b"requirements\0" + requirements.encode() + b"\0")
     h.update(b"Dockerfile\0" + dockerfile + b"\0")
+    for name, digest in stages:
+        h.update(f"stage {name}={digest}\n".encode())
     return h.hexdigest()
 
 
-def ensure_agent_image(analyst_id: str, requirements: str, log: Log, *,
-                       field: str = "project.requirements") -> AgentImage:
-    """The derived analyst image for ``requirements`` (checked lines), building it when
-    its tag is missing. ConfigError naming ``field`` when pip cannot satisfy them offline
-    (a conflict with the analyst's own packages, a wheel that does not fit)."""
+def _image_file(analyst_id: str, path: str, max_bytes: int) -> bytes:
+    """One regular file of an image, read through a created (never started) container."""
+    import io
+    import tarfile
+
     from runner.isolation.docker.backend import DockerSandbox
 
-    req_sha = _sha(requirements.encode())
-    req_file = state_dir() / "agent" / f"{req_sha[:16]}.txt"
-    req_file.parent.mkdir(parents=True, exist_ok=True)
-    if not req_file.is_file() or req_file.read_text() != requirements:
-        req_file.write_text(requirements)
-    wheels = download_wheels(req_file, state_dir() / "wheels" / "agent" / req_sha[:16], log,
-                             what="the agent's requirements", field=field)
-    digest = (wheels / ".digest").read_text().strip()
+    client = DockerSandbox().client
+    c = client.containers.create(analyst_id, command=["true"], network_disabled=True,
+                                 labels={"io.cyclebox.role": "analyst-status-read"})
+    try:
+        stream, stat = c.get_archive(path)
+        if int(stat.get("size", 0)) > max_bytes:
+            raise PrerequisiteError(f"{path} in {analyst_id[:19]} has more than {max_bytes} "
+                                    "bytes")
+        data = b"".join(stream)
+    finally:
+        c.remove(force=True)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+        m = tf.next()
+        f = tf.extractfile(m) if m is not None and m.isfile() else None
+        if f is None:
+            raise PrerequisiteError(f"{path} in {analyst_id[:19]} is not a regular file")
+        return f.read(max_bytes)
+
+
+def ensure_agent_image(analyst_id: str, toolchains: AgentToolchains | str, log: Log, *,
+                       field: str = "project.requirements") -> AgentImage:
+    """The derived analyst image for ``toolchains`` (or checked pip requirement lines),
+    building it when its tag is missing. ConfigError naming ``field`` when pip cannot
+    satisfy them offline (a conflict with the analyst's own packages, a wheel that does
+    not fit); ConfigError naming project.apt / project.npm for what those refuse."""
+    from runner.isolation.docker.backend import DockerSandbox
+    from runner.isolation.docker.toolchain_stages import empty_context, stages
+
+    tc = (AgentToolchains(requirements=toolchains) if isinstance(toolchains, str)
+          else toolchains)
+    requirements = tc.requirements or ""
+    parts = stages(tc, log, image_status=lambda: _image_file(
+        analyst_id, "/var/lib/dpkg/status", 64 * 1024 * 1024), field=field)
+    pip = next((s for s in parts if s.name == "pip"), None)
+    digest = pip.digest if pip else ""
     dockerfile = images_dir() / "agent.Dockerfile"
-    ih = agent_input_hash(analyst_id, requirements, digest, dockerfile.read_bytes())
+    harden = images_dir() / "harden.sh"
+    ih = agent_input_hash(analyst_id, requirements, digest,
+                          dockerfile.read_bytes() + harden.read_bytes(),
+                          tuple((s.name, s.digest) for s in parts if s.name != "pip"))
     tag = f"{TAG_REPO}:{ih[:16]}"
+    installed = {s.name: s.installed for s in parts}
     backend = DockerSandbox()
     existing = backend.image_id(tag)
     built = existing is None
@@ -105,17 +148,19 @@ def ensure_agent_image(analyst_id: str, requirements: str, log: Log, *,
         ctx = Path(tempfile.mkdtemp(prefix="agent-", dir=state_dir() / "context"))
         tail: collections.deque[str] = collections.deque(maxlen=25)
         try:
+            empty_context(ctx)
             shutil.copy2(dockerfile, ctx / "Dockerfile")
-            shutil.copy2(req_file, ctx / "requirements.txt")
-            (ctx / "wheels").mkdir()
-            for whl in wheels.glob("*.whl"):
-                link_or_copy(whl, ctx / "wheels" / whl.name)
-            log(f"building {tag} from the analyst image (network none)")
+            shutil.copy2(harden, ctx / "harden.sh")
+            for s in parts:
+                s.fill(ctx)
+            log(f"building {tag} from the analyst image (network none): "
+                f"{', '.join(s.name for s in parts) or 'nothing to add'}")
             for line in backend.build(ctx, tag, buildargs={"ANALYST_IMAGE": analyst_id},
                                       labels={"io.cyclebox.role": "analyst",
                                               "io.cyclebox.input_hash": ih,
                                               "io.cyclebox.base": analyst_id,
-                                              "io.cyclebox.agent_requirements": req_sha,
+                                              REQUIREMENTS_LABEL: _sha(requirements.encode()),
+                                              TOOLCHAINS_LABEL: _label(installed),
                                               STATE_LABEL: str(state_dir())}):
                 tail.append(line)
                 log(line)
@@ -124,11 +169,13 @@ def ensure_agent_image(analyst_id: str, requirements: str, log: Log, *,
                 raise  # the engine failed, not the install
             shown = pip_reason("\n".join(tail), MAX_REASON_CHARS)
             raise RequirementsRefused(
-                f"the agent's requirements do not install offline into the analyst image "
-                f"({pip_reason(str(exc), 300)}); the build said: {shown}", field=field,
+                f"the agent's toolchains ({', '.join(s.name for s in parts)}) do not install "
+                f"offline into the analyst image ({pip_reason(str(exc), 300)}); the build "
+                f"said: {shown}", field=field if pip else f"project.{parts[0].name}",
                 fix="pin versions that agree with the analyst's own packages "
                     "(images/analyst/requirements.txt) and publish cp311 manylinux or "
-                    "pure-Python wheels") from None
+                    "pure-Python wheels" if pip else
+                    "list packages Debian bookworm can install together") from None
         finally:
             shutil.rmtree(ctx, ignore_errors=True)
         existing = backend.image_id(tag)
@@ -139,8 +186,16 @@ def ensure_agent_image(analyst_id: str, requirements: str, log: Log, *,
         raise PrerequisiteError(f"{tag} was removed while this freeze used it (a "
                                 "concurrent `cyclebox images gc`). Fix: run the command again")
     return AgentImage(tag=tag, id=existing, analyst_id=analyst_id,
-                      requirements_sha256=req_sha, wheels_digest=digest, input_hash=ih,
-                      built=built)
+                      requirements_sha256=_sha(requirements.encode()), wheels_digest=digest,
+                      input_hash=ih, built=built, installed=installed)
+
+
+def _label(installed: dict[str, list[str]]) -> str:
+    """The installed versions as a bounded label (JSON; the plan keeps the full list)."""
+    text = json.dumps(installed, sort_keys=True, separators=(",", ":"))
+    return text if len(text) <= 32 * 1024 else json.dumps(
+        {k: f"{len(v)} pins (see the plan's inputs/agent-toolchains.json)"
+         for k, v in installed.items()})
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,200 @@
+"""Fetch an :class:`~runner.toolchain.npm_lock.NpmPlan`'s tarballs on the host and lay out
+``node_modules`` exactly as the lockfile's keys say. Nothing from a package runs here.
+
+* Each tarball is fetched over HTTPS (plain http only from a loopback mirror: the address
+  was checked by :func:`~runner.toolchain.npm_lock.registry_problem`), at most
+  :data:`MAX_TARBALL_BYTES` and :data:`FETCH_TIMEOUT_S`, redirects refused, into a cache
+  keyed by its sha512 (``<state>/npm/tarballs/``). Its sha512 is checked against the
+  lockfile's ``integrity`` BEFORE a byte is extracted; a cached file is checked again
+  on every use.
+* Extraction is :func:`runner.untar.extract` (by directory descriptor; links, devices,
+  absolute or ``..`` names refused by name), after the first path part (``package/``,
+  whatever npm's packer named it) is stripped, into a fresh directory per key.
+* ``.bin`` links are relative symlinks ``<parent node_modules>/.bin/<name> ->
+  ../<pkg>/<path>``; their targets are made executable, as npm's bin-links does.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import os
+import shutil
+import tarfile
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from runner.errors import PrerequisiteError
+from runner.toolchain.npm_lock import NpmPackage, NpmPlan, NpmRefused
+from runner.untar import Limits, UntarError, extract
+
+MAX_TARBALL_BYTES = 256 * 1024 * 1024
+"""Largest tarball fetched (the biggest CLI bundles are ~100 MB)."""
+MAX_UNPACKED_BYTES = 1024 * 1024 * 1024
+FETCH_TIMEOUT_S = 120.0
+LAYOUT_VERSION = "2"
+"""Changes when :func:`lay_out` lays a tree out differently (part of the image's hash)."""
+LIMITS = Limits(max_entries=50_000, max_bytes=MAX_UNPACKED_BYTES, max_depth=64)
+
+Log = Callable[[str], None]
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: object, **kwargs: object) -> None:
+        return None  # a redirect is an error (HTTPError 30x), never followed off-registry
+
+
+def _opener() -> urllib.request.OpenerDirector:
+    return urllib.request.build_opener(_NoRedirect())
+
+
+def _fetch(pkg: NpmPackage, dest: Path, *, source: str, field: str, path: str) -> None:
+    """Download ``pkg``'s tarball to ``dest`` (bounded), checking its sha512 first."""
+    tmp = dest.with_name(dest.name + f".{os.getpid()}.part")
+    h = hashlib.sha512()
+    got = 0
+    try:
+        headers = {"Accept": "application/octet-stream", "User-Agent": "cyclebox"}
+        req = urllib.request.Request(pkg.url, headers=headers)  # noqa: S310
+        # the scheme was checked (https, or http to a loopback mirror): registry_problem
+        resp_cm = _opener().open(req, timeout=FETCH_TIMEOUT_S)
+        with resp_cm as resp, tmp.open("wb") as out:
+            while chunk := resp.read(1 << 20):
+                got += len(chunk)
+                if got > MAX_TARBALL_BYTES:
+                    raise NpmRefused(f"{source}: {pkg.key}: the tarball is larger than "
+                                     f"{MAX_TARBALL_BYTES} bytes", path=path, field=field,
+                                     fix="depend on a smaller package")
+                h.update(chunk)
+                out.write(chunk)
+    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+        tmp.unlink(missing_ok=True)
+        raise PrerequisiteError(f"{pkg.name}@{pkg.version}: cannot fetch {pkg.url} ({exc}). "
+                                "Fix: make the npm registry reachable from the host (or set "
+                                "npm_config_registry to a mirror)") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if h.hexdigest() != pkg.sha512_hex:
+        tmp.unlink(missing_ok=True)
+        raise NpmRefused(f"{source}: {pkg.key}: the tarball from {pkg.url} does not match the "
+                         f"lockfile's integrity (sha512 {h.hexdigest()[:16]}..., expected "
+                         f"{pkg.sha512_hex[:16]}...); nothing was extracted", path=path,
+                         field=field, fix="regenerate the lockfile from the registry you "
+                         "fetch from; a tarball that changed under a published version is "
+                         "a tampered mirror")
+    os.replace(tmp, dest)
+
+
+def cached_tarball(pkg: NpmPackage, cache: Path, *, source: str, field: str,
+                   path: str) -> Path:
+    """The verified tarball of ``pkg`` in ``cache``, fetched when absent or corrupt."""
+    cache.mkdir(parents=True, exist_ok=True)
+    dest = cache / f"{pkg.sha512_hex}.tgz"
+    if dest.is_file():
+        h = hashlib.sha512()
+        with dest.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        if h.hexdigest() == pkg.sha512_hex:
+            return dest
+        dest.unlink()
+    _fetch(pkg, dest, source=source, field=field, path=path)
+    return dest
+
+
+def _strip_first(tgz: Path) -> io.BytesIO:
+    """The tar stream with every name's first part removed (npm's ``strip: 1``); an entry
+    that is only the top directory is dropped. Names are checked again by untar."""
+    out = io.BytesIO()
+    with gzip.open(tgz, "rb") as raw, tarfile.open(fileobj=raw, mode="r|") as src, \
+            tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as dst:
+        for m in src:
+            name = m.name
+            rest = name.split("/", 1)[1] if "/" in name.lstrip("/") else ""
+            if name.startswith("/"):
+                rest = name  # absolute: kept as is, so untar refuses it by name
+            if not rest.strip("/"):
+                if m.isdir():
+                    continue  # the package's own top directory
+                raise UntarError(name, "an entry outside the package's top directory "
+                                 "refused")
+            m.name = rest
+            dst.addfile(m, src.extractfile(m) if m.isfile() else None)
+    out.seek(0)
+    return out
+
+
+def _extract(pkg: NpmPackage, tgz: Path, into: Path, *, source: str, field: str,
+             path: str) -> None:
+    into.mkdir(parents=True)
+    fd = os.open(into, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        extract(_strip_first(tgz), fd, LIMITS)
+    except UntarError as exc:
+        raise NpmRefused(f"{source}: {pkg.key}: {pkg.name}@{pkg.version}'s tarball was "
+                         f"refused: {exc}", path=path, field=field,
+                         fix="depend on another release of the package") from None
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise NpmRefused(f"{source}: {pkg.key}: {pkg.name}@{pkg.version}'s tarball is not a "
+                         f"readable .tgz ({exc})", path=path, field=field,
+                         fix="depend on another release of the package") from None
+    finally:
+        os.close(fd)
+    for d, dirs, files in os.walk(into):  # npm's modes: readable by all, no group write
+        for n in dirs:
+            os.chmod(os.path.join(d, n), 0o755, follow_symlinks=False)  # noqa: S103
+        for n in files:
+            p = os.path.join(d, n)
+            mode = os.lstat(p).st_mode
+            os.chmod(p, 0o755 if mode & 0o111 else 0o644, follow_symlinks=False)
+
+
+def _link_bins(pkg: NpmPackage, root: Path) -> None:
+    parent = (root / pkg.key).parent  # .../node_modules or .../node_modules/@scope
+    if pkg.name.startswith("@"):
+        parent = parent.parent
+    rel_pkg = os.path.relpath(root / pkg.key, parent)
+    bindir = parent / ".bin"
+    for name, target in pkg.bin:
+        file = root / pkg.key / target
+        if not file.is_file() or file.is_symlink():
+            continue  # npm skips a bin whose file is missing, too
+        bindir.mkdir(exist_ok=True)
+        link = bindir / name
+        if link.is_symlink() or link.exists():
+            continue  # the first (sorted) package to claim a bin name keeps it
+        link.symlink_to(f"../{rel_pkg}/{target}")
+        os.chmod(file, 0o755)  # noqa: S103 - a bin is run by the image's uid
+
+
+def lay_out(plan: NpmPlan, dest: Path, cache: Path, log: Log, *, source: str, field: str,
+            path: str) -> None:
+    """Fetch, verify and extract every package of ``plan`` into ``dest`` (the tree a
+    lockfile key's ``node_modules/`` names; ``dest`` must not exist; on any refusal
+    nothing is left at ``dest`` or beside it)."""
+    for key, why in plan.skipped:
+        log(f"npm: skipped optional {key} ({why})")
+    for p in plan.packages:
+        if p.scripts_ignored:
+            log(f"npm: {p.name}@{p.version} installed WITHOUT its install script "
+                "(project.npm_ignore_scripts)")
+    tmp = Path(tempfile.mkdtemp(prefix=".npm-", dir=dest.parent))
+    try:
+        for p in plan.packages:
+            tgz = cached_tarball(p, cache, source=source, field=field, path=path)
+            _extract(p, tgz, tmp / p.key, source=source, field=field, path=path)
+        for p in plan.packages:
+            _link_bins(p, tmp)
+        (tmp / "node_modules").mkdir(exist_ok=True)
+        os.replace(tmp / "node_modules", dest)  # tmp is the install root: keys start there
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"npm: {len(plan.packages)} package(s) laid out ({len(plan.skipped)} skipped)")
+
+
+__all__ = ["LAYOUT_VERSION", "MAX_TARBALL_BYTES", "cached_tarball", "lay_out"]
