@@ -140,6 +140,10 @@ class ContainerRow(Frozen):
     stderr_bytes: int
     cleanup_confirmed: bool
     labels: dict[str, str]
+    egress_refused: tuple[str, ...] = ()
+    """Hosts the role asked the container's deny-all proxy for, each refused (a run
+    record's ``egress_refused``; absent in runs recorded before it existed)."""
+    egress_refused_count: int = 0
 
 
 class ReceiptOutcome(Frozen):

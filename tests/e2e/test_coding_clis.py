@@ -105,8 +105,9 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 
 def _explain(run: Path) -> str:
+    log = run / "gateway" / "calls.jsonl"
     lines = [f"{c.get('case')} {c.get('api')} {c.get('status')} {c.get('error')}"
-             for c in _lines(run / "gateway" / "calls.jsonl") if c.get("status") != "ok"]
+             for c in (_lines(log) if log.is_file() else []) if c.get("status") != "ok"]
     for stage in ("baseline", "candidate"):
         path = run / "stages" / stage / "records.jsonl"
         for r in _lines(path) if path.is_file() else []:
