@@ -168,10 +168,11 @@ def ensure_agent_image(analyst_id: str, toolchains: AgentToolchains | str, log: 
             if "returned a non-zero code" not in str(exc):
                 raise  # the engine failed, not the install
             shown = pip_reason("\n".join(tail), MAX_REASON_CHARS)
+            what = ("the agent's requirements" if [s.name for s in parts] == ["pip"] else
+                    f"the agent's toolchains ({', '.join(s.name for s in parts)})")
             raise RequirementsRefused(
-                f"the agent's toolchains ({', '.join(s.name for s in parts)}) do not install "
-                f"offline into the analyst image ({pip_reason(str(exc), 300)}); the build "
-                f"said: {shown}", field=field if pip else f"project.{parts[0].name}",
+                f"{what} do not install offline into the analyst image "
+                f"({pip_reason(str(exc), 300)}); the build said: {shown}", field=field if pip else f"project.{parts[0].name}",
                 fix="pin versions that agree with the analyst's own packages "
                     "(images/analyst/requirements.txt) and publish cp311 manylinux or "
                     "pure-Python wheels" if pip else
