@@ -14,6 +14,10 @@ caches and logs.
 Not masked, deliberately: dates. Claude Code writes today's date into its system prompt,
 so a replay on a later UTC day misses (``replay_miss``) rather than answering a prompt
 that differs.
+
+Also masked: the head Codex CLI writes above every exec_command output it returns to the
+model, a random chunk id and the command's wall time (:data:`TOOL_HEADER`); the output
+itself must match.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ VOLATILE: dict[str, frozenset[str]] = {
 }
 """Top-level request fields per API family that identify a call, never its content."""
 UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+TOOL_HEADER = ((re.compile(r"Chunk ID: [0-9a-f]{1,16}\b"), "Chunk ID: <id>"),
+               (re.compile(r"Wall time: [0-9]+(?:\.[0-9]+)? seconds"), "Wall time: <t> seconds"))
+"""The head Codex CLI puts on its exec_command output (``Chunk ID: 765f32``, ``Wall time:
+1.3057 seconds``, as JSON-escaped text): a random id and the command's wall time, not
+what the command printed."""
 
 
 def stable_key(request: bytes, api: str) -> str | None:
@@ -47,4 +56,6 @@ def stable_key(request: bytes, api: str) -> str | None:
     drop = VOLATILE.get(api, frozenset())
     kept = {k: v for k, v in body.items() if k not in drop}
     text = json.dumps(kept, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    for pattern, mask in TOOL_HEADER:
+        text = pattern.sub(mask, text)
     return hashlib.sha256(UUID.sub("<uuid>", text).encode()).hexdigest()

@@ -190,8 +190,7 @@ def test_the_canary_key_reaches_no_container_image_or_record(recorded: dict[str,
     assert names <= set(seen), sorted(names - set(seen))
     for name in names:
         assert canary not in seen[name] and "cbxcanary" not in seen[name], name
-    plan = json.loads((run / "plan.json").read_text())
-    image = plan["images"]["analyst"]
+    image = _analyst_image(run)
     history = subprocess.run(["docker", "history", "--no-trunc", image], capture_output=True,
                              text=True, check=True).stdout
     inspect = subprocess.run(["docker", "image", "inspect", image], capture_output=True,
@@ -200,6 +199,22 @@ def test_the_canary_key_reaches_no_container_image_or_record(recorded: dict[str,
     for f in run.rglob("*"):
         if f.is_file() and not f.is_symlink():
             assert canary.encode() not in f.read_bytes(), f"canary in {f}"
+
+
+def _analyst_image(run: Path) -> str:
+    return str(json.loads((run / "plan.json").read_text())["plan"]["images"]["analyst"])
+
+
+def test_the_clis_share_the_typescript_agents_derived_image(recorded: dict[str, Any],
+                                                            tmp_path: Path) -> None:
+    """One lockfile, one image: freezing the TypeScript agent's cycle (its own cycle file,
+    the same project) names the image the CLIs ran in, built once, content-addressed."""
+    out = tmp_path / "ts-plan"
+    res = cyclebox("freeze", str(KINDS / "cycle.yaml"), "--out", str(out),
+                   env=recorded["env"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert _analyst_image(out) == _analyst_image(recorded["run"])
+    assert "building cyclebox/analyst-deps" not in res.stdout + res.stderr
 
 
 def test_replay_reproduces_every_outcome_hash(runs: dict[str, Any]) -> None:

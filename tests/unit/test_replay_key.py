@@ -71,3 +71,15 @@ def test_replay_answers_a_fresh_run_of_a_cli_with_the_recorded_bytes(tmp_path: P
     assert call(_codex(UUID_A))[1] == recorded
     assert call(_codex(UUID_B, "Read /case/other.json"))[0] == "replay_miss"
     assert prov.pick("0" * 64, site, "messages", _codex(UUID_B)) is None  # other family
+
+
+def test_codex_exec_output_head_is_masked_its_output_is_not() -> None:
+    def req(chunk: str, wall: str, out: str) -> bytes:
+        text = f"Chunk ID: {chunk}\nWall time: {wall} seconds\nProcess exited with code 0\n"
+        return json.dumps({"model": "m", "input": [{"type": "function_call_output",
+                                                     "call_id": "c", "output": text + out}]}
+                          ).encode()
+
+    a = stable_key(req("765f32", "1.3057", "payments-db"), "responses")
+    assert a == stable_key(req("3b53ec", "0.2", "payments-db"), "responses")
+    assert a != stable_key(req("3b53ec", "0.2", "payments-dB"), "responses")

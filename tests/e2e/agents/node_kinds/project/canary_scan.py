@@ -50,7 +50,9 @@ def main() -> None:
                     probe.append(p)
     Path("/out/canary-scan.json").write_text(json.dumps(
         {"hits": hits, "scanned": scanned, "probe": probe, "parents": parents()}))
-    print(f"canary scan: {len(hits)} hits in {scanned} files")
+    # the count stays in the file: what the CLI's tool prints goes into the model's next
+    # request, which a replay must see unchanged
+    print(f"canary scan: {len(hits)} hits")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ Everything here is Claude Code's own configuration, in the container's tmpfs:
   header (a beta can switch on upstream behaviour it cannot bound), so Claude Code's
   beta-only request fields (context_management, system messages among the messages)
   would be refused; this is Claude Code's own switch for gateways;
+- CLAUDE_CODE_MAX_RETRIES=0: a failed call is recorded and final, never retried (its
+  default is ten retries with backoff, ~2 minutes of waiting on a refused call);
 - telemetry, the auto-updater and error reports are switched off by the launcher for
   every bound container (DISABLE_TELEMETRY, ...); anything else it tries to reach is
   refused by the container's deny-all proxy and named in the run record.
@@ -62,7 +64,7 @@ def main() -> int:
                XDG_STATE_HOME=str(HOME / ".local/state"),
                ANTHROPIC_MODEL=model, ANTHROPIC_SMALL_FAST_MODEL=model,
                ANTHROPIC_DEFAULT_HAIKU_MODEL=model,
-               CLAUDE_CODE_DISABLE_EXPERIMENTAL_BETAS="1")
+               CLAUDE_CODE_DISABLE_EXPERIMENTAL_BETAS="1", CLAUDE_CODE_MAX_RETRIES="0")
     done = subprocess.run(
         [CLAUDE, "-p", PROMPT.read_text(), "--output-format", "json", "--model", model,
          "--dangerously-skip-permissions"],
