@@ -24,12 +24,14 @@ Modes:
 
 ``hold DIR|- [SOCKET]``
     Block every catchable signal, make itself non-dumpable, with ``SOCKET`` (the
-    mounted gateway socket) start the loopback relay (below), write :data:`READY` to
+    mounted gateway socket) start the loopback relay (below) and the deny-all egress
+    proxy on :data:`EGRESS_PORT` (near the end), write :data:`READY` to
     stdout (the host waits for it before it starts the role command), reap orphans on
     ``SIGCHLD``; on ``SIGUSR1`` run ``finish DIR`` on its own stdout/stderr and exit.
 ``finish DIR|-``
     ``kill(-1, SIGKILL)`` until no other process is left, then write a JSON status
-    line to stderr (OOM kills, tmpfs blocks/inodes used and free, dumpable flag),
+    line to stderr (OOM kills, tmpfs blocks/inodes used and free, dumpable flag, the
+    egress the proxy refused),
     unless ``-`` a PAX tar of ``DIR`` to stdout, and a last status line with the
     walk's errors. The walk is relative to directory fds, so no path length limit
     applies; symlinks, hard links and FIFOs are written as such so the host can name

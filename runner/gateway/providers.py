@@ -46,6 +46,8 @@ class ProviderResult:
     upstream_reached: bool = True
     """False when no upstream was contacted (script miss, replay miss): nothing can have
     been charged, so the cost is a known zero rather than unknown."""
+    replay_of: str | None = None
+    """Replay only: sha256 of the recorded request whose response answered this call."""
 
 
 @dataclass(frozen=True)
@@ -446,6 +448,7 @@ class _Recorded:
     response_sha256: str
     fixture: bool
     api: str | None = "chat"
+    request_sha256: str = ""
 
 
 class ReplayProvider:
@@ -479,7 +482,7 @@ class ReplayProvider:
                 site = CallSite(rec.role, rec.stage, rec.case, rec.trial, rec.turn)
                 self.index.setdefault(rec.request_sha256, []).append(_Recorded(
                     rec.seq, site, rec.http_status, rec.response_sha256, rec.fixture,
-                    rec.api))
+                    rec.api, rec.request_sha256))
         self._replayed: set[int] = set()
         self._stable: dict[str, list[_Recorded]] | None = None
 
@@ -523,9 +526,10 @@ class ReplayProvider:
         data = self.log.blob(hit.response_sha256)
         if hit.http_status != 200:
             return ProviderResult(hit.http_status, data, f"upstream_status_{hit.http_status}",
-                                  fixture=hit.fixture)
+                                  fixture=hit.fixture, replay_of=hit.request_sha256)
         usage, error = inspect(data, stream=stream, api=api)
-        return ProviderResult(hit.http_status, data, error, usage, fixture=hit.fixture)
+        return ProviderResult(hit.http_status, data, error, usage, fixture=hit.fixture,
+                              replay_of=hit.request_sha256)
 
     async def aclose(self) -> None:
         return None

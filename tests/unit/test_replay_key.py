@@ -5,6 +5,7 @@ asked still misses."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from pathlib import Path
 
@@ -65,6 +66,9 @@ def test_replay_answers_a_fresh_run_of_a_cli_with_the_recorded_bytes(tmp_path: P
     def call(request: bytes) -> tuple[str | None, bytes | None]:
         res = asyncio.run(prov.call(request, json.loads(request), role="analyst",
                                     stream=True, site=site, api="responses"))
+        # the call is counted in the receipt as the recording that answered it
+        assert res.replay_of == (None if res.error else hashlib.sha256(_codex(UUID_A)
+                                                                       ).hexdigest())
         return res.error, res.response
 
     assert call(_codex(UUID_B))[1] == recorded
