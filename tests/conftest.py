@@ -71,3 +71,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                          text=True, check=False, timeout=300)
     assert res.returncode == 0, res.stderr
     return out
+
+
+@pytest.fixture(scope="session")
+def node_image() -> Any:
+    """The node_kinds project's derived analyst image (nodejs + its one lockfile), built
+    once per session and shared by every node agent kind's test
+    (tests/fixtures/node_kinds.py)."""
+    from tests.fixtures.node_kinds import build_node_image
+
+    return build_node_image()

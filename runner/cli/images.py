@@ -38,7 +38,7 @@ def images_build(role: Annotated[list[str] | None, typer.Option(
 @app.command("list")
 def images_list(json_out: JsonOpt = False) -> None:
     """List the role images recorded in the image lock, then the derived analyst images
-    (a project's own requirements, `cyclebox/analyst-deps:*`) in the engine, with ids,
+    (a project's own pip, apt and npm packages, `cyclebox/analyst-deps:*`) in the engine, with ids,
     sizes and the containers using them."""
     from dataclasses import asdict
 
@@ -59,12 +59,12 @@ def images_list(json_out: JsonOpt = False) -> None:
         return
     _print_images(roles, json_out, build_columns=False)
     if derived:
-        table = Table(title="derived analyst images (project.requirements)")
-        for col in ("tag", "id", "size", "from analyst", "used by"):
+        table = Table(title="derived analyst images (project.requirements, apt, npm)")
+        for col in ("tag", "id", "size", "adds", "from analyst", "used by"):
             table.add_column(col)
         for d in derived:
             table.add_row(safe(d.tag), safe(d.id[:19]), f"{d.size_bytes / 1e6:.0f} MB",
-                          safe(d.derived_from[:19]),
+                          safe(d.toolchains), safe(d.derived_from[:19]),
                           safe(", ".join(d.used_by[:3]) + (" ..." if len(d.used_by) > 3
                                                            else "")) or "-")
         out.print(table)

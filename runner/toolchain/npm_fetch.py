@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import io
 import os
 import shutil
 import tarfile
@@ -27,10 +26,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 from runner.errors import PrerequisiteError
 from runner.toolchain.npm_lock import NpmPackage, NpmPlan, NpmRefused
-from runner.untar import Limits, UntarError, extract
+from runner.untar import Limits, UntarError, _CheckedInfo, extract
 
 MAX_TARBALL_BYTES = 256 * 1024 * 1024
 """Largest tarball fetched (the biggest CLI bundles are ~100 MB)."""
@@ -107,13 +107,22 @@ def cached_tarball(pkg: NpmPackage, cache: Path, *, source: str, field: str,
     return dest
 
 
-def _strip_first(tgz: Path) -> io.BytesIO:
+def _strip_first(tgz: Path) -> IO[bytes]:
     """The tar stream with every name's first part removed (npm's ``strip: 1``); an entry
-    that is only the top directory is dropped. Names are checked again by untar."""
-    out = io.BytesIO()
-    with gzip.open(tgz, "rb") as raw, tarfile.open(fileobj=raw, mode="r|") as src, \
+    that is only the top directory is dropped. Names are checked again by untar. Bounded
+    as untar bounds (entries, bytes, metadata records: a gzip bomb stops at the bound),
+    spilled to disk past 16 MB."""
+    out = tempfile.SpooledTemporaryFile(max_size=16 << 20)  # noqa: SIM115 - returned
+    entries = size = 0
+    # untar's header class: PAX / GNU long-name records are bounded before they are read
+    with gzip.open(tgz, "rb") as raw, tarfile.open(fileobj=raw, mode="r|",
+                                                   tarinfo=_CheckedInfo) as src, \
             tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as dst:
         for m in src:
+            entries, size = entries + 1, size + max(m.size, 0)
+            if entries > LIMITS.max_entries or size > LIMITS.max_bytes:
+                raise UntarError("", f"more than {LIMITS.max_entries} entries or "
+                                 f"{LIMITS.max_bytes} bytes unpacked; refused", limit=True)
             name = m.name
             rest = name.split("/", 1)[1] if "/" in name.lstrip("/") else ""
             if name.startswith("/"):
@@ -131,8 +140,14 @@ def _strip_first(tgz: Path) -> io.BytesIO:
 
 def _extract(pkg: NpmPackage, tgz: Path, into: Path, *, source: str, field: str,
              path: str) -> None:
-    into.mkdir(parents=True)
-    fd = os.open(into, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:  # a parent's tarball may already hold this key's place (or a file there)
+        into.mkdir(parents=True)
+        fd = os.open(into, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise NpmRefused(f"{source}: {pkg.key}: its place is taken by a file of an enclosing "
+                         f"package's tarball ({exc.strerror})", path=path, field=field,
+                         fix="regenerate the lockfile; a tarball that ships the "
+                         "node_modules its lockfile installs is not installed") from None
     try:
         extract(_strip_first(tgz), fd, LIMITS)
     except UntarError as exc:

@@ -44,6 +44,7 @@ LOCK_FIX = ("regenerate the lockfile from the npm registry with `npm install "
             "--package-lock-only --ignore-scripts` next to package.json and commit both")
 
 _NAME = re.compile(r"(?:@[a-z0-9][a-z0-9._~-]*/)?[a-z0-9_][a-z0-9._~-]*", re.IGNORECASE)
+_VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]{0,127}")
 _BIN_NAME = re.compile(r"[A-Za-z0-9@_][A-Za-z0-9._@+-]*")
 _NOT_REGISTRY = re.compile(r"^(?:file:|link:|git\+|git:|github:|gitlab:|bitbucket:|gist:)")
 
@@ -261,8 +262,15 @@ def parse_lockfile(lock: bytes, package_json: bytes, *, source: str, pkg_source:
         if _NOT_REGISTRY.match(version) or "://" in version:
             raise _refuse(source, key, registry_problem(version, registry) or version,
                           **named, fix=registry_fix)
+        if not _VERSION.fullmatch(version):
+            raise _refuse(source, key, f"version {version!r} is not a registry version",
+                          **named, fix=LOCK_FIX)
         resolved = entry.get("resolved")
         url = resolved if isinstance(resolved, str) else tarball_url(real, version, registry)
+        if url.startswith(DEFAULT_REGISTRY) and registry != DEFAULT_REGISTRY:
+            # npm's replace-registry-host (default "npmjs"): a lockfile made against the
+            # public registry is fetched from the configured mirror; integrity still pins it
+            url = registry + url[len(DEFAULT_REGISTRY):]
         problem = registry_problem(url, registry)
         if problem:
             raise _refuse(source, key, problem, **named, fix=registry_fix)

@@ -760,6 +760,82 @@ def _(e: Env) -> list[str]:
         d, "lure", "1.0", ("evil @ file:///etc/passwd",)))
 
 
+# the agent's npm and Debian packages (project.npm, project.apt): the lockfile is read
+# from the base tree and refused by name before anything is fetched (issue 22)
+def _toolchain_repo(e: Env, files: dict[str, str], **project: Any) -> list[str]:
+    """The example's agent in a repository of its own with ``files`` committed and the
+    cycle's project section updated with ``project``."""
+    repo = e.root / "repo"
+    shutil.copytree(EXAMPLE / "project", repo)
+    for name, text in files.items():
+        (repo / name).write_text(text)
+    git_env = {**{k: v for k, v in os.environ.items() if not k.startswith("GIT_")},
+               "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
+               "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
+               "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull}
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "agent"]):
+        subprocess.run(["git", "-C", str(repo), *args], check=True, env=git_env,
+                       capture_output=True)
+    e.edit_cycle(lambda d: d["project"].update(repo=str(repo), subdir=None, **project))
+    e.vars["npm_config_registry"] = ""  # the default registry, whatever the host sets
+    return [*e.run_args(), "--prepare-only"]
+
+
+def _lock(entry: dict[str, Any]) -> dict[str, str]:
+    deps = {"evil": "1.0.0"}
+    return {"package.json": json.dumps({"name": "a", "dependencies": deps}),
+            "package-lock.json": json.dumps({"name": "a", "lockfileVersion": 3, "packages": {
+                "": {"name": "a", "dependencies": deps},
+                "node_modules/evil": {"version": "1.0.0", "integrity": "sha512-" + "A" * 86
+                                      + "==", **entry}}})}
+
+
+@case("npm-git-dependency", 3, "cycle.yaml", "project.npm", "package-lock.json",
+      "'node_modules/evil'", "git+ssh: dependency")
+def _(e: Env) -> list[str]:
+    return _toolchain_repo(e, _lock({"resolved": "git+ssh://git@github.com/e/evil.git#1"}),
+                           npm="package-lock.json")
+
+
+@case("npm-file-dependency", 3, "cycle.yaml", "project.npm", "'node_modules/evil'",
+      "file: dependency")
+def _(e: Env) -> list[str]:
+    return _toolchain_repo(e, _lock({"resolved": "file:../evil"}), npm="package-lock.json")
+
+
+@case("npm-install-script", 3, "cycle.yaml", "project.npm", "evil@1.0.0 declares an install "
+      "script")
+def _(e: Env) -> list[str]:
+    return _toolchain_repo(e, _lock({"hasInstallScript": True}), npm="package-lock.json")
+
+
+@case("npm-no-integrity", 3, "cycle.yaml", "project.npm", "'node_modules/evil'",
+      "no sha512 integrity")
+def _(e: Env) -> list[str]:
+    files = _lock({})
+    doc = json.loads(files["package-lock.json"])
+    del doc["packages"]["node_modules/evil"]["integrity"]
+    return _toolchain_repo(e, {**files, "package-lock.json": json.dumps(doc)},
+                           npm="package-lock.json")
+
+
+@case("npm-lockfile-missing", 3, "cycle.yaml", "project.npm", "package-lock.json is not a "
+      "file in the base tree")
+def _(e: Env) -> list[str]:
+    return _toolchain_repo(e, {}, npm="package-lock.json")
+
+
+@case("npm-ignore-scripts-without-npm", 3, "cycle.yaml", "project.npm_ignore_scripts",
+      "without project.npm")
+def _(e: Env) -> list[str]:
+    return _toolchain_repo(e, {}, npm_ignore_scripts=["esbuild"])
+
+
+@case("apt-option-as-name", 3, "cycle.yaml", "project.apt", "is not a Debian package name")
+def _(e: Env) -> list[str]:
+    return _toolchain_repo(e, {}, apt=["-oAPT::Get::AllowUnauthenticated=true"])
+
+
 # scenario manifest
 def _manifest_text(e: Env, text: str | bytes) -> list[str]:
     (e.ex / "manifest.json").write_bytes(text.encode() if isinstance(text, str) else text)

@@ -172,7 +172,8 @@ def ensure_agent_image(analyst_id: str, toolchains: AgentToolchains | str, log: 
                     f"the agent's toolchains ({', '.join(s.name for s in parts)})")
             raise RequirementsRefused(
                 f"{what} do not install offline into the analyst image "
-                f"({pip_reason(str(exc), 300)}); the build said: {shown}", field=field if pip else f"project.{parts[0].name}",
+                f"({pip_reason(str(exc), 300)}); the build said: {shown}",
+                field=field if pip else f"project.{parts[0].name}",
                 fix="pin versions that agree with the analyst's own packages "
                     "(images/analyst/requirements.txt) and publish cp311 manylinux or "
                     "pure-Python wheels" if pip else
@@ -213,6 +214,9 @@ class DerivedImage:
     """The state directory whose freeze built it (None: built before this was labelled)."""
     used_by: tuple[str, ...]
     """Containers (any state) created from it."""
+    toolchains: str = "pip"
+    """What it adds, per toolchain (e.g. ``apt 10, npm 52``; ``pip`` for an image built
+    before the toolchains label)."""
 
 
 @dataclass(frozen=True)
@@ -246,8 +250,24 @@ def derived_images() -> list[DerivedImage]:
                 "io.cyclebox.base", "?")),
             requirements_sha256=str(labels.get(REQUIREMENTS_LABEL, "?")),
             state_dir=labels.get(STATE_LABEL),
-            used_by=tuple(sorted(users.get(str(img["Id"]), [])))))
+            used_by=tuple(sorted(users.get(str(img["Id"]), []))),
+            toolchains=_summary(labels.get(TOOLCHAINS_LABEL))))
     return sorted(rows, key=lambda r: r.tag)
+
+
+def _summary(label: str | None) -> str:
+    """``apt 10, npm 52`` from the toolchains label (an engine label: hostile input, so
+    bounded and parsed defensively)."""
+    if label is None:
+        return "pip"
+    try:
+        doc = json.loads(label[:64 * 1024])
+    except ValueError:
+        return "?"
+    if not isinstance(doc, dict):
+        return "?"
+    return ", ".join(f"{str(k)[:8]} {len(v) if isinstance(v, list) else '?'}"
+                     for k, v in sorted(doc.items())[:5]) or "none"
 
 
 def gc_derived(*, dry_run: bool = False, other_state: bool = False) -> list[ImageSweep]:

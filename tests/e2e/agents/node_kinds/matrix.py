@@ -44,7 +44,7 @@ VARIANTS: dict[str, tuple[str, str, bool, bool]] = {
     "openai_chat_stream": ("openai (npm)", "chat", True, True),
     "openai_responses": ("openai (npm)", "responses", False, True),
     "anthropic_messages_stream": ("@anthropic-ai/sdk", "messages", True, True),
-    "ai_sdk_stream": ("ai + @ai-sdk/openai", "responses", True, True),
+    "ai_sdk_stream": ("ai + @ai-sdk/openai (openai.chat)", "chat", True, True),
 }
 
 
@@ -56,14 +56,16 @@ def case_id(n: int, variant: str) -> str:
 def scenarios(incidents: list[int], variants: list[str], *,
               canary_scan: bool = False) -> dict[str, Any]:
     """The cases; with ``canary_scan``, each case's agent first scans its container for
-    the host's canary key (test-only: the e2e canary check)."""
+    the host's canary key (test-only: the e2e canary check): the first case every file it
+    can read, the others the mounted and writable places."""
     rows = []
     for v in variants:
         for n in incidents:
             inc = INCIDENTS[n]
             case_input: dict[str, Any] = {"question": lt.question(inc), "variant": v}
             if canary_scan:
-                case_input["canary_scan"] = True
+                first = (v, n) == (variants[0], incidents[0])
+                case_input["canary_scan"] = "full" if first else "places"
             rows.append({
                 "id": case_id(n, v),
                 "split": "development" if n < DEVELOPMENT else "acceptance",

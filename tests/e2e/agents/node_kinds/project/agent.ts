@@ -25,7 +25,7 @@ async function main(): Promise<number> {
     console.error(`unknown variant ${JSON.stringify(variant)}`);
     return 2;
   }
-  if (kase.canary_scan === true) canaryScan();
+  if (typeof kase.canary_scan === "string") canaryScan(kase.canary_scan);
   const system = readFileSync(new URL("./prompts/system.md", import.meta.url), "utf8");
   const { run } = await load();
   const reply = await run(kase.question, system, process.env.CYCLEBOX_MODEL ?? "");

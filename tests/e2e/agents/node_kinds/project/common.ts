@@ -34,9 +34,10 @@ export type Variant = (question: string, system: string, model: string) => Promi
 
 /** Test-only (the e2e canary check, when the case asks for it): look for the host's
  * canary key in this process's environment, every process's environ and the files this
- * container can read; the result goes to /out/canary-scan.json. */
-export function canaryScan(): void {
-  const marker = Buffer.from("cbx" + "canary");
+ * container can read (all of them with "full"; else the mounted and writable places, as
+ * a full walk costs seconds); the result goes to /out/canary-scan.json. */
+export function canaryScan(mode: string): void {
+  const marker = Buffer.from(["cbx", "canary"].join(""));  // not foldable by esbuild
   const hits: string[] = [];
   for (const [k, v] of Object.entries(process.env)) if ((k + v).includes(marker.toString())) hits.push(`env:${k}`);
   for (const pid of fs.readdirSync("/proc").filter((p: string) => /^\d+$/.test(p))) {
@@ -57,6 +58,8 @@ export function canaryScan(): void {
       }
     }
   };
-  walk("/");
-  fs.writeFileSync("/out/canary-scan.json", JSON.stringify({ hits, scanned }));
+  const tops = mode === "full" ? ["/"] : ["/run", "/src", "/case", "/data", "/tmp", "/out", "/etc", "/root", "/home"];
+  for (const top of tops) walk(top);
+  // only what a replay sees alike: the count of files read varies with /tmp
+  fs.writeFileSync("/out/canary-scan.json", JSON.stringify({ hits, mode, read_over_1000: scanned > 1000 }));
 }
