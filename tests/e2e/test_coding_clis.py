@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,7 +78,10 @@ def make_project(dest: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def runs(tmp_path_factory: pytest.TempPathFactory, node_image: Any
+         ) -> Iterator[dict[str, Any]]:
+    print(f"\nnode image {node_image.tag}: {node_image.size_bytes / 1e6:.0f} MB, "
+          f"{'built' if node_image.built else 'reused'} in {node_image.seconds:.1f}s")
     base = tmp_path_factory.mktemp("clis")
     cycle = make_project(base / "project")
     canary = "sk-cbxcanary-" + os.urandom(12).hex()
@@ -97,7 +101,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         inspector.close()
     print(f"\ncoding CLIs: recorded {t1 - t0:.0f}s, replayed {t2 - t1:.0f}s ({base})")
     yield {"cycle": cycle, "run": run, "replayed": replayed, "recorded": rec, "replay": rep,
-           "env": env, "canary": canary, "inspected": inspector}
+           "env": env, "canary": canary, "inspected": inspector, "image": node_image}
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
@@ -183,38 +187,41 @@ def test_the_cli_ran_its_tool_inside_and_its_egress_was_refused_and_named(
         assert any(binary in p for p in s["parents"]), s  # the CLI's own tool ran it
 
 
-def test_the_canary_key_reaches_no_container_image_or_record(recorded: dict[str, Any]) -> None:
+def test_the_canary_key_reaches_no_container_image_or_record(recorded: dict[str, Any],
+                                                             tmp_path: Path) -> None:
     run, canary, inspector = recorded["run"], recorded["canary"], recorded["inspected"]
     names = {c["container_name"] for c in _lines(run / "containers.jsonl")}
     seen = {json.loads(doc)[0]["Name"].lstrip("/"): doc for doc in inspector.seen.values()}
     assert names <= set(seen), sorted(names - set(seen))
     for name in names:
         assert canary not in seen[name] and "cbxcanary" not in seen[name], name
-    image = _analyst_image(run)
-    history = subprocess.run(["docker", "history", "--no-trunc", image], capture_output=True,
-                             text=True, check=True).stdout
-    inspect = subprocess.run(["docker", "image", "inspect", image], capture_output=True,
-                             text=True, check=True).stdout
-    assert "cbxcanary" not in history + inspect
     for f in run.rglob("*"):
         if f.is_file() and not f.is_symlink():
             assert canary.encode() not in f.read_bytes(), f"canary in {f}"
+    # every layer of the image the CLIs ran in, and its config (env, labels, history)
+    saved = tmp_path / "image.tar"
+    with saved.open("wb") as out:
+        subprocess.run(["docker", "save", _analyst_image(run)], stdout=out, check=True,
+                       timeout=900)
+    with tarfile.open(saved) as outer:  # layers are plain tars: their bytes are the files
+        for member in outer:
+            f = outer.extractfile(member) if member.isfile() else None
+            while f is not None and (chunk := f.read(1 << 24)):
+                assert b"cbxcanary" not in chunk, member.name
 
 
 def _analyst_image(run: Path) -> str:
     return str(json.loads((run / "plan.json").read_text())["plan"]["images"]["analyst"])
 
 
-def test_the_clis_share_the_typescript_agents_derived_image(recorded: dict[str, Any],
-                                                            tmp_path: Path) -> None:
-    """One lockfile, one image: freezing the TypeScript agent's cycle (its own cycle file,
-    the same project) names the image the CLIs ran in, built once, content-addressed."""
-    out = tmp_path / "ts-plan"
-    res = cyclebox("freeze", str(KINDS / "cycle.yaml"), "--out", str(out),
-                   env=recorded["env"])
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert _analyst_image(out) == _analyst_image(recorded["run"])
-    assert "building cyclebox/analyst-deps" not in res.stdout + res.stderr
+def test_the_clis_ran_in_the_typescript_agents_derived_image(recorded: dict[str, Any]
+                                                           ) -> None:
+    """One lockfile, one image: the session's node image (built from the TypeScript
+    agent's cycle file, tests/fixtures/node_kinds.py) is the one the CLIs' plan froze."""
+    image = recorded["image"]
+    assert _analyst_image(recorded["run"]) == image.id
+    assert {"@openai/codex-linux-x64@0.171.0-linux-x64",
+            "@anthropic-ai/claude-code-linux-x64@2.1.332"} <= set(image.installed["npm"])
 
 
 def test_replay_reproduces_every_outcome_hash(runs: dict[str, Any]) -> None:
