@@ -13,12 +13,15 @@ Only download commands run: no package is unpacked or configured on the host.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import re
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
@@ -171,7 +174,7 @@ class AptResolver:
             raise PrerequisiteError(f"apt-get {args[0]} took more than {APT_TIMEOUT_S} s. "
                                     "Fix: check the Debian mirror (DEBIAN_MIRROR)") from None
 
-    def update(self, log: object = None) -> None:
+    def update(self) -> None:
         """``apt-get update`` of the private lists when missing or a day old."""
         stamp = self.root / "lists" / ".updated"
         if stamp.is_file() and time.time() - stamp.stat().st_mtime < LISTS_MAX_AGE_S:
@@ -182,8 +185,20 @@ class AptResolver:
                                     "the Debian mirror reachable (DEBIAN_MIRROR)")
         stamp.touch()
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """One apt at a time on this private state (apt's own locks are off: they would
+        be the host's): concurrent freezes of one state directory queue here."""
+        with (self.root / "lock").open("a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            yield
+
     def resolve(self, names: tuple[str, ...], *, path: str) -> list[AptDeb]:
         """The .debs ``names`` need beyond what the image has (nothing downloaded)."""
+        with self._locked():
+            return self._resolve(names, path=path)
+
+    def _resolve(self, names: tuple[str, ...], *, path: str) -> list[AptDeb]:
         self.update()
         # --print-uris leaves out what the archive cache already holds: resolve against an
         # empty one, so the list is always everything the image lacks
@@ -209,6 +224,10 @@ class AptResolver:
     def download(self, names: tuple[str, ...], debs: list[AptDeb], dest: Path) -> None:
         """Download ``debs`` (apt checks them against the signed lists) and copy each,
         its SHA256 checked again, into ``dest``."""
+        with self._locked():
+            self._download(names, debs, dest)
+
+    def _download(self, names: tuple[str, ...], debs: list[AptDeb], dest: Path) -> None:
         done = self._apt("install", "--download-only", "-qq", "-y", "--no-remove", "--",
                          *names)
         if done.returncode != 0:
