@@ -14,8 +14,10 @@ Only download commands run: no package is unpacked or configured on the host.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -200,6 +202,24 @@ class AptResolver:
 
     def _resolve(self, names: tuple[str, ...], *, path: str) -> list[AptDeb]:
         self.update()
+        # the answer depends only on the lists, the image's status and the names: kept
+        # until the lists are refreshed (an unchanged project's freeze runs no apt)
+        stamp = (self.root / "lists" / ".updated").stat().st_mtime_ns
+        key = hashlib.sha256(f"{stamp}\n{self.status.name}\n{' '.join(names)}".encode())
+        memo = self.root / "resolved" / f"{key.hexdigest()[:32]}.json"
+        if memo.is_file():
+            try:
+                return [AptDeb(**d) for d in json.loads(memo.read_text())]
+            except (ValueError, TypeError):
+                memo.unlink()  # unreadable: resolved again
+        debs = self._resolve_now(names, path=path)
+        memo.parent.mkdir(exist_ok=True)
+        tmp = memo.with_name(memo.name + ".tmp")
+        tmp.write_text(json.dumps([dataclasses.asdict(d) for d in debs]))
+        os.replace(tmp, memo)
+        return debs
+
+    def _resolve_now(self, names: tuple[str, ...], *, path: str) -> list[AptDeb]:
         # --print-uris leaves out what the archive cache already holds: resolve against an
         # empty one, so the list is always everything the image lacks
         empty = self.root / "resolve-archives"

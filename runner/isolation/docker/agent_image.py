@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -92,7 +93,23 @@ def agent_input_hash(analyst_id: str, requirements: str, wheels_digest: str,
 
 
 def _image_file(analyst_id: str, path: str, max_bytes: int) -> bytes:
-    """One regular file of an image, read through a created (never started) container."""
+    """One regular file of an image, read through a created (never started) container;
+    kept under the state directory by image id (an image id names fixed content)."""
+    key = hashlib.sha256(f"{analyst_id}\n{path}".encode()).hexdigest()[:32]
+    memo = state_dir() / "image-files" / key
+    if not analyst_id.startswith("sha256:"):  # a tag may name other content tomorrow
+        return _read_image_file(analyst_id, path, max_bytes)
+    if memo.is_file() and memo.stat().st_size <= max_bytes:
+        return memo.read_bytes()
+    data = _read_image_file(analyst_id, path, max_bytes)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f"{key}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, memo)
+    return data
+
+
+def _read_image_file(analyst_id: str, path: str, max_bytes: int) -> bytes:
     import io
     import tarfile
 
