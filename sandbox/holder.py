@@ -24,12 +24,14 @@ Modes:
 
 ``hold DIR|- [SOCKET]``
     Block every catchable signal, make itself non-dumpable, with ``SOCKET`` (the
-    mounted gateway socket) start the loopback relay (below), write :data:`READY` to
+    mounted gateway socket) start the loopback relay (below) and the deny-all egress
+    proxy on :data:`EGRESS_PORT` (near the end), write :data:`READY` to
     stdout (the host waits for it before it starts the role command), reap orphans on
     ``SIGCHLD``; on ``SIGUSR1`` run ``finish DIR`` on its own stdout/stderr and exit.
 ``finish DIR|-``
     ``kill(-1, SIGKILL)`` until no other process is left, then write a JSON status
-    line to stderr (OOM kills, tmpfs blocks/inodes used and free, dumpable flag),
+    line to stderr (OOM kills, tmpfs blocks/inodes used and free, dumpable flag, the
+    egress the proxy refused),
     unless ``-`` a PAX tar of ``DIR`` to stdout, and a last status line with the
     walk's errors. The walk is relative to directory fds, so no path length limit
     applies; symlinks, hard links and FIFOs are written as such so the host can name
@@ -83,6 +85,13 @@ RELAY_MAX_CONNECTIONS = 16
 RELAY_BUFFER = 64 * 1024
 """Bytes held per direction per connection (back-pressure beyond it)."""
 RELAY_BACKLOG = 64
+EGRESS_PORT = 40081
+"""The deny-all HTTP proxy's port: HTTP(S)_PROXY of a bound container points here."""
+EGRESS_MAX_HOSTS = 16
+"""Distinct refused targets named in the status; more are only counted."""
+EGRESS_HOST_CHARS = 120
+EGRESS_HEAD_BYTES = 4096
+"""A request line not complete within these bytes is refused as ``?``."""
 SIGNAL_POLL_MS = 25
 """With a relay, the longest the holder waits on sockets before it looks for signals."""
 READY = b"cyclebox-holder-ready\n"
@@ -95,13 +104,15 @@ def hold(root: str, gateway_socket: str | None = None) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCK)
     dumpable = _undumpable()
     relay: _Relay | None = None
+    egress: _Egress | None = None
     if gateway_socket is not None:
         try:
             relay = relay_open(gateway_socket)
+            egress = egress_open()
         except OSError as exc:
             # no READY: the host starts no role command and names this line
-            sys.stderr.write(f"relay: cannot listen on {RELAY_HOST}:{RELAY_PORT}: "
-                             f"{exc.strerror or exc}\n")
+            sys.stderr.write(f"relay: cannot listen on {RELAY_HOST}:{RELAY_PORT}/"
+                             f"{EGRESS_PORT}: {exc.strerror or exc}\n")
             sys.stderr.flush()
             os._exit(3)
     os.write(1, READY)
@@ -114,13 +125,15 @@ def hold(root: str, gateway_socket: str | None = None) -> None:
             # waiting), then take any pending signal, so SIGUSR1 is acted on within one
             # round however busy the relay is, and finish never waits on the relay.
             relay.step(SIGNAL_POLL_MS)
+            if egress is not None:
+                egress.step()
             info = signal.sigtimedwait(waited, 0)
             if info is None:
                 continue
             sig = info.si_signo
         if sig == signal.SIGUSR1:
             sys.stdout.flush()
-            os._exit(finish(root, dumpable=dumpable))
+            os._exit(finish(root, dumpable=dumpable, egress=egress))
         _reap()
 
 
@@ -182,7 +195,7 @@ def _oom_kills() -> int | None:
     return None
 
 
-def finish(root: str, *, dumpable: int | None = None) -> int:
+def finish(root: str, *, dumpable: int | None = None, egress: _Egress | None = None) -> int:
     deadline = time.monotonic() + 5
     while True:
         _kill_others()
@@ -192,6 +205,9 @@ def finish(root: str, *, dumpable: int | None = None) -> int:
         time.sleep(0.01)
     status: dict[str, object] = {"phase": "pre", "others_left": len(left),
                                  "oom_kill": _oom_kills(), "dumpable": dumpable}
+    if egress is not None:
+        status["egress_refused"] = egress.hosts
+        status["egress_refused_count"] = egress.count
     errors: list[str] = []
     budget = _Budget(None)
     if root != "-":
@@ -580,6 +596,114 @@ class _Relay:
             self._set(sock, 0)
             with contextlib.suppress(OSError):
                 sock.close()
+
+
+# -- the deny-all egress proxy ------------------------------------------------------
+# A bound container has no network; a client that honours HTTP(S)_PROXY (the launcher
+# points it here) gets a 403 at once instead of a DNS failure or a retry loop, and the
+# target it asked for is named in the status, so the host records every side channel an
+# agent tried (telemetry, update checks, web fetches) rather than losing it. Nothing is
+# ever forwarded: there is nowhere to forward to.
+_DENIED_BODY = b"cyclebox: no network in this container; egress refused.\r\n"
+_DENIED = (b"HTTP/1.1 403 Forbidden\r\ncontent-type: text/plain\r\nconnection: close\r\n"
+           b"content-length: %d\r\n\r\n%s" % (len(_DENIED_BODY), _DENIED_BODY))
+
+
+def egress_open(*, host: str = RELAY_HOST, port: int = EGRESS_PORT) -> _Egress:
+    """Listen on ``host:port`` now (raises OSError when it cannot), as the relay does."""
+    import socket
+
+    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        lsock.bind((host, port))
+        lsock.listen(RELAY_BACKLOG)
+        lsock.setblocking(False)
+    except BaseException:
+        lsock.close()
+        raise
+    return _Egress(lsock)
+
+
+def egress_target(head: bytes) -> str:
+    """The host a proxy request line names (``CONNECT h:p``, ``GET http://h/..``), as
+    printable ASCII of at most :data:`EGRESS_HOST_CHARS`; ``?`` when there is none."""
+    line = head.split(b"\r\n", 1)[0].split(b"\n", 1)[0]
+    parts = line.split(b" ")
+    if len(parts) < 2:
+        return "?"
+    target = parts[1]
+    if b"://" in target:
+        target = target.split(b"://", 1)[1].split(b"/", 1)[0]
+    target = target.rsplit(b"@", 1)[-1]
+    text = target.decode("latin-1")
+    shown = "".join(c if (c.isascii() and c.isalnum()) or c in ".-_:[]"
+                    else f"\\x{ord(c):02x}" for c in text)
+    return shown[:EGRESS_HOST_CHARS] or "?"
+
+
+class _Egress:
+    """Answers every connection with :data:`_DENIED` once its request line is in (or
+    :data:`EGRESS_HEAD_BYTES` came without one), then closes it; keeps the distinct
+    targets (at most :data:`EGRESS_MAX_HOSTS`) and the count of refused requests."""
+
+    def __init__(self, lsock: Any) -> None:
+        import select
+
+        self.select = select
+        self.lsock = lsock
+        self.conns: dict[int, tuple[Any, bytearray]] = {}
+        self.poller = select.poll()
+        self.poller.register(lsock.fileno(), select.POLLIN)
+        self.hosts: list[str] = []
+        self.count = 0
+
+    def step(self) -> None:
+        """One round without waiting; never raises (a failure closes what it holds)."""
+        try:
+            for fd, _ev in self.poller.poll(0):
+                if fd == self.lsock.fileno():
+                    self._accept()
+                elif fd in self.conns:
+                    self._read(fd)
+        except Exception:
+            for fd in list(self.conns):
+                self._close(fd)
+
+    def _accept(self) -> None:
+        while len(self.conns) < RELAY_MAX_CONNECTIONS:
+            try:
+                client, _ = self.lsock.accept()
+            except OSError:
+                return
+            client.setblocking(False)
+            self.conns[client.fileno()] = (client, bytearray())
+            self.poller.register(client.fileno(), self.select.POLLIN)
+
+    def _read(self, fd: int) -> None:
+        client, head = self.conns[fd]
+        try:
+            data = client.recv(EGRESS_HEAD_BYTES - len(head))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        head += data
+        if data and b"\n" not in head and len(head) < EGRESS_HEAD_BYTES:
+            return
+        self.count += 1
+        target = egress_target(bytes(head)) if b"\n" in head else "?"
+        if target not in self.hosts and len(self.hosts) < EGRESS_MAX_HOSTS:
+            self.hosts.append(target)
+        with contextlib.suppress(OSError):
+            client.send(_DENIED)
+        self._close(fd)
+
+    def _close(self, fd: int) -> None:
+        client, _ = self.conns.pop(fd)
+        with contextlib.suppress(Exception):
+            self.poller.unregister(fd)
+        with contextlib.suppress(OSError):
+            client.close()
 
 
 def main(argv: list[str]) -> int:

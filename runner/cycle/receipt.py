@@ -145,6 +145,10 @@ class ContainerRow(Frozen):
     stderr_bytes: int
     cleanup_confirmed: bool
     labels: dict[str, str]
+    egress_refused: tuple[str, ...] = Field(default=(), exclude_if=lambda v: not v)
+    """Hosts the role asked the container's deny-all proxy for, each refused (a run
+    record's ``egress_refused``; absent in runs recorded before it existed)."""
+    egress_refused_count: int = Field(default=0, exclude_if=lambda v: v == 0)
 
 
 class ReceiptOutcome(Frozen):
@@ -163,7 +167,8 @@ class ReceiptOutcome(Frozen):
     candidate_records_sha256: str | None
     calls_sha256: str
     """sha256 over every call's (role, stage, case, trial, turn, status, request and
-    response hashes), in a time-independent order."""
+    response hashes), in a time-independent order. A replayed call counts with the
+    request of the recording that answered it (``replay_of``)."""
 
 
 class ExternalFile(Frozen):
@@ -232,7 +237,7 @@ def build(outcome: Outcome) -> Receipt:
         baseline_records_sha256=_records_digest(stages / "baseline" / "records.jsonl"),
         candidate_records_sha256=_records_digest(stages / "candidate" / "records.jsonl"),
         calls_sha256=sha256_json([[c.role, c.stage, c.case, c.trial, c.turn, c.status,
-                                   c.request_sha256, c.response_sha256] for c in
+                                   c.replay_of or c.request_sha256, c.response_sha256] for c in
                                   sorted(calls, key=lambda c: (c.stage, c.case or "",
                                                                c.trial or 0, c.turn, c.role))]),
     )

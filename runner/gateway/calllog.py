@@ -122,6 +122,10 @@ class CallRecord(Frozen):
     not_itemized: int | None = None
     """Set on the one ``refusals_not_itemized`` record: refusals of this socket that were
     counted, not recorded one by one, after ``limits.max_refusal_records``."""
+    replay_of: str | None = Field(default=None, pattern=DIGEST, exclude_if=lambda v: v is None)
+    """Replay only: sha256 of the recorded request whose response answered this call; it
+    differs from ``request_sha256`` when the request matched by its stable key (a coding
+    CLI's fresh ids, runner/gateway/replay_key.py)."""
 
 
 def sha256(data: bytes) -> str:

@@ -27,6 +27,7 @@ from runner.gateway.calllog import (
     Usage,
     sha256,
 )
+from runner.gateway.replay_key import stable_key
 from runner.gateway.scripted_wire import Answer
 from runner.gateway.upstream_http import UpstreamError, client_for
 
@@ -45,6 +46,8 @@ class ProviderResult:
     upstream_reached: bool = True
     """False when no upstream was contacted (script miss, replay miss): nothing can have
     been charged, so the cost is a known zero rather than unknown."""
+    replay_of: str | None = None
+    """Replay only: sha256 of the recorded request whose response answered this call."""
 
 
 @dataclass(frozen=True)
@@ -445,6 +448,7 @@ class _Recorded:
     response_sha256: str
     fixture: bool
     api: str | None = "chat"
+    request_sha256: str = ""
 
 
 class ReplayProvider:
@@ -456,6 +460,11 @@ class ReplayProvider:
     the earliest recording of those bytes not yet replayed; once all are replayed, the
     first again. Serving the first recording to every duplicate made a replayed run's
     responses differ from the recorded ones.
+
+    When the exact bytes miss, the same choice is made among the recordings whose
+    request has the same :func:`runner.gateway.replay_key.stable_key` (the request
+    without the per-run ids coding CLIs send, UUIDs masked); the response is still the
+    recorded bytes, unchanged.
     """
 
     name = "replay"
@@ -473,15 +482,33 @@ class ReplayProvider:
                 site = CallSite(rec.role, rec.stage, rec.case, rec.trial, rec.turn)
                 self.index.setdefault(rec.request_sha256, []).append(_Recorded(
                     rec.seq, site, rec.http_status, rec.response_sha256, rec.fixture,
-                    rec.api))
+                    rec.api, rec.request_sha256))
         self._replayed: set[int] = set()
+        self._stable: dict[str, list[_Recorded]] | None = None
+
+    def _by_stable_key(self) -> dict[str, list[_Recorded]]:
+        """Recordings by the stable key of their stored request (built on the first miss)."""
+        if self._stable is None:
+            assert self.log is not None  # noqa: S101 - checked in __init__
+            self._stable = {}
+            for digest, recs in self.index.items():
+                key = stable_key(self.log.blob(digest), recs[0].api or "chat")
+                if key is not None:
+                    self._stable.setdefault(key, []).extend(recs)
+            for recs in self._stable.values():
+                recs.sort(key=lambda r: r.seq)
+        return self._stable
 
     def pick(self, request_sha256: str, site: CallSite | None,
-             api: str = "chat") -> _Recorded | None:
+             api: str = "chat", request: bytes | None = None) -> _Recorded | None:
         """The recording of this family that answers this call (marked replayed); None on
         a miss. Synchronous, so calls on the gateway's one event loop never race for an
         entry."""
         recorded = [r for r in self.index.get(request_sha256, ()) if r.api == api]
+        if not recorded and request is not None:
+            key = stable_key(request, api)
+            if key is not None:
+                recorded = [r for r in self._by_stable_key().get(key, ()) if r.api == api]
         if not recorded:
             return None
         fresh = [r for r in recorded if r.seq not in self._replayed]
@@ -492,16 +519,17 @@ class ReplayProvider:
     async def call(self, request: bytes, body: dict[str, Any], *, role: str,
                    stream: bool, site: CallSite | None = None,
                    api: Api = "chat") -> ProviderResult:
-        hit = self.pick(sha256(request), site, api)
+        hit = self.pick(sha256(request), site, api, request)
         if hit is None:
             return ProviderResult(None, None, "replay_miss", upstream_reached=False)
         assert self.log is not None  # noqa: S101 - checked in __init__
         data = self.log.blob(hit.response_sha256)
         if hit.http_status != 200:
             return ProviderResult(hit.http_status, data, f"upstream_status_{hit.http_status}",
-                                  fixture=hit.fixture)
+                                  fixture=hit.fixture, replay_of=hit.request_sha256)
         usage, error = inspect(data, stream=stream, api=api)
-        return ProviderResult(hit.http_status, data, error, usage, fixture=hit.fixture)
+        return ProviderResult(hit.http_status, data, error, usage, fixture=hit.fixture,
+                              replay_of=hit.request_sha256)
 
     async def aclose(self) -> None:
         return None

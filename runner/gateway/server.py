@@ -349,7 +349,8 @@ class Gateway:
                 usage: Usage | None = None, cost: float | None = None,
                 sent: bytes | None = None, response: bytes | None = None,
                 redactions: int = 0, not_itemized: int | None = None,
-                api: Api | None = None, cost_basis: CostBasis | None = None) -> None:
+                api: Api | None = None, cost_basis: CostBasis | None = None,
+                replay_of: str | None = None) -> None:
         """Write one record (blobs first). ``sent``: bytes sent upstream, stored whole;
         ``received``: a refused request's bytes, of which only hash, length and prefix
         are kept."""
@@ -368,7 +369,7 @@ class Gateway:
             cost_basis=cost_basis,
             request_sha256=req_sha, response_sha256=resp_sha, request_stored=stored,
             request_bytes=nbytes, request_prefix=prefix, redactions=redactions,
-            not_itemized=not_itemized)
+            not_itemized=not_itemized, replay_of=replay_of)
         self.log.append(rec)
         with self._index_lock:
             self._by_key.setdefault((b.stage, b.case, b.trial), []).append(rec)
@@ -525,7 +526,7 @@ class _Handler:
             self.b, turn, t0, status="infra_error" if result.error else "ok",
             error=result.error, fixture=result.fixture, http_status=result.http_status,
             usage=result.usage, cost=cost, cost_basis=basis, response=response,
-            redactions=redactions, **common))
+            redactions=redactions, replay_of=result.replay_of, **common))
         if result.error or response is None:
             return _error(502, result.error or "no_response",
                           f"upstream {name} failed: {result.error}; recorded, not retried",

@@ -213,9 +213,11 @@ def _messages_content(body: dict[str, Any], ctx: _Ctx) -> None:
     if not isinstance(messages, list) or not messages:
         raise _refuse("bad_request", "messages", "messages must be a non-empty list")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+        # A system message among the messages (Claude Code sends its environment so) is
+        # input text like any other: counted in the worst case, nothing fetched.
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
             raise _refuse("bad_request", f"messages[{i}]",
-                          f"messages[{i}] needs a role, user or assistant")
+                          f"messages[{i}] needs a role, user, assistant or system")
         _anthropic_blocks(m.get("content"), f"messages[{i}].content", ctx)
     _anthropic_blocks(body.get("system"), "system", ctx)
     thinking = body.get("thinking")
@@ -246,11 +248,29 @@ def _openai_tool(t: Any) -> bool:
     return isinstance(t, dict) and t.get("type") == "function"
 
 
+def _responses_tool(t: Any) -> bool:
+    # A namespace groups function tools under one name (Codex CLI sends its sub-agent
+    # tools so); every tool in it runs on the caller's side like any function tool.
+    if isinstance(t, dict) and t.get("type") == "namespace":
+        tools = t.get("tools")
+        return isinstance(tools, list) and bool(tools) and all(map(_openai_tool, tools))
+    return _openai_tool(t)
+
+
 def _anthropic_tool(t: Any) -> bool:
     # Custom (client-executed) tools have no type or type "custom"; every typed tool
     # (web_search_*, web_fetch_*, code_execution_*, computer_*, bash_*, text_editor_*,
     # memory_*, mcp ...) is one the upstream or a beta feature runs.
     return isinstance(t, dict) and t.get("type") in (None, "custom") and "input_schema" in t
+
+
+BETA_HINT = {
+    "context_management": (
+        ": a beta field (server-side context editing), and the gateway forwards no "
+        "anthropic-beta header, since a beta can switch on upstream behaviour it cannot "
+        "bound; Claude Code sends none with CLAUDE_CODE_DISABLE_EXPERIMENTAL_BETAS=1"),
+}
+"""Why a field an agent sends by default is refused, and its own switch for it."""
 
 
 # -- the families --------------------------------------------------------------------
@@ -293,10 +313,10 @@ FAMILIES: dict[Api, Family] = {
             "stream", "stream_options", "text", "reasoning", "metadata", "store", "user",
             "truncation", "include", "top_logprobs", "service_tier", "prompt_cache_key",
             "safety_identifier", "previous_response_id", "conversation", "background",
-            "prompt"}),
+            "prompt", "client_metadata"}),
         frozenset({"tools", "tool_choice", "parallel_tool_calls"}),
-        ("max_output_tokens",), _responses_content, cap_key="max_output_tokens",
-        tiers=frozenset({"default", "flex"})),
+        ("max_output_tokens",), _responses_content, tool_ok=_responses_tool,
+        cap_key="max_output_tokens", tiers=frozenset({"default", "flex"})),
     "embeddings": Family(
         "embeddings", frozenset({"model", "input", "dimensions", "encoding_format", "user"}),
         frozenset(), (), _embeddings_content, output=False),
@@ -347,8 +367,9 @@ def vet(body: dict[str, Any], *, rules: RequestRules, cap: int, api: Api = "chat
                           f"field {key!r}: tools are off for this role; turn them on with "
                           f"{ctx.place('allow_tools')}")
         raise _refuse("field_not_allowed", key,
-                      f"field {key!r} is not forwarded for this role ({api}); allowed fields: "
-                      f"{sorted(allowed)} ({ctx.place('extra_fields')})")
+                      f"field {key!r} is not forwarded for this role ({api})"
+                      f"{BETA_HINT.get(key, '')}; allowed fields: {sorted(allowed)} "
+                      f"({ctx.place('extra_fields')})")
     tier = body.get("service_tier")
     if tier is not None and tier not in fam.tiers and "service_tier" not in rules.extra_fields:
         raise _refuse("service_tier_not_allowed", "service_tier",

@@ -32,7 +32,7 @@ from runner.isolation.sandbox import (
     RunSpec,
     Sandbox,
 )
-from sandbox.holder import RELAY_HOST, RELAY_PORT
+from sandbox.holder import EGRESS_PORT, RELAY_HOST, RELAY_PORT
 
 STAGE_LABEL = "io.cyclebox.stage"
 CASE_LABEL = "io.cyclebox.case"
@@ -54,6 +54,7 @@ def endpoint_env(token: str) -> dict[str, str]:
         "ANTHROPIC_API_KEY": token,
         "CYCLEBOX_GATEWAY_URL": RELAY_URL,
         **OFFLINE_ENV,
+        **EGRESS_ENV,
     }
 
 
@@ -68,6 +69,32 @@ exits) and litellm's model cost map download (three tries, 8-18 s at import, the
 bundled copy). Without them each attempt still fails closed (no network); these only
 spare every case the time their retries cost. No agent code, model call or result
 changes."""
+
+
+OFFLINE_ENV.update({
+    # Claude Code's own switches (its env-vars page): usage telemetry, the auto-updater,
+    # error reports, and everything else "non-essential" (release notes, feedback
+    # surveys, metrics). Measured on 2.1.332: without them it opens three connections
+    # to api.anthropic.com besides the model calls; with them, none.
+    "DISABLE_TELEMETRY": "1",
+    "DISABLE_AUTOUPDATER": "1",
+    "DISABLE_ERROR_REPORTING": "1",
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+})
+EGRESS_URL = f"http://{RELAY_HOST}:{EGRESS_PORT}"
+"""The holder's deny-all proxy (:mod:`sandbox.holder`): refuses with 403, names the host."""
+EGRESS_ENV = {
+    **{name: EGRESS_URL for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY",
+                                     "http_proxy", "https_proxy", "all_proxy")},
+    "NO_PROXY": f"{RELAY_HOST},localhost",
+    "no_proxy": f"{RELAY_HOST},localhost",
+}
+"""Every client that honours the proxy variables (curl, Python's urllib/requests/httpx,
+Rust's reqwest in Codex, Claude Code's fetch) sends any request other than to the
+gateway's loopback endpoint to the holder's deny-all proxy: it fails at once with a
+403, and the run record names the host (``egress_refused``), instead of a DNS error
+the record never sees or a client waiting for a network that will not come. A client
+that ignores them still has no network: it fails closed, unnamed."""
 
 
 class GatewayBinding(Protocol):

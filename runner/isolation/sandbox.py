@@ -160,6 +160,12 @@ class RunRecord(Frozen):
     cleanup_confirmed: bool
     """The engine no longer knows the container after removal."""
     labels: dict[str, str] = Field(default_factory=dict)
+    egress_refused: tuple[str, ...] = Field(default=(), exclude_if=lambda v: not v)
+    """Hosts the role asked the in-container deny-all proxy for (telemetry, update
+    checks, fetches), each refused with a 403: at most 16, escaped, as the holder saw
+    them; empty when nothing asked or the role had no gateway binding."""
+    egress_refused_count: int = Field(default=0, exclude_if=lambda v: v == 0)
+    """Requests the proxy refused (every attempt, also beyond the named hosts)."""
 
 
 class RunFlags(Frozen):

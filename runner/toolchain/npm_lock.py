@@ -16,6 +16,9 @@ must match. Refused, each by name with the fix (exit 3):
 * a package whose ``os``/``cpu``/``libc`` excludes linux x64 glibc that is not optional
   (an optional one is skipped, as npm skips it, and named in the build log);
 * a lockfile out of step with its package.json (npm ci refuses that too).
+
+An npm alias (``npm:real@version``) is installed under its alias, from the real
+package's registry tarball.
 """
 
 from __future__ import annotations
@@ -243,9 +246,13 @@ def parse_lockfile(lock: bytes, package_json: bytes, *, source: str, pkg_source:
                           "package under node_modules/)", **named,
                           fix="publish it to the registry or vendor it in the agent's source "
                           "tree")
-        if entry.get("name", name) != name:
-            raise _refuse(source, key, f"an alias of {entry.get('name')!r}", **named,
-                          fix="depend on the package by its own name")
+        # An npm alias (``"x": "npm:real@1.0"``, as @openai/codex names its platform
+        # builds) is a registry package laid out under another name: fetched by its own
+        # name, integrity-checked like any other.
+        real = entry.get("name", name)
+        if not isinstance(real, str) or not _NAME.fullmatch(real):
+            raise _refuse(source, key, f"an alias of {real!r}, which is not a package name",
+                          **named, fix=LOCK_FIX)
         version = entry.get("version")
         if not isinstance(version, str) or not version:
             raise _refuse(source, key, "has no version", **named, fix=LOCK_FIX)
@@ -259,7 +266,7 @@ def parse_lockfile(lock: bytes, package_json: bytes, *, source: str, pkg_source:
             raise _refuse(source, key, f"version {version!r} is not a registry version",
                           **named, fix=LOCK_FIX)
         resolved = entry.get("resolved")
-        url = resolved if isinstance(resolved, str) else tarball_url(name, version, registry)
+        url = resolved if isinstance(resolved, str) else tarball_url(real, version, registry)
         if url.startswith(DEFAULT_REGISTRY) and registry != DEFAULT_REGISTRY:
             # npm's replace-registry-host (default "npmjs"): a lockfile made against the
             # public registry is fetched from the configured mirror; integrity still pins it

@@ -13,6 +13,7 @@ import pytest
 
 from runner.errors import ConfigError
 from runner.isolation.launcher import (
+    EGRESS_ENV,
     ENDPOINT_ENV_NAMES,
     OFFLINE_ENV,
     endpoint_env,
@@ -110,7 +111,7 @@ def test_a_bound_role_gets_the_endpoint_environment_over_any_other(tmp_path: Pat
     assert env["OPENAI_BASE_URL"] == env["OPENAI_API_BASE"] == "http://127.0.0.1:40080/v1"
     assert env["ANTHROPIC_BASE_URL"] == env["CYCLEBOX_GATEWAY_URL"] == "http://127.0.0.1:40080"
     assert env["OPENAI_API_KEY"] == env["ANTHROPIC_API_KEY"] == "tok-analyst"
-    assert set(endpoint_env("t")) == set(ENDPOINT_ENV_NAMES) | set(OFFLINE_ENV)
+    assert set(endpoint_env("t")) == set(ENDPOINT_ENV_NAMES) | set(OFFLINE_ENV) | set(EGRESS_ENV)
 
 
 def test_an_unbound_role_gets_no_endpoint_environment(tmp_path: Path) -> None:
@@ -159,3 +160,19 @@ def test_output_dir_is_fresh(tmp_path: Path) -> None:
     assert out.is_dir() and (out.stat().st_mode & 0o777) == 0o700
     with pytest.raises(ConfigError, match="already exists"):
         output_dir(policy("analyst"), out)
+
+
+def test_every_proxy_variable_points_at_the_deny_all_proxy_but_the_gateway_is_direct() -> None:
+    env = endpoint_env("t")
+    from sandbox.holder import EGRESS_PORT, RELAY_HOST
+
+    proxies = {k: v for k, v in env.items() if k.lower().endswith("_proxy")
+               and k.lower() != "no_proxy"}
+    assert set(proxies) == {"HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy",
+                            "https_proxy", "all_proxy"}
+    assert set(proxies.values()) == {f"http://{RELAY_HOST}:{EGRESS_PORT}"}
+    for name in ("NO_PROXY", "no_proxy"):
+        assert RELAY_HOST in env[name].split(",")
+    # the gateway endpoint is on the host NO_PROXY names, so clients reach it directly
+    assert env["OPENAI_BASE_URL"].startswith(f"http://{RELAY_HOST}:")
+    assert env["DISABLE_TELEMETRY"] == env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"

@@ -84,6 +84,8 @@ class _Finish:
     limit: bool = False
     invalid: bool = False
     detail: str = ""
+    egress: tuple[str, ...] = ()
+    egress_count: int = 0
 
 
 class _DiedEarly(Exception):
@@ -206,6 +208,7 @@ class _CopyOut:
             return fin
         with contextlib.suppress(TypeError, ValueError):
             fin.oom_kills = int(pre.get("oom_kill") or 0)
+        fin.egress, fin.egress_count = egress_refused(pre)
         if pre.get("dumpable") != 0:
             fin.invalid = True
             fin.detail = "the holder could not protect its output stream (dumpable)"
@@ -238,6 +241,22 @@ class _CopyOut:
                 fin.detail = ("copy-out reported: "
                               + ("; ".join(map(str, errors or [])) or "processes left"))[:500]
         return fin
+
+
+EGRESS_MAX_HOSTS = 16
+EGRESS_HOST_CHARS = 120
+
+
+def egress_refused(pre: Mapping[str, Any]) -> tuple[tuple[str, ...], int]:
+    """The hosts and the count of requests the holder's deny-all proxy refused, from its
+    status line (written by the role's container, so bounded and escaped again here)."""
+    hosts = pre.get("egress_refused")
+    count = pre.get("egress_refused_count")
+    names = [h for h in (hosts if isinstance(hosts, list) else []) if isinstance(h, str)]
+    shown = tuple(ascii(h[:EGRESS_HOST_CHARS])[1:-1][:EGRESS_HOST_CHARS]
+                  for h in names[:EGRESS_MAX_HOSTS])
+    n = count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else 0
+    return shown, max(n, len(shown))
 
 
 def _holder_said(text: str) -> str:
@@ -782,7 +801,8 @@ class DockerSandbox:
             detail=detail, wall_s=round(time.monotonic() - started, 3),
             stdout_bytes=out.total, stderr_bytes=err.total,
             stdout_tail=out.text(), stderr_tail=err.text(), cleanup_confirmed=confirmed,
-            labels=dict(kwargs["labels"]),
+            labels=dict(kwargs["labels"]), egress_refused=fin.egress,
+            egress_refused_count=fin.egress_count,
         )
 
     def _wait_exec(self, exec_id: str, pumper: threading.Thread,
