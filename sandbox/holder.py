@@ -233,8 +233,7 @@ def finish(root: str, *, dumpable: int | None = None, case: _Case | None = None)
         except OSError as exc:
             errors.append(f"statvfs: {exc.strerror}")
     # before the tar: the host may stop reading the tar early, never this line
-    sys.stderr.write(json.dumps(status) + "\n")
-    sys.stderr.flush()
+    _status_line(status, framed=case is not None)
     if root != "-":
         out: _Writer = (_TarFrames() if case is not None
                         else os.fdopen(1, "wb", buffering=1 << 16, closefd=False))
@@ -249,9 +248,17 @@ def finish(root: str, *, dumpable: int | None = None, case: _Case | None = None)
     post: dict[str, object] = {"phase": "post", "errors": errors}
     if budget.over:
         post["limit"] = budget.over
-    sys.stderr.write(json.dumps(post) + "\n")
-    sys.stderr.flush()
+    _status_line(post, framed=case is not None)
     return 3 if errors or left else 0
+
+
+def _status_line(status: dict[str, object], *, framed: bool) -> None:
+    line = json.dumps(status) + "\n"
+    if framed:  # a frame (sealed once there is a case), never stderr a role may reach
+        _send(F_STATUS, line.encode())
+    else:
+        sys.stderr.write(line)
+        sys.stderr.flush()
 
 
 class _Writer(Protocol):
@@ -452,11 +459,46 @@ F_TAR = b"t"
 F_SEED = b"d"
 """The host-made tar for the output directory (before the case)."""
 F_CASE = b"c"
-"""The hand-over: JSON ``{"argv": [...]}``; the holder starts it as its child at once."""
+"""The hand-over: JSON ``{"argv": [...], "key": hex}`` (the :class:`Seal` key); the holder
+starts the command as its child at once."""
+
+
+F_STATUS = b"l"
+"""One of ``finish``'s JSON status lines (on stderr outside ``hold``)."""
+TAG_BYTES = 16
+SEAL_KEY_BYTES = 32
 
 
 def frame(kind: bytes, payload: bytes = b"") -> bytes:
     return kind + len(payload).to_bytes(4, "big") + payload
+
+
+class Seal:
+    """Authenticates the frames sent after the hand-over: each is followed by
+    HMAC-SHA256(key, sequence number, kind, length, payload)[:16]. The key comes in the
+    case frame, read before any role process exists, and lives only in this process's
+    memory (non-dumpable: no ptrace, no ``/proc/1/mem``). Needed because gVisor's
+    ``/proc`` lets a process of the same uid open ``/proc/1/fd/1`` even so: a role
+    that writes or splices bytes into the holder's stdout there cannot make a frame the
+    host accepts (a wrong tag, a replayed or reordered one: the channel is refused)."""
+
+    def __init__(self, key: bytes) -> None:
+        import hashlib
+        import hmac
+
+        self.hmac, self.sha = hmac, hashlib.sha256
+        self.key = key
+        self.seq = 0
+
+    def tag(self, head: bytes, payload: bytes) -> bytes:
+        mac = self.hmac.new(self.key, self.seq.to_bytes(8, "big") + head, self.sha)
+        mac.update(payload)
+        self.seq += 1
+        return mac.digest()[:TAG_BYTES]
+
+
+_SEAL: list[Seal] = []
+"""The holder's seal once it was handed its case (sealed frames from then on)."""
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -466,7 +508,10 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _send(kind: bytes, payload: bytes = b"") -> None:
-    _write_all(1, frame(kind, payload))
+    data = frame(kind, payload)
+    if _SEAL:
+        data += _SEAL[0].tag(data[:FRAME_HEADER], payload)
+    _write_all(1, data)
 
 
 class _TarFrames:
@@ -653,12 +698,16 @@ class _Case:
     def _start(self, payload: bytes) -> None:
         self._stop_stdin()  # one case per container: nothing more is read
         try:
-            argv = json.loads(payload)["argv"]
+            doc = json.loads(payload)
+            argv, key = doc["argv"], bytes.fromhex(doc["key"])
             if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
                 raise ValueError("argv must be a non-empty list of strings")
+            if len(key) != SEAL_KEY_BYTES:
+                raise ValueError(f"the key must be {SEAL_KEY_BYTES} bytes")
         except (ValueError, KeyError, TypeError) as exc:
             self._refuse(f"bad case frame: {exc}")
             return
+        _SEAL.append(Seal(key))  # before the fork: every frame about the role is sealed
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         rep_r, rep_w = os.pipe()

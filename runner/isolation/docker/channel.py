@@ -14,6 +14,7 @@ JSON parsed strictly; a frame the holder never writes ends the channel as refuse
 from __future__ import annotations
 
 import contextlib
+import hmac
 import os
 import shutil
 import socket
@@ -37,12 +38,16 @@ from sandbox.holder import (
     F_SEED,
     F_SEEDED,
     F_STARTED,
+    F_STATUS,
     F_STDERR,
     F_STDOUT,
     F_TAR,
     FRAME_HEADER,
     FRAME_MAX,
     READY,
+    SEAL_KEY_BYTES,
+    TAG_BYTES,
+    Seal,
     frame,
 )
 
@@ -109,6 +114,10 @@ class CaseChannel:
         self.first_output_at: float | None = None
         """When the first output frame of the role command arrived (host clock)."""
         self._lock = threading.Lock()
+        self._seal: Seal | None = None
+        """Set with the hand-over: every frame after it must carry its tag."""
+        self.refused = ""
+        """Why the channel was refused (a frame the holder cannot have written)."""
 
     def send(self, kind: bytes, payload: bytes) -> None:
         with self._lock:
@@ -120,9 +129,13 @@ class CaseChannel:
         self.send(F_SEED, data)
 
     def hand_over(self, argv: list[str]) -> None:
+        """Send the case: the command and a fresh key for the frames about it."""
         import json
+        import secrets
 
-        self.send(F_CASE, json.dumps({"argv": argv}).encode())
+        key = secrets.token_bytes(SEAL_KEY_BYTES)
+        self._seal = Seal(key)  # before the send: the first sealed frame may come at once
+        self.send(F_CASE, json.dumps({"argv": argv, "key": key.hex()}).encode())
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -136,7 +149,10 @@ class CaseChannel:
         framed = False
         try:
             for o, e in mux_stream(self.raw):
-                if e:
+                if e and self._seal is None:
+                    # the holder's own stderr, before any role process exists (e.g. its
+                    # relay's refusal); afterwards its status lines come as sealed frames
+                    # and raw stderr is dropped (under gVisor a role can reach it)
                     yield None, e
                 if not o:
                     continue
@@ -158,14 +174,26 @@ class CaseChannel:
                     if n > FRAME_MAX:
                         raise CopyRefused(f"case channel: a frame of {n} bytes "
                                           f"(at most {FRAME_MAX})")
-                    if len(buf) < FRAME_HEADER + n:
+                    seal = self._seal
+                    end = FRAME_HEADER + n + (TAG_BYTES if seal is not None else 0)
+                    if len(buf) < end:
                         break
                     payload = bytes(buf[FRAME_HEADER:FRAME_HEADER + n])
-                    del buf[:FRAME_HEADER + n]
+                    if seal is not None and not hmac.compare_digest(
+                            seal.tag(bytes(buf[:FRAME_HEADER]), payload),
+                            bytes(buf[FRAME_HEADER + n:end])):
+                        raise CopyRefused("case channel: a frame failed authentication "
+                                          "(bytes the holder did not write)")
+                    del buf[:end]
                     if kind == F_TAR:
                         yield payload, None
+                    elif kind == F_STATUS and len(payload) <= SMALL_FRAME_CAP:
+                        yield None, payload
                     else:
                         self._dispatch(kind, payload)
+        except CopyRefused as exc:
+            self.refused = str(exc)
+            raise
         finally:
             self.started.set()
             self.seeded.set()

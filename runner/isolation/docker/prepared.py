@@ -15,7 +15,7 @@ import contextlib
 import secrets
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import docker.errors
 import requests.exceptions
@@ -33,6 +33,7 @@ from runner.isolation.docker.channel import (
 from runner.isolation.docker.engine_state import flags_from_inspect, killed_from_outside
 from runner.isolation.docker.hardening import create_kwargs
 from runner.isolation.docker.staging import _seed_tar, _Staging
+from runner.isolation.owner import Owner
 from runner.isolation.sandbox import (
     OutputCallback,
     RunRecord,
@@ -41,8 +42,18 @@ from runner.isolation.sandbox import (
     classify_stop,
 )
 
-if TYPE_CHECKING:
-    from runner.isolation.docker.backend import DockerSandbox
+
+class _Engine(Protocol):
+    """What a prepared run needs of :class:`runner.isolation.docker.backend.DockerSandbox`."""
+
+    client: Any
+    owner: Owner
+
+    def _stopped(self, cid: str, within_s: float = 0.0) -> dict[str, Any] | None: ...
+
+    def _remove(self, cid: str) -> bool: ...
+
+    def _remove_late(self, name: str, within_s: float = 3.0) -> None: ...
 
 FINISH_BASE_S = 30.0
 FINISH_BYTES_PER_S = 32 * 1024 * 1024
@@ -62,7 +73,7 @@ class _DiedEarly(Exception):
 class DockerPreparedRun:
     """A started container whose holder waits for its one case (see the module docstring)."""
 
-    def __init__(self, backend: DockerSandbox, spec: RunSpec, staged: _Staging) -> None:
+    def __init__(self, backend: _Engine, spec: RunSpec, staged: _Staging) -> None:
         self._backend = backend
         self._spec = spec
         self._staged = staged
@@ -210,8 +221,9 @@ class DockerPreparedRun:
         fin = _Finish()
         cid, channel, copy = self.cid, self.channel, self.copy
         if self._died is not None or cid is None or channel is None or copy is None:
-            return self._make_record(self._died or {}, None, fin, out, err, started, timed_out=False,
-                                     stream_exceeded=False, ours_killed=False)
+            return self._make_record(self._died or {}, None, fin, out, err, started,
+                                     timed_out=False, stream_exceeded=False,
+                                     ours_killed=False)
 
         def stop_role(flag: threading.Event | None) -> None:
             # Never block the channel's thread on the engine. SIGUSR1 makes the holder
@@ -285,7 +297,9 @@ class DockerPreparedRun:
                                    output_detail=fin.detail, cleanup_confirmed=True)
         reason, detail = classify_stop(flags)
         exit_code = flags.exit_code
-        if self.channel is not None and self.channel.start_error and code is None:
+        if self.channel is not None and code is None and self.channel.refused:
+            detail = f"{detail}; the holder's channel was refused: {self.channel.refused}"
+        elif self.channel is not None and code is None and self.channel.start_error:
             detail = f"{detail}; the holder refused the case: {self.channel.start_error}"
 
         outside = killed_from_outside(state, ours=ours_killed)
