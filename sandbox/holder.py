@@ -25,8 +25,10 @@ printed. The holder makes itself non-dumpable first, so a role process (same uid
 cannot reach those pipes through ``/proc/1/fd`` nor ptrace it, and as PID 1 of the
 namespace it cannot be killed from inside. When the command ends, or the host sends
 ``SIGUSR1`` (a limit was hit, a timeout), the holder kills every role process, then
-writes the command's exit status, its status lines (stderr) and the output tar
-(frames) and exits: no ``docker exec`` for the command, none for the copy-out.
+writes the command's exit status, its status lines and the output tar, all as frames,
+and exits: no ``docker exec`` for the command, none for the copy-out. Frames after the
+hand-over are sealed (:class:`Seal`): gVisor's ``/proc`` lets a same-uid process open
+``/proc/1/fd/1`` despite the non-dumpable flag, and what it writes there must not pass.
 
 Modes:
 
@@ -37,7 +39,7 @@ Modes:
     an optional seed tar (:data:`F_SEED`, extracted into ``DIR`` as ``seed`` does),
     the case (:data:`F_CASE`: the command is started as its child), the command's
     output and exit status; reap orphans on ``SIGCHLD``; when the command ended or on
-    ``SIGUSR1`` run ``finish DIR`` (framed) and exit.
+    ``SIGUSR1`` run ``finish DIR`` (its status lines and tar as frames) and exit.
 ``finish DIR|-``
     ``kill(-1, SIGKILL)`` until no other process is left, then write a JSON status
     line to stderr (OOM kills, tmpfs blocks/inodes used and free, dumpable flag),
@@ -434,11 +436,12 @@ def seed(root: str, source: IO[bytes] | None = None) -> int:
 
 # -- the case channel ------------------------------------------------------------------
 # After READY, the holder's stdout carries only frames: a kind byte, the payload's length
-# (4 bytes, big-endian), the payload. Everything the role command writes arrives wrapped
-# in a frame by the holder, which alone holds that pipe, so no byte the role writes can
-# be taken for a frame of another kind (an exit status, a tar). The host writes frames
-# the same way on the holder's stdin (attached before start; the role's stdin is
-# /dev/null).
+# (4 bytes, big-endian), the payload, and from the hand-over on a tag (Seal). Everything
+# the role command writes arrives wrapped in a frame by the holder, which alone holds the
+# role's pipes, so no byte the role writes can be taken for a frame of another kind (an
+# exit status, a tar). The host writes frames the same way on the holder's stdin
+# (attached before start; the role's stdin is /dev/null); the holder reads nothing more
+# there once it has the case.
 
 FRAME_HEADER = 5
 FRAME_MAX = 1 << 20
@@ -588,6 +591,8 @@ class _Case:
     seccomp filter, no-new-privileges, limits, environment and working directory."""
 
     def __init__(self, root: str) -> None:
+        import hashlib  # noqa: F401 - imported now, before READY: not on the hand-over's path
+        import hmac  # noqa: F401
         import select
 
         self.root = root
