@@ -189,15 +189,15 @@ class DockerPreparedRun:
             if cancel is not None and cancel.is_set():
                 raise SandboxError(f"{self._spec.role} container not started: "
                                    "the run is stopping")
-            self._record = self._run(on_output)
-            return self._record
+            record = self._run(on_output)
         finally:
             self._release()
-            if self._record is not None and not self._confirmed:
-                self._record = self._record.model_copy(update={
-                    "cleanup_confirmed": False,
-                    "stop_reason": StopReason.CLEANUP_UNCONFIRMED,
-                    "detail": "container still known to the engine after removal"})
+        if not self._confirmed:  # outranks every other reason (classify_stop)
+            record = record.model_copy(update={
+                "cleanup_confirmed": False, "stop_reason": StopReason.CLEANUP_UNCONFIRMED,
+                "detail": "container still known to the engine after removal"})
+        self._record = record
+        return record
 
     def _release(self) -> None:
         """Remove the container (confirmed by asking the engine) and the staged inputs."""
