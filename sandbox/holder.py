@@ -79,13 +79,15 @@ nothing in the container can take its place or reach more through it:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import stat
 import sys
 import time
-from typing import IO, Any, Protocol
+
+TYPE_CHECKING = False  # not typing's: it imports re (~10 ms of every container's start)
+if TYPE_CHECKING:
+    from typing import IO, Any, Protocol
 
 _BLOCK = {s for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)}
 MAX_ERRORS = 8
@@ -255,7 +257,7 @@ def finish(root: str, *, dumpable: int | None = None, case: _Case | None = None)
 
 
 def _status_line(status: dict[str, object], *, framed: bool) -> None:
-    line = json.dumps(status) + "\n"
+    line = _json(status) + "\n"
     if framed:  # a frame (sealed once there is a case), never stderr a role may reach
         _send(F_STATUS, line.encode())
     else:
@@ -263,10 +265,11 @@ def _status_line(status: dict[str, object], *, framed: bool) -> None:
         sys.stderr.flush()
 
 
-class _Writer(Protocol):
-    def write(self, data: bytes, /) -> object: ...
+if TYPE_CHECKING:
+    class _Writer(Protocol):
+        def write(self, data: bytes, /) -> object: ...
 
-    def flush(self) -> None: ...
+        def flush(self) -> None: ...
 
 
 # A minimal PAX tar writer (tarfile costs ~60 ms of imports in every copy-out).
@@ -462,14 +465,48 @@ F_TAR = b"t"
 F_SEED = b"d"
 """The host-made tar for the output directory (before the case)."""
 F_CASE = b"c"
-"""The hand-over: JSON ``{"argv": [...], "key": hex}`` (the :class:`Seal` key); the holder
-starts the command as its child at once."""
+"""The hand-over: the :class:`Seal` key (:data:`SEAL_KEY_BYTES`), then the argv joined by
+NUL bytes; the holder starts the command as its child at once."""
 
 
 F_STATUS = b"l"
 """One of ``finish``'s JSON status lines (on stderr outside ``hold``)."""
 TAG_BYTES = 16
 SEAL_KEY_BYTES = 32
+
+
+def case_payload(key: bytes, argv: list[str]) -> bytes:
+    """The :data:`F_CASE` payload (the host builds it; an argv string holds no NUL)."""
+    return key + b"\0".join(a.encode("utf-8", "surrogateescape") for a in argv)
+
+
+def _json(value: object) -> str:
+    """ASCII JSON of None, bools, ints, strings, lists and dicts: what the holder
+    reports. Its own, because ``json`` imports ``re`` (~10 ms of every container's
+    start, before READY)."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        out = []
+        for ch in value:
+            n = ord(ch)
+            if ch in '"\\':
+                out.append("\\" + ch)
+            elif 0x20 <= n < 0x7F:
+                out.append(ch)
+            elif n > 0xFFFF:
+                n -= 0x10000
+                out.append(f"\\u{0xD800 + (n >> 10):04x}\\u{0xDC00 + (n & 0x3FF):04x}")
+            else:
+                out.append(f"\\u{n:04x}")
+        return '"' + "".join(out) + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_json(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_json(str(k))}: {_json(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"not reported: {type(value).__name__}")
 
 
 def frame(kind: bytes, payload: bytes = b"") -> bytes:
@@ -687,7 +724,7 @@ class _Case:
 
     def _refuse(self, why: str) -> None:
         self._stop_stdin()
-        _send(F_STARTED, json.dumps({"error": why[:500]}).encode())
+        _send(F_STARTED, _json({"error": why[:500]}).encode())
         self.ended = True
 
     def _seed(self, payload: _StdinPayload) -> None:
@@ -698,19 +735,15 @@ class _Case:
             reply = {"ok": code == 0}
         except Exception as exc:  # a broken seed is the host's error: reported, not raised
             reply["error"] = f"{type(exc).__name__}: {exc}"[:500]
-        _send(F_SEEDED, json.dumps(reply).encode())
+        _send(F_SEEDED, _json(reply).encode())
 
     def _start(self, payload: bytes) -> None:
         self._stop_stdin()  # one case per container: nothing more is read
-        try:
-            doc = json.loads(payload)
-            argv, key = doc["argv"], bytes.fromhex(doc["key"])
-            if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
-                raise ValueError("argv must be a non-empty list of strings")
-            if len(key) != SEAL_KEY_BYTES:
-                raise ValueError(f"the key must be {SEAL_KEY_BYTES} bytes")
-        except (ValueError, KeyError, TypeError) as exc:
-            self._refuse(f"bad case frame: {exc}")
+        key = payload[:SEAL_KEY_BYTES]
+        argv = [a.decode("utf-8", "surrogateescape")
+                for a in payload[SEAL_KEY_BYTES:].split(b"\0")]
+        if len(payload) <= SEAL_KEY_BYTES or not argv[0]:
+            self._refuse("bad case frame: a key and a non-empty argv[0] are needed")
             return
         _SEAL.append(Seal(key))  # before the fork: every frame about the role is sealed
         out_r, out_w = os.pipe()
@@ -730,12 +763,12 @@ class _Case:
             self._watch(fd)
         if failed:
             err = int(failed) if failed.isdigit() else 0
-            _send(F_STARTED, json.dumps({"error": os.strerror(err)}).encode())
+            _send(F_STARTED, _json({"error": os.strerror(err)}).encode())
             _send(F_STDERR, f"cyclebox: cannot run {argv[0]!r}: {os.strerror(err)}\n"
                   .encode())
             self.code = 127 if err == 2 else 126  # what a shell (and docker exec) says
         else:
-            _send(F_STARTED, json.dumps({"pid": pid}).encode())
+            _send(F_STARTED, _json({"pid": pid}).encode())
 
     def reap(self) -> None:
         """Reap every exited child (orphans are re-parented to PID 1); note ours."""
@@ -772,7 +805,7 @@ class _Case:
         self.reap()
         if not self.reported:
             self.reported = True
-            _send(F_EXIT, json.dumps({"code": self.code}).encode())
+            _send(F_EXIT, _json({"code": self.code}).encode())
 
 
 # -- the loopback relay ---------------------------------------------------------------

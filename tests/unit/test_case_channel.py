@@ -23,6 +23,7 @@ from sandbox.holder import (
     F_TAR,
     FRAME_HEADER,
     READY,
+    SEAL_KEY_BYTES,
     Seal,
     frame,
 )
@@ -39,12 +40,12 @@ class Holder:
         self.host, self.box = socket.socketpair()
         self.seal: Seal | None = None
 
-    def case(self) -> dict[str, object]:
+    def case(self) -> list[bytes]:
         head = self.box.recv(FRAME_HEADER, socket.MSG_WAITALL)
         n = int.from_bytes(head[1:], "big")
-        doc: dict[str, object] = json.loads(self.box.recv(n, socket.MSG_WAITALL))
-        self.seal = Seal(bytes.fromhex(str(doc["key"])))
-        return doc
+        payload = self.box.recv(n, socket.MSG_WAITALL)
+        self.seal = Seal(payload[:SEAL_KEY_BYTES])
+        return payload[SEAL_KEY_BYTES:].split(b"\0")
 
     def frame(self, kind: bytes, payload: bytes, *, seal: Seal | None = None) -> bytes:
         data = frame(kind, payload)
@@ -82,8 +83,8 @@ def _pair() -> tuple[Holder, CaseChannel, list[tuple[str, bytes]]]:
 
 
 def _hand_over(h: Holder, ch: CaseChannel) -> None:
-    ch.hand_over(["echo", "hi"])
-    assert h.case()["argv"] == ["echo", "hi"]
+    ch.hand_over(["echo", "", "hi"])
+    assert h.case() == [b"echo", b"", b"hi"]
 
 
 def test_a_run_as_the_holder_writes_it() -> None:
@@ -179,6 +180,18 @@ def test_no_marker_is_passed_on_for_the_copy_out_to_name() -> None:
     t.join(10)
     assert not errors and got == [(b"x" * 64, None)]
     assert ch.ended.is_set() and ch.exit_code is None
+
+
+@pytest.mark.parametrize("value", [
+    None, True, 0, -3, "", "plain", 'q"uote\\back', "ctl\n\x00\x7f", "é€😀", "\udcff",
+    ["a", 1, None], {"phase": "pre", "df": {"files": 0}, "errors": ["x: No such file"]},
+])
+def test_the_holders_own_json_is_json(value: object) -> None:
+    from sandbox.holder import _json
+
+    text = _json(value)
+    assert text.isascii()
+    assert json.loads(text) == value
 
 
 def test_only_the_first_exit_frame_counts() -> None:

@@ -48,6 +48,7 @@ from sandbox.holder import (
     SEAL_KEY_BYTES,
     TAG_BYTES,
     Seal,
+    case_payload,
     frame,
 )
 
@@ -130,12 +131,11 @@ class CaseChannel:
 
     def hand_over(self, argv: list[str]) -> None:
         """Send the case: the command and a fresh key for the frames about it."""
-        import json
         import secrets
 
         key = secrets.token_bytes(SEAL_KEY_BYTES)
         self._seal = Seal(key)  # before the send: the first sealed frame may come at once
-        self.send(F_CASE, json.dumps({"argv": argv, "key": key.hex()}).encode())
+        self.send(F_CASE, case_payload(key, argv))
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
