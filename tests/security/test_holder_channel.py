@@ -197,3 +197,22 @@ def test_the_holder_kills_nothing_outside_its_own_namespace(tmp_path: Path) -> N
     finally:
         sleeper.kill()
         sleeper.wait(10)
+
+
+FDS = """
+import json, os
+fds = sorted(int(n) for n in os.listdir("/proc/self/fd"))
+print(json.dumps({"fds": fds, "stdin": os.readlink("/proc/self/fd/0")}))
+"""
+
+
+@pytest.mark.parametrize("runtime", [None, "runsc"])
+def test_the_role_holds_none_of_the_holders_descriptors(run_role: RunFn,
+                                                        runtime: str | None) -> None:
+    """Only its own stdio: /dev/null as stdin, the holder's pipes as stdout/stderr (and
+    the descriptor its own listing opened); never the channel, never a relay socket."""
+    rec = run_role(["python", "-c", FDS], runtime=runtime)
+    assert rec.stop_reason is StopReason.OK, rec
+    got = json.loads(rec.stdout_tail)
+    assert got["fds"][:3] == [0, 1, 2] and len(got["fds"]) <= 4, got
+    assert got["stdin"] == "/dev/null"
