@@ -216,3 +216,72 @@ def test_the_role_holds_none_of_the_holders_descriptors(run_role: RunFn,
     got = json.loads(rec.stdout_tail)
     assert got["fds"][:3] == [0, 1, 2] and len(got["fds"]) <= 4, got
     assert got["stdin"] == "/dev/null"
+
+
+def _staged_spec(policies: RolePolicies, tmp_path: Path, command: list[str]) -> RunSpec:
+    from runner.isolation.sandbox import Mount
+
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    (data / "input.txt").write_text("in\n")
+    return role_spec(policies.roles["analyst"], role="analyst", run_id="test-prepared-stop",
+                     image=resolve_image("analyst"), command=command,
+                     mounts=[Mount(source=data, target="/in")])
+
+
+def _left(backend: Any) -> list[str]:
+    return [n for _, n, lb in backend.managed_containers()
+            if lb.get(f"{LABEL_PREFIX}.run_id") == "test-prepared-stop"]
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.05, 0.3])
+def test_a_stopping_caller_gets_nothing_prepared_and_nothing_left(
+        backend: Any, policies: RolePolicies, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, after_s: float) -> None:
+    """``cancel`` set before or while a container is prepared (create, start, waiting for
+    READY): SandboxError, the container removed and its staging copy gone, without
+    waiting for the holder (a stopping controller exits within its grace period)."""
+    import threading
+
+    staging = tmp_path / "staging"
+    monkeypatch.setenv("CYCLEBOX_STAGING_DIR", str(staging))
+    cancel = threading.Event()
+    timer = threading.Timer(after_s, cancel.set)
+    if after_s:
+        timer.start()
+    else:
+        cancel.set()
+    try:
+        prepared = backend.prepare(_staged_spec(policies, tmp_path, ["true"]), cancel=cancel)
+    except SandboxError as exc:
+        assert "stopping" in str(exc)
+    else:  # prepared before the timer fired: the hand-over refuses it instead
+        try:
+            assert after_s, "cancel was set before prepare: nothing may be created"
+            cancel.wait(10)
+            with pytest.raises(SandboxError, match="stopping"):
+                prepared.run(cancel=cancel)
+        finally:
+            prepared.discard()
+    finally:
+        timer.cancel()
+    assert _left(backend) == []
+    assert not staging.exists() or list(staging.iterdir()) == []
+
+
+def test_a_stopping_caller_ends_a_running_case(
+        backend: Any, policies: RolePolicies, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    staging = tmp_path / "staging"
+    monkeypatch.setenv("CYCLEBOX_STAGING_DIR", str(staging))
+    spec = _staged_spec(policies, tmp_path, ["sleep", "120"]).model_copy(
+        update={"timeout_s": 20})
+    prepared = backend.prepare(spec)
+    cancel = threading.Event()
+    threading.Timer(0.5, cancel.set).start()
+    rec = prepared.run(cancel=cancel)
+    assert rec.stop_reason is StopReason.PROCESS_FAILED, rec  # killed, never a timeout
+    assert rec.cleanup_confirmed and _left(backend) == []
+    assert not staging.exists() or list(staging.iterdir()) == []

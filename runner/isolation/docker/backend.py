@@ -110,18 +110,20 @@ class DockerSandbox:
         self.owner = owner or current_owner()
 
     # -- running ---------------------------------------------------------------
-    def prepare(self, spec: RunSpec) -> DockerPreparedRun:
+    def prepare(self, spec: RunSpec, *,
+                cancel: threading.Event | None = None) -> DockerPreparedRun:
         """Create and start the container for ``spec`` up to where only the role command
         is left to start (:class:`runner.isolation.docker.prepared.DockerPreparedRun`):
         inputs staged, created with the holder as PID 1, attached, started, output
-        seeded, the holder READY. Raises as ``run`` would; the caller records it."""
+        seeded, the holder READY. Raises as ``run`` would; the caller records it.
+        ``cancel`` set meanwhile: removed at once and SandboxError raised."""
         staged: _Staging | None = None
         # A signal while the copy is made would leave it behind: held until the copy is
         # ours to remove (the prepared run removes it with the container), then it unwinds.
         with interrupts.deferred():
             staged = _Staging(spec)
         try:
-            return DockerPreparedRun(self, spec, staged)
+            return DockerPreparedRun(self, spec, staged, cancel=cancel)
         except BaseException:
             staged.cleanup()
             raise
@@ -136,7 +138,7 @@ class DockerSandbox:
         its output directory is a capped tmpfs that the holder writes as a tar once the
         command ended (see :mod:`runner.isolation.copyout`). ``cancel`` set before the
         hand-over: removed unrun and SandboxError raised."""
-        return self.prepare(spec).run(on_output=on_output, cancel=cancel)
+        return self.prepare(spec, cancel=cancel).run(on_output=on_output, cancel=cancel)
 
     def _stopped(self, cid: str, within_s: float = 0.0) -> dict[str, Any] | None:
         """The container's inspect JSON once it is no longer running (polled for up to

@@ -70,11 +70,17 @@ class _DiedEarly(Exception):
         self.state = state
 
 
+class _Cancelled(SandboxError):
+    """The caller is stopping: the container is removed before its command ever runs."""
+
+
 class DockerPreparedRun:
     """A started container whose holder waits for its one case (see the module docstring)."""
 
-    def __init__(self, backend: _Engine, spec: RunSpec, staged: _Staging) -> None:
+    def __init__(self, backend: _Engine, spec: RunSpec, staged: _Staging, *,
+                 cancel: threading.Event | None = None) -> None:
         self._backend = backend
+        self._cancel = cancel
         self._spec = spec
         self._staged = staged
         self.kwargs = create_kwargs(staged.spec, backend.owner, secrets.token_hex(4))
@@ -103,6 +109,7 @@ class DockerPreparedRun:
         api = self._backend.client.api
         seed_links: dict[str, str] = {}
         seed = _seed_tar(spec, seed_links)
+        self._check_cancel()
         try:
             # the model layer's create() also inspects the new container: skip that
             args = _create_container_args({**self.kwargs, "version": api._version})
@@ -119,6 +126,7 @@ class DockerPreparedRun:
             self._backend._remove_late(str(self.kwargs["name"]))
             raise
         cid = self.cid
+        self._check_cancel()
         try:
             # stdin too: the hand-over is a frame on the holder's stdin, and only ours
             sock = api.attach_socket(cid, params={"stdin": 1, "stdout": 1, "stderr": 1,
@@ -133,10 +141,15 @@ class DockerPreparedRun:
                                    + _holder_said(copy.errs.text()))
             if seed is not None:
                 channel.seed(seed)
-                if not channel.seeded.wait(SEED_TIMEOUT_S) or not channel.seed_reply.get("ok"):
+                deadline = time.monotonic() + SEED_TIMEOUT_S
+                while not channel.seeded.wait(0.1) and time.monotonic() < deadline:
+                    self._check_cancel()
+                if not channel.seeded.is_set() or not channel.seed_reply.get("ok"):
                     raise SandboxError(f"could not seed the {spec.role} output directory: "
                                        + (str(channel.seed_reply.get("error"))[:300]
                                           if channel.seed_reply else "no answer"))
+        except _Cancelled:
+            raise
         except (SandboxError, docker.errors.APIError, OSError,
                 requests.exceptions.RequestException) as exc:
             # The container stopped under us (docker kill right after start): a run
@@ -150,11 +163,18 @@ class DockerPreparedRun:
             raise SandboxError(f"engine could not start the {spec.role} container: "
                                f"{getattr(exc, 'explanation', None) or exc}") from None
 
+    def _check_cancel(self) -> None:
+        if self._cancel is not None and self._cancel.is_set():
+            raise _Cancelled(f"{self._spec.role} container not started: the run is stopping")
+
     def _wait_ready(self, copy: _CopyOut, cid: str) -> bool:
         """Wait for the holder's readiness marker (:data:`READY_TIMEOUT_S`); False at once
-        when the container stopped meanwhile (its attach stream may stay open)."""
+        when the container stopped meanwhile (its attach stream may stay open). A caller
+        stopping (``cancel``) must not wait for it: it exits within its grace period, and
+        a wait past that would leave this run's staging copy behind."""
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not copy.ready.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
+        while not copy.ready.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+            self._check_cancel()
             if time.monotonic() >= deadline or self._backend._stopped(cid) is not None:
                 return False
         return True
@@ -189,7 +209,7 @@ class DockerPreparedRun:
             if cancel is not None and cancel.is_set():
                 raise SandboxError(f"{self._spec.role} container not started: "
                                    "the run is stopping")
-            record = self._run(on_output)
+            record = self._run(on_output, cancel)
         finally:
             self._release()
         if not self._confirmed:  # outranks every other reason (classify_stop)
@@ -210,7 +230,8 @@ class DockerPreparedRun:
         finally:
             self._staged.cleanup()
 
-    def _run(self, on_output: OutputCallback | None) -> RunRecord:
+    def _run(self, on_output: OutputCallback | None,
+             cancel: threading.Event | None) -> RunRecord:
         spec = self._staged.spec
         api = self._backend.client.api
         started = time.monotonic()
@@ -262,13 +283,18 @@ class DockerPreparedRun:
         deadline = time.monotonic() + spec.timeout_s
         with contextlib.suppress(OSError):  # the attach is gone: the end below names it
             channel.hand_over(list(spec.command))
+        stopping_run = False
         while not channel.ended.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
                 timed_out = True
                 break
-        if timed_out or stream_exceeded.is_set():
+            if cancel is not None and cancel.is_set():
+                # the caller is stopping (and exits within its grace): end it now
+                stopping_run = True
+                break
+        if timed_out or stream_exceeded.is_set() or stopping_run:
             stop_role(None)
-        copy.done.wait(STOP_GRACE_S + FINISH_BASE_S
+        copy.done.wait(STOP_GRACE_S if stopping_run else STOP_GRACE_S + FINISH_BASE_S
                        + spec.output_cap_bytes / FINISH_BYTES_PER_S)
         if not copy.done.is_set():
             ours_killed = True
