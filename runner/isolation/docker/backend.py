@@ -118,14 +118,17 @@ class DockerSandbox:
         seeded, the holder READY. Raises as ``run`` would; the caller records it.
         ``cancel`` set meanwhile: removed at once and SandboxError raised."""
         staged: _Staging | None = None
-        # A signal while the copy is made would leave it behind: held until the copy is
-        # ours to remove (the prepared run removes it with the container), then it unwinds.
-        with interrupts.deferred():
-            staged = _Staging(spec)
         try:
+            # A signal while the copy is made would leave it behind: held until the copy
+            # is ours to remove, then it unwinds (here, at the end of the with: inside
+            # this try, so the copy goes too). The prepared run removes it with the
+            # container.
+            with interrupts.deferred():
+                staged = _Staging(spec)
             return DockerPreparedRun(self, spec, staged, cancel=cancel)
         except BaseException:
-            staged.cleanup()
+            if staged is not None:
+                staged.cleanup()
             raise
 
     def run(self, spec: RunSpec, *, on_output: OutputCallback | None = None,
