@@ -308,7 +308,13 @@ class DockerPreparedRun:
             dead = self._backend._stopped(cid, within_s=1.0)
         fin = copy.result(holder_gone=dead is not None
                           and killed_from_outside(dead, ours=ours_killed) is not None)
-        state: dict[str, Any] = api.inspect_container(cid)
+        state: dict[str, Any] = {"Image": spec.image}
+        if not (code is not None and code != 137 and not fin.invalid and not fin.oom_kills
+                and dead is None and spec.image.startswith("sha256:")):
+            # The engine's view is needed: an OOM flag (the holder killed), an outside
+            # kill, the image a tag resolved to. Not when the holder reported the exit and
+            # finished its copy-out itself: then it was neither killed nor out of memory.
+            state = api.inspect_container(cid)
         return self._make_record(state, code, fin, out, err, started, timed_out=timed_out,
                                  stream_exceeded=stream_exceeded.is_set(),
                                  ours_killed=ours_killed)
