@@ -8,6 +8,7 @@ Needs the runsc runtime registered (``make gvisor``).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -52,7 +53,10 @@ def main() -> None:
         "p90_s": {k: round(sorted(v)[int(0.9 * (len(v) - 1))], 4) for k, v in times.items()},
         "ratio_runsc_over_runc": round(med["runsc"] / med["runc"], 2),
         "extra_s_per_container": round(med["runsc"] - med["runc"], 4),
-        "includes": "create, attach, start, wait, inspect, remove, confirm removal",
+        "includes": "create, attach, start, holder READY, hand-over (the holder starts the "
+                    "command as its child: under runsc too it inherits the seccomp "
+                    "filter), exit frame, inspect, remove, confirm removal",
+        "load_average": [round(x, 2) for x in os.getloadavg()],
     }, a.out)
 
 

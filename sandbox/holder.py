@@ -10,15 +10,25 @@ is a size- and inode-capped tmpfs *inside* the container, so the kernel, not a h
 poll, stops a writer at the cap (``ENOSPC``). A tmpfs dies with its container, and
 the engine's archive API does not see tmpfs mounts at all on the engines we support
 (Docker 20.10 reads the container's root filesystem on the host, below the tmpfs), so
-the output must be read out from inside while the container still runs. PID 1 is
-therefore this holder and the role command runs through ``exec``: its exit code comes
-from the engine's exec record, which the role cannot forge. When the host sends
-``SIGUSR1`` (the command ended, or a limit was hit), the holder kills every role
-process, then writes its status and the output tar to *its own* stdout/stderr, which
-the host attached to before start, and exits. It makes itself non-dumpable first, so
-a role process (same uid) cannot reach those pipes through ``/proc/1/fd`` nor ptrace
-it, and as PID 1 of the namespace it cannot be killed from inside. Doing the copy-out
-here rather than in a second exec saves an exec (~150 ms) per container.
+the output must be read out from inside while the container still runs.
+
+PID 1 is therefore this holder, and it starts the role command itself, as its child,
+when the host hands it the case (a frame on its stdin, attached before start; see "the
+case channel" below): the child inherits the container's user, seccomp filter (under
+gVisor too, which applies the OCI profile to the first process only),
+no-new-privileges, limits, environment and working directory, with ``/dev/null`` as
+stdin and a pipe of the holder's as stdout and stderr. The holder frames every chunk
+read from those pipes onto its own stdout and, when the child ended, its wait status:
+the role never holds the holder's stdio, so whatever it writes arrives as the payload
+of an output frame, and its exit code is the holder's ``waitpid``, never anything it
+printed. The holder makes itself non-dumpable first, so a role process (same uid)
+cannot reach those pipes through ``/proc/1/fd`` nor ptrace it, and as PID 1 of the
+namespace it cannot be killed from inside. When the command ends, or the host sends
+``SIGUSR1`` (a limit was hit, a timeout), the holder kills every role process, then
+writes the command's exit status, its status lines and the output tar, all as frames,
+and exits: no ``docker exec`` for the command, none for the copy-out. Frames after the
+hand-over are sealed (:class:`Seal`): gVisor's ``/proc`` lets a same-uid process open
+``/proc/1/fd/1`` despite the non-dumpable flag, and what it writes there must not pass.
 
 Modes:
 
@@ -26,8 +36,11 @@ Modes:
     Block every catchable signal, make itself non-dumpable, with ``SOCKET`` (the
     mounted gateway socket) start the loopback relay (below) and the deny-all egress
     proxy on :data:`EGRESS_PORT` (near the end), write :data:`READY` to
-    stdout (the host waits for it before it starts the role command), reap orphans on
-    ``SIGCHLD``; on ``SIGUSR1`` run ``finish DIR`` on its own stdout/stderr and exit.
+    stdout (the host hands over the case only after it), then serve the case channel:
+    an optional seed tar (:data:`F_SEED`, extracted into ``DIR`` as ``seed`` does),
+    the case (:data:`F_CASE`: the command is started as its child), the command's
+    output and exit status; reap orphans on ``SIGCHLD``; when the command ended or on
+    ``SIGUSR1`` run ``finish DIR`` (its status lines and tar as frames) and exit.
 ``finish DIR|-``
     ``kill(-1, SIGKILL)`` until no other process is left, then write a JSON status
     line to stderr (OOM kills, tmpfs blocks/inodes used and free, dumpable flag, the
@@ -37,9 +50,10 @@ Modes:
     applies; symlinks, hard links and FIFOs are written as such so the host can name
     its refusal; sockets and devices are reported as errors.
 ``seed DIR``
-    Extract the host-made tar on stdin into ``DIR`` (used only for stages whose
-    output directory starts with host content, e.g. the apply stage's repository,
-    whose checkout may hold symlinks; only those exact symlinks may come back).
+    Extract the host-made tar on stdin into ``DIR`` (for stages whose output
+    directory starts with host content, e.g. the apply stage's repository, whose
+    checkout may hold symlinks; only those exact symlinks may come back). ``hold``
+    does the same from an :data:`F_SEED` frame, so no exec is needed for it either.
 
 The loopback relay (containers whose role may reach a model): TCP
 ``127.0.0.1:``:data:`RELAY_PORT` to the gateway socket, bytes copied unchanged both
@@ -67,13 +81,15 @@ nothing in the container can take its place or reach more through it:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import stat
 import sys
 import time
-from typing import Any, BinaryIO
+
+TYPE_CHECKING = False  # not typing's: it imports re (~10 ms of every container's start)
+if TYPE_CHECKING:
+    from typing import IO, Any, Protocol
 
 _BLOCK = {s for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)}
 MAX_ERRORS = 8
@@ -95,9 +111,9 @@ EGRESS_HEAD_BYTES = 4096
 SIGNAL_POLL_MS = 25
 """With a relay, the longest the holder waits on sockets before it looks for signals."""
 READY = b"cyclebox-holder-ready\n"
-"""First bytes on the holder's stdout, written once it is non-dumpable: the host starts
-the role command only after reading them (a role process started earlier could open
-``/proc/1/fd/1`` before the ``prctl`` and keep it). The tar follows."""
+"""First bytes on the holder's stdout, written once it is non-dumpable: the host hands
+over the case only after reading them (a role process started earlier could open
+``/proc/1/fd/1`` before the ``prctl`` and keep it). Frames follow (the case channel)."""
 
 
 def hold(root: str, gateway_socket: str | None = None) -> None:
@@ -116,25 +132,33 @@ def hold(root: str, gateway_socket: str | None = None) -> None:
             sys.stderr.flush()
             os._exit(3)
     os.write(1, READY)
+    case = _Case(root)
+    if relay is not None:
+        case.also_poll(relay.poller)
     waited = {signal.SIGCHLD, signal.SIGUSR1}
-    while True:
-        if relay is None or relay.broken:
-            sig = signal.sigwait(waited)
-        else:
-            # One thread for everything: relay a round of IO (at most SIGNAL_POLL_MS of
-            # waiting), then take any pending signal, so SIGUSR1 is acted on within one
-            # round however busy the relay is, and finish never waits on the relay.
+    while not case.ended:
+        # One thread for everything: a round of IO (relay and the case channel, at most
+        # SIGNAL_POLL_MS of waiting), then any pending signal, so SIGUSR1 is acted on
+        # within one round however busy the relay is, and finish never waits on it.
+        if relay is not None and not relay.broken:
             relay.step(SIGNAL_POLL_MS)
             if egress is not None:
                 egress.step()
-            info = signal.sigtimedwait(waited, 0)
-            if info is None:
-                continue
-            sig = info.si_signo
-        if sig == signal.SIGUSR1:
-            sys.stdout.flush()
-            os._exit(finish(root, dumpable=dumpable, egress=egress))
-        _reap()
+            closing = case.step(0)
+        else:
+            closing = case.step(SIGNAL_POLL_MS)
+        # the command's pipes just closed (it is likely exiting) or nothing is left to
+        # poll: wait for its SIGCHLD itself rather than one more poll round
+        wait_s = SIGNAL_POLL_MS / 1000 if case.idle() and relay is None else (
+            0.01 if closing else 0)
+        info = signal.sigtimedwait(waited, wait_s)
+        if info is None:
+            continue
+        if info.si_signo == signal.SIGUSR1:
+            break
+        case.reap()
+    sys.stdout.flush()
+    os._exit(finish(root, dumpable=dumpable, case=case, egress=egress))
 
 
 def _undumpable() -> int:
@@ -162,6 +186,10 @@ def _reap() -> None:
 
 
 def _kill_others() -> None:
+    if os.getpid() != 1:
+        # only as PID 1 of its own namespace is "everyone else" the role's processes;
+        # anywhere else (a test on the host) kill(-1) would reach the host's own
+        return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(-1, signal.SIGKILL)
 
@@ -195,14 +223,21 @@ def _oom_kills() -> int | None:
     return None
 
 
-def finish(root: str, *, dumpable: int | None = None, egress: _Egress | None = None) -> int:
+def finish(root: str, *, dumpable: int | None = None, case: _Case | None = None,
+           egress: _Egress | None = None) -> int:
+    """Kill every other process, then the status lines (stderr) and the tar of ``root``;
+    with ``case`` (``hold`` mode) first the command's last output and its exit status,
+    and the tar as frames on the case channel; with ``egress`` the targets its proxy
+    refused, in the first status line."""
     deadline = time.monotonic() + 5
     while True:
         _kill_others()
-        left = _others()
+        left = _others() if os.getpid() == 1 else []
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.01)
+    if case is not None:
+        case.close(all_gone=not left)
     status: dict[str, object] = {"phase": "pre", "others_left": len(left),
                                  "oom_kill": _oom_kills(), "dumpable": dumpable}
     if egress is not None:
@@ -220,10 +255,10 @@ def finish(root: str, *, dumpable: int | None = None, egress: _Egress | None = N
         except OSError as exc:
             errors.append(f"statvfs: {exc.strerror}")
     # before the tar: the host may stop reading the tar early, never this line
-    sys.stderr.write(json.dumps(status) + "\n")
-    sys.stderr.flush()
+    _status_line(status, framed=case is not None)
     if root != "-":
-        out = os.fdopen(1, "wb", buffering=1 << 16, closefd=False)
+        out: _Writer = (_TarFrames() if case is not None
+                        else os.fdopen(1, "wb", buffering=1 << 16, closefd=False))
         try:
             fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         except OSError as exc:
@@ -235,9 +270,24 @@ def finish(root: str, *, dumpable: int | None = None, egress: _Egress | None = N
     post: dict[str, object] = {"phase": "post", "errors": errors}
     if budget.over:
         post["limit"] = budget.over
-    sys.stderr.write(json.dumps(post) + "\n")
-    sys.stderr.flush()
+    _status_line(post, framed=case is not None)
     return 3 if errors or left else 0
+
+
+def _status_line(status: dict[str, object], *, framed: bool) -> None:
+    line = _json(status) + "\n"
+    if framed:  # a frame (sealed once there is a case), never stderr a role may reach
+        _send(F_STATUS, line.encode())
+    else:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+
+
+if TYPE_CHECKING:
+    class _Writer(Protocol):
+        def write(self, data: bytes, /) -> object: ...
+
+        def flush(self) -> None: ...
 
 
 # A minimal PAX tar writer (tarfile costs ~60 ms of imports in every copy-out).
@@ -310,7 +360,7 @@ def _header(name: bytes, kind: bytes, size: int, st: os.stat_result,
     return pax + _block(name, kind, size, stat.S_IMODE(st.st_mode), mtime, link)
 
 
-def _add_dir(out: BinaryIO, dfd: int, prefix: bytes, errors: list[str],
+def _add_dir(out: _Writer, dfd: int, prefix: bytes, errors: list[str],
              budget: _Budget) -> None:
     # Iterative over an explicit stack of directory fds: no recursion limit, no PATH_MAX.
     stack: list[tuple[int, bytes, list[bytes]]] = [(dfd, prefix, sorted(_names(dfd)))]
@@ -356,7 +406,7 @@ def _names(fd: int) -> list[bytes]:
     return [os.fsencode(n) for n in os.listdir(fd)]
 
 
-def _add_file(out: BinaryIO, dfd: int, name: bytes, rel: bytes,
+def _add_file(out: _Writer, dfd: int, name: bytes, rel: bytes,
               st: os.stat_result, errors: list[str], budget: _Budget) -> None:
     if not budget.take(st.st_size, rel.decode("utf-8", "replace")):
         return
@@ -387,10 +437,11 @@ def _err(errors: list[str], msg: str) -> None:
         errors.append(msg)
 
 
-def seed(root: str) -> int:
+def seed(root: str, source: IO[bytes] | None = None) -> int:
+    """Extract the host-made tar read from ``source`` (default: stdin) into ``root``."""
     import tarfile  # only here: seeding is rare, and the input is the host's own tar
 
-    with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tf:
+    with tarfile.open(fileobj=source or sys.stdin.buffer, mode="r|") as tf:
         for m in tf:
             ok = m.isreg() or m.isdir() or m.issym()
             if not ok or m.name.startswith("/") or ".." in m.name.split("/"):
@@ -402,6 +453,384 @@ def seed(root: str) -> int:
             keep_x = m.isdir() or m.mode & 0o100
             os.chmod(os.path.join(root, m.name), 0o700 if keep_x else 0o600)
     return 0
+
+
+# -- the case channel ------------------------------------------------------------------
+# After READY, the holder's stdout carries only frames: a kind byte, the payload's length
+# (4 bytes, big-endian), the payload, and from the hand-over on a tag (Seal). Everything
+# the role command writes arrives wrapped in a frame by the holder, which alone holds the
+# role's pipes, so no byte the role writes can be taken for a frame of another kind (an
+# exit status, a tar). The host writes frames the same way on the holder's stdin
+# (attached before start; the role's stdin is /dev/null); the holder reads nothing more
+# there once it has the case.
+
+FRAME_HEADER = 5
+FRAME_MAX = 1 << 20
+"""The largest payload either side sends in one frame (bigger: a broken channel)."""
+CHUNK = 1 << 16
+# holder -> host
+F_STDOUT, F_STDERR = b"o", b"e"
+"""A chunk the role command wrote to its stdout / stderr."""
+F_STARTED = b"s"
+"""The command was exec'd (JSON ``{"pid": N}``) or could not be (``{"error": ...}``)."""
+F_EXIT = b"x"
+"""The command's wait status (JSON ``{"code": N}``, 128+signal when killed), once."""
+F_SEEDED = b"k"
+"""The seed tar was extracted (JSON ``{"ok": bool, "error": str}``)."""
+F_TAR = b"t"
+"""A piece of the output tar, written by ``finish`` after the exit status."""
+# host -> holder
+F_SEED = b"d"
+"""The host-made tar for the output directory (before the case)."""
+F_CASE = b"c"
+"""The hand-over: the :class:`Seal` key (:data:`SEAL_KEY_BYTES`), then the argv joined by
+NUL bytes; the holder starts the command as its child at once."""
+
+
+F_STATUS = b"l"
+"""One of ``finish``'s JSON status lines (on stderr outside ``hold``)."""
+TAG_BYTES = 16
+SEAL_KEY_BYTES = 32
+
+
+def case_payload(key: bytes, argv: list[str]) -> bytes:
+    """The :data:`F_CASE` payload (the host builds it; an argv string holds no NUL)."""
+    return key + b"\0".join(a.encode("utf-8", "surrogateescape") for a in argv)
+
+
+def _json(value: object) -> str:
+    """ASCII JSON of None, bools, ints, strings, lists and dicts: what the holder
+    reports. Its own, because ``json`` imports ``re`` (~10 ms of every container's
+    start, before READY)."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        out = []
+        for ch in value:
+            n = ord(ch)
+            if ch in '"\\':
+                out.append("\\" + ch)
+            elif 0x20 <= n < 0x7F:
+                out.append(ch)
+            elif n > 0xFFFF:
+                n -= 0x10000
+                out.append(f"\\u{0xD800 + (n >> 10):04x}\\u{0xDC00 + (n & 0x3FF):04x}")
+            else:
+                out.append(f"\\u{n:04x}")
+        return '"' + "".join(out) + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_json(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_json(str(k))}: {_json(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"not reported: {type(value).__name__}")
+
+
+def frame(kind: bytes, payload: bytes = b"") -> bytes:
+    return kind + len(payload).to_bytes(4, "big") + payload
+
+
+class Seal:
+    """Authenticates the frames sent after the hand-over: each is followed by
+    HMAC-SHA256(key, sequence number, kind, length, payload)[:16]. The key comes in the
+    case frame, read before any role process exists, and lives only in this process's
+    memory (non-dumpable: no ptrace, no ``/proc/1/mem``). Needed because gVisor's
+    ``/proc`` lets a process of the same uid open ``/proc/1/fd/1`` even so: a role
+    that writes or splices bytes into the holder's stdout there cannot make a frame the
+    host accepts (a wrong tag, a replayed or reordered one: the channel is refused)."""
+
+    def __init__(self, key: bytes) -> None:
+        import hashlib
+        import hmac
+
+        self.hmac, self.sha = hmac, hashlib.sha256
+        self.key = key
+        self.seq = 0
+
+    def tag(self, head: bytes, payload: bytes) -> bytes:
+        mac = self.hmac.new(self.key, self.seq.to_bytes(8, "big") + head, self.sha)
+        mac.update(payload)
+        self.seq += 1
+        return mac.digest()[:TAG_BYTES]
+
+
+_SEAL: list[Seal] = []
+"""The holder's seal once it was handed its case (sealed frames from then on)."""
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _send(kind: bytes, payload: bytes = b"") -> None:
+    data = frame(kind, payload)
+    if _SEAL:
+        data += _SEAL[0].tag(data[:FRAME_HEADER], payload)
+    _write_all(1, data)
+
+
+class _TarFrames:
+    """The tar writer's output as :data:`F_TAR` frames of at most :data:`CHUNK` bytes."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def write(self, data: bytes, /) -> int:
+        self.buf += data
+        while len(self.buf) >= CHUNK:
+            _send(F_TAR, bytes(self.buf[:CHUNK]))
+            del self.buf[:CHUNK]
+        return len(data)
+
+    def flush(self) -> None:
+        if self.buf:
+            _send(F_TAR, bytes(self.buf))
+            self.buf.clear()
+
+
+class _StdinPayload:
+    """The next ``left`` bytes of stdin (a frame's payload), for ``tarfile`` to stream."""
+
+    def __init__(self, head: bytearray, left: int) -> None:
+        self.head, self.left = head, left
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n < 0 else min(n, self.left)
+        if n <= 0:
+            return b""
+        if self.head:
+            data = bytes(self.head[:n])
+            del self.head[:n]
+        else:
+            data = os.read(0, n)
+            if not data:
+                raise EOFError("stdin ended inside a frame")
+        self.left -= len(data)
+        return data
+
+    def drain(self) -> None:
+        while self.left:
+            self.read(CHUNK)
+
+
+def _exec_child(argv: list[str], report_fd: int, out_w: int, err_w: int) -> None:
+    """In the forked child: the role's stdio, nothing else of the holder's, default
+    signal handling, then exec (an error is reported on ``report_fd``, close-on-exec)."""
+    try:
+        null = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        # every fd of the holder's (its stdio are the host's channel, the relay's sockets)
+        # is already close-on-exec; closed here anyway so none can leak by mistake (the
+        # ones open, as listed: a close per possible fd costs ms under gVisor)
+        try:
+            fds = [int(n) for n in os.listdir("/proc/self/fd")]
+        except OSError:
+            fds = list(range(3, max(os.sysconf("SC_OPEN_MAX"), 1024)))
+        for fd in fds:
+            if fd > 2 and fd != report_fd:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # ignored by Python: not by the role
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        os.execvp(argv[0], argv)  # noqa: S606 - the role's argv, no shell implied
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.write(report_fd, str(exc.errno or 0).encode())
+    finally:
+        os._exit(127)
+
+
+class _Case:
+    """The role command of this container: handed over on stdin (:data:`F_CASE`), started
+    as the holder's child, its stdout/stderr framed onto the holder's stdout, its exit
+    status reported once (:data:`F_EXIT`). The child inherits the container's user,
+    seccomp filter, no-new-privileges, limits, environment and working directory."""
+
+    def __init__(self, root: str) -> None:
+        import hashlib  # noqa: F401 - imported now, before READY: not on the hand-over's path
+        import hmac  # noqa: F401
+        import select
+
+        self.root = root
+        self.poller = select.poll()
+        self.others: list[Any] = []
+        """Pollers of other loops (the relay's) that must wake for these fds too."""
+        self.inbox = bytearray()
+        self.stdin_open = True
+        self.pipes: dict[int, bytes] = {}
+        self.pid: int | None = None
+        self.code: int | None = None
+        self.reported = False
+        self.ended = False
+        """The command ended (or could not start): finish is next."""
+        self._watch(0)
+
+    def also_poll(self, poller: Any) -> None:
+        self.others.append(poller)
+        for fd in [*self.pipes, *([0] if self.stdin_open else [])]:
+            poller.register(fd, 1)  # POLLIN
+
+    def _watch(self, fd: int) -> None:
+        for p in (self.poller, *self.others):
+            p.register(fd, 1)
+
+    def _unwatch(self, fd: int) -> None:
+        for p in (self.poller, *self.others):
+            with contextlib.suppress(KeyError, ValueError):
+                p.unregister(fd)
+
+    def idle(self) -> bool:
+        return not self.pipes and not self.stdin_open
+
+    def step(self, timeout_ms: int) -> bool:
+        """Wait up to ``timeout_ms`` (0 when another loop already waited), then move what
+        is ready; True when the command's last pipe just closed."""
+        if self.idle():
+            return False
+        try:
+            events = self.poller.poll(timeout_ms)
+        except InterruptedError:
+            return False
+        had = bool(self.pipes)
+        for fd, _ in events:
+            if fd == 0:
+                self._read_stdin()
+            elif fd in self.pipes:
+                self._pump(fd)
+        return had and not self.pipes
+
+    def _pump(self, fd: int) -> bool:
+        try:
+            data = os.read(fd, CHUNK)
+        except BlockingIOError:
+            return True
+        except OSError:
+            data = b""
+        if data:
+            _send(self.pipes[fd], data)
+            return True
+        self._unwatch(fd)
+        del self.pipes[fd]
+        os.close(fd)
+        return False
+
+    def _read_stdin(self) -> None:
+        data = os.read(0, CHUNK)
+        if not data:
+            self._stop_stdin()
+            return
+        self.inbox += data
+        while len(self.inbox) >= FRAME_HEADER and self.stdin_open:
+            kind = bytes(self.inbox[:1])
+            n = int.from_bytes(self.inbox[1:FRAME_HEADER], "big")
+            if kind == F_SEED:
+                del self.inbox[:FRAME_HEADER]
+                self._seed(_StdinPayload(self.inbox, n))
+                continue
+            if kind != F_CASE or n > FRAME_MAX:
+                self._refuse(f"unknown frame {kind!r} of {n} bytes on stdin")
+                return
+            if len(self.inbox) < FRAME_HEADER + n:
+                return
+            payload = bytes(self.inbox[FRAME_HEADER:FRAME_HEADER + n])
+            del self.inbox[:FRAME_HEADER + n]
+            self._start(payload)
+
+    def _stop_stdin(self) -> None:
+        if self.stdin_open:
+            self.stdin_open = False
+            self._unwatch(0)
+
+    def _refuse(self, why: str) -> None:
+        self._stop_stdin()
+        _send(F_STARTED, _json({"error": why[:500]}).encode())
+        self.ended = True
+
+    def _seed(self, payload: _StdinPayload) -> None:
+        reply: dict[str, object] = {"ok": False}
+        try:
+            code = seed(self.root, payload)  # type: ignore[arg-type]
+            payload.drain()
+            reply = {"ok": code == 0}
+        except Exception as exc:  # a broken seed is the host's error: reported, not raised
+            reply["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        _send(F_SEEDED, _json(reply).encode())
+
+    def _start(self, payload: bytes) -> None:
+        self._stop_stdin()  # one case per container: nothing more is read
+        key = payload[:SEAL_KEY_BYTES]
+        argv = [a.decode("utf-8", "surrogateescape")
+                for a in payload[SEAL_KEY_BYTES:].split(b"\0")]
+        if len(payload) <= SEAL_KEY_BYTES or not argv[0]:
+            self._refuse("bad case frame: a key and a non-empty argv[0] are needed")
+            return
+        _SEAL.append(Seal(key))  # before the fork: every frame about the role is sealed
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            _exec_child(argv, rep_w, out_w, err_w)
+        for fd in (out_w, err_w, rep_w):
+            os.close(fd)
+        self.pid = pid
+        failed = os.read(rep_r, 32)  # empty once the exec succeeded (close-on-exec)
+        os.close(rep_r)
+        for fd, kind in ((out_r, F_STDOUT), (err_r, F_STDERR)):
+            os.set_blocking(fd, False)
+            self.pipes[fd] = kind
+            self._watch(fd)
+        if failed:
+            err = int(failed) if failed.isdigit() else 0
+            _send(F_STARTED, _json({"error": os.strerror(err)}).encode())
+            _send(F_STDERR, f"cyclebox: cannot run {argv[0]!r}: {os.strerror(err)}\n"
+                  .encode())
+            self.code = 127 if err == 2 else 126  # what a shell (and docker exec) says
+        else:
+            _send(F_STARTED, _json({"pid": pid}).encode())
+
+    def reap(self) -> None:
+        """Reap every exited child (orphans are re-parented to PID 1); note ours."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid == self.pid:
+                code = os.waitstatus_to_exitcode(status)
+                if self.code is None:
+                    self.code = code if code >= 0 else 128 - code
+                self.ended = True
+
+    def close(self, *, all_gone: bool) -> None:
+        """After every other process was killed (``all_gone``; else some could not be
+        and nothing may block on them): the rest of the command's output, then its exit
+        status (``None`` when it could not be reaped)."""
+        if self.pid is None:
+            return
+        for fd in list(self.pipes):
+            os.set_blocking(fd, not all_gone)  # blocking: no writer is left, EOF comes
+            while self._pump(fd) and fd in self.pipes and all_gone:
+                pass
+        if all_gone and not self.ended:
+            with contextlib.suppress(ChildProcessError):
+                _, status = os.waitpid(self.pid, 0)
+                self.ended = True
+                if self.code is None:
+                    code = os.waitstatus_to_exitcode(status)
+                    self.code = code if code >= 0 else 128 - code
+        self.reap()
+        if not self.reported:
+            self.reported = True
+            _send(F_EXIT, _json({"code": self.code}).encode())
 
 
 # -- the loopback relay ---------------------------------------------------------------

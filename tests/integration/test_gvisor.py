@@ -12,7 +12,10 @@ What differs from runc, and is pinned here so a change is noticed:
 - ``NoNewPrivs`` is not shown in the emulated /proc/self/status;
 - the seccomp profile is enforced inside the sandbox only because the runtime is
   registered with ``--oci-seccomp``; without it runsc ignores the profile and
-  io_uring_setup succeeds (against gVisor's own io_uring, not the host kernel's).
+  io_uring_setup succeeds (against gVisor's own io_uring, not the host kernel's);
+- runsc applies that profile to the container's first process (the holder) only; the
+  role command is the holder's child and inherits it (a ``docker exec``'d command did
+  not).
 """
 
 from __future__ import annotations
@@ -82,12 +85,6 @@ def test_no_network_but_lo(gv: RunFn, host_server: int) -> None:  # noqa: F811
     assert facts["tcp"][f"{addr}:{host_server}"] in ("ENETUNREACH", "EHOSTUNREACH")
 
 
-RUNSC_EXEC_SECCOMP_GAP = (
-    "known gap: the role command runs through `docker exec` (for the kernel-capped output "
-    "copy-out), and runsc does not apply the OCI seccomp profile to exec'd processes; "
-    "under runsc the sentry is the boundary. When this starts passing, drop the xfail.")
-
-
 def test_identity_and_privileges(gv: RunFn) -> None:
     facts = _facts(gv)
     assert facts["uid"] == 10001 or facts["uid"] == os.getuid()
@@ -96,8 +93,10 @@ def test_identity_and_privileges(gv: RunFn) -> None:
     assert facts["unix_sockets"] == []
 
 
-@pytest.mark.xfail(strict=True, reason=RUNSC_EXEC_SECCOMP_GAP)
 def test_seccomp_profile_applies_to_the_role_command(gv: RunFn) -> None:
+    """runsc applies the OCI profile to the container's first process only: the holder,
+    which starts the role command as its child, so the command inherits the filter (it
+    did not when it ran through ``docker exec``)."""
     facts = _facts(gv)
     assert facts["seccomp"] == "2"
     assert facts["syscalls"]["io_uring_setup"] in ("EPERM", "ENOSYS"), facts["syscalls"]
@@ -243,7 +242,6 @@ def test_loopback_endpoint_under_runsc(tmp_path: Path, policies: RolePolicies,
     assert [(r.role, r.case, r.status) for r in recs] == [("analyst", "c1", "ok")]
 
 
-@pytest.mark.xfail(strict=True, reason=RUNSC_EXEC_SECCOMP_GAP)
 def test_doctor_probes_seccomp_under_runsc_when_a_policy_asks(tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -9,7 +9,7 @@ import json
 import socket
 import time
 
-from runner.isolation.docker.backend import egress_refused
+from runner.isolation.docker.channel import egress_refused
 from sandbox import holder
 
 

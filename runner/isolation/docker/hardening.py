@@ -29,8 +29,12 @@ CIS    recommendation                             how
 5.29   not on the default bridge                  ``network_mode=none``
 5.30   no host user namespace                     ``userns_mode`` unset
 5.31   no Docker socket mounted                   no unix socket but the gateway's, by type
-5.22/3 exec not privileged, not as root      ``exec_kwargs``: unprivileged, role uid
+5.22/3 exec not privileged, not as root      no exec at all: the holder starts the role
 =====  =========================================  =======================================
+
+The role command is started by the holder (PID 1) as its child, so it runs as the
+container's own non-root user under the container's seccomp filter, capability set and
+no-new-privileges (see :mod:`sandbox.holder`); nothing is ever ``docker exec``'d.
 
 Not applicable: 5.13 (no ports), 5.24 (default cgroup parent), 5.26 (health checks
 are for services), 5.27 (images are pinned by id and never pulled on purpose).
@@ -100,7 +104,7 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str) -> dict[str, Any]:
     r = spec.resources
     kwargs: dict[str, Any] = {
         "image": spec.image,
-        # PID 1 is the holder; the role command runs through exec (exec_kwargs).
+        # PID 1 is the holder; it starts the role command itself when handed the case.
         "entrypoint": holder_argv(),
         "command": hold_args(spec),
         "name": container_name(spec, nonce),
@@ -133,7 +137,9 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str) -> dict[str, Any]:
         # No engine-side log copy: output is streamed, counted and capped by the
         # controller, and nothing a role prints lands in the engine's log files.
         "log_config": {"Type": "none", "Config": {}},
-        "stdin_open": False,
+        # the holder's stdin: the case hand-over (attached by the host before start;
+        # the role command's own stdin is /dev/null)
+        "stdin_open": True,
         "tty": False,
         "detach": True,
         "hostname": "cyclebox",
@@ -172,14 +178,6 @@ def holder_argv(*args: str) -> list[str]:
     """``python3 -I -S -c <sandbox/holder.py> ARGS``: host-supplied code, isolated from the
     image's packages and from anything the role wrote."""
     return ["python3", "-I", "-S", "-c", _holder_source(), *args]
-
-
-def exec_kwargs(spec: RunSpec) -> dict[str, Any]:
-    """Keyword arguments for ``exec_create`` of the role command: the container's user,
-    environment and limits apply; never privileged, never root, no stdin, no tty."""
-    return {"cmd": list(spec.command), "user": spec.user, "workdir": spec.workdir,
-            "privileged": False, "stdout": True, "stderr": True, "stdin": False,
-            "tty": False}
 
 
 def _bind(source: str, target: str, *, read_only: bool) -> dict[str, Any]:

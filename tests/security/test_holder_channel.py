@@ -1,0 +1,287 @@
+"""The role command started by the holder (PID 1) itself, no ``docker exec``: what it can
+and cannot do to the channel that carries its output and exit status to the host, and
+the one-case life of a prepared container.
+
+- the exit status is the holder's ``waitpid``, sent in its own frame: a role that writes
+  the holder's readiness marker and well-formed exit, tar and start frames to its stdout
+  (or stderr) only ever shows them as its own output, byte for byte;
+- bytes the role writes into the holder's own stdout are refused: under runc it cannot
+  open ``/proc/1/fd/1`` (PID 1 is non-dumpable); under gVisor it can, and the frames'
+  per-case tags refuse what it wrote (the run fails closed, named);
+- the command runs under the container's seccomp profile, by behaviour (a syscall the
+  profile denies fails) under runc and under runsc (which filters the first process
+  only: the holder, whose child the command is);
+- a prepared container serves exactly one case: removed after its run, after a
+  discard, never run twice; labelled for ``cyclebox gc`` while it waits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runner.errors import SandboxError
+from runner.isolation.docker.images import resolve_image
+from runner.isolation.policy import RolePolicies
+from runner.isolation.roles import role_spec
+from runner.isolation.sandbox import LABEL_PREFIX, RunSpec, StopReason
+from sandbox.holder import F_EXIT, F_STARTED, F_TAR, READY, frame
+from tests.conftest import RunFn
+
+pytestmark = pytest.mark.docker
+
+FAKE = (READY + frame(F_STARTED, b'{"pid": 2}') + frame(F_EXIT, b'{"code": 0}')
+        + frame(F_TAR, bytes(1024)))
+"""What a role would write to pass for the holder: marker, start, exit 0, an empty tar."""
+
+FORGER = f"""
+import os, sys
+fake = {FAKE!r}
+os.write(1, fake); os.write(2, fake)
+sys.exit(3)
+"""
+
+INJECTOR = f"""
+import os, sys
+fake = {FAKE!r}
+try:
+    fd = os.open("/proc/1/fd/1", os.O_WRONLY)
+except OSError as e:
+    print("holder fd:", e.strerror)
+else:
+    for _ in range(3):
+        os.write(fd, fake[len(b"cyclebox-holder-ready\\n"):])
+    print("wrote into the holder's stdout")
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("runtime", [None, "runsc"])
+def test_a_role_cannot_forge_its_exit_status(run_role: RunFn, runtime: str | None) -> None:
+    rec = run_role(["python", "-c", FORGER], runtime=runtime)
+    assert rec.exit_code == 3, rec
+    assert rec.stop_reason is StopReason.PROCESS_FAILED and rec.detail == "exit code 3"
+    # the forged frames arrive as the role's own output, byte for byte, counted
+    shown = FAKE.decode("utf-8", "replace")
+    assert rec.stdout_tail == shown and rec.stderr_tail == shown
+    assert rec.stdout_bytes == rec.stderr_bytes == len(FAKE)
+    out = rec.__dict__["output_dir"]
+    assert out is not None and list(Path(out).iterdir()) == []
+
+
+@pytest.mark.parametrize("runtime", [None, "runsc"])
+def test_bytes_written_into_the_holders_stdout_are_refused(run_role: RunFn,
+                                                           runtime: str | None) -> None:
+    """runc: PID 1 is non-dumpable, /proc/1/fd/1 is not the role's to open. gVisor lets
+    a same-uid process open it anyway: there the frames' tags (keyed per case, the key
+    out of the role's reach) refuse what the role wrote, and the run fails closed."""
+    rec = run_role(["python", "-c", INJECTOR], runtime=runtime)
+    assert rec.stop_reason is not StopReason.OK and rec.exit_code != 0, rec
+    if "holder fd: " in rec.stdout_tail:
+        assert runtime is None, "gVisor refused /proc/1/fd/1: drop the runsc case's note"
+        assert rec.exit_code == 3 and rec.detail == "exit code 3"
+    else:
+        assert runtime == "runsc", "/proc/1/fd/1 of a non-dumpable PID 1 was opened"
+        assert "failed authentication" in rec.detail, rec.detail
+    out = rec.__dict__["output_dir"]
+    assert out is not None and list(Path(out).iterdir()) == []
+
+
+def test_exit_and_signal_codes_are_the_holders_waitpid(run_role: RunFn) -> None:
+    assert run_role(["sh", "-c", "exit 7"]).exit_code == 7
+    killed = run_role(["sh", "-c", "kill -TERM $$"])
+    assert killed.exit_code == 128 + 15 and killed.stop_reason is StopReason.PROCESS_FAILED
+    missing = run_role(["/nonexistent-binary"])
+    assert missing.exit_code == 127 and missing.stop_reason is StopReason.PROCESS_FAILED
+    assert "cannot run '/nonexistent-binary'" in missing.stderr_tail
+
+
+SECCOMP_DENIED = """
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+def call(nr, *args):
+    r = libc.syscall(nr, *args)
+    return "ok" if r >= 0 else os.strerror(ctypes.get_errno())
+print(json.dumps({"io_uring_setup": call(425, 1, ctypes.create_string_buffer(120)),
+                  "keyctl": call(250, 0, 0, 0, 0, 0),
+                  "unshare_newuser": call(272, 0x10000000)}))
+"""
+
+
+@pytest.mark.parametrize("runtime", [None, "runsc"])
+def test_the_role_command_runs_under_the_seccomp_profile(run_role: RunFn,
+                                                         runtime: str | None) -> None:
+    """By behaviour (x86_64 numbers): each call is one the shipped profile denies."""
+    rec = run_role(["python", "-c", SECCOMP_DENIED], runtime=runtime)
+    assert rec.stop_reason is StopReason.OK, rec
+    got = json.loads(rec.stdout_tail)
+    assert got["io_uring_setup"] in ("Operation not permitted", "Function not implemented")
+    assert got["keyctl"] == "Operation not permitted", got
+    assert got["unshare_newuser"] == "Operation not permitted", got
+
+
+def _spec(policies: RolePolicies, command: list[str], tmp_path: Path, name: str) -> RunSpec:
+    out = tmp_path / name
+    out.mkdir()
+    return role_spec(policies.roles["analyst"], role="analyst", run_id="test-prepared",
+                     image=resolve_image("analyst"), command=command, output_dir=out)
+
+
+def _known(backend: Any, name: str) -> bool:
+    return name in [n for _, n, _ in backend.managed_containers()]
+
+
+def test_a_prepared_container_serves_one_case_then_is_removed(
+        backend: Any, policies: RolePolicies, tmp_path: Path) -> None:
+    prepared = backend.prepare(_spec(policies, ["sh", "-c", "echo once >> /out/runs"],
+                                     tmp_path, "a"))
+    name = str(prepared.kwargs["name"])
+    labels = next(lb for _, n, lb in backend.managed_containers() if n == name)
+    assert labels[f"{LABEL_PREFIX}.run_id"] == "test-prepared"  # gc can find it
+    rec = prepared.run()
+    assert rec.stop_reason is StopReason.OK and rec.cleanup_confirmed, rec
+    assert not _known(backend, name)
+    assert prepared.run() is rec  # the second run is the first one's record, not a rerun
+    assert (tmp_path / "a" / "runs").read_text() == "once\n"
+    prepared.discard()  # after the run: a no-op
+    assert not _known(backend, name)
+
+
+def test_a_discarded_prepared_container_is_removed_unrun(
+        backend: Any, policies: RolePolicies, tmp_path: Path) -> None:
+    prepared = backend.prepare(_spec(policies, ["sh", "-c", "echo ran > /out/ran"],
+                                     tmp_path, "b"))
+    name = str(prepared.kwargs["name"])
+    assert _known(backend, name)
+    prepared.discard()
+    assert not _known(backend, name)
+    prepared.discard()  # twice: a no-op
+    with pytest.raises(SandboxError, match="discarded before it ran"):
+        prepared.run()
+    assert list((tmp_path / "b").iterdir()) == []
+
+
+def test_a_prepared_container_waits_for_its_case(
+        backend: Any, policies: RolePolicies, tmp_path: Path) -> None:
+    """Nothing of the role runs before the hand-over: the holder is alone in it."""
+    prepared = backend.prepare(_spec(policies, ["sh", "-c", "echo started"], tmp_path, "c"))
+    try:
+        top = backend.client.api.top(prepared.cid)
+        assert len(top["Processes"]) == 1, top  # PID 1, the holder, waiting
+        time.sleep(0.5)
+    finally:
+        rec = prepared.run()
+    assert rec.stdout_tail == "started\n"
+
+
+def test_the_holder_kills_nothing_outside_its_own_namespace(tmp_path: Path) -> None:
+    """``finish`` as anything but PID 1 (a test, a mistake) must not ``kill(-1)``: for an
+    unprivileged uid that would be every process of that uid on the host."""
+    from runner.isolation.docker.hardening import holder_argv
+
+    if os.getuid() != 0:
+        pytest.fail("needs root, to run as a uid no one else uses")
+    uid = 54321
+    sleeper = subprocess.Popen(["sleep", "30"], user=uid, group=uid)
+    try:
+        res = subprocess.run(holder_argv("finish", "-"), user=uid, group=uid,
+                             capture_output=True, timeout=30, check=False)
+        assert b'"phase": "pre"' in res.stderr
+        assert sleeper.poll() is None, "the holder killed a process outside its container"
+    finally:
+        sleeper.kill()
+        sleeper.wait(10)
+
+
+FDS = """
+import json, os
+fds = sorted(int(n) for n in os.listdir("/proc/self/fd"))
+print(json.dumps({"fds": fds, "stdin": os.readlink("/proc/self/fd/0")}))
+"""
+
+
+@pytest.mark.parametrize("runtime", [None, "runsc"])
+def test_the_role_holds_none_of_the_holders_descriptors(run_role: RunFn,
+                                                        runtime: str | None) -> None:
+    """Only its own stdio: /dev/null as stdin, the holder's pipes as stdout/stderr (and
+    the descriptor its own listing opened); never the channel, never a relay socket."""
+    rec = run_role(["python", "-c", FDS], runtime=runtime)
+    assert rec.stop_reason is StopReason.OK, rec
+    got = json.loads(rec.stdout_tail)
+    assert got["fds"][:3] == [0, 1, 2] and len(got["fds"]) <= 4, got
+    assert got["stdin"] == "/dev/null"
+
+
+def _staged_spec(policies: RolePolicies, tmp_path: Path, command: list[str]) -> RunSpec:
+    from runner.isolation.sandbox import Mount
+
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    (data / "input.txt").write_text("in\n")
+    return role_spec(policies.roles["analyst"], role="analyst", run_id="test-prepared-stop",
+                     image=resolve_image("analyst"), command=command,
+                     mounts=[Mount(source=data, target="/in")])
+
+
+def _left(backend: Any) -> list[str]:
+    return [n for _, n, lb in backend.managed_containers()
+            if lb.get(f"{LABEL_PREFIX}.run_id") == "test-prepared-stop"]
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.05, 0.3])
+def test_a_stopping_caller_gets_nothing_prepared_and_nothing_left(
+        backend: Any, policies: RolePolicies, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, after_s: float) -> None:
+    """``cancel`` set before or while a container is prepared (create, start, waiting for
+    READY): SandboxError, the container removed and its staging copy gone, without
+    waiting for the holder (a stopping controller exits within its grace period)."""
+    import threading
+
+    staging = tmp_path / "staging"
+    monkeypatch.setenv("CYCLEBOX_STAGING_DIR", str(staging))
+    cancel = threading.Event()
+    timer = threading.Timer(after_s, cancel.set)
+    if after_s:
+        timer.start()
+    else:
+        cancel.set()
+    try:
+        prepared = backend.prepare(_staged_spec(policies, tmp_path, ["true"]), cancel=cancel)
+    except SandboxError as exc:
+        assert "stopping" in str(exc)
+    else:  # prepared before the timer fired: the hand-over refuses it instead
+        try:
+            assert after_s, "cancel was set before prepare: nothing may be created"
+            cancel.wait(10)
+            with pytest.raises(SandboxError, match="stopping"):
+                prepared.run(cancel=cancel)
+        finally:
+            prepared.discard()
+    finally:
+        timer.cancel()
+    assert _left(backend) == []
+    assert not staging.exists() or list(staging.iterdir()) == []
+
+
+def test_a_stopping_caller_ends_a_running_case(
+        backend: Any, policies: RolePolicies, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    staging = tmp_path / "staging"
+    monkeypatch.setenv("CYCLEBOX_STAGING_DIR", str(staging))
+    spec = _staged_spec(policies, tmp_path, ["sleep", "120"]).model_copy(
+        update={"timeout_s": 20})
+    prepared = backend.prepare(spec)
+    cancel = threading.Event()
+    threading.Timer(0.5, cancel.set).start()
+    rec = prepared.run(cancel=cancel)
+    assert rec.stop_reason is StopReason.PROCESS_FAILED, rec  # killed, never a timeout
+    assert rec.cleanup_confirmed and _left(backend) == []
+    assert not staging.exists() or list(staging.iterdir()) == []

@@ -1,0 +1,206 @@
+"""The host half of the holder's case channel (runner/isolation/docker/channel.py) on a
+socket pair standing in for the engine's attach stream: the engine's multiplexing, the
+holder's frames split anywhere, the seal after the hand-over (a frame with a wrong,
+replayed or missing tag is refused), and what is passed on to the copy-out."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+
+import pytest
+
+from runner.isolation.copyout import CopyRefused
+from runner.isolation.docker.channel import CaseChannel
+from sandbox.holder import (
+    F_EXIT,
+    F_STARTED,
+    F_STATUS,
+    F_STDERR,
+    F_STDOUT,
+    F_TAR,
+    FRAME_HEADER,
+    READY,
+    SEAL_KEY_BYTES,
+    Seal,
+    frame,
+)
+
+
+def mux(stream: int, data: bytes) -> bytes:
+    return struct.pack(">BxxxL", stream, len(data)) + data
+
+
+class Holder:
+    """The container's side: reads the case frame, writes frames as the holder does."""
+
+    def __init__(self) -> None:
+        self.host, self.box = socket.socketpair()
+        self.seal: Seal | None = None
+
+    def case(self) -> list[bytes]:
+        head = self.box.recv(FRAME_HEADER, socket.MSG_WAITALL)
+        n = int.from_bytes(head[1:], "big")
+        payload = self.box.recv(n, socket.MSG_WAITALL)
+        self.seal = Seal(payload[:SEAL_KEY_BYTES])
+        return payload[SEAL_KEY_BYTES:].split(b"\0")
+
+    def frame(self, kind: bytes, payload: bytes, *, seal: Seal | None = None) -> bytes:
+        data = frame(kind, payload)
+        use = seal or self.seal
+        return data + (use.tag(data[:FRAME_HEADER], payload) if use is not None else b"")
+
+    def send(self, data: bytes, *, stream: int = 1, pieces: int = 1) -> None:
+        step = max(1, len(data) // pieces)
+        for i in range(0, len(data), step):
+            self.box.sendall(mux(stream, data[i:i + step]))
+
+
+def consume(ch: CaseChannel) -> tuple[list[tuple[bytes | None, bytes | None]],
+                                      threading.Thread, list[BaseException]]:
+    got: list[tuple[bytes | None, bytes | None]] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            got.extend(ch.stream())
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return got, t, errors
+
+
+def _pair() -> tuple[Holder, CaseChannel, list[tuple[str, bytes]]]:
+    h = Holder()
+    ch = CaseChannel(h.host)
+    seen: list[tuple[str, bytes]] = []
+    ch.sink = lambda kind, data: seen.append((kind, data))
+    return h, ch, seen
+
+
+def _hand_over(h: Holder, ch: CaseChannel) -> None:
+    ch.hand_over(["echo", "", "hi"])
+    assert h.case() == [b"echo", b"", b"hi"]
+
+
+def test_a_run_as_the_holder_writes_it() -> None:
+    h, ch, seen = _pair()
+    got, t, errors = consume(ch)
+    h.send(READY[:4])
+    h.send(READY[4:] + b"")
+    h.send(b"relay: before any role\n", stream=2)  # the holder's own stderr, pre-case
+    for _ in range(1000):  # read before the hand-over, as the host waits for READY
+        if len(got) >= 2:
+            break
+        threading.Event().wait(0.01)
+    _hand_over(h, ch)
+    body = (h.frame(F_STARTED, b'{"pid": 7}') + h.frame(F_STDOUT, b"hi\n")
+            + h.frame(F_STDERR, b"warn\n") + h.frame(F_EXIT, b'{"code": 3}')
+            + h.frame(F_STATUS, b'{"phase": "pre"}\n') + h.frame(F_TAR, bytes(1024)))
+    h.send(body, pieces=17)  # split anywhere, headers and tags included
+    h.send(b"a role's bytes on raw stderr\n", stream=2)  # after the hand-over: dropped
+    h.box.close()
+    t.join(10)
+    assert not errors, errors
+    assert seen == [("stdout", b"hi\n"), ("stderr", b"warn\n")]
+    assert ch.exit_code == 3 and ch.exit_reported and ch.ended.is_set()
+    assert ch.handed_at is not None and ch.started_at is not None
+    assert got[0] == (READY, None)
+    assert (None, b"relay: before any role\n") in got
+    assert (None, b'{"phase": "pre"}\n') in got
+    assert b"".join(o for o, _ in got[1:] if o) == bytes(1024)
+    assert not any(e and b"role" in e and b"relay" not in e for _, e in got)
+
+
+def _refused(frames: list[bytes], *, after_case: bool = True) -> str:
+    h, ch, _ = _pair()
+    _, t, errors = consume(ch)
+    h.send(READY)
+    if after_case:
+        _hand_over(h, ch)
+    for data in frames:
+        h.send(data)
+    h.box.close()
+    t.join(10)
+    assert ch.ended.is_set()
+    assert errors and isinstance(errors[0], CopyRefused), errors
+    assert ch.refused == str(errors[0])
+    return ch.refused
+
+
+def test_an_unsealed_or_forged_frame_after_the_hand_over_is_refused() -> None:
+    # a frame without its tag: the next bytes are read as the tag and fail
+    assert "authentication" in _refused([frame(F_EXIT, b'{"code": 0}') + bytes(16)])
+    # a tag under another key (a role guessing, or replaying another container's)
+    other = Seal(bytes(32))
+    h, ch, _ = _pair()
+    _, t, errors = consume(ch)
+    h.send(READY)
+    _hand_over(h, ch)
+    h.send(h.frame(F_EXIT, b'{"code": 0}', seal=other))
+    h.box.close()
+    t.join(10)
+    assert ch.exit_code is None and not ch.exit_reported
+    assert errors and "authentication" in str(errors[0])
+
+
+def test_a_replayed_frame_is_refused() -> None:
+    h, ch, seen = _pair()
+    _, t, errors = consume(ch)
+    h.send(READY)
+    _hand_over(h, ch)
+    assert h.seal is not None
+    first = h.frame(F_STDOUT, b"x")
+    h.seal.seq -= 1  # the same bytes again: the sequence number in the tag differs
+    h.send(first + first)
+    h.box.close()
+    t.join(10)
+    assert seen == [("stdout", b"x")]
+    assert errors and "authentication" in str(errors[0])
+
+
+@pytest.mark.parametrize(("data", "why"), [
+    (frame(b"Z", b"{}"), "unexpected frame"),
+    (frame(F_STARTED, b"[1]"), "not a JSON object"),
+    (b"q" + (1 << 30).to_bytes(4, "big"), "a frame of 1073741824 bytes"),
+])
+def test_frames_the_holder_never_writes_are_refused(data: bytes, why: str) -> None:
+    assert why in _refused([data], after_case=False)
+
+
+def test_no_marker_is_passed_on_for_the_copy_out_to_name() -> None:
+    h, ch, _ = _pair()
+    got, t, errors = consume(ch)
+    h.send(b"x" * 64)
+    h.box.close()
+    t.join(10)
+    assert not errors and got == [(b"x" * 64, None)]
+    assert ch.ended.is_set() and ch.exit_code is None
+
+
+@pytest.mark.parametrize("value", [
+    None, True, 0, -3, "", "plain", 'q"uote\\back', "ctl\n\x00\x7f", "é€😀", "\udcff",
+    ["a", 1, None], {"phase": "pre", "df": {"files": 0}, "errors": ["x: No such file"]},
+])
+def test_the_holders_own_json_is_json(value: object) -> None:
+    from sandbox.holder import _json
+
+    text = _json(value)
+    assert text.isascii()
+    assert json.loads(text) == value
+
+
+def test_only_the_first_exit_frame_counts() -> None:
+    h, ch, _ = _pair()
+    _, t, errors = consume(ch)
+    h.send(READY)
+    _hand_over(h, ch)
+    h.send(h.frame(F_EXIT, b'{"code": 3}') + h.frame(F_EXIT, b'{"code": 0}')
+           + h.frame(F_EXIT, b'{"code": true}'))
+    h.box.close()
+    t.join(10)
+    assert not errors and ch.exit_code == 3
