@@ -31,7 +31,7 @@ from datetime import UTC, datetime, timedelta
 import runner
 from runner.attest.evaluation import RunFacts, candidate_subjects
 from runner.attest.statement import ResourceDescriptor, Statement
-from runner.cycle.artifacts import AGENT_ARTIFACTS, PURL_TYPE, ArtifactList
+from runner.cycle.artifacts import AGENT_ARTIFACTS, ArtifactList
 from runner.cycle.plan import AGENT_REQUIREMENTS
 from runner.cycle.receipt import RECEIPT
 from runner.errors import ConfigError
@@ -57,7 +57,7 @@ def _artifacts(f: RunFacts) -> list[ResourceDescriptor]:
     doc = load_model(f.run_dir / "inputs" / AGENT_ARTIFACTS, ArtifactList, fmt="json",
                      what="agent artefacts", fix=f"the inputs/{AGENT_ARTIFACTS} freeze wrote")
     return [ResourceDescriptor(name=a.filename, digest={"sha256": a.sha256},
-                               uri=f"pkg:{PURL_TYPE[a.ecosystem]}/{a.name}@{a.version}",
+                               uri=a.purl(),
                                annotations={"kind": f"{a.ecosystem}-artifact"})
             for a in doc.artifacts]
 

@@ -25,6 +25,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from runner import fswalk
+from runner.cycle.artifacts import AGENT_ARTIFACTS, artifact_record
 from runner.cycle.compare import load_policy
 from runner.cycle.config import (
     BriefSpec,
@@ -417,6 +418,7 @@ def _write_frozen(c: _Checked, cycle_path: Path, out: Path, images: dict[str, st
                    if npm else {})
     if derived is not None:
         agent_files[AGENT_TOOLCHAINS] = derived.record().encode()
+        agent_files[AGENT_ARTIFACTS] = artifact_record(derived.artifacts)
     for name, data in agent_files.items():
         (inputs_dir / name).write_bytes(data)
         table[name] = sha256_file(inputs_dir / name)

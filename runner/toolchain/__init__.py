@@ -42,6 +42,20 @@ class AgentToolchains:
         return self.requirements is None and not self.apt and self.npm is None
 
 
+@dataclass(frozen=True, order=True)
+class ResolvedFile:
+    """One artefact file a derived image was built from (a wheel, an npm tarball, a .deb);
+    the plan freezes the list as ``inputs/agent-artifacts.json``."""
+
+    ecosystem: str
+    """pypi, npm or deb."""
+    name: str
+    version: str
+    filename: str
+    sha256: str
+    """Of the file's bytes as resolved and checked on the host."""
+
+
 @dataclass(frozen=True)
 class DerivedAnalyst:
     """What the builder made: the image id the plan freezes and what it installed."""
@@ -50,10 +64,12 @@ class DerivedAnalyst:
     installed: dict[str, object] = field(default_factory=dict)
     """Per toolchain, the versions installed (apt ``name=version``, npm ``name@version``,
     the pip lines), frozen into the plan's inputs as ``agent-toolchains.json``."""
+    artifacts: tuple[ResolvedFile, ...] = ()
+    """Every file it was built from, sorted (``agent-artifacts.json``)."""
 
     def record(self) -> str:
         return json.dumps({"schema": 1, "image": self.id, **self.installed}, indent=2,
                           sort_keys=True) + "\n"
 
 
-__all__ = ["AgentToolchains", "DerivedAnalyst", "NpmInput"]
+__all__ = ["AgentToolchains", "DerivedAnalyst", "NpmInput", "ResolvedFile"]

@@ -19,14 +19,16 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
+import posixpath
 import shutil
 import tarfile
 import tempfile
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, NamedTuple
 
 from runner.errors import PrerequisiteError
 from runner.toolchain.npm_lock import NpmPackage, NpmPlan, NpmRefused
@@ -52,10 +54,11 @@ def _opener() -> urllib.request.OpenerDirector:
     return urllib.request.build_opener(_NoRedirect())
 
 
-def _fetch(pkg: NpmPackage, dest: Path, *, source: str, field: str, path: str) -> None:
-    """Download ``pkg``'s tarball to ``dest`` (bounded), checking its sha512 first."""
+def _fetch(pkg: NpmPackage, dest: Path, *, source: str, field: str, path: str) -> str:
+    """Download ``pkg``'s tarball to ``dest`` (bounded), checking its sha512 first; its
+    sha256 (for the run's provenance) is hashed from the same bytes."""
     tmp = dest.with_name(dest.name + f".{os.getpid()}.part")
-    h = hashlib.sha512()
+    h, h256 = hashlib.sha512(), hashlib.sha256()
     got = 0
     try:
         headers = {"Accept": "application/octet-stream", "User-Agent": "cyclebox"}
@@ -70,6 +73,7 @@ def _fetch(pkg: NpmPackage, dest: Path, *, source: str, field: str, path: str) -
                                      f"{MAX_TARBALL_BYTES} bytes", path=path, field=field,
                                      fix="depend on a smaller package")
                 h.update(chunk)
+                h256.update(chunk)
                 out.write(chunk)
     except (urllib.error.URLError, OSError, TimeoutError) as exc:
         tmp.unlink(missing_ok=True)
@@ -88,23 +92,36 @@ def _fetch(pkg: NpmPackage, dest: Path, *, source: str, field: str, path: str) -
                          "fetch from; a tarball that changed under a published version is "
                          "a tampered mirror")
     os.replace(tmp, dest)
+    return h256.hexdigest()
+
+
+class Tarball(NamedTuple):
+    path: Path
+    sha256: str
+    """Of the bytes whose sha512 was just checked against the lockfile's integrity."""
 
 
 def cached_tarball(pkg: NpmPackage, cache: Path, *, source: str, field: str,
-                   path: str) -> Path:
+                   path: str) -> Tarball:
     """The verified tarball of ``pkg`` in ``cache``, fetched when absent or corrupt."""
     cache.mkdir(parents=True, exist_ok=True)
     dest = cache / f"{pkg.sha512_hex}.tgz"
-    if dest.is_file():
-        h = hashlib.sha512()
+    if dest.is_file() and not dest.is_symlink():
+        h, h256 = hashlib.sha512(), hashlib.sha256()
         with dest.open("rb") as f:
             while chunk := f.read(1 << 20):
                 h.update(chunk)
+                h256.update(chunk)
         if h.hexdigest() == pkg.sha512_hex:
-            return dest
-        dest.unlink()
-    _fetch(pkg, dest, source=source, field=field, path=path)
-    return dest
+            return Tarball(dest, h256.hexdigest())
+    dest.unlink(missing_ok=True)
+    return Tarball(dest, _fetch(pkg, dest, source=source, field=field, path=path))
+
+
+def tarball_filename(pkg: NpmPackage) -> str:
+    """The tarball's file name as the registry serves it (``tsx-4.19.2.tgz``)."""
+    name = posixpath.basename(urllib.parse.urlsplit(pkg.url).path)
+    return urllib.parse.unquote(name) or f"{pkg.name.rsplit('/', 1)[-1]}-{pkg.version}.tgz"
 
 
 def _strip_first(tgz: Path) -> IO[bytes]:
@@ -188,10 +205,10 @@ def _link_bins(pkg: NpmPackage, root: Path) -> None:
 
 
 def lay_out(plan: NpmPlan, dest: Path, cache: Path, log: Log, *, source: str, field: str,
-            path: str) -> None:
+            path: str) -> dict[str, str]:
     """Fetch, verify and extract every package of ``plan`` into ``dest`` (the tree a
     lockfile key's ``node_modules/`` names; ``dest`` must not exist; on any refusal
-    nothing is left at ``dest`` or beside it)."""
+    nothing is left at ``dest`` or beside it). Returns each key's tarball sha256."""
     for key, why in plan.skipped:
         log(f"npm: skipped optional {key} ({why})")
     for p in plan.packages:
@@ -199,10 +216,12 @@ def lay_out(plan: NpmPlan, dest: Path, cache: Path, log: Log, *, source: str, fi
             log(f"npm: {p.name}@{p.version} installed WITHOUT its install script "
                 "(project.npm_ignore_scripts)")
     tmp = Path(tempfile.mkdtemp(prefix=".npm-", dir=dest.parent))
+    sha256: dict[str, str] = {}
     try:
         for p in plan.packages:
             tgz = cached_tarball(p, cache, source=source, field=field, path=path)
-            _extract(p, tgz, tmp / p.key, source=source, field=field, path=path)
+            sha256[p.key] = tgz.sha256
+            _extract(p, tgz.path, tmp / p.key, source=source, field=field, path=path)
         for p in plan.packages:
             _link_bins(p, tmp)
         (tmp / "node_modules").mkdir(exist_ok=True)
@@ -210,6 +229,8 @@ def lay_out(plan: NpmPlan, dest: Path, cache: Path, log: Log, *, source: str, fi
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"npm: {len(plan.packages)} package(s) laid out ({len(plan.skipped)} skipped)")
+    return sha256
 
 
-__all__ = ["LAYOUT_VERSION", "MAX_TARBALL_BYTES", "cached_tarball", "lay_out"]
+__all__ = ["LAYOUT_VERSION", "MAX_TARBALL_BYTES", "Tarball", "cached_tarball", "lay_out",
+           "tarball_filename"]

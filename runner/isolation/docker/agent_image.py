@@ -25,9 +25,11 @@ analyst's.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -38,7 +40,7 @@ from runner.isolation import image_use
 from runner.isolation.docker.images import MAX_REASON_CHARS, Log
 from runner.paths import images_dir, state_dir
 from runner.requirements import RequirementsRefused, check_requirements, pip_reason
-from runner.toolchain import AgentToolchains, DerivedAnalyst
+from runner.toolchain import AgentToolchains, DerivedAnalyst, ResolvedFile
 
 TAG_REPO = "cyclebox/analyst-deps"
 REQUIREMENTS_LABEL = "io.cyclebox.agent_requirements"
@@ -69,10 +71,13 @@ class AgentImage:
     """True when this call built it; False when the tag already existed."""
     installed: dict[str, list[str]] = field(default_factory=dict)
     """Per toolchain (pip, apt, npm), the pinned versions it installs."""
+    artifacts: tuple[ResolvedFile, ...] = ()
+    """Every file it was built from (wheels, npm tarballs, .debs), sorted."""
 
     def derived(self) -> DerivedAnalyst:
         return DerivedAnalyst(id=self.id, installed={k: list(v) for k, v in
-                                                     self.installed.items()})
+                                                     self.installed.items()},
+                              artifacts=self.artifacts)
 
 
 def _sha(data: bytes) -> str:
@@ -170,6 +175,7 @@ def ensure_agent_image(analyst_id: str, toolchains: AgentToolchains | str, log: 
             shutil.copy2(harden, ctx / "harden.sh")
             for s in parts:
                 s.fill(ctx)
+            files = _store_artifacts(ih, [f for s in parts for f in s.artifacts()])
             log(f"building {tag} from the analyst image (network none): "
                 f"{', '.join(s.name for s in parts) or 'nothing to add'}")
             for line in backend.build(ctx, tag, buildargs={"ANALYST_IMAGE": analyst_id},
@@ -198,6 +204,9 @@ def ensure_agent_image(analyst_id: str, toolchains: AgentToolchains | str, log: 
         finally:
             shutil.rmtree(ctx, ignore_errors=True)
         existing = backend.image_id(tag)
+    else:
+        files = _stored_artifacts(ih) or _store_artifacts(
+            ih, [f for s in parts for f in s.artifacts()])
     if existing is None:
         raise PrerequisiteError(f"build of {tag} reported success but no image exists")
     image_use.hold([existing])  # until this process ends: `images gc` leaves it alone
@@ -206,7 +215,44 @@ def ensure_agent_image(analyst_id: str, toolchains: AgentToolchains | str, log: 
                                 "concurrent `cyclebox images gc`). Fix: run the command again")
     return AgentImage(tag=tag, id=existing, analyst_id=analyst_id,
                       requirements_sha256=_sha(requirements.encode()), wheels_digest=digest,
-                      input_hash=ih, built=built, installed=installed)
+                      input_hash=ih, built=built, installed=installed, artifacts=files)
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+MAX_ARTIFACTS_BYTES = 16 * 1024 * 1024
+
+
+def _artifacts_file(input_hash: str) -> Path:
+    return state_dir() / "agent" / "artifacts" / f"{input_hash}.json"
+
+
+def _store_artifacts(input_hash: str, files: list[ResolvedFile]) -> tuple[ResolvedFile, ...]:
+    """Keep the files an image was built from beside the state that built it: a reuse of
+    the image names them without fetching anything (the input hash covers each digest)."""
+    out = tuple(sorted(set(files)))
+    dest = _artifacts_file(input_hash)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps([dataclasses.asdict(f) for f in out], indent=1))
+    os.replace(tmp, dest)
+    return out
+
+
+def _stored_artifacts(input_hash: str) -> tuple[ResolvedFile, ...] | None:
+    """The stored list, or None when absent or not one this module wrote (recomputed)."""
+    path = _artifacts_file(input_hash)
+    try:
+        if path.is_symlink() or path.stat().st_size > MAX_ARTIFACTS_BYTES:
+            return None
+        doc = json.loads(path.read_bytes())
+        names = [f.name for f in dataclasses.fields(ResolvedFile)]
+        files = tuple(ResolvedFile(**{k: str(d[k]) for k in names}) for d in doc
+                      if isinstance(d, dict) and sorted(d) == sorted(names))
+    except (OSError, ValueError, TypeError):
+        return None
+    if len(files) != len(doc) or not all(_SHA256.fullmatch(f.sha256) for f in files):
+        return None
+    return tuple(sorted(files))
 
 
 def _label(installed: dict[str, list[str]]) -> str:

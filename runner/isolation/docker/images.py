@@ -229,6 +229,18 @@ def ensure_wheels(role: str, log: Log, inputs: ImageInputs | None = None) -> Pat
         raise
 
 
+WHEEL_SUMS = ".sha256"
+"""``sha256sum``-format lines (one per wheel) beside ``.digest`` in a wheel directory."""
+
+
+def wheel_set_digest(sums: dict[str, str]) -> str:
+    """The digest of a wheel set: over each (file name, sha256), in name order."""
+    digest = hashlib.sha256()
+    for name, sha in sorted(sums.items()):
+        digest.update(name.encode() + b"\0" + sha.encode() + b"\n")
+    return digest.hexdigest()
+
+
 def download_wheels(req: Path, wdir: Path, log: Log, *, what: str,
                    field: str | None = None) -> Path:
     """Wheels for ``req`` (cp311 manylinux) into ``wdir``, once per requirements content
@@ -257,10 +269,10 @@ def download_wheels(req: Path, wdir: Path, log: Log, *, what: str,
             _pip_download(req, work, extra, log, what=what, field=field)
         _refuse_direct_urls(work, field)
         # Digest of the wheel set, computed once here (hashing torch each build is slow).
-        digest = hashlib.sha256()
-        for whl in sorted(work.glob("*.whl")):
-            digest.update(whl.name.encode() + b"\0" + sha256_file(whl).encode() + b"\n")
-        (work / ".digest").write_text(digest.hexdigest())
+        # Each wheel's sha256 is kept too (WHEEL_SUMS), for the run's provenance.
+        sums = {whl.name: sha256_file(whl) for whl in sorted(work.glob("*.whl"))}
+        (work / WHEEL_SUMS).write_text("".join(f"{h}  {n}\n" for n, h in sums.items()))
+        (work / ".digest").write_text(wheel_set_digest(sums))
         (work / ".stamp").write_text(stamp_value)
         os.chmod(work, 0o755)  # noqa: S103 - mkdtemp's 0700; wheels are not secret
         work.rename(wdir)

@@ -12,13 +12,22 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.isolation.docker.images import Log, download_wheels, link_or_copy
+from runner.errors import PrerequisiteError
+from runner.hashing import sha256_file
+from runner.isolation.docker.images import (
+    WHEEL_SUMS,
+    Log,
+    download_wheels,
+    link_or_copy,
+    wheel_set_digest,
+)
 from runner.paths import state_dir
-from runner.toolchain import AgentToolchains
+from runner.toolchain import AgentToolchains, ResolvedFile
 
 
 @dataclass(frozen=True)
@@ -33,10 +42,46 @@ class Stage:
     """The pinned versions it installs (image label and the plan's record)."""
     fill: Callable[[Path], None]
     """Puts its artefacts into the build context directory."""
+    artifacts: Callable[[], list[ResolvedFile]]
+    """The files it installs (after ``fill``: the ones it put there; without: the same,
+    from the resolution or the verified cache)."""
 
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def pypi_name(name: str) -> str:
+    """PEP 503's normalised project name (the form a pypi package URL takes)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def wheel_file(filename: str, sha256: str) -> ResolvedFile:
+    """A wheel's entry from its file name (PEP 427: ``{name}-{version}(-{build})?-...``)."""
+    parts = filename.removesuffix(".whl").split("-")
+    if not filename.endswith(".whl") or len(parts) not in (5, 6):
+        raise PrerequisiteError(f"{filename!r} is not a wheel file name. Fix: remove the "
+                                "agent's wheel cache (state directory wheels/agent)")
+    return ResolvedFile("pypi", pypi_name(parts[0]), parts[1], filename, sha256)
+
+
+def wheel_files(wheels: Path, digest: str) -> list[ResolvedFile]:
+    """The wheels of a directory :func:`download_wheels` filled: their sums as recorded at
+    download (hashed again only for a directory cached before the sums were kept), and
+    refused unless they are exactly the set its ``.digest`` covers."""
+    names = sorted(w.name for w in wheels.glob("*.whl"))
+    sums_file = wheels / WHEEL_SUMS
+    if sums_file.is_file():
+        sums = {}
+        for line in sums_file.read_text().splitlines():
+            sha, _, name = line.partition("  ")
+            sums[name] = sha
+    else:
+        sums = {n: sha256_file(wheels / n) for n in names}
+    if sorted(sums) != names or wheel_set_digest(sums) != digest:
+        raise PrerequisiteError(f"the wheels in {wheels} are not the set their .digest names "
+                                "(changed after download). Fix: remove that directory")
+    return [wheel_file(n, sums[n]) for n in names]
 
 
 def pip_stage(requirements: str, log: Log, field: str) -> Stage:
@@ -48,6 +93,7 @@ def pip_stage(requirements: str, log: Log, field: str) -> Stage:
     wheels = download_wheels(req_file, state_dir() / "wheels" / "agent" / req_sha[:16], log,
                              what="the agent's requirements", field=field)
     digest = (wheels / ".digest").read_text().strip()
+    files = wheel_files(wheels, digest)
 
     def fill(ctx: Path) -> None:
         (ctx / "requirements.txt").write_text(requirements)
@@ -55,7 +101,7 @@ def pip_stage(requirements: str, log: Log, field: str) -> Stage:
             link_or_copy(whl, ctx / "wheels" / whl.name)
 
     return Stage("pip", _sha(f"{req_sha}\n{digest}\n".encode()),
-                 requirements.splitlines(), fill)
+                 requirements.splitlines(), fill, lambda: files)
 
 
 def apt_stage(names: tuple[str, ...], image_status: bytes, log: Log, path: str) -> Stage:
@@ -72,12 +118,19 @@ def apt_stage(names: tuple[str, ...], image_status: bytes, log: Log, path: str) 
             resolver.download(names, debs, ctx / "debs")
         (ctx / "apt.txt").write_text("".join(f"{d.pin}\n" for d in debs))
 
+    # apt's SHA256 from the signed index; download() refuses a .deb that differs
+    files = [ResolvedFile("deb", d.package, d.version, d.filename, d.sha256) for d in debs]
     return Stage("apt", _sha(f"{' '.join(names)}\n{lines}".encode()),
-                 [d.pin for d in debs], fill)
+                 [d.pin for d in debs], fill, lambda: files)
 
 
 def npm_stage(tc: AgentToolchains, log: Log, path: str) -> Stage:
-    from runner.toolchain.npm_fetch import LAYOUT_VERSION, lay_out
+    from runner.toolchain.npm_fetch import (
+        LAYOUT_VERSION,
+        cached_tarball,
+        lay_out,
+        tarball_filename,
+    )
     from runner.toolchain.npm_lock import parse_lockfile, registry_from_env
 
     npm = tc.npm
@@ -93,12 +146,23 @@ def npm_stage(tc: AgentToolchains, log: Log, path: str) -> Stage:
     for p in plan.packages:  # integrity is the tarball's own digest, checked at fetch
         h.update(f"{p.key} {p.integrity}\n".encode())
 
+    cache = state_dir() / "npm" / "tarballs"
+    sha256: dict[str, str] = {}
+
     def fill(ctx: Path) -> None:
         (ctx / "node_modules").rmdir()  # lay_out renames a finished tree into place
-        lay_out(plan, ctx / "node_modules", state_dir() / "npm" / "tarballs", log,
-                source=npm.source, field="project.npm", path=path)
+        sha256.update(lay_out(plan, ctx / "node_modules", cache, log, source=npm.source,
+                              field="project.npm", path=path))
 
-    return Stage("npm", h.hexdigest(), plan.pins(), fill)
+    def artifacts() -> list[ResolvedFile]:
+        for p in plan.packages:  # without fill (an image built elsewhere): the cache
+            if p.key not in sha256:
+                sha256[p.key] = cached_tarball(p, cache, source=npm.source,
+                                               field="project.npm", path=path).sha256
+        return sorted({ResolvedFile("npm", p.name, p.version, tarball_filename(p),
+                                    sha256[p.key]) for p in plan.packages})
+
+    return Stage("npm", h.hexdigest(), plan.pins(), fill, artifacts)
 
 
 def stages(tc: AgentToolchains, log: Log, *, image_status: Callable[[], bytes],
