@@ -5,6 +5,8 @@ agent imports the package in a real cycle. Uses a small pure-Python wheel from P
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import subprocess
@@ -62,7 +64,7 @@ def _freeze(cycle: Path, out: Path) -> tuple[dict[str, Any], list[str]]:
     lines: list[str] = []
     freeze(cycle, out, images=lambda: {r: resolve_image(r) for r in CYCLE_ROLES},
            check_credentials=False,
-           derive_analyst=lambda a, req: ensure_agent_image(a, req, lines.append).id)
+           derive_analyst=lambda a, req: ensure_agent_image(a, req, lines.append).derived())
     return json.loads((out / "plan.json").read_text())["plan"], lines
 
 
@@ -125,10 +127,29 @@ def test_freeze_derives_the_analyst_image_and_reuses_it(tmp_path: Path) -> None:
         REQUIREMENT + "\n")
     assert "agent-requirements.txt" in plan["inputs"]
     assert plan["project"]["spec"]["requirements"] == "requirements.txt"
-    # unchanged inputs: the same image, nothing downloaded or built
+    # the wheel it was built from, bound like every input (issue 24's provenance)
+    listed = tmp_path / "one" / "inputs" / "agent-artifacts.json"
+    assert plan["inputs"]["agent-artifacts.json"] == hashlib.sha256(
+        listed.read_bytes()).hexdigest()
+    arts = json.loads(listed.read_bytes())["artifacts"]
+    assert [(a["ecosystem"], a["name"], a["version"]) for a in arts] == [
+        ("pypi", "humanize", "4.12.3")]
+    assert arts[0]["sha256"] == _wheel_sha256(arts[0]["filename"])
+    # unchanged inputs: the same image, nothing downloaded or built, the same list
     again, lines = _freeze(cycle, tmp_path / "two")
     assert again["images"]["analyst"] == analyst
     assert not [ln for ln in lines if "downloading" in ln or "building" in ln], lines
+    assert (tmp_path / "two" / "inputs" / "agent-artifacts.json").read_bytes() == (
+        listed.read_bytes())
+
+
+def _wheel_sha256(filename: str) -> str:
+    """The wheel's sha256, hashed here from the agent wheel cache the freeze filled."""
+    from runner.paths import state_dir
+
+    found = sorted((state_dir() / "wheels" / "agent").glob(f"*/{filename}"))
+    assert found, filename
+    return hashlib.sha256(found[0].read_bytes()).hexdigest()
 
 
 @pytest.mark.docker
@@ -184,6 +205,22 @@ def test_the_agent_imports_its_dependency_in_a_cycle(tmp_path: Path) -> None:
     rows = [json.loads(ln) for ln in (run / "containers.jsonl").read_text().splitlines()]
     analyst = [r for r in rows if r["role"] == "analyst"]
     assert analyst and {r["image_id"] for r in analyst} == {plan["images"]["analyst"]}
+    # the run's SLSA provenance lists the wheel by sha256 and package URL (issue 24)
+    key = tmp_path / "key"
+    assert run_cli("receipt", "keygen", "--out", str(key), env=cli_env(tmp_path)
+                   ).returncode == 0
+    bundle = tmp_path / "b.intoto.jsonl"
+    res = run_cli("receipt", "attest", str(run), "--key", str(key), "--out", str(bundle),
+                  env=cli_env(tmp_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    statements = [json.loads(base64.b64decode(json.loads(ln)["payload"]))
+                  for ln in bundle.read_text().splitlines()]
+    prov = next(s for s in statements if s["predicateType"].startswith("https://slsa.dev"))
+    deps = prov["predicate"]["buildDefinition"]["resolvedDependencies"]
+    wheel = [d for d in deps if d.get("uri") == "pkg:pypi/humanize@4.12.3"]
+    assert wheel == [{"name": wheel[0]["name"], "uri": "pkg:pypi/humanize@4.12.3",
+                      "digest": {"sha256": _wheel_sha256(wheel[0]["name"])},
+                      "annotations": {"kind": "pypi-artifact"}}], deps
 
 
 @pytest.mark.docker

@@ -6,6 +6,7 @@ package Debian does not have by name."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -76,6 +77,32 @@ def test_an_unchanged_project_reuses_the_node_image(node_image: Any) -> None:
 
     again = build_node_image()
     assert (again.id, again.built) == (node_image.id, False)
+    assert again.artifacts == node_image.artifacts
+
+
+def test_the_node_image_names_every_deb_and_tarball_it_was_built_from(
+        node_image: Any, tmp_path: Path) -> None:
+    """agent-artifacts.json's source (issue 24): each .deb and npm tarball, by the sha256
+    checked on the host; the same list when the kept copy is gone (recomputed from the
+    verified tarball cache)."""
+    from runner.isolation.docker.agent_image import _artifacts_file, ensure_agent_image
+    from runner.isolation.docker.images import resolve_image
+    from tests.fixtures.node_kinds import build_node_image, toolchains
+
+    arts = {(a.ecosystem, a.name, a.version): a for a in node_image.artifacts}
+    pins = {f"{n}={v}" for e, n, v in arts if e == "deb"}
+    assert pins == set(node_image.installed["apt"])
+    tsx = arts[("npm", "tsx", "4.23.15")]
+    assert tsx.filename == "tsx-4.23.15.tgz"
+    npm = {f"{n}@{v}" for e, n, v in arts if e == "npm"}
+    assert npm == set(node_image.installed["npm"])
+    assert all(len(a.sha256) == 64 for a in node_image.artifacts)
+    img = ensure_agent_image(resolve_image("analyst"), toolchains(), lambda _line: None)
+    kept = _artifacts_file(img.input_hash)
+    assert kept.is_file()
+    kept.unlink()
+    assert build_node_image().artifacts == node_image.artifacts
+    assert kept.is_file()
 
 
 def test_a_package_debian_does_not_have_is_refused_by_name() -> None:

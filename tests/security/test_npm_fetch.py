@@ -292,3 +292,33 @@ def test_a_tarball_holding_a_nested_packages_place_is_refused(tmp_path: Path,
             "node_modules/outer/node_modules/inner": {"version": "1.0.0", "resolved": u2,
                                                       "integrity": sri(inner)}})
     assert list((tmp_path / "context").iterdir()) == []
+
+
+def test_the_tarball_sha256_is_of_the_bytes_fetched_and_of_the_checked_cache(
+        tmp_path: Path, registry: Registry) -> None:
+    """The provenance's sha256 (agent-artifacts.json) is hashed from the bytes whose sha512
+    matched the lockfile: at fetch, and again from the cache, which is re-checked first."""
+    from runner.toolchain.npm_fetch import cached_tarball, tarball_filename
+
+    body = tgz({"package/package.json": b'{"name":"@s/ok"}'})
+    url = registry.publish("@s/ok", "1.0.0", body)
+    lock, pkg = lockfile({"node_modules/@s/ok": {"version": "1.0.0", "resolved": url,
+                                                 "integrity": sri(body)}})
+    plan = parse_lockfile(lock, pkg, source="package-lock.json", pkg_source="package.json",
+                          registry=registry.url, ignore_scripts=(), path="cycle.yaml",
+                          field="project.npm")
+    (tmp_path / "context").mkdir()
+    got = lay_out(plan, tmp_path / "context" / "node_modules", tmp_path / "cache",
+                  lambda _m: None, source="package-lock.json", field="project.npm",
+                  path="cycle.yaml")
+    assert got == {"node_modules/@s/ok": hashlib.sha256(body).hexdigest()}
+    assert tarball_filename(plan.packages[0]) == "ok-1.0.0.tgz"
+    again = cached_tarball(plan.packages[0], tmp_path / "cache", source="package-lock.json",
+                           field="project.npm", path="cycle.yaml")
+    assert again.sha256 == hashlib.sha256(body).hexdigest()
+    assert len(registry.requests) == 1  # the second came from the cache
+    again.path.write_bytes(b"tampered")  # a corrupt cache entry is fetched again
+    third = cached_tarball(plan.packages[0], tmp_path / "cache", source="package-lock.json",
+                           field="project.npm", path="cycle.yaml")
+    assert third.sha256 == hashlib.sha256(body).hexdigest()
+    assert len(registry.requests) == 2
