@@ -51,6 +51,8 @@ def test_the_wheels_listed_are_exactly_the_set_the_digest_covers(tmp_path: Path)
     # a directory cached before the sums were kept: hashed once, same answer
     old = _wheels(tmp_path / "old", files, sums=False)
     assert old == digest and wheel_files(tmp_path / "old", old) == got
+    assert (tmp_path / "old" / WHEEL_SUMS).read_text() == (tmp_path / "w" / WHEEL_SUMS
+                                                            ).read_text()
     (tmp_path / "w" / "c-1-py3-none-any.whl").write_bytes(b"c")  # slipped in later
     with pytest.raises(PrerequisiteError, match=r"not the set their \.digest names"):
         wheel_files(tmp_path / "w", digest)
@@ -69,7 +71,8 @@ def test_the_list_is_kept_per_image_and_a_damaged_copy_is_recomputed(
     assert agent_image._stored_artifacts("other") is None
     path = tmp_path / "agent" / "artifacts" / f"{'h' * 64}.json"
     for damaged in ("not json", "{}", json.dumps([{"name": "x"}]),
-                    json.dumps([{**vars(files[0]), "sha256": "zz"}])):
+                    json.dumps([{**vars(files[0]), "sha256": "zz"}]),
+                    json.dumps([vars(files[0]), {"name": "x"}])):  # never a partial list
         path.write_text(damaged)
         assert not agent_image._stored_artifacts("h" * 64), damaged
 

@@ -81,6 +81,8 @@ def wheel_files(wheels: Path, digest: str) -> list[ResolvedFile]:
     if sorted(sums) != names or wheel_set_digest(sums) != digest:
         raise PrerequisiteError(f"the wheels in {wheels} are not the set their .digest names "
                                 "(changed after download). Fix: remove that directory")
+    if not sums_file.is_file():  # hashed once: kept for the next freeze
+        sums_file.write_text("".join(f"{sums[n]}  {n}\n" for n in names))
     return [wheel_file(n, sums[n]) for n in names]
 
 
