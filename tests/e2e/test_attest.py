@@ -287,7 +287,7 @@ def test_frozen_agent_artifacts_become_resolved_dependencies(attested: dict[str,
     assert {"name": whl["filename"], "uri": "pkg:pypi/tabulate@0.9.0",
             "digest": {"sha256": whl["sha256"]},
             "annotations": {"kind": "pypi-artifact"}} in deps
-    assert any(d.get("uri") == "pkg:deb/jq@1.6-2.1" for d in deps)
+    assert any(d.get("uri") == "pkg:deb/debian/jq@1.6-2.1" for d in deps)
     script = ("import json,sys\nimport google.protobuf.json_format as j\n"
               "from in_toto_attestation.predicates.provenance.v1 import provenance_pb2 as p\n"
               "j.ParseDict(json.load(open(sys.argv[1])), p.Provenance())\n")
