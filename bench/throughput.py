@@ -164,11 +164,11 @@ class Poller:
 
 
 # -- one setting ---------------------------------------------------------------------------
-def cycle_for(work: Path, cases: int, port: int, setting: str) -> Path:
+def cycle_for(work: Path, cases: int, port: int, setting: str, n: int) -> Path:
     trials = max(1, round(cases / DEMO_CASES))
-    cycle = scaled_example(work / f"ex-{setting}", trials)
+    cycle = scaled_example(work / f"ex-{n}-{setting}", trials)
     doc = yaml.safe_load(cycle.read_text())
-    doc["name"] = f"bench-throughput-{setting}"
+    doc["name"] = f"bench-throughput-{n}-{setting}"
     doc["concurrency"] = setting if setting == "auto" else int(setting)
     doc["upstreams"]["target"] = {
         "provider": "openai", "base_url": f"http://127.0.0.1:{port}/v1",
@@ -180,11 +180,11 @@ def cycle_for(work: Path, cases: int, port: int, setting: str) -> Path:
     return cycle
 
 
-def one(work: Path, cases: int, up: SlowUpstream, setting: str) -> dict[str, Any]:
+def one(work: Path, cases: int, up: SlowUpstream, setting: str, n: int) -> dict[str, Any]:
     import subprocess
 
-    cycle = cycle_for(work, cases, up.port, setting)
-    run = work / f"run-{setting}"
+    cycle = cycle_for(work, cases, up.port, setting, n)
+    run = work / f"run-{n}-{setting}"
     env = dict(os.environ, CYCLEBOX_BENCH_KEY="not-a-real-key")
     subprocess.run([*CLI, "cycle", "run", str(cycle), "--out", str(run), "--prepare-only"],
                    check=True, capture_output=True, cwd=PROJECT_ROOT, env=env)
@@ -277,8 +277,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="cbx-bench-throughput-"))
     rows = []
     try:
-        for setting in a.settings.split(","):
-            rows.append(one(work, a.cases, up, setting))
+        for n, setting in enumerate(a.settings.split(",")):  # a setting may repeat
+            rows.append(one(work, a.cases, up, setting, n))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
