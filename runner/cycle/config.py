@@ -32,16 +32,18 @@ class ProjectSpec(Frozen):
     """The agent's own pip requirements: a file in the source tree (relative to subdir),
     read from the frozen base tree. The analyst then runs in an image derived from the
     analyst image with these packages (docs/agent-dependencies.md)."""
-    apt: tuple[str, ...] = ()
+    # absent toolchains are left out of the frozen spec, so a plan without them hashes as
+    # it did before they existed (receipt compare across versions stays equal)
+    apt: tuple[str, ...] = Field(default=(), exclude_if=lambda v: not v)
     """Debian bookworm packages the agent needs (e.g. ``nodejs``, optionally
     ``name=version``): resolved and downloaded on the host with apt, installed offline
     into the derived analyst image, their versions recorded."""
-    npm: str | None = None
+    npm: str | None = Field(default=None, exclude_if=lambda v: v is None)
     """A committed ``package-lock.json`` (v2/v3; package.json beside it) relative to
     subdir, read from the frozen base tree: its registry tarballs are fetched on the host,
     checked against their integrity and laid out at ``/node_modules``; no install script
     runs anywhere."""
-    npm_ignore_scripts: tuple[str, ...] = ()
+    npm_ignore_scripts: tuple[str, ...] = Field(default=(), exclude_if=lambda v: not v)
     """Packages of the lockfile that declare an install script (``hasInstallScript``) and
     are to be installed WITHOUT it; any other such package is refused."""
 
