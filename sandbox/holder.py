@@ -843,6 +843,12 @@ def relay_open(target: str, *, host: str = RELAY_HOST, port: int = RELAY_PORT,
     :meth:`_Relay.step` then relays connections to the unix socket ``target``. No thread:
     the holder's own loop steps it (a thread would also be refused under gVisor with the
     OCI seccomp profile, which answers ``clone3`` with EPERM instead of ENOSYS)."""
+    return _Relay(_listen(host, port), target, max_connections, buffer)
+
+
+def _listen(host: str, port: int) -> Any:
+    """A non-blocking TCP socket listening on ``host:port`` (raises OSError when it
+    cannot), the relay's and the egress proxy's."""
     import socket
 
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -854,7 +860,7 @@ def relay_open(target: str, *, host: str = RELAY_HOST, port: int = RELAY_PORT,
     except BaseException:
         lsock.close()
         raise
-    return _Relay(lsock, target, max_connections, buffer)
+    return lsock
 
 
 class _Pipe:
@@ -1040,17 +1046,7 @@ _DENIED = (b"HTTP/1.1 403 Forbidden\r\ncontent-type: text/plain\r\nconnection: c
 
 def egress_open(*, host: str = RELAY_HOST, port: int = EGRESS_PORT) -> _Egress:
     """Listen on ``host:port`` now (raises OSError when it cannot), as the relay does."""
-    import socket
-
-    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        lsock.bind((host, port))
-        lsock.listen(RELAY_BACKLOG)
-        lsock.setblocking(False)
-    except BaseException:
-        lsock.close()
-        raise
-    return _Egress(lsock)
+    return _Egress(_listen(host, port))
 
 
 def egress_target(head: bytes) -> str:
