@@ -160,6 +160,10 @@ bench: setup docker gvisor images ## Run the benchmarks (JSON into build/bench/)
 	$(BIN)/python -m bench.cycle --out build/bench/cycle.json
 	$(BIN)/python -m bench.train --out build/bench/train.json
 
+bench-throughput: setup docker images ## Cases/s, peak memory and CPU s per case at concurrency 1..32 and auto, upstream answering after 2 s (200 cases/side; build/bench/throughput.json)
+	@mkdir -p build/bench
+	$(BIN)/python -m bench.throughput --out build/bench/throughput.json
+
 bench-scale: setup docker images ## Demo grown to ~100 and ~400 cases/side, local vs a local Ray cluster (~25 min; build/bench/scale.json)
 	@mkdir -p build/bench
 	$(BIN)/python -m bench.scale --cases 100,400 --out build/bench/scale.json
