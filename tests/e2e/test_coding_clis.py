@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from runner import gitops
+from tests.fixtures.standalone import standalone_cycle
 from tests.integration.test_openai_server import Inspector
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -66,15 +66,7 @@ def make_project(dest: Path) -> Path:
         shutil.copy(KINDS / "coding_clis" / name, dest / name)
     shutil.copytree(KINDS / "coding_clis" / "data", dest / "data")
     shutil.copytree(KINDS / "coding_clis" / "scripts", dest / "scripts")
-    cyc = yaml.safe_load((KINDS / "coding_clis" / "cycle.yaml").read_text())
-    cyc["project"]["repo"] = str(repo)
-    cyc["project"].pop("subdir")
-    (dest / "cycle.yaml").write_text(yaml.safe_dump(cyc, sort_keys=False))
-    res = cyclebox("manifest", "build", "--scenarios", str(dest / "scenarios.yaml"),
-                   "--data", str(dest / "data"), "--out", str(dest / "manifest.json"),
-                   env=dict(os.environ))
-    assert res.returncode == 0, res.stdout + res.stderr
-    return dest / "cycle.yaml"
+    return standalone_cycle(KINDS / "coding_clis" / "cycle.yaml", repo, dest, cyclebox)
 
 
 @pytest.fixture(scope="module")

@@ -28,9 +28,9 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-import yaml
 
 from runner import gitops
+from tests.fixtures.standalone import standalone_cycle
 
 # the first run builds the matrix's derived image (~100 wheels), then records and
 # replays 16 cases a side
@@ -86,15 +86,7 @@ def make_project(dest: Path, incidents: list[int], variants: list[str]) -> Path:
     shutil.copytree(AGENT / "project", repo, ignore=shutil.ignore_patterns("__pycache__"))
     gitops.init_fixed(repo, "log-triage agent")
     matrix.write(dest, incidents, variants)
-    cyc = yaml.safe_load((AGENT / "cycle.yaml").read_text())
-    cyc["project"]["repo"] = str(repo)
-    cyc["project"].pop("subdir")
-    (dest / "cycle.yaml").write_text(yaml.safe_dump(cyc, sort_keys=False))
-    res = cyclebox("manifest", "build", "--scenarios", str(dest / "scenarios.yaml"),
-                   "--data", str(dest / "data"), "--out", str(dest / "manifest.json"),
-                   env=dict(os.environ))
-    assert res.returncode == 0, res.stdout + res.stderr
-    return dest / "cycle.yaml"
+    return standalone_cycle(AGENT / "cycle.yaml", repo, dest, cyclebox)
 
 
 @pytest.fixture(scope="module")

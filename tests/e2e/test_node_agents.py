@@ -31,10 +31,10 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-import yaml
 
 from runner import gitops
 from tests.fixtures.node_kinds import NODE_KINDS
+from tests.fixtures.standalone import standalone_cycle
 from tests.integration.test_openai_server import Inspector
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -80,15 +80,7 @@ def make_project(dest: Path) -> Path:
     shutil.copytree(NODE_KINDS / "project", repo, ignore=shutil.ignore_patterns("node_modules"))
     gitops.init_fixed(repo, "node-kinds agent")
     matrix.write(dest, INCIDENTS, list(matrix.VARIANTS), canary_scan=True)
-    cyc = yaml.safe_load((NODE_KINDS / "cycle.yaml").read_text())
-    cyc["project"]["repo"] = str(repo)
-    cyc["project"].pop("subdir")
-    (dest / "cycle.yaml").write_text(yaml.safe_dump(cyc, sort_keys=False))
-    res = cyclebox("manifest", "build", "--scenarios", str(dest / "scenarios.yaml"),
-                   "--data", str(dest / "data"), "--out", str(dest / "manifest.json"),
-                   env=dict(os.environ))
-    assert res.returncode == 0, res.stdout + res.stderr
-    return dest / "cycle.yaml"
+    return standalone_cycle(NODE_KINDS / "cycle.yaml", repo, dest, cyclebox)
 
 
 @pytest.fixture(scope="module")
