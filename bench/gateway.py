@@ -261,8 +261,10 @@ def main() -> None:
         "meets_targets": p50_ratio <= 1.3 and rps_ratio >= 0.9,
         "loadavg": {"before": [round(x, 2) for x in load_before],
                     "after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()},
-        "note": "every gateway request is recorded before it is answered (request and "
-                "response blobs, then its index line, written to the kernel; fsync when the "
+        "note": "every gateway request is recorded (request and response blobs, then its "
+                "index line, written to the kernel) in the loop step that answers it: a "
+                "small call right after its reply is written, before the connection reads "
+                "its next request, a large one before its reply; fsync when the "
                 "socket closes: runner/gateway/calllog.py)",
     }
     if a.in_container:

@@ -14,6 +14,7 @@ import os
 import posixpath
 import re
 import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +95,19 @@ def _check_surrogates(obj: object) -> None:
             stack.extend(item)
 
 
+_DECODERS = threading.local()
+
+
+def _decoder() -> json.JSONDecoder:
+    """This thread's strict decoder: built once (``json.loads`` with hooks builds a decoder
+    and its C scanner on every call, which costs more than parsing a small body)."""
+    d: json.JSONDecoder | None = getattr(_DECODERS, "d", None)
+    if d is None:
+        d = _DECODERS.d = json.JSONDecoder(object_pairs_hook=_no_dup_keys,
+                                          parse_constant=_no_constants, parse_float=_finite)
+    return d
+
+
 def strict_json(text: str, *, max_depth: int = MAX_JSON_DEPTH) -> object:
     """json.loads refusing NaN/Infinity (also by overflow), duplicate keys, nesting deeper
     than ``max_depth`` and lone surrogates; every refusal is a ValueError."""
@@ -103,8 +117,7 @@ def strict_json(text: str, *, max_depth: int = MAX_JSON_DEPTH) -> object:
         raise ValueError("text holds a lone surrogate (not valid Unicode)") from None
     _check_depth(text, max_depth)
     try:
-        obj = json.loads(text, object_pairs_hook=_no_dup_keys, parse_constant=_no_constants,
-                         parse_float=_finite)
+        obj = _decoder().decode(text)
     except RecursionError:
         raise ValueError(f"nested deeper than {max_depth} levels") from None
     if _SURROGATE_ESCAPE.search(text):

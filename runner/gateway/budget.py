@@ -145,6 +145,11 @@ class RunBudget:
                 self.halted = self.halted or (f"a {res.role} call cost {cost_usd:.6f} USD, above "
                                               f"its reservation {res.amount:.6f}")
 
+    def halt(self, reason: str) -> None:
+        """Stop admission for good (the first reason stays)."""
+        with self._lock:
+            self.halted = self.halted or reason
+
     def release(self, res: Reservation) -> None:
         """Undo an admission for a call that never reached an upstream (no charge)."""
         with self._lock:

@@ -67,6 +67,8 @@ class Reply:
     status: int
     body: bytes
     content_type: str = "application/json"
+    after: Callable[[], None] | None = None
+    """Run right after the reply is written (the handler's recording of the call)."""
 
 
 class Handler(Protocol):
@@ -403,6 +405,8 @@ class Connection(asyncio.Protocol):
                 self.l.connections.discard(self)
         keep = head.keep_alive and not self.closed
         self._send(reply, keep_alive=keep)
+        if reply.after is not None:
+            reply.after()  # no await since the handler returned: nothing comes between
         if keep and self.transport is not None:
             self._reset()
             self.transport.resume_reading()

@@ -8,9 +8,12 @@ someone else); the token, per run and role, is checked in constant time from the
 request head, before any body byte is kept.
 
 Every request is recorded (ok, refused with a named reason, infra error, interrupted,
-internal error), except a successful model listing, which is not a model call. Large
-bodies are parsed and large blobs written on a thread pool, a few at a time per
-socket, so one container's traffic does not stall another's. Socket limits are in
+internal error), except a successful model listing, which is not a model call. A
+call's record is written in the loop step that answers it: a small one right after its
+reply (the container reads its answer meanwhile; nothing can come between the two, and a
+failure to record stops admission), a large one before. Large bodies are parsed and
+large blobs written on a thread pool, a few at a time per socket, so one container's
+traffic does not stall another's. Socket limits are in
 :mod:`runner.gateway.http`; request vetting and the worst case in :mod:`vet`.
 """
 
@@ -18,11 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -330,9 +335,26 @@ class Gateway:
 
     def calls(self, stage: str, case: str | None = None,
               trial: int | None = None) -> list[CallRecord]:
-        """Calls recorded so far for one container's (stage, case, trial), from memory."""
+        """Calls recorded so far for one container's (stage, case, trial), from memory;
+        every call whose answer was sent before this is asked is in it (:meth:`_caught_up`)."""
+        self._caught_up()
         with self._index_lock:
             return list(self._by_key.get((stage, case, trial), ()))
+
+    def flush(self) -> None:
+        """Every call answered so far is in the log on disk (fsync'd): for a reader of a
+        live run's log."""
+        self._caught_up()
+        self.log.sync()
+
+    def _caught_up(self) -> None:
+        """Asked from another thread, let the loop finish the step it is in: a reply and
+        its call's record are written in one step (``Reply.after``)."""
+        loop = self._loop
+        if (loop is not None and loop.is_running()
+                and threading.current_thread() is not self._thread):
+            with contextlib.suppress(Exception):  # a closing loop: what is recorded is all
+                asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=10)
 
     # -- recording -----------------------------------------------------------------
     async def offload(self, b: Binding, size: int, fn: Callable[[], T]) -> T:
@@ -341,6 +363,17 @@ class Gateway:
             return fn()
         async with b.writers:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    def _record_after(self, record: Callable[[], None]) -> None:
+        """Run a call's recording after its reply was sent. It cannot be refused any more,
+        so a failure to record stops admission (the run ends incomplete, named), and the
+        controller says so; it never passes silently."""
+        try:
+            record()
+        except Exception as exc:
+            reason = f"call log write failed: {type(exc).__name__}: {str(exc)[:200]}"
+            self.budget.halt(reason)
+            print(f"cyclebox gateway: {reason}; admission stopped", file=sys.stderr)
 
     def _record(self, b: Binding, turn: int, t0: float, *, status: Any, error: str | None,
                 upstream: str | None, received: bytes | None = None,
@@ -521,17 +554,29 @@ class _Handler:
         response, redactions = result.response, 0
         if response is not None:
             response, redactions = self.gw._redactor.redact(response)
-        size = len(sent) + len(response or b"")
-        await self.gw.offload(self.b, size, lambda: self.gw._record(
-            self.b, turn, t0, status="infra_error" if result.error else "ok",
-            error=result.error, fixture=result.fixture, http_status=result.http_status,
-            usage=result.usage, cost=cost, cost_basis=basis, response=response,
-            redactions=redactions, replay_of=result.replay_of, **common))
         if result.error or response is None:
-            return _error(502, result.error or "no_response",
-                          f"upstream {name} failed: {result.error}; recorded, not retried",
-                          api=api)
-        return Reply(200, response, "text/event-stream" if stream else "application/json")
+            reply = _error(502, result.error or "no_response",
+                           f"upstream {name} failed: {result.error}; recorded, not retried",
+                           api=api)
+        else:
+            reply = Reply(200, response, "text/event-stream" if stream else "application/json")
+
+        def record() -> None:
+            self.gw._record(
+                self.b, turn, t0, status="infra_error" if result.error else "ok",
+                error=result.error, fixture=result.fixture, http_status=result.http_status,
+                usage=result.usage, cost=cost, cost_basis=basis, response=response,
+                redactions=redactions, replay_of=result.replay_of, **common)
+
+        size = len(sent) + len(response or b"")
+        if size >= OFFLOAD_BYTES:
+            await self.gw.offload(self.b, size, record)  # large blobs: on the pool, first
+        else:
+            # Small: written right after the reply, in the same step of the loop (no await
+            # between them, so neither a cancel nor another call comes in between), while
+            # the container reads its answer: one call's recording is off its latency.
+            reply.after = functools.partial(self.gw._record_after, record)
+        return reply
 
 
 def _charge(result: ProviderResult, price: Price | None, worst: float | None, *,

@@ -17,6 +17,7 @@ longer than the template tokens it becomes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -351,17 +352,22 @@ def _int_field(body: dict[str, Any], key: str, lo: int, hi: int, place: str) -> 
     return v
 
 
+@functools.lru_cache(maxsize=256)
+def _allowed(fam: Family, extra_fields: tuple[str, ...], allow_tools: bool) -> frozenset[str]:
+    """The top-level fields forwarded for a family under one role's rules (built once)."""
+    return fam.fields | frozenset(extra_fields) | (fam.tool_fields if allow_tools
+                                                   else frozenset())
+
+
 def vet(body: dict[str, Any], *, rules: RequestRules, cap: int, api: Api = "chat",
         where: str = "rules") -> Vetted:
     """Check a parsed request of family ``api`` against its allowlist and the token cap;
     Refusal names the field and the policy place (``where``: e.g. upstreams.NAME.rules)."""
     fam = FAMILIES[api]
     ctx = _Ctx(rules, where)
-    allowed = fam.fields | set(rules.extra_fields) | (fam.tool_fields if rules.allow_tools
-                                                      else frozenset())
-    extra = sorted(set(body) - allowed)
-    if extra:
-        key = extra[0]
+    allowed = _allowed(fam, rules.extra_fields, rules.allow_tools)
+    if not allowed.issuperset(body):
+        key = sorted(set(body) - allowed)[0]
         if key in fam.tool_fields:
             raise _refuse("tools_not_allowed", key,
                           f"field {key!r}: tools are off for this role; turn them on with "
@@ -391,9 +397,9 @@ def vet(body: dict[str, Any], *, rules: RequestRules, cap: int, api: Api = "chat
                               f"tools[{i}]: type {kind!r} is not a function tool; server-side "
                               "tools (web search, web fetch, file search, code interpreter, "
                               "computer use, MCP, ...) are never forwarded")
-    caps = [v for k in fam.token_keys
-            if (v := _int_field(body, k, 1, cap, f"upstream max_tokens; "
-                                f"{ctx.where.removesuffix('.rules')}.max_tokens in cycle.yaml"))
+    caps = [v for k in fam.token_keys if k in body
+            and (v := _int_field(body, k, 1, cap, f"upstream max_tokens; "
+                                 f"{ctx.where.removesuffix('.rules')}.max_tokens in cycle.yaml"))
             is not None]
     out = dict(body)
     if fam.output and not caps:
@@ -403,7 +409,8 @@ def vet(body: dict[str, Any], *, rules: RequestRules, cap: int, api: Api = "chat
     fam.content(out, ctx)
     n, best_of = 1, None
     if fam.n:
-        n = _int_field(body, "n", 1, rules.max_n, ctx.place("max_n")) or 1
+        n = (_int_field(body, "n", 1, rules.max_n, ctx.place("max_n")) if "n" in body
+             else None) or 1
         if "best_of" in body:
             best_of = _int_field(body, "best_of", n, rules.max_n, ctx.place("max_n"))
     stream = body.get("stream")

@@ -57,7 +57,7 @@ def gw_factory(tmp_path: Path) -> Iterator[Any]:
 
 
 def records(gw: Gateway) -> list[CallRecord]:
-    gw.log.sync()
+    gw.flush()
     return CallLog(gw.log.root).records()
 
 
@@ -359,6 +359,50 @@ def test_handler_exception_is_a_recorded_500(gw_factory: Any,
             model="m", messages=[{"role": "user", "content": "ping"}])
     (rec,) = records(gw)
     assert (rec.status, rec.error) == ("refused", "internal_error")
+
+
+def test_a_call_whose_record_fails_after_its_reply_stops_admission(
+        gw_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small call is recorded right after its reply is written (Reply.after). When that
+    write fails the answer is already out: admission stops for good, named, and the
+    next call is refused; nothing passes unrecorded in silence."""
+    gw, b = gw_factory(scripted())
+    c = client(gateway_dir=b.directory)
+    real = gw.log.append
+    failing = [True]
+
+    def append(rec: CallRecord) -> None:
+        if failing[0]:
+            failing[0] = False
+            raise OSError(28, "No space left on device")
+        real(rec)
+
+    monkeypatch.setattr(gw.log, "append", append)
+    c.chat.completions.create(model="m", messages=[{"role": "user", "content": "ping"}])
+    assert gw.calls("s") == []  # the loop finished the step: the record is not there
+    assert gw.budget.halted is not None and "call log write failed" in gw.budget.halted
+    assert "No space left" in gw.budget.halted
+    with pytest.raises(openai.RateLimitError, match="call log write failed"):
+        c.chat.completions.create(model="m", messages=[{"role": "user", "content": "ping"}])
+
+
+def test_every_answered_call_is_listed_once_its_answer_is_read(
+        gw_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """calls() asked from another thread sees each call whose reply the client has read
+    (the record is written in the reply's loop step, and calls() waits for that step),
+    even when the loop is slow to get to the record (here: 50 ms after the reply)."""
+    gw, b = gw_factory(scripted())
+    c = client(gateway_dir=b.directory)
+    real = gw._record_after
+
+    def late(record: Any) -> None:
+        time.sleep(0.05)
+        real(record)
+
+    monkeypatch.setattr(gw, "_record_after", late)
+    for n in range(1, 6):
+        c.chat.completions.create(model="m", messages=[{"role": "user", "content": "ping"}])
+        assert len(gw.calls("s")) == n
 
 
 def test_credential_echoed_by_the_upstream_is_redacted(gw_factory: Any,
