@@ -507,7 +507,7 @@ class CycleRunner:
             return Record(**base, status="not_attempted", reason=f"budget: {self.budget.halted}")
         out = ready.out
         rec = self._record_run(ready.run, stage=stage, out=out, case=sc.id, trial=trial)
-        calls = self.gw.calls(stage, sc.id, trial)
+        calls = self.gw.calls(stage, sc.id, trial, forget=True)
         usage = {r: t.model_dump(mode="json") for r, t in summarize(calls).per_role.items()}
         common = dict(base, latency_s=rec.wall_s, usage=usage)
         if any(c.error == "budget" for c in calls):
@@ -674,7 +674,8 @@ class CycleRunner:
             existing = [dream.intent_of(s, key) for s in self.manifest.scenarios]
             slots, calls = dream.after_generation(dev, spec.factor, key, gen, existing)
             dream.after_verification(slots, self._relay("dream-verify", calls) if calls else {})
-            calls_log = [*self.gw.calls("dream-generate"), *self.gw.calls("dream-verify")]
+            calls_log = [*self.gw.calls("dream-generate", forget=True),
+                         *self.gw.calls("dream-verify", forget=True)]
             tot = summarize(calls_log).total
             result = dream.finish(slots, parents, key, tot.tokens, tot.cost_usd, tot.complete)
         (d / "variants.json").write_text(dream.dumps_variants(result.variants))

@@ -333,13 +333,17 @@ class Gateway:
             raise
         self.unbind(b)
 
-    def calls(self, stage: str, case: str | None = None,
-              trial: int | None = None) -> list[CallRecord]:
+    def calls(self, stage: str, case: str | None = None, trial: int | None = None, *,
+              forget: bool = False) -> list[CallRecord]:
         """Calls recorded so far for one container's (stage, case, trial), from memory;
-        every call whose answer was sent before this is asked is in it (:meth:`_caught_up`)."""
+        every call whose answer was sent before this is asked is in it (:meth:`_caught_up`).
+        ``forget``: the caller is done with them (a case read once it ended), so a long
+        run's memory does not grow with its calls; the log on disk keeps them all."""
         self._caught_up()
         with self._index_lock:
-            return list(self._by_key.get((stage, case, trial), ()))
+            key = (stage, case, trial)
+            found = self._by_key.pop(key, []) if forget else self._by_key.get(key, [])
+            return list(found)
 
     def flush(self) -> None:
         """Every call answered so far is in the log on disk (fsync'd): for a reader of a

@@ -658,3 +658,17 @@ def test_interrupt_from_a_signal_handler_cancels_and_records(
             assert statuses == [503] and srv.served == 0
             recs = gw.calls("s")
     assert [(r.status, r.error) for r in recs] == [("infra_error", "interrupted")]
+
+
+def test_calls_read_once_a_case_ended_are_not_kept_in_memory(gw_factory: Any) -> None:
+    """A long run's controller memory does not grow with its calls: the cycle reads a
+    case's calls with forget=True once it ended, and the gateway drops them (the log on
+    disk keeps every one)."""
+    gw, b = gw_factory(scripted())
+    c = client(gateway_dir=b.directory)
+    for _ in range(3):
+        c.chat.completions.create(model="m", messages=[{"role": "user", "content": "ping"}])
+    assert len(gw.calls("s")) == 3  # a plain read keeps them
+    assert len(gw.calls("s", forget=True)) == 3
+    assert gw.calls("s") == [] and gw._by_key == {}
+    assert len(records(gw)) == 3
