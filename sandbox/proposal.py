@@ -108,13 +108,16 @@ def _decoder() -> json.JSONDecoder:
     return d
 
 
-def strict_json(text: str, *, max_depth: int = MAX_JSON_DEPTH) -> object:
+def strict_json(text: str, *, max_depth: int = MAX_JSON_DEPTH,
+                from_utf8: bool = False) -> object:
     """json.loads refusing NaN/Infinity (also by overflow), duplicate keys, nesting deeper
-    than ``max_depth`` and lone surrogates; every refusal is a ValueError."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("text holds a lone surrogate (not valid Unicode)") from None
+    than ``max_depth`` and lone surrogates; every refusal is a ValueError. ``from_utf8``:
+    ``text`` was decoded from UTF-8 bytes (strictly), so it holds no raw lone surrogate."""
+    if not from_utf8:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("text holds a lone surrogate (not valid Unicode)") from None
     _check_depth(text, max_depth)
     try:
         obj = _decoder().decode(text)

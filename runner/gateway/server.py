@@ -42,7 +42,7 @@ import uvloop
 
 from runner import interrupts
 from runner.errors import ConfigError, OutputRejected
-from runner.gateway.budget import BudgetPolicy, BudgetRefused, RunBudget
+from runner.gateway.budget import BudgetPolicy, BudgetRefused, Reservation, RunBudget
 from runner.gateway.calllog import (
     ANTHROPIC_APIS,
     PREFIX_BYTES,
@@ -485,6 +485,16 @@ class _Handler:
             for m in ids], "has_more": False, "first_id": ids[0] if ids else None,
             "last_id": ids[-1] if ids else None})
 
+    def _interrupted(self, turn: int, t0: float, reservation: Reservation | None,
+                     worst: float | None, *, free: bool, common: dict[str, Any]) -> None:
+        """A call cancelled in flight (the gateway is stopping): charged its worst case,
+        recorded as interrupted."""
+        basis: CostBasis | None = "upper_bound" if worst is not None and not free else None
+        if reservation is not None:
+            self.gw.budget.settle(reservation, worst, upper_bound=basis == "upper_bound")
+        self.gw._record(self.b, turn, t0, status="infra_error", error="interrupted",
+                        cost=worst, cost_basis=basis, **common)
+
     async def handle(self, head: Head, body: bytes) -> Reply:
         api = ROUTES.get(head.path)
         if api is None:
@@ -535,23 +545,23 @@ class _Handler:
         provider = self.gw._providers[name]
         common: dict[str, Any] = {"upstream": name, "provider": provider.name, "model": model,
                                   "stream": stream, "sent": sent, "api": api}
+        deadline = _Deadline(up.call_deadline_s)
         try:
-            async with asyncio.timeout(up.call_deadline_s):
-                site = CallSite(self.b.role, self.b.stage, self.b.case, self.b.trial, turn)
-                result = await provider.call(sent, vetted.body, role=self.b.role,
-                                             stream=stream, site=site, api=api)
+            site = CallSite(self.b.role, self.b.stage, self.b.case, self.b.trial, turn)
+            result = await provider.call(sent, vetted.body, role=self.b.role,
+                                         stream=stream, site=site, api=api)
         except TimeoutError:
             result = ProviderResult(None, None, "upstream_deadline")
         except asyncio.CancelledError:
-            basis: CostBasis | None = "upper_bound" if worst is not None and not free else None
-            cost = worst
-            if reservation is not None:
-                self.gw.budget.settle(reservation, cost, upper_bound=basis == "upper_bound")
-            self.gw._record(self.b, turn, t0, status="infra_error", error="interrupted",
-                            cost=cost, cost_basis=basis, **common)
-            raise
+            if deadline.expired():
+                result = ProviderResult(None, None, "upstream_deadline")
+            else:
+                self._interrupted(turn, t0, reservation, worst, free=free, common=common)
+                raise
         except Exception as exc:
             result = ProviderResult(None, None, f"internal_error: {type(exc).__name__}")
+        finally:
+            deadline.cancel()
         cost, basis = _charge(result, price, worst, free=free)
         if reservation is not None:
             self.gw.budget.settle(reservation, cost, upper_bound=basis == "upper_bound")
@@ -581,6 +591,32 @@ class _Handler:
             # the container reads its answer: one call's recording is off its latency.
             reply.after = functools.partial(self.gw._record_after, record)
         return reply
+
+
+class _Deadline:
+    """The call deadline of the running task: what ``asyncio.timeout`` does, without its
+    per-call context object and running-loop lookups (a getpid each) on the hot path."""
+
+    __slots__ = ("_cancelling", "_fired", "_handle", "_task")
+
+    def __init__(self, delay_s: float) -> None:
+        task = asyncio.current_task()
+        assert task is not None  # noqa: S101 - called from a handler task
+        self._task = task
+        self._fired = False
+        self._cancelling = task.cancelling()
+        self._handle = task.get_loop().call_later(delay_s, self._fire)
+
+    def _fire(self) -> None:
+        self._fired = True
+        self._task.cancel()
+
+    def expired(self) -> bool:
+        """A CancelledError was this deadline's own (then it is absorbed), not a stop."""
+        return self._fired and self._task.uncancel() <= self._cancelling
+
+    def cancel(self) -> None:
+        self._handle.cancel()
 
 
 def _charge(result: ProviderResult, price: Price | None, worst: float | None, *,

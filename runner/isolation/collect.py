@@ -160,8 +160,9 @@ def _kind(mode: int) -> str:
 def loads_strict(data: bytes | str, *, source: str = "<json>") -> Any:
     """Parse JSON refusing NaN/Infinity and duplicate keys; raise OutputRejected naming source."""
     try:
-        text = data.decode("utf-8") if isinstance(data, bytes) else data
-        return strict_json(text)
+        if isinstance(data, bytes):  # a strict decode: no lone surrogate gets through
+            return strict_json(data.decode("utf-8"), from_utf8=True)
+        return strict_json(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise OutputRejected(f"{source}: invalid JSON: {exc}") from None
 
