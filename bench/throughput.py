@@ -7,16 +7,18 @@ replaced by ``provider: openai`` pointing at a tiny asyncio server on loopback t
 every chat completion after LATENCY seconds (a refusal with usage, so costs are known).
 Per setting: the analyst stages' wall time (``timing.baseline`` + ``timing.candidate``)
 and cases/s over both (the cycle's other stages are in ``run_s`` only); CPU seconds
-per case, three ways (:mod:`bench._hostcpu` defines them): ``cgroups`` (the controller's
+per case, four ways (:mod:`bench._hostcpu` defines them): ``cgroups`` (the controller's
 own CPU from ``wait4`` plus the analyst containers' cgroup CPU, polled while they live),
-``with_engine`` (plus dockerd, containerd, the shims and their runc calls, from
-``/proc``) and ``host`` (all busy CPU of the host while analyst containers existed, minus
-this bench process's own), each divided by the analyst containers; the peak memory of
+``with_engine`` (plus dockerd, containerd and the shims, from ``/proc``), ``attributed``
+(every busy CPU second of the host while analyst containers existed, minus this bench
+process and the user processes that are not the run's: kernel work and short-lived
+``runc`` calls included) and ``host`` (minus this bench process only), each divided by
+the analyst containers, with the processes that used the most CPU; the peak memory of
 the controller (RSS, ``wait4``) plus the containers (sum of their cgroups' memory usage,
 polled); the host's busy CPU share over the run and the load average. Then the CPU bound
 (cores / CPU s per case, the median over settings) by each definition, the best fixed
-setting against it (target >= 0.8; the headline uses ``host``, every CPU second a case
-costs this host), and ``auto`` against the best fixed one (target >= 0.9, without
+setting against it (target >= 0.8; the headline uses ``attributed``, every CPU second
+a case costs this host), and ``auto`` against the best fixed one (target >= 0.9, without
 exhausting memory).
 
 Settings run one after another, each a cycle of its own; ``--settings 8`` runs one (so
@@ -154,7 +156,7 @@ class Poller:
     the host's CPU (:class:`bench._hostcpu.HostCpu`) while any of them exists. Each new
     container is asked of the engine once (are its labels this run's analyst?)."""
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, run_id: str, controller_pid: int | None = None) -> None:
         import docker
 
         self.client = docker.from_env()
@@ -163,7 +165,7 @@ class Poller:
         self.peak_running = 0
         self.cpu: dict[str, float] = {}
         self.ours: dict[str, bool] = {}
-        self.host = HostCpu()
+        self.host = HostCpu(controller_pid)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
@@ -181,7 +183,7 @@ class Poller:
     def _loop(self) -> None:
         while not self._stop.wait(POLL_S):
             found = [cid for cid in container_ids() if self._is_ours(cid)]
-            self.host.poll(bool(found), time.monotonic())
+            self.host.poll(bool(found))
             total = 0
             for cid in found:
                 mem, cpu = container_usage(cid)
@@ -227,13 +229,13 @@ def one(work: Path, cases: int, up: SlowUpstream, setting: str, n: int) -> dict[
                          f"{frozen.returncode}): {frozen.stderr[-2000:]}")
     doc = json.loads((run / "plan.json").read_text())
     rid = f"{doc['plan']['name']}-{doc['plan_hash'][:10]}"
-    poller = Poller(rid)
     probe = HostProbe()
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     proc = subprocess.Popen([*CLI, "cycle", "run", "--plan", str(run / "plan.json"), "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             cwd=PROJECT_ROOT, env=env)
+    poller = Poller(rid, proc.pid)  # no analyst container exists before the plan loads
     assert proc.stdout is not None
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
@@ -255,9 +257,8 @@ def one(work: Path, cases: int, up: SlowUpstream, setting: str, n: int) -> dict[
     controller_cpu = usage.ru_utime + usage.ru_stime
     n_cases = max(1, len(analyst))
     cpu_per_case = (container_cpu + controller_cpu) / n_cases
-    engine = poller.host.engine_s()
-    with_engine = cpu_per_case + sum(engine.values()) / n_cases
-    host_per_case = poller.host.host_s() / n_cases
+    hc = poller.host
+    with_engine = cpu_per_case + hc.engine_s() / n_cases
     waits = [v for k, v in timing.items() if k.startswith("baseline.prepared_wait_s.")
              and "__t" in k]
     got: dict[str, Any] = {
@@ -267,10 +268,12 @@ def one(work: Path, cases: int, up: SlowUpstream, setting: str, n: int) -> dict[
         "cases_per_s": round(len(analyst) / stage_s, 3) if stage_s else None,
         "cpu_s_per_case": {"cgroups": round(cpu_per_case, 3),
                            "with_engine": round(with_engine, 3),
-                           "host": round(host_per_case, 3)},
-        "engine_cpu_s": engine,
-        "host_busy_s_while_analysts": round(poller.host.busy_s, 2),
-        "bench_self_cpu_s_while_analysts": round(poller.host.self_s, 2),
+                           "attributed": round(hc.attributed_s() / n_cases, 3),
+                           "host": round(hc.host_s() / n_cases, 3)},
+        "while_analysts": {"host_busy_s": round(hc.busy_s, 2),
+                           "bench_self_s": round(hc.self_s, 2),
+                           "by_kind_s": {k: round(v, 2) for k, v in sorted(hc.by_kind.items())},
+                           "by_process_s": hc.top()},
         "controller_cpu_s": round(controller_cpu, 2),
         "containers_cpu_s_polled": round(container_cpu, 2),
         "controller_peak_rss_mib": usage.ru_maxrss // 1024,
@@ -297,9 +300,12 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         return out
     best = max(fixed, key=lambda r: r["cases_per_s"])
     out.update(best_fixed=best["setting"], best_fixed_cases_per_s=best["cases_per_s"],
-               target_best_over_cpu_bound=0.8, headline_definition="host")
-    for name in ("cgroups", "with_engine", "host"):
-        cpu = statistics.median(r["cpu_s_per_case"][name] for r in fixed)
+               target_best_over_cpu_bound=0.8, headline_definition="attributed")
+    for name in ("cgroups", "with_engine", "attributed", "host"):
+        known = [r["cpu_s_per_case"][name] for r in fixed if name in r["cpu_s_per_case"]]
+        if not known:
+            continue  # a report from before this definition (--merge)
+        cpu = statistics.median(known)
         bound = cores() / cpu if cpu else None
         out[name] = {"cpu_s_per_case_median": round(cpu, 3),
                      "cpu_bound_cases_per_s": round(bound, 3) if bound else None,
