@@ -3,8 +3,9 @@
 A fixed ``concurrency: N`` is N. ``concurrency: auto`` starts from the cores and the memory
 the host has free, then follows the host: a slow model leaves the CPU idle and the memory
 free, so it raises the count; a busy CPU holds it, a saturated CPU or shrinking memory
-lowers it. :func:`decide` is the whole policy, a pure function of one sample; the sampler
-only reads ``/proc/stat`` and ``/proc/meminfo``. The values chosen go into the receipt's
+lowers it. :func:`decide` is the whole policy, a pure function of one sample (its CPU
+share averaged with the earlier ones by :func:`smooth`); the sampler only reads
+``/proc/stat`` and ``/proc/meminfo``. The values chosen go into the receipt's
 ``timing`` (never into the plan, which says ``auto``): outcomes do not depend on them.
 
 The look-ahead (:func:`lookahead`) is bounded by memory as the kernel will enforce it:
@@ -64,6 +65,21 @@ def initial(cores: int, mem_available: int, bounds: Bounds) -> int:
     """Where ``auto`` starts: one case per core, within memory and the bounds."""
     cap = memory_cap(mem_available, bounds.per_case_bytes)
     return max(bounds.floor, min(bounds.ceiling, cores, cap))
+
+
+SMOOTHING = 0.5
+"""Weight of the past in the CPU share ``auto`` decides on (:func:`smooth`): one second
+of a CPU-bound stage swings between 0.8 and 1.0 as agents start and wait, and deciding
+on each raw sample lowered and raised the count nearly every second."""
+
+
+def smooth(past: Sample | None, sample: Sample) -> Sample:
+    """``sample`` with its CPU share averaged exponentially with the past ones; memory is
+    never averaged (a shrinking ``MemAvailable`` must lower the count at once)."""
+    if past is None:
+        return sample
+    busy = SMOOTHING * past.cpu_busy + (1 - SMOOTHING) * sample.cpu_busy
+    return Sample(cpu_busy=busy, mem_available=sample.mem_available)
 
 
 def decide(current: int, sample: Sample, bounds: Bounds) -> int:
@@ -188,12 +204,13 @@ class Control:
         self._thread.start()
 
     def _loop(self, set_limit: Callable[[int], None]) -> None:
+        seen: Sample | None = None
         while not self._stop.wait(self.interval_s):
             try:
-                sample = self.probe.sample()
+                seen = smooth(seen, self.probe.sample())
             except (OSError, ValueError):
                 continue  # a failed read changes nothing
-            nxt = decide(self.limit, sample, self.bounds)
+            nxt = decide(self.limit, seen, self.bounds)
             if nxt != self.limit:
                 self.limit = nxt
                 self.chosen.append(nxt)

@@ -178,6 +178,22 @@ def test_decide_lowers_when_memory_shrinks_below_the_running_ones() -> None:
     assert cc.decide(8, cc.Sample(cpu_busy=0.1, mem_available=0), small) == 4
 
 
+def test_one_saturated_second_does_not_lower_the_count_a_saturated_stretch_does() -> None:
+    # auto decides on the smoothed CPU share: a single spike (agents starting at once)
+    # is averaged away, a CPU that stays saturated lowers the count; memory is not averaged
+    seen = None
+    limits = []
+    for busy in (0.9, 0.98, 0.86, 0.98, 1.0, 1.0):
+        seen = cc.smooth(seen, cc.Sample(cpu_busy=busy, mem_available=20 * GIB))
+        limits.append(cc.decide(8, seen, BOUNDS))
+    assert limits == [8, 8, 8, 8, 6, 6]
+    raw = [cc.decide(8, cc.Sample(cpu_busy=b, mem_available=20 * GIB), BOUNDS)
+           for b in (0.9, 0.98)]
+    assert raw == [8, 6]  # what deciding on each raw second did
+    shrunk = cc.smooth(seen, cc.Sample(cpu_busy=0.1, mem_available=0))
+    assert shrunk.mem_available == 0 and cc.decide(8, shrunk, BOUNDS) == 8
+
+
 def test_auto_starts_from_the_cores_within_memory() -> None:
     assert cc.initial(2, 20 * GIB, BOUNDS) == 2
     assert cc.initial(16, 2 * GIB, BOUNDS) == 3  # 0.8 x 2 GiB holds three at 512 MiB
