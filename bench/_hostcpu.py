@@ -71,13 +71,25 @@ class Processes:
             return "kernel"
         if comm in ENGINE_COMMS:
             return "engine"
-        if pid == self.controller_pid:
-            return "controller"
+        if self._under_controller(pid, ppid):
+            return "controller"  # the CLI or a process it started (e.g. git)
         try:
             cg = (self.proc / str(pid) / "cgroup").read_text()
         except OSError:
             return "other"
         return "container" if "/docker/" in cg or "docker-" in cg else "other"
+
+    def _under_controller(self, pid: int, ppid: int) -> bool:
+        for _ in range(8):  # the controller's children and their children
+            if self.controller_pid is not None and self.controller_pid in (pid, ppid):
+                return True
+            if ppid <= 1:
+                return False
+            try:
+                pid, ppid = ppid, _stat((self.proc / str(ppid) / "stat").read_text())[1]
+            except (OSError, ValueError, IndexError):
+                return False
+        return False
 
     def read(self) -> dict[Key, Proc]:
         out: dict[Key, Proc] = {}
