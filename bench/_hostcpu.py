@@ -69,27 +69,31 @@ class Processes:
             return "bench"
         if flags & PF_KTHREAD or pid == 2 or ppid == 2:
             return "kernel"
-        if comm in ENGINE_COMMS:
-            return "engine"
-        if self._under_controller(pid, ppid):
-            return "controller"  # the CLI or a process it started (e.g. git)
         try:
             cg = (self.proc / str(pid) / "cgroup").read_text()
         except OSError:
-            return "other"
-        return "container" if "/docker/" in cg or "docker-" in cg else "other"
+            cg = ""
+        if "/docker/" in cg or "docker-" in cg:
+            return "container"  # before the ancestors: every container is under a shim
+        if comm in ENGINE_COMMS:
+            return "engine"
+        return self._ancestry(ppid)
 
-    def _under_controller(self, pid: int, ppid: int) -> bool:
-        for _ in range(8):  # the controller's children and their children
-            if self.controller_pid is not None and self.controller_pid in (pid, ppid):
-                return True
+    def _ancestry(self, ppid: int) -> str:
+        """controller or engine when a process descends from one (the CLI's git calls,
+        dockerd's re-executed helpers such as ``exe``), else other."""
+        for _ in range(8):
             if ppid <= 1:
-                return False
+                return "other"
+            if ppid == self.controller_pid:
+                return "controller"
             try:
-                pid, ppid = ppid, _stat((self.proc / str(ppid) / "stat").read_text())[1]
+                comm, ppid, _, _, _ = _stat((self.proc / str(ppid) / "stat").read_text())
             except (OSError, ValueError, IndexError):
-                return False
-        return False
+                return "other"
+            if comm in ENGINE_COMMS:
+                return "engine"
+        return "other"
 
     def read(self) -> dict[Key, Proc]:
         out: dict[Key, Proc] = {}
