@@ -307,10 +307,15 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             continue  # a report from before this definition (--merge)
         cpu = statistics.median(known)
         bound = cores() / cpu if cpu else None
+        own = best["cpu_s_per_case"].get(name)
         out[name] = {"cpu_s_per_case_median": round(cpu, 3),
                      "cpu_bound_cases_per_s": round(bound, 3) if bound else None,
                      "best_over_cpu_bound": round(best["cases_per_s"] / bound, 3)
-                     if bound else None}
+                     if bound else None,
+                     # against the bound at the best setting's own CPU per case (which
+                     # grows with the concurrency): the share of the cores it kept busy
+                     "best_over_own_cpu_bound": round(best["cases_per_s"] * own / cores(), 3)
+                     if own else None}
     if auto and auto["cases_per_s"]:
         out.update(auto_cases_per_s=auto["cases_per_s"],
                    auto_over_best_fixed=round(auto["cases_per_s"] / best["cases_per_s"], 3),
