@@ -77,6 +77,8 @@ class Processes:
             return "container"  # before the ancestors: every container is under a shim
         if comm in ENGINE_COMMS:
             return "engine"
+        if pid == self.controller_pid:
+            return "controller"
         return self._ancestry(ppid)
 
     def _ancestry(self, ppid: int) -> str:
