@@ -160,7 +160,8 @@ BOUNDS = cc.Bounds(per_case_bytes=GIB // 2, ceiling=32)
     (16, 0.10, 20 * GIB, 32),   # up to the ceiling
     (32, 0.10, 20 * GIB, 32),   # never past it
     (8, 0.60, 20 * GIB, 10),    # some headroom: a quarter more
-    (8, 0.90, 20 * GIB, 8),     # busy: holds
+    (8, 0.85, 20 * GIB, 10),    # still some: a quarter more
+    (8, 0.93, 20 * GIB, 8),     # busy: holds
     (8, 0.99, 20 * GIB, 6),     # saturated: a quarter less
     (1, 0.99, 20 * GIB, 1),     # never below the floor
     (4, 0.10, 1 * GIB, 5),      # idle but the memory fits one more at the limit
@@ -176,6 +177,22 @@ def test_decide_lowers_when_memory_shrinks_below_the_running_ones() -> None:
     # and a ceiling below the current (fewer cases left) lowers it
     small = cc.Bounds(per_case_bytes=GIB // 2, ceiling=4)
     assert cc.decide(8, cc.Sample(cpu_busy=0.1, mem_available=0), small) == 4
+
+
+def test_one_saturated_second_does_not_lower_the_count_a_saturated_stretch_does() -> None:
+    # auto decides on the smoothed CPU share: a single spike (agents starting at once)
+    # is averaged away, a CPU that stays saturated lowers the count; memory is not averaged
+    seen = None
+    limits = []
+    for busy in (0.93, 0.99, 0.93, 0.99, 1.0, 1.0):
+        seen = cc.smooth(seen, cc.Sample(cpu_busy=busy, mem_available=20 * GIB))
+        limits.append(cc.decide(8, seen, BOUNDS))
+    assert limits == [8, 8, 8, 8, 6, 6]
+    raw = [cc.decide(8, cc.Sample(cpu_busy=b, mem_available=20 * GIB), BOUNDS)
+           for b in (0.93, 0.99)]
+    assert raw == [8, 6]  # what deciding on each raw second did
+    shrunk = cc.smooth(seen, cc.Sample(cpu_busy=0.1, mem_available=0))
+    assert shrunk.mem_available == 0 and cc.decide(8, shrunk, BOUNDS) == 8
 
 
 def test_auto_starts_from_the_cores_within_memory() -> None:
