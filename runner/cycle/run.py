@@ -430,7 +430,9 @@ class CycleRunner:
             finally:
                 leave()
 
-        pool = ThreadPoolExecutor(max_workers=control.workers)
+        # twice the cases that may run at once: a case that left the gate (its command
+        # ended) still removes its container and writes its record meanwhile
+        pool = ThreadPoolExecutor(max_workers=2 * control.workers)
         control.start(gate.set_limit)
         ahead.start()
         futures = [pool.submit(job, i) for i in range(len(jobs))]
