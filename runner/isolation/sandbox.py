@@ -244,12 +244,7 @@ class PreparedRun(Protocol):
     def spec(self) -> RunSpec: ...
 
     def run(self, *, on_output: OutputCallback | None = None,
-            cancel: threading.Event | None = None,
-            ended: Callable[[], None] | None = None) -> RunRecord:
-        """Run the spec once; ``ended`` (if given) is called on this thread once the
-        command ended and its output is copied out, possibly before the container's
-        removal is confirmed (never after ``run`` returns)."""
-        ...
+            cancel: threading.Event | None = None) -> RunRecord: ...
 
     def discard(self) -> None: ...
 
@@ -275,16 +270,12 @@ class DeferredRun:
             return first
 
     def run(self, *, on_output: OutputCallback | None = None,
-            cancel: threading.Event | None = None,
-            ended: Callable[[], None] | None = None) -> RunRecord:
+            cancel: threading.Event | None = None) -> RunRecord:
         if not self._claim():
             # Running twice (or after a discard) would reuse a container: refused loudly,
             # never a second record for the same spec.
             raise SandboxError(f"prepared {self._spec.role} run already used or discarded")
-        rec = self._sandbox.run(self._spec, on_output=on_output, cancel=cancel)
-        if ended is not None:  # the container is gone too: nothing overlaps here
-            ended()
-        return rec
+        return self._sandbox.run(self._spec, on_output=on_output, cancel=cancel)
 
     def discard(self) -> None:
         self._claim()
