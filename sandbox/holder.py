@@ -968,29 +968,48 @@ class _Relay:
             sock, conn = got
             inbound, outbound = ((conn.up, conn.down) if sock is conn.up.src
                                  else (conn.down, conn.up))
-            if not self._io(sock, ev, inbound, outbound) or conn.over():
+            if not self._io(sock, ev, inbound, outbound, gateway=sock is conn.down.src) \
+                    or conn.over():
                 self._close(conn)
 
-    def _io(self, sock: Any, ev: int, inbound: _Pipe, outbound: _Pipe) -> bool:
-        """Move what ``ev`` allows on ``sock``; False when the connection is over."""
+    def _io(self, sock: Any, ev: int, inbound: _Pipe, outbound: _Pipe, *,
+            gateway: bool) -> bool:
+        """Move what ``ev`` allows on ``sock``; False when the connection is over.
+
+        An error on the client's side ends it (nobody is left to answer). An error on
+        the gateway's side does not: the gateway refuses a request from its head and
+        closes with the body unread, so the next write to it fails (EPIPE) and the read
+        after its answer is a reset; the answer it sent before still goes to the
+        client, and the rest of the request goes nowhere."""
         sel = self.select
         moved = False
-        try:
-            if ev & (sel.POLLIN | sel.POLLHUP | sel.POLLERR) and not inbound.eof \
-                    and len(inbound.buf) < self.cap:
-                data = sock.recv(self.cap - len(inbound.buf))
+        if ev & (sel.POLLIN | sel.POLLHUP | sel.POLLERR) and not inbound.eof \
+                and len(inbound.buf) < self.cap:
+            try:
+                data: bytes | None = sock.recv(self.cap - len(inbound.buf))
+            except (BlockingIOError, InterruptedError):
+                data = None
+            except OSError:
+                if not gateway:
+                    return False  # reset: the client is gone
+                data = b""
+            if data is not None:
                 if data:
                     inbound.buf += data
                 else:
                     inbound.eof = True
                 moved = True
-            if ev & (sel.POLLOUT | sel.POLLHUP | sel.POLLERR) and outbound.buf:
+        if ev & (sel.POLLOUT | sel.POLLHUP | sel.POLLERR) and outbound.buf:
+            try:
                 del outbound.buf[:sock.send(outbound.buf)]
-                moved = True
-        except (BlockingIOError, InterruptedError):
-            return True
-        except OSError:
-            return False  # reset, broken pipe: the peer is gone
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                if not gateway:
+                    return False  # broken pipe: the client is gone
+                outbound.buf.clear()  # the gateway reads no more of this request
+                outbound.eof = outbound.shut = True
+            moved = True
         if not moved and ev & (sel.POLLHUP | sel.POLLERR | sel.POLLNVAL):
             return False
         for pipe in (inbound, outbound):

@@ -50,18 +50,26 @@ class Echo:
             threading.Thread(target=self._serve, args=(c,), daemon=True).start()
 
     def _serve(self, c: socket.socket) -> None:
+        counted = True
         try:
             if self.hold is not None:
                 self.hold.wait(30)
             while data := c.recv(1 << 16):
                 c.sendall(data.upper())
+            # un-counted before the relay can see the end (and connect the next one)
+            counted = self._ended()
             c.shutdown(socket.SHUT_WR)
         except OSError:
             pass
         finally:
             c.close()
-            with self.lock:
-                self.open -= 1
+            if counted:
+                self._ended()
+
+    def _ended(self) -> bool:
+        with self.lock:
+            self.open -= 1
+        return False
 
     def close(self) -> None:
         self.sock.close()
@@ -204,3 +212,55 @@ def test_a_failing_relay_is_broken_not_raising(short_tmp: Path) -> None:
     relay.poller = None  # type: ignore[assignment]
     relay.step(10)
     assert relay.broken
+
+
+REFUSAL = b"HTTP/1.1 401 Unauthorized\r\nconnection: close\r\ncontent-length: 2\r\n\r\n{}"
+
+
+class Refuser:
+    """A unix-socket server that answers each request from its head alone and closes
+    with the body unread, as the gateway refuses a bad token: the peer's next write
+    then fails (EPIPE) and its read after the answer is a reset (ECONNRESET)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(64)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            with c, contextlib.suppress(OSError):
+                head = b""
+                while b"\r\n\r\n" not in head and (chunk := c.recv(4096)):
+                    head += chunk
+                c.sendall(REFUSAL)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_an_answer_sent_before_the_gateway_stopped_reading_reaches_the_client(
+        short_tmp: Path) -> None:
+    """The gateway refuses from the head and closes with the body unread. The relay's
+    next write to it fails and its next read is a reset; the answer it already holds
+    (or still has to read) goes to the client all the same, every time (fails when a
+    gateway-side error drops the connection with the answer in it)."""
+    gw = Refuser(short_tmp / "g.sock")
+    port = relay_start(str(gw.path), port=0, buffer=1024)  # the body crosses in pieces
+    head = b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 262144\r\n\r\n"
+    for _ in range(40):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+            with contextlib.suppress(OSError):  # the write may fail: httpx reads on
+                c.sendall(head + b"x" * 262144)
+            got = bytearray()
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := c.recv(1 << 16):
+                    got.extend(chunk)
+            assert bytes(got) == REFUSAL
+    gw.close()
