@@ -9,26 +9,37 @@ with 130: the operator asked twice, and ``cyclebox gc`` sweeps what is left.
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 from runner.errors import EXIT_INTERRUPTED
+
+REDELIVER_S = 0.01
+"""How soon a swallowed first signal is delivered again."""
 
 
 class _State:
     signals = 0
     shield = 0
     pending = False
+    redeliver = False
+    """Set while a first signal's KeyboardInterrupt, swallowed, is delivered again."""
 
 
 _state = _State()
 
 
 def _handler(_sig: int, _frame: FrameType | None) -> None:
+    if _state.redeliver:  # the same first signal again (see _unraisable), not a second
+        _state.redeliver = False
+        raise KeyboardInterrupt
     _state.signals += 1
     if _state.signals > 1:
         os._exit(EXIT_INTERRUPTED)
@@ -38,11 +49,33 @@ def _handler(_sig: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+def _unraisable(args: Any) -> None:
+    """A KeyboardInterrupt raised while the main thread ran a finalizer (``__del__``, a
+    weakref or GC callback) is swallowed by Python ("Exception ignored in ..."): the
+    first signal would be lost and the controller would go on as if none came. Deliver
+    it again, at the main thread's next step outside the finalizer."""
+    if (isinstance(args.exc_value, KeyboardInterrupt) and _state.signals == 1
+            and threading.current_thread() is threading.main_thread()):
+        # From another thread, a moment later: delivered now, it would run inside this
+        # hook (still the finalizer's context) and be swallowed again.
+        _state.redeliver = True
+        timer = threading.Timer(REDELIVER_S, _thread.interrupt_main, (signal.SIGINT,))
+        timer.daemon = True
+        timer.start()
+        return
+    _previous_unraisable(args)
+
+
+_previous_unraisable = sys.unraisablehook
+
+
 def install() -> None:
-    """Route SIGTERM and SIGINT to the handler above (main thread only)."""
+    """Route SIGTERM and SIGINT to the handler above (main thread only), and make sure a
+    first signal that lands inside a finalizer still unwinds (:func:`_unraisable`)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _handler)
         signal.signal(signal.SIGINT, _handler)
+        sys.unraisablehook = _unraisable
 
 
 def seen() -> bool:
