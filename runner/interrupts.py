@@ -5,6 +5,14 @@ The first signal raises ``KeyboardInterrupt`` in the main thread so that every
 and receipt; inside :func:`shielded` (writing the verdict and receipt) it is only
 noted, so that those files are whole. A second signal ends the process immediately
 with 130: the operator asked twice, and ``cyclebox gc`` sweeps what is left.
+
+Python runs a signal's handler only in the main thread, and only once that thread
+steps: a signal the kernel hands to another thread (the controller runs many) leaves a
+main thread blocked in a wait (a future's result, a lock) asleep until the wait ends,
+which for a slow case is minutes. So every signal is also written to a wake-up pipe
+(:func:`signal.set_wakeup_fd`), and a watcher thread, reading it, knocks on the main
+thread with a no-op signal aimed at it (:data:`NUDGE`) until the handler has run: the
+wait is interrupted and the handler runs at once.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -24,6 +33,13 @@ from runner.errors import EXIT_INTERRUPTED
 REDELIVER_S = 0.01
 """How soon a swallowed first signal is delivered again."""
 
+NUDGE = signal.SIGURG
+"""Aimed at the main thread to interrupt its wait; its handler does nothing (the
+signal is otherwise unused: no out-of-band socket data anywhere in the controller)."""
+NUDGE_EVERY_S = 0.05
+NUDGE_FOR_S = 2.0
+"""How often, and at most how long, the watcher knocks after a signal."""
+
 
 class _State:
     signals = 0
@@ -31,12 +47,16 @@ class _State:
     pending = False
     redeliver = False
     """Set while a first signal's KeyboardInterrupt, swallowed, is delivered again."""
+    handled = 0
+    """Runs of the handler (the watcher knocks until this moves)."""
+    watching = False
 
 
 _state = _State()
 
 
 def _handler(_sig: int, _frame: FrameType | None) -> None:
+    _state.handled += 1
     if _state.redeliver:  # the same first signal again (see _unraisable), not a second
         _state.redeliver = False
         raise KeyboardInterrupt
@@ -59,7 +79,7 @@ def _unraisable(args: Any) -> None:
         # From another thread, a moment later: delivered now, it would run inside this
         # hook (still the finalizer's context) and be swallowed again.
         _state.redeliver = True
-        timer = threading.Timer(REDELIVER_S, _thread.interrupt_main, (signal.SIGINT,))
+        timer = threading.Timer(REDELIVER_S, _redeliver)
         timer.daemon = True
         timer.start()
         return
@@ -69,13 +89,81 @@ def _unraisable(args: Any) -> None:
 _previous_unraisable = sys.unraisablehook
 
 
+def _redeliver() -> None:
+    seen = _state.handled
+    _thread.interrupt_main(signal.SIGINT)  # runs the handler at the main thread's next step
+    _knock(seen)  # which, blocked in a wait, it takes only when woken
+
+
+def _knock(seen: int) -> None:
+    """Interrupt the main thread's wait until the handler ran (``handled`` moved past
+    ``seen``), for at most :data:`NUDGE_FOR_S`."""
+    main = threading.main_thread().ident
+    if main is None:
+        return
+    deadline = time.monotonic() + NUDGE_FOR_S
+    while _state.handled <= seen and time.monotonic() < deadline:
+        try:
+            signal.pthread_kill(main, NUDGE)
+        except (OSError, ValueError):
+            return  # the main thread is gone: the process is ending
+        time.sleep(NUDGE_EVERY_S)
+
+
+def _watch(rfd: int) -> None:
+    """The watcher thread: every SIGINT/SIGTERM byte on the wake-up pipe is a signal
+    the handler must run for."""
+    wanted = {int(signal.SIGINT), int(signal.SIGTERM)}
+    read = 0
+    while True:
+        try:
+            data = os.read(rfd, 64)
+        except InterruptedError:
+            continue
+        except OSError:
+            return
+        if not data:
+            return
+        read += sum(1 for b in data if b in wanted)
+        if _state.handled < read:  # a signal whose handler has not run yet
+            _knock(read - 1)
+        read = min(read, _state.handled)  # signals that arrived together ran it once
+
+
+def _start_watch() -> None:
+    if _state.watching:
+        return
+    if signal.getsignal(NUDGE) not in (signal.SIG_DFL, signal.SIG_IGN, None):
+        return  # someone else's handler: do not take the signal over
+    rfd, wfd = os.pipe2(os.O_CLOEXEC)
+    os.set_blocking(wfd, False)  # the C handler must never block writing it
+    try:
+        previous = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread
+        os.close(rfd)
+        os.close(wfd)
+        return
+    if previous != -1:  # someone else's wake-up fd (an event loop): leave it theirs
+        signal.set_wakeup_fd(previous)
+        os.close(rfd)
+        os.close(wfd)
+        return
+    signal.signal(NUDGE, lambda _sig, _frame: None)
+    _state.watching = True
+    threading.Thread(target=_watch, args=(rfd,), name="cyclebox-signal-watch",
+                     daemon=True).start()
+
+
 def install() -> None:
     """Route SIGTERM and SIGINT to the handler above (main thread only), and make sure a
-    first signal that lands inside a finalizer still unwinds (:func:`_unraisable`)."""
+    first signal unwinds the main thread wherever it is: inside a finalizer
+    (:func:`_unraisable`) or asleep in a wait while another thread took the signal
+    (:func:`_watch`)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _handler)
         signal.signal(signal.SIGINT, _handler)
         sys.unraisablehook = _unraisable
+        _start_watch()
 
 
 def seen() -> bool:

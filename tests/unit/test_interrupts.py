@@ -58,3 +58,49 @@ def test_other_unraisable_exceptions_still_reach_the_previous_hook(
     b = Broken()
     del b
     assert seen == [ValueError]
+
+
+BLOCKED = r"""
+import signal, sys, threading, time
+sys.path.insert(0, {root!r})
+from runner import interrupts
+interrupts.install()
+held = threading.Lock()
+held.acquire()
+
+def elsewhere():
+    time.sleep(0.3)
+    {trigger}
+    time.sleep(20)
+    held.release()
+
+threading.Thread(target=elsewhere, daemon=True).start()
+t0 = time.monotonic()
+try:
+    held.acquire()  # the main thread asleep in a wait, as in a future's result()
+    print("woke", round(time.monotonic() - t0, 1))
+except KeyboardInterrupt:
+    print("unwound", round(time.monotonic() - t0, 1), interrupts._state.signals)
+"""
+
+
+@pytest.mark.parametrize("trigger", [
+    # the kernel may hand a process's signal to any thread that does not block it
+    "signal.pthread_kill(threading.get_ident(), signal.SIGTERM)",
+    # a first signal swallowed in a finalizer, redelivered while the main thread waits
+    "interrupts._state.signals = 1; interrupts._state.redeliver = True; "
+    "interrupts._redeliver()",
+], ids=["signal-to-another-thread", "redelivered"])
+def test_a_first_signal_wakes_a_main_thread_asleep_in_a_wait(trigger: str) -> None:
+    """Python runs handlers in the main thread only, when it steps; without the wake-up
+    watcher this main thread sleeps the helper's whole 20 s (fails: 'woke 20.3')."""
+    import subprocess
+    from pathlib import Path
+
+    root = str(Path(interrupts.__file__).resolve().parents[1])
+    code = BLOCKED.format(root=root, trigger=trigger)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=60).stdout.split()
+    assert out[0] == "unwound", out
+    assert float(out[1]) < 5
+    assert out[2] == "1"  # one signal: the next one would still exit at once
