@@ -1,9 +1,14 @@
 """PID 1 of every role container, and the in-container half of the output copy-out.
 
 Stdlib only, and never imported from the image: the host reads this file and runs it
-with ``python3 -I -S -c <source> MODE`` so that neither the image's ``sandbox``
-package nor anything the role wrote can change it (``-I``: no environment, no cwd on
-``sys.path``; ``-S``: no site-packages, and ~100 ms less start-up per exec).
+with ``python3 -I -S -c <boot> <code> <source> MODE`` so that neither the image's
+``sandbox`` package nor anything the role wrote can change it (``-I``: no environment,
+no cwd on ``sys.path``; ``-S``: no site-packages, and ~100 ms less start-up per exec;
+``<code>``: the host's own compile of this file, see
+:data:`runner.isolation.docker.hardening.HOLDER_BOOT`). Its start is on the path of
+every container that is not prepared ahead, so it imports little before READY: no
+``typing``, ``json``, ``re``, ``contextlib``, ``enum`` (``_signal``, not ``signal``),
+nor OpenSSL (:class:`Seal`).
 
 Why a holder (the design, see also :mod:`runner.isolation.copyout`): a role's output directory
 is a size- and inode-capped tmpfs *inside* the container, so the kernel, not a host
@@ -80,18 +85,30 @@ nothing in the container can take its place or reach more through it:
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import stat
 import sys
 import time
 
 TYPE_CHECKING = False  # not typing's: it imports re (~10 ms of every container's start)
 if TYPE_CHECKING:
+    import signal
     from typing import IO, Any, Protocol
+else:
+    import _signal as signal  # the same functions and numbers; signal's enums import enum
 
-_BLOCK = {s for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)}
+_BLOCK = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
+
+
+class _suppress:  # contextlib.suppress's stand-in (contextlib: ~3 ms of imports)
+    def __init__(self, *kinds: type[BaseException]) -> None:
+        self.kinds = kinds
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> bool:
+        return kind is not None and issubclass(kind, self.kinds)
 MAX_ERRORS = 8
 RELAY_HOST = "127.0.0.1"
 RELAY_PORT = 40080
@@ -190,7 +207,7 @@ def _kill_others() -> None:
         # only as PID 1 of its own namespace is "everyone else" the role's processes;
         # anywhere else (a test on the host) kill(-1) would reach the host's own
         return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
+    with _suppress(ProcessLookupError, PermissionError):
         os.kill(-1, signal.SIGKILL)
 
 
@@ -541,18 +558,39 @@ class Seal:
     host accepts (a wrong tag, a replayed or reordered one: the channel is refused)."""
 
     def __init__(self, key: bytes) -> None:
-        import hashlib
-        import hmac
-
-        self.hmac, self.sha = hmac, hashlib.sha256
-        self.key = key
+        # HMAC (RFC 2104) over the builtin SHA-256: ``hashlib``/``hmac`` load OpenSSL,
+        # ~5 ms of every container's start before READY (tested against ``hmac``)
+        sha = _sha256()
+        if len(key) > SHA_BLOCK:
+            key = sha(key).digest()
+        key = key.ljust(SHA_BLOCK, b"\0")
+        self._inner = sha(bytes(b ^ 0x36 for b in key))
+        self._outer = sha(bytes(b ^ 0x5C for b in key))
         self.seq = 0
 
     def tag(self, head: bytes, payload: bytes) -> bytes:
-        mac = self.hmac.new(self.key, self.seq.to_bytes(8, "big") + head, self.sha)
-        mac.update(payload)
+        inner = self._inner.copy()
+        inner.update(self.seq.to_bytes(8, "big") + head)
+        inner.update(payload)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
         self.seq += 1
-        return mac.digest()[:TAG_BYTES]
+        return bytes(outer.digest()[:TAG_BYTES])
+
+
+SHA_BLOCK = 64
+
+
+def _sha256() -> Any:
+    """SHA-256 without OpenSSL when the interpreter has its builtin one."""
+    for name in ("_sha256", "_sha2"):  # CPython <= 3.11, >= 3.12
+        try:
+            return __import__(name).sha256
+        except (ImportError, AttributeError):
+            continue
+    import hashlib
+
+    return hashlib.sha256
 
 
 _SEAL: list[Seal] = []
@@ -633,14 +671,14 @@ def _exec_child(argv: list[str], report_fd: int, out_w: int, err_w: int) -> None
             fds = list(range(3, max(os.sysconf("SC_OPEN_MAX"), 1024)))
         for fd in fds:
             if fd > 2 and fd != report_fd:
-                with contextlib.suppress(OSError):
+                with _suppress(OSError):
                     os.close(fd)
         for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # ignored by Python: not by the role
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, ())
         os.execvp(argv[0], argv)  # noqa: S606 - the role's argv, no shell implied
     except OSError as exc:
-        with contextlib.suppress(OSError):
+        with _suppress(OSError):
             os.write(report_fd, str(exc.errno or 0).encode())
     finally:
         os._exit(127)
@@ -653,9 +691,9 @@ class _Case:
     seccomp filter, no-new-privileges, limits, environment and working directory."""
 
     def __init__(self, root: str) -> None:
-        import hashlib  # noqa: F401 - imported now, before READY: not on the hand-over's path
-        import hmac  # noqa: F401
         import select
+
+        _sha256()  # imported now, before READY: not on the hand-over's path
 
         self.root = root
         self.poller = select.poll()
@@ -682,7 +720,7 @@ class _Case:
 
     def _unwatch(self, fd: int) -> None:
         for p in (self.poller, *self.others):
-            with contextlib.suppress(KeyError, ValueError):
+            with _suppress(KeyError, ValueError):
                 p.unregister(fd)
 
     def idle(self) -> bool:
@@ -821,7 +859,7 @@ class _Case:
             while self._pump(fd) and fd in self.pipes and all_gone:
                 pass
         if all_gone and not self.ended:
-            with contextlib.suppress(ChildProcessError):
+            with _suppress(ChildProcessError):
                 _, status = os.waitpid(self.pid, 0)
                 self.ended = True
                 if self.code is None:
@@ -921,7 +959,7 @@ class _Relay:
         except Exception:
             self.broken = True
             for sock in [self.lsock, *(p.src for c in self.conns for p in (c.up, c.down))]:
-                with contextlib.suppress(Exception):
+                with _suppress(Exception):
                     sock.close()
             self.conns = []
 
@@ -1015,7 +1053,7 @@ class _Relay:
         for pipe in (inbound, outbound):
             if pipe.eof and not pipe.buf and not pipe.shut:
                 pipe.shut = True
-                with contextlib.suppress(OSError):
+                with _suppress(OSError):
                     pipe.dst.shutdown(self.socket.SHUT_WR)
         return True
 
@@ -1048,7 +1086,7 @@ class _Relay:
         self.conns.remove(conn)
         for sock in (conn.up.src, conn.down.src):
             self._set(sock, 0)
-            with contextlib.suppress(OSError):
+            with _suppress(OSError):
                 sock.close()
 
 
@@ -1138,15 +1176,15 @@ class _Egress:
         target = egress_target(bytes(head)) if b"\n" in head else "?"
         if target not in self.hosts and len(self.hosts) < EGRESS_MAX_HOSTS:
             self.hosts.append(target)
-        with contextlib.suppress(OSError):
+        with _suppress(OSError):
             client.send(_DENIED)
         self._close(fd)
 
     def _close(self, fd: int) -> None:
         client, _ = self.conns.pop(fd)
-        with contextlib.suppress(Exception):
+        with _suppress(Exception):
             self.poller.unregister(fd)
-        with contextlib.suppress(OSError):
+        with _suppress(OSError):
             client.close()
 
 

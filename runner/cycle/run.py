@@ -351,14 +351,15 @@ class CycleRunner:
         return self._record_run(run, stage=stage, out=out, case=case, trial=trial)
 
     def _record_run(self, run: PreparedRun, *, stage: str, out: Path,
-                    case: str | None = None, trial: int | None = None) -> RunRecord:
+                    case: str | None = None, trial: int | None = None,
+                    ended: Callable[[], None] | None = None) -> RunRecord:
         """Run a prepared container (or remove it unrun when the run is stopping) and
-        keep its record and output tails."""
+        keep its record and output tails; ``ended``: see :meth:`PreparedRun.run`."""
         role = run.spec.role
         try:
             if self._stopping.is_set():
                 raise StageFailed("stopping: no new container is started")
-            rec = run.run(cancel=self._stopping)
+            rec = run.run(cancel=self._stopping, ended=ended)
         finally:
             run.discard()  # a no-op after the run; otherwise it never runs
         row = {"stage": stage, "case": case, "trial": trial, **rec.model_dump(mode="json")}
@@ -414,12 +415,24 @@ class CycleRunner:
 
         def job(i: int) -> Record:
             gate.enter(i)
-            try:
-                return self._case(stage, *jobs[i], lambda: ahead.take(i))
-            finally:
-                gate.leave()
+            inside = [True]
 
-        pool = ThreadPoolExecutor(max_workers=control.workers)
+            def leave() -> None:
+                # once, on this job's thread: when its command ended and its output is
+                # copied out (the next case starts while this container is removed and
+                # its record written), or on the way out
+                if inside[0]:
+                    inside[0] = False
+                    gate.leave()
+
+            try:
+                return self._case(stage, *jobs[i], lambda: ahead.take(i), leave)
+            finally:
+                leave()
+
+        # twice the cases that may run at once: a case that left the gate (its command
+        # ended) still removes its container and writes its record meanwhile
+        pool = ThreadPoolExecutor(max_workers=2 * control.workers)
         control.start(gate.set_limit)
         ahead.start()
         futures = [pool.submit(job, i) for i in range(len(jobs))]
@@ -455,13 +468,14 @@ class CycleRunner:
                           scorer=self.plan.scorer, judge=self.plan.judge_id)
 
     def _case(self, stage: str, sc: Scenario, trial: int,
-              take: Callable[[], _Ready | None]) -> Record:
+              take: Callable[[], _Ready | None],
+              ended: Callable[[], None] | None = None) -> Record:
         """One analyst case; a crash while handling its output invalidates this case only.
 
         Engine and environment failures, and a stop, end the whole cycle instead.
         """
         try:
-            rec = self._case_inner(stage, sc, trial, take)
+            rec = self._case_inner(stage, sc, trial, take, ended)
         except StageFailed:
             raise
         except Exception as exc:
@@ -498,7 +512,8 @@ class CycleRunner:
         return _Ready(out=out, run=run)
 
     def _case_inner(self, stage: str, sc: Scenario, trial: int,
-                    take: Callable[[], _Ready | None]) -> Record:
+                    take: Callable[[], _Ready | None],
+                    ended: Callable[[], None] | None = None) -> Record:
         base = dict(case_id=sc.id, trial=trial, split=sc.split, identities=self._identities())
         ready = take()
         if ready is None or self.budget.halted:
@@ -506,7 +521,8 @@ class CycleRunner:
             _discard(ready)
             return Record(**base, status="not_attempted", reason=f"budget: {self.budget.halted}")
         out = ready.out
-        rec = self._record_run(ready.run, stage=stage, out=out, case=sc.id, trial=trial)
+        rec = self._record_run(ready.run, stage=stage, out=out, case=sc.id, trial=trial,
+                               ended=ended)
         calls = self.gw.calls(stage, sc.id, trial, forget=True)
         usage = {r: t.model_dump(mode="json") for r, t in summarize(calls).per_role.items()}
         common = dict(base, latency_s=rec.wall_s, usage=usage)

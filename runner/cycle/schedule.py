@@ -5,7 +5,9 @@ waiting), each for exactly one case.
 Two parts, both thread-safe and knowing nothing of cases or containers:
 
 - :class:`Gate` admits job ``i`` only after job ``i - 1`` and while fewer than ``limit``
-  run; the limit may change while jobs run (``concurrency: auto``).
+  run; the limit may change while jobs run (``concurrency: auto``). A case leaves it when
+  its command ended and its output is copied out, so the next case's command starts
+  while the last one's container is removed and its record written.
 - :class:`Lookahead` prepares jobs in order on one thread, never more than ``depth()``
   prepared and not yet taken. :meth:`Lookahead.take` hands job ``i`` its own prepared
   value (or prepares it on the spot when the preparer has not got there), never another

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
@@ -229,9 +229,10 @@ class BoundRun:
             self._binding.__exit__(type(exc), exc, exc.__traceback__)
 
     def run(self, *, on_output: OutputCallback | None = None,
-            cancel: threading.Event | None = None) -> RunRecord:
+            cancel: threading.Event | None = None,
+            ended: Callable[[], None] | None = None) -> RunRecord:
         try:
-            rec = self._prepared.run(on_output=on_output, cancel=cancel)
+            rec = self._prepared.run(on_output=on_output, cancel=cancel, ended=ended)
         except BaseException as exc:
             self._release(exc)
             raise

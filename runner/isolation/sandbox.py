@@ -244,7 +244,12 @@ class PreparedRun(Protocol):
     def spec(self) -> RunSpec: ...
 
     def run(self, *, on_output: OutputCallback | None = None,
-            cancel: threading.Event | None = None) -> RunRecord: ...
+            cancel: threading.Event | None = None,
+            ended: Callable[[], None] | None = None) -> RunRecord:
+        """Run the spec once; ``ended`` (if given) is called on this thread once the
+        command ended and its output is copied out, possibly before the container's
+        removal is confirmed (never after ``run`` returns)."""
+        ...
 
     def discard(self) -> None: ...
 
@@ -270,12 +275,16 @@ class DeferredRun:
             return first
 
     def run(self, *, on_output: OutputCallback | None = None,
-            cancel: threading.Event | None = None) -> RunRecord:
+            cancel: threading.Event | None = None,
+            ended: Callable[[], None] | None = None) -> RunRecord:
         if not self._claim():
             # Running twice (or after a discard) would reuse a container: refused loudly,
             # never a second record for the same spec.
             raise SandboxError(f"prepared {self._spec.role} run already used or discarded")
-        return self._sandbox.run(self._spec, on_output=on_output, cancel=cancel)
+        rec = self._sandbox.run(self._spec, on_output=on_output, cancel=cancel)
+        if ended is not None:  # the container is gone too: nothing overlaps here
+            ended()
+        return rec
 
     def discard(self) -> None:
         self._claim()

@@ -24,6 +24,7 @@ from sandbox.holder import (
     FRAME_HEADER,
     READY,
     SEAL_KEY_BYTES,
+    TAG_BYTES,
     Seal,
     frame,
 )
@@ -204,3 +205,20 @@ def test_only_the_first_exit_frame_counts() -> None:
     h.box.close()
     t.join(10)
     assert not errors and ch.exit_code == 3
+
+
+def test_the_seal_is_hmac_sha256_of_sequence_head_and_payload() -> None:
+    """The holder's own HMAC (over the builtin SHA-256, no OpenSSL at its start) equals
+    the standard library's for every key length, in sequence."""
+    import hashlib
+    import hmac
+    import os
+
+    for klen in (0, 16, 32, 64, 65, 200):
+        key = os.urandom(klen)
+        seal = Seal(key)
+        for seq, size in enumerate((0, 1, 63, 64, 65, 5000)):
+            head, payload = os.urandom(5), os.urandom(size)
+            want = hmac.new(key, seq.to_bytes(8, "big") + head + payload,
+                            hashlib.sha256).digest()[:TAG_BYTES]
+            assert seal.tag(head, payload) == want, (klen, seq)

@@ -166,12 +166,38 @@ def test_every_sandbox_file_reaches_some_image_or_is_host_only() -> None:
 
 
 def test_holder_is_host_supplied_not_imported_from_images() -> None:
+    import binascii
+    import marshal
+    import zlib
+
     from runner.isolation.docker.hardening import holder_argv
 
     argv = holder_argv("hold", "-")
     assert argv[:4] == ["python3", "-I", "-S", "-c"]
-    assert argv[4] == (sandbox_src() / "holder.py").read_text()
+    source = (sandbox_src() / "holder.py").read_text()
+    assert argv[6] == source and argv[7:] == ["hold", "-"]
+    # the bytecode the boot program prefers is the host's compile of that same source
+    code = marshal.loads(zlib.decompress(binascii.a2b_base64(argv[5])))  # noqa: S302 - ours
+    assert code == compile(source, "<holder>", "exec")
     assert "holder.py" in img.load_inputs().host_only
+
+
+def test_the_holder_boot_runs_the_source_when_the_bytecode_cannot_be_read() -> None:
+    """Another Python's magic number, or a blob that does not load: the source is compiled
+    in the container instead, and the holder's argv is the same either way."""
+    import subprocess
+    import sys
+
+    from runner.isolation.docker.hardening import holder_argv
+
+    probe = "import sys; print(sys.argv)"
+    for mangle in (lambda a: [*a[:4], a[4].replace("MAGIC_NUMBER ==", "MAGIC_NUMBER !="),
+                              a[5], probe, *a[7:]],
+                   lambda a: [*a[:5], "AAAA", probe, *a[7:]]):
+        argv = mangle(holder_argv("x", "y"))
+        argv[0] = sys.executable
+        out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=30)
+        assert out.stdout.strip() == "['-c', 'x', 'y']", out
 
 
 def test_one_dockerfile_takes_the_role_as_a_build_argument() -> None:

@@ -237,3 +237,39 @@ def test_outcome_hashes_do_not_depend_on_concurrency(planned: Freeze, tmp_path: 
         assert any(k.startswith("outcome.") for k in rows)
         assert "inputs.concurrency" not in rows  # how many ran at once is no input of theirs
         assert all(r.equal for r in rows.values()), [k for k, r in rows.items() if not r.equal]
+
+
+def test_the_next_case_starts_while_the_last_container_is_removed(
+        planned: Freeze, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At concurrency 1 a case leaves the gate when its command ended (``ended``), so the
+    next one runs while the last one's container is still removed and recorded."""
+    from tests.fixtures.fake_sandbox import FakePrepared
+
+    plan = planned(concurrency=1, trials=2, seeds=[7, 8])
+    started: list[str] = []
+    second = threading.Event()
+    overlapped: list[bool] = []
+
+    def behaviour(call: Call) -> Result:
+        started.append(str(call.case))
+        if len(started) == 2:
+            second.set()
+        return analyst(call)
+
+    orig = FakePrepared.run
+
+    def run_(self: Any, *, on_output: Any = None, cancel: Any = None,
+             ended: Any = None) -> Any:
+        def ended_then_removing() -> None:
+            if ended is not None:
+                ended()
+            if self.spec.role == "analyst" and len(started) == 1:
+                # this container is "still being removed": the next case must start now
+                overlapped.append(second.wait(10))
+
+        return orig(self, on_output=on_output, cancel=cancel, ended=ended_then_removing)
+
+    monkeypatch.setattr(FakePrepared, "run", run_)
+    outcome = run(plan, fake(script(analyst=behaviour)))
+    assert outcome.failure is None, outcome.result.reasons
+    assert overlapped == [True]

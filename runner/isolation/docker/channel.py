@@ -273,7 +273,16 @@ class _CopyOut:
         """Set when the holder's stdout began (``ready_ok``: with :data:`READY`) or ended."""
         self.ready_ok = False
         self.done = threading.Event()
+        """Set once the copy-out is decided: refused, the stream ended, or the holder's
+        last status line (``post``, after the whole tar; ``finished``) arrived. The
+        holder writes nothing after that line and only exits, so the case is over
+        without waiting for the engine to close the stream (~25 ms)."""
+        self.finished = False
+        self.closed = threading.Event()
+        """Set when the stream ended (the holder exited, or the attach broke)."""
         self.errs = _Tail()
+        self._extracted = spec.output_dir is None
+        """The tar (if any) was read to its end: a ``post`` line now ends the copy-out."""
         self.got: Extracted | BaseException | None = None
         self._thread = threading.Thread(target=self._consume, daemon=True)
 
@@ -288,6 +297,9 @@ class _CopyOut:
                 self.errs.add(e)
                 if b"\n" in e:
                     self.announced.set()
+                    if self._extracted and "post" in _status(self.errs.text()):
+                        self.finished = True
+                        self.done.set()
             data = o
             if data and not self.ready.is_set():
                 # the holder's readiness marker (written before any role process exists)
@@ -313,6 +325,7 @@ class _CopyOut:
                 lim = CopyLimits(max_bytes=spec.output_cap_bytes,
                                  max_entries=spec.output_max_entries)
                 self.got = extract(chunks, spec.output_dir, lim, seed_links=self.seed_links)
+                self._extracted = True
         except BaseException as exc:
             self.got = exc
             self.ready.set()
@@ -328,6 +341,7 @@ class _CopyOut:
         finally:
             self.ready.set()  # the stream ended: whoever waits for the marker stops
             self.done.set()
+            self.closed.set()
 
     def result(self, *, holder_gone: bool = False) -> _Finish:
         """What the copy-out found; ``holder_gone``: the container stopped (killed from

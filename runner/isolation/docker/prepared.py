@@ -15,6 +15,7 @@ import contextlib
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import docker.errors
@@ -60,6 +61,8 @@ FINISH_BYTES_PER_S = 32 * 1024 * 1024
 READY_TIMEOUT_S = 10.0
 """How long the holder may take to protect its output stream before the run fails."""
 SEED_TIMEOUT_S = 60.0
+EXIT_WAIT_S = 1.0
+"""How long a removal waits for a holder that wrote its last frame to exit (then forced)."""
 
 
 class _DiedEarly(Exception):
@@ -189,13 +192,17 @@ class DockerPreparedRun:
         self._release()
 
     def run(self, *, on_output: OutputCallback | None = None,
-            cancel: threading.Event | None = None) -> RunRecord:
+            cancel: threading.Event | None = None,
+            ended: Callable[[], None] | None = None) -> RunRecord:
         """Hand the case over and run it to the end (or a limit); always remove.
 
         ``cancel`` set before the hand-over: removed unrun and SandboxError raised (a
         caller stopping a run sweeps the containers that exist; this closes the gap for
-        one prepared meanwhile). A second ``run`` returns the first one's record; ``run``
-        after ``discard`` raises SandboxError."""
+        one prepared meanwhile). ``ended`` is called once the command ended and its output
+        is copied out, before the container is removed (the scheduler lets the next case
+        start: the removal and its confirmation overlap it; the record still waits for
+        them). A second ``run`` returns the first one's record; ``run`` after ``discard``
+        raises SandboxError."""
         with self._lock:
             if self._state == "running":
                 if self._record is None:
@@ -210,6 +217,8 @@ class DockerPreparedRun:
                 raise SandboxError(f"{self._spec.role} container not started: "
                                    "the run is stopping")
             record = self._run(on_output, cancel)
+            if ended is not None:
+                ended()
         finally:
             self._release()
         if not self._confirmed:  # outranks every other reason (classify_stop)
@@ -225,6 +234,10 @@ class DockerPreparedRun:
             if self.channel is not None:
                 self.channel.close()
             if self.cid is not None:
+                if self.copy is not None and self.copy.finished:
+                    # the holder wrote its last frame and is exiting: the engine removes
+                    # an exited container faster than it kills and removes an exiting one
+                    self.copy.closed.wait(EXIT_WAIT_S)
                 self._confirmed = self._backend._remove(self.cid)
                 self.cid = None
         finally:
