@@ -116,7 +116,10 @@ def _splice(a: socket.socket, b: socket.socket) -> None:
     """Pipe both ways until both directions are closed, then close both.
 
     One thread for both directions: an SSL object must not be read and written from two
-    threads at once. Any error on either side ends both."""
+    threads at once. An error on one side (a reset, a broken pipe) ends that side only:
+    what it sent before still goes to the other. The gateway refuses a request from its
+    head and closes with the body unread; the next write to it fails and the read after
+    its answer is a reset, and the answer must still reach the container."""
     sides = (_Side(a), _Side(b))
     pairs = ((sides[0], sides[1]), (sides[1], sides[0]))
     poll = select.poll()
@@ -154,6 +157,9 @@ def _splice(a: socket.socket, b: socket.socket) -> None:
                         data = me.sock.recv(CHUNK)
                     except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
                         data = None
+                    except OSError:
+                        _gone(me)
+                        continue
                     if data == b"":
                         me.eof = True
                     elif data:
@@ -164,6 +170,9 @@ def _splice(a: socket.socket, b: socket.socket) -> None:
                         sent = me.sock.send(bytes(me.out[:CHUNK]))
                     except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
                         sent = 0
+                    except OSError:
+                        _gone(me)
+                        continue
                     del me.out[:sent]
     except OSError:
         pass
@@ -171,6 +180,13 @@ def _splice(a: socket.socket, b: socket.socket) -> None:
         for s in sides:
             with contextlib.suppress(OSError):
                 s.sock.close()
+
+
+def _gone(side: _Side) -> None:
+    """``side``'s socket failed: nothing more comes from it and nothing more reaches it
+    (what is queued for it is dropped); the other side still gets what it sent."""
+    side.eof = side.shut = True
+    side.out.clear()
 
 
 def _cut(socks: set[socket.socket]) -> None:
