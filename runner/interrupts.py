@@ -124,7 +124,8 @@ def _watch(rfd: int) -> None:
             return
         if not data:
             return
-        read += sum(1 for b in data if b in wanted)
+        # only signals this module handles (a caller may have put another handler back)
+        read += sum(1 for b in data if b in wanted and signal.getsignal(b) is _handler)
         if _state.handled < read:  # a signal whose handler has not run yet
             _knock(read - 1)
         read = min(read, _state.handled)  # signals that arrived together ran it once

@@ -19,7 +19,10 @@ def installed() -> Iterator[None]:
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     hook = sys.unraisablehook
     state.signals, state.shield, state.pending, state.redeliver = 0, 0, False, False
+    watch = interrupts._start_watch
+    interrupts._start_watch = lambda: None  # process-wide: tried in a subprocess below
     interrupts.install()
+    interrupts._start_watch = watch
     try:
         yield
     finally:
