@@ -59,11 +59,11 @@ def _handler(_sig: int, _frame: FrameType | None) -> None:
     _state.handled += 1
     if _state.redeliver:  # the same first signal again (see _unraisable), not a second
         _state.redeliver = False
-        raise KeyboardInterrupt
-    _state.signals += 1
-    if _state.signals > 1:
-        os._exit(EXIT_INTERRUPTED)
-    if _state.shield:
+    else:
+        _state.signals += 1
+        if _state.signals > 1:
+            os._exit(EXIT_INTERRUPTED)
+    if _state.shield:  # held while evidence is written, redelivered or not
         _state.pending = True
         return
     raise KeyboardInterrupt
@@ -81,7 +81,10 @@ def _unraisable(args: Any) -> None:
         _state.redeliver = True
         timer = threading.Timer(REDELIVER_S, _redeliver)
         timer.daemon = True
-        timer.start()
+        try:
+            timer.start()
+        except RuntimeError:  # no new thread (the interpreter is shutting down)
+            _state.redeliver = False
         return
     _previous_unraisable(args)
 

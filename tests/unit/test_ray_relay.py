@@ -504,3 +504,35 @@ def test_an_answer_sent_before_the_gateway_stopped_reading_reaches_the_container
             assert not t.is_alive()
     finally:
         srv.close()
+
+
+def test_the_gateways_answer_queued_unread_still_reaches_the_container() -> None:
+    """The container drains slowly, so the splice is not reading the gateway when its
+    next write to it fails (the gateway closed with the body unread): the answer still
+    queued in the gateway's socket is read and delivered in full (fails when a write
+    error stops the splice reading that side)."""
+    client, near = socket.socketpair()  # container <-> splice
+    gw, up = socket.socketpair()  # gateway <-> splice
+    t = threading.Thread(target=relay._splice, args=(near, up), daemon=True)
+    t.start()
+    client.sendall(b"POST / HTTP/1.1\r\ncontent-length: 99999999\r\n\r\n")
+    gw.setblocking(False)
+    answer, idle = 0, 0
+    while idle < 50:  # answer until every buffer on the way is full
+        try:
+            answer += gw.send(b"a" * 65536)
+            idle = 0
+        except BlockingIOError:
+            idle += 1
+            time.sleep(0.01)
+    gw.close()  # with the body unread
+    client.sendall(b"x" * 1000)  # the SDK goes on writing its body: that write fails
+    client.settimeout(10)
+    got = 0
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := client.recv(65536):
+            got += len(chunk)
+    t.join(10)
+    assert got == answer
+    assert not t.is_alive()
+    client.close()

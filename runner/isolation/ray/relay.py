@@ -171,7 +171,10 @@ def _splice(a: socket.socket, b: socket.socket) -> None:
                     except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
                         sent = 0
                     except OSError:
-                        _gone(me)
+                        # nothing more reaches ``me``, and what ``peer`` still sends goes
+                        # nowhere; ``me`` is still read: its answer may be queued unread
+                        me.out.clear()
+                        me.shut = peer.eof = True
                         continue
                     del me.out[:sent]
     except OSError:
@@ -183,8 +186,9 @@ def _splice(a: socket.socket, b: socket.socket) -> None:
 
 
 def _gone(side: _Side) -> None:
-    """``side``'s socket failed: nothing more comes from it and nothing more reaches it
-    (what is queued for it is dropped); the other side still gets what it sent."""
+    """Reading ``side``'s socket failed (a reset): nothing more comes from it and nothing
+    more reaches it (what is queued for it is dropped); the other side still gets what
+    it sent."""
     side.eof = side.shut = True
     side.out.clear()
 
