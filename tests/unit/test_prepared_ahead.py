@@ -11,12 +11,14 @@ import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from runner import interrupts
 from runner.cycle.plan import freeze
 from runner.cycle.receipt import build, compare_receipts
 from runner.cycle.run import CycleRunner
@@ -127,6 +129,22 @@ def test_the_next_cases_are_prepared_while_one_runs(planned: Freeze) -> None:
     assert box.live() == []
 
 
+@pytest.fixture
+def controller_signals() -> Iterator[None]:
+    """SIGINT handled as the CLI handles it (``interrupts.install``), whatever this
+    process inherited: a test run started in the background ignores SIGINT."""
+    state = interrupts._state
+    saved = (state.signals, state.shield, state.pending, state.redeliver, state.handled)
+    previous = signal.signal(signal.SIGINT, interrupts._handler)
+    state.signals, state.shield, state.pending, state.redeliver = 0, 0, False, False
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        state.signals, state.shield, state.pending, state.redeliver, state.handled = saved
+
+
+@pytest.mark.usefixtures("controller_signals")
 def test_an_interrupt_mid_stage_discards_every_prepared_container(planned: Freeze) -> None:
     plan = planned(concurrency=1)
     sent: list[bool] = []
