@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from sandbox import holder
+from tests.fixtures.refuser import REFUSAL, Refuser
 
 
 class Echo:
@@ -212,37 +213,6 @@ def test_a_failing_relay_is_broken_not_raising(short_tmp: Path) -> None:
     relay.poller = None  # type: ignore[assignment]
     relay.step(10)
     assert relay.broken
-
-
-REFUSAL = b"HTTP/1.1 401 Unauthorized\r\nconnection: close\r\ncontent-length: 2\r\n\r\n{}"
-
-
-class Refuser:
-    """A unix-socket server that answers each request from its head alone and closes
-    with the body unread, as the gateway refuses a bad token: the peer's next write
-    then fails (EPIPE) and its read after the answer is a reset (ECONNRESET)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(str(path))
-        self.sock.listen(64)
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            with c, contextlib.suppress(OSError):
-                head = b""
-                while b"\r\n\r\n" not in head and (chunk := c.recv(4096)):
-                    head += chunk
-                c.sendall(REFUSAL)
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def test_an_answer_sent_before_the_gateway_stopped_reading_reaches_the_client(

@@ -32,6 +32,7 @@ from runner.isolation.ray.relay import (
     NodeRelay,
     Ticket,
 )
+from tests.fixtures.refuser import REFUSAL, Refuser
 
 PROMPT = b"POST /v1/chat/completions {'prompt': 'the-secret-prompt-7f3a'}"
 
@@ -456,39 +457,19 @@ def test_closing_the_node_relay_shuts_down_the_containers_live_connections(
     assert relay_.refusals() == {}
 
 
-REFUSAL = b"HTTP/1.1 401 Unauthorized\r\nconnection: close\r\ncontent-length: 2\r\n\r\n{}"
-
-
 def test_an_answer_sent_before_the_gateway_stopped_reading_reaches_the_container(
         tmp_path: Path) -> None:
     """The gateway answers from the head and closes with the body unread: the splice's
     next write to it fails (EPIPE) and its read after the answer is a reset. The answer
     still goes to the container, every time (fails when an error on one side ends both
     before the other got what was already read)."""
-    path = tmp_path / "refuser.sock"
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(str(path))
-    srv.listen(16)
-
-    def refuse() -> None:
-        while True:
-            try:
-                c, _ = srv.accept()
-            except OSError:
-                return
-            with c, contextlib.suppress(OSError):
-                got = b""
-                while b"\r\n\r\n" not in got and (chunk := c.recv(4096)):
-                    got += chunk
-                c.sendall(REFUSAL)
-
-    threading.Thread(target=refuse, daemon=True).start()
+    srv = Refuser(tmp_path / "refuser.sock")
     head_line = b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 1048576\r\n\r\n"
     try:
         for _ in range(20):
             client, near = socket.socketpair()
             up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            up.connect(str(path))
+            up.connect(str(srv.path))
             t = threading.Thread(target=relay._splice, args=(near, up), daemon=True)
             t.start()
             client.settimeout(10)
