@@ -118,6 +118,14 @@ RELAY_MAX_CONNECTIONS = 16
 RELAY_BUFFER = 64 * 1024
 """Bytes held per direction per connection (back-pressure beyond it)."""
 RELAY_BACKLOG = 64
+# A lingering close (what HTTP servers do): once the gateway stopped reading a request
+# (it answered from the head) or ended the connection, the rest of what the client sends
+# is read and discarded, so a client that writes its whole body before it reads (httpx
+# does) gets to the answer, and closing never resets a connection whose answer is still
+# in the kernel. Bounded: at most LINGER_BYTES discarded per connection, and at most
+# LINGER_S after the gateway's side ended before the client's is closed.
+LINGER_BYTES = 16 << 20
+LINGER_S = 2.0
 EGRESS_PORT = 40081
 """The deny-all HTTP proxy's port: HTTP(S)_PROXY of a bound container points here."""
 EGRESS_MAX_HOSTS = 16
@@ -906,13 +914,18 @@ class _Pipe:
     to ``dst`` (at most the relay's buffer), whether ``src`` ended, and whether
     ``dst`` was told so (``shutdown``)."""
 
-    __slots__ = ("buf", "dst", "eof", "shut", "src")
+    __slots__ = ("buf", "drop", "dropped", "dst", "eof", "shut", "src", "until")
 
     def __init__(self, src: Any, dst: Any) -> None:
         self.src, self.dst = src, dst
         self.buf = bytearray()
         self.eof = False
         self.shut = False
+        self.drop = False
+        """Nobody reads ``dst`` any more: what ``src`` sends is read and discarded."""
+        self.dropped = 0
+        self.until = 0.0
+        """Lingering: when ``src`` is closed at the latest (monotonic; 0: not yet)."""
 
 
 class _Conn:
@@ -982,6 +995,9 @@ class _Relay:
 
     def _round(self, timeout_ms: int) -> None:
         pollin, pollout = self.select.POLLIN, self.select.POLLOUT
+        now = time.monotonic()
+        for conn in [c for c in self.conns if c.up.until and now >= c.up.until]:
+            self._close(conn)  # lingered its time: the client had its answer
         lfd = self.lsock.fileno()
         self._set(self.lsock, pollin if len(self.conns) < self.max else 0)
         by_fd: dict[int, tuple[Any, _Conn]] = {}
@@ -1006,9 +1022,10 @@ class _Relay:
             sock, conn = got
             inbound, outbound = ((conn.up, conn.down) if sock is conn.up.src
                                  else (conn.down, conn.up))
-            if not self._io(sock, ev, inbound, outbound, gateway=sock is conn.down.src) \
-                    or conn.over():
+            if not self._io(sock, ev, inbound, outbound, gateway=sock is conn.down.src):
                 self._close(conn)
+            elif conn.over():
+                self._linger(conn)
 
     def _io(self, sock: Any, ev: int, inbound: _Pipe, outbound: _Pipe, *,
             gateway: bool) -> bool:
@@ -1032,10 +1049,14 @@ class _Relay:
                     return False  # reset: the client is gone
                 data = b""
             if data is not None:
-                if data:
+                if not data:
+                    inbound.eof = True
+                elif not inbound.drop:
                     inbound.buf += data
                 else:
-                    inbound.eof = True
+                    inbound.dropped += len(data)
+                    if inbound.dropped > LINGER_BYTES:
+                        return False  # discarded enough: the client is closed
                 moved = True
         if ev & (sel.POLLOUT | sel.POLLHUP | sel.POLLERR) and outbound.buf:
             try:
@@ -1045,8 +1066,8 @@ class _Relay:
             except OSError:
                 if not gateway:
                     return False  # broken pipe: the client is gone
-                outbound.buf.clear()  # the gateway reads no more of this request
-                outbound.eof = outbound.shut = True
+                outbound.buf.clear()  # the gateway reads no more of this request:
+                outbound.drop = outbound.shut = True  # the rest is read and discarded
             moved = True
         if not moved and ev & (sel.POLLHUP | sel.POLLERR | sel.POLLNVAL):
             return False
@@ -1081,6 +1102,22 @@ class _Relay:
             gateway.close()
             return
         self.conns.append(_Conn(client, gateway))
+
+    def _linger(self, conn: _Conn) -> None:
+        """The gateway's side ended and its bytes went to the client: its socket is
+        closed now; the client's once it ended too, or after LINGER_S (or LINGER_BYTES
+        discarded), reading and discarding what it still sends."""
+        if conn.up.eof:
+            self._close(conn)
+            return
+        if conn.up.until:
+            return
+        conn.up.drop = conn.up.shut = True
+        conn.up.buf.clear()
+        conn.up.until = time.monotonic() + LINGER_S
+        self._set(conn.down.src, 0)
+        with _suppress(OSError):
+            conn.down.src.close()
 
     def _close(self, conn: _Conn) -> None:
         self.conns.remove(conn)

@@ -234,3 +234,81 @@ def test_an_answer_sent_before_the_gateway_stopped_reading_reaches_the_client(
                     got.extend(chunk)
             assert bytes(got) == REFUSAL
     gw.close()
+
+
+def test_a_client_still_writing_gets_a_large_answer_whole(short_tmp: Path) -> None:
+    """A client that writes its whole body before it reads (httpx does) while the gateway
+    has answered from the head and stopped reading: the relay keeps reading and
+    discarding the rest of the body for a bounded time (a lingering close), so its
+    close does not reset the connection with the answer's tail still unsent (fails
+    when the relay closes the client as soon as the answer is handed to the kernel)."""
+    body = b"x" * (4 << 20)
+    answer = (b"HTTP/1.1 413 Payload Too Large\r\nconnection: close\r\n"
+              b"content-length: %d\r\n\r\n" % 100000) + b"a" * 100000
+    gw = Refuser(short_tmp / "g.sock", answer)
+    port = relay_start(str(gw.path), port=0)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: %d\r\n\r\n" % len(body)
+    for _ in range(20):
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as c:
+            with contextlib.suppress(OSError):
+                c.sendall(head + body)
+            got = bytearray()
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := c.recv(1 << 16):
+                    got.extend(chunk)
+            assert len(got) == len(answer) and bytes(got) == answer
+    gw.close()
+
+
+def test_a_lingering_client_is_closed_after_its_bound(short_tmp: Path) -> None:
+    """The lingering close is bounded: a client that keeps writing after the answer is
+    closed once it sent more than LINGER_BYTES (or after LINGER_S), and its slot frees."""
+    gw = Refuser(short_tmp / "g.sock")
+    port = relay_start(str(gw.path), port=0, max_connections=1)
+    c = socket.create_connection(("127.0.0.1", port), timeout=20)
+    c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 99999999999\r\n\r\n")
+    t0 = time.monotonic()
+    sent = 0
+    with contextlib.suppress(OSError):
+        while time.monotonic() - t0 < 30:
+            sent += c.send(b"x" * 65536)
+    assert sent <= holder.LINGER_BYTES + (16 << 20)  # what kernel buffers hold besides
+    c.close()
+    # the one slot is free again: the next connection gets its answer
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as d:
+        d.sendall(b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 2\r\n\r\n{}")
+        got = bytearray()
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := d.recv(1 << 16):
+                got.extend(chunk)
+        assert bytes(got) == REFUSAL
+    gw.close()
+
+
+def test_an_idle_client_is_closed_after_linger_s(short_tmp: Path) -> None:
+    """After the gateway's side ended, a client that neither sends nor closes holds its
+    slot at most LINGER_S (fails when the lingering close has no time bound)."""
+    gw = Refuser(short_tmp / "g.sock")
+    relay = holder.relay_open(str(gw.path), port=0)
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            relay.step(holder.SIGNAL_POLL_MS)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    with socket.create_connection(("127.0.0.1", relay.port), timeout=20) as c:
+        c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 2\r\n\r\n{}")
+        got = bytearray()
+        while len(got) < len(REFUSAL):
+            got.extend(c.recv(1 << 16))
+        assert bytes(got) == REFUSAL
+        deadline = time.monotonic() + holder.LINGER_S + 10
+        while relay.conns and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not relay.conns, "a lingering client must be closed after LINGER_S"
+        assert c.recv(10) == b""
+    stop.set()
+    t.join(5)
+    gw.close()
