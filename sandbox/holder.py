@@ -1017,8 +1017,8 @@ class _Relay:
                 self._accept()
                 continue
             got = by_fd.get(fd)
-            if got is None or got[1] not in self.conns:
-                continue  # closed earlier in this round
+            if got is None or got[1] not in self.conns or got[0].fileno() != fd:
+                continue  # closed earlier in this round (a lingering one's gateway too)
             sock, conn = got
             inbound, outbound = ((conn.up, conn.down) if sock is conn.up.src
                                  else (conn.down, conn.up))

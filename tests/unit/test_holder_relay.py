@@ -312,3 +312,56 @@ def test_an_idle_client_is_closed_after_linger_s(short_tmp: Path) -> None:
     stop.set()
     t.join(5)
     gw.close()
+
+
+def test_a_stale_gateway_event_does_not_end_the_lingering_close(short_tmp: Path) -> None:
+    """The round that starts a lingering close (the answer's tail sent on the client's
+    event) can still hold an event for the gateway's socket it just closed: that event is
+    stale and must not close the client with the tail in the kernel (fails when the
+    events loop handles it). From an attacker's review; buffer sizes force the order."""
+    answer = (b"HTTP/1.1 413 x\r\nconnection: close\r\ncontent-length: 40000\r\n\r\n"
+              + b"a" * 40000)
+    gw = Refuser(short_tmp / "g.sock", answer)
+    relay = holder.relay_open(str(gw.path), port=0)
+    c = socket.socket()
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a client slow to read
+    c.connect(("127.0.0.1", relay.port))
+    relay.step(5)
+    conn = relay.conns[0]
+    conn.up.src.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+    c.sendall(b"POST / HTTP/1.1\r\ncontent-length: 99999999\r\n\r\n")
+    for _ in range(200):
+        if conn.down.eof:
+            break
+        relay.step(5)  # the gateway answers and ends; the client reads nothing yet
+    assert conn.down.eof and conn.down.buf and not conn.up.buf  # the answer's tail held
+    c.send(b"x" * 1000)  # the client goes on with its body...
+    relay.step(5)
+    assert conn.up.buf  # ...held for the gateway: its fd polled for POLLOUT next round
+    c.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        c.send(b"y" * 300000)  # more than the relay reads in one round
+    c.settimeout(10)
+    conn.up.src.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+    got, errors = bytearray(), []
+
+    def reader() -> None:
+        try:
+            while chunk := c.recv(1 << 16):
+                got.extend(chunk)
+        except OSError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    time.sleep(0.2)
+    relay.step(5)  # client event: the tail goes, lingering starts; then the gateway's entry
+    assert conn in relay.conns, "closed in the round its lingering began"
+    for _ in range(200):
+        relay.step(5)
+        if not relay.conns:
+            break
+    t.join(5)
+    assert not errors and bytes(got) == answer
+    c.close()
+    gw.close()
