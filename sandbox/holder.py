@@ -927,6 +927,11 @@ class _Pipe:
         self.until = 0.0
         """Lingering: when ``src`` is closed at the latest (monotonic; 0: not yet)."""
 
+    def discard(self) -> None:
+        """Nobody reads ``dst`` any more: drop what is held, discard what ``src`` sends."""
+        self.buf.clear()
+        self.drop = self.shut = True
+
 
 class _Conn:
     """A relayed connection: ``up`` client -> gateway, ``down`` gateway -> client."""
@@ -1066,8 +1071,7 @@ class _Relay:
             except OSError:
                 if not gateway:
                     return False  # broken pipe: the client is gone
-                outbound.buf.clear()  # the gateway reads no more of this request:
-                outbound.drop = outbound.shut = True  # the rest is read and discarded
+                outbound.discard()  # the gateway reads no more of this request
             moved = True
         if not moved and ev & (sel.POLLHUP | sel.POLLERR | sel.POLLNVAL):
             return False
@@ -1112,8 +1116,7 @@ class _Relay:
             return
         if conn.up.until:
             return
-        conn.up.drop = conn.up.shut = True
-        conn.up.buf.clear()
+        conn.up.discard()
         conn.up.until = time.monotonic() + LINGER_S
         self._set(conn.down.src, 0)
         with _suppress(OSError):

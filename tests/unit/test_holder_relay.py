@@ -116,6 +116,15 @@ def roundtrip(port: int, data: bytes) -> bytes:
         return bytes(got)
 
 
+def read_to_end(c: socket.socket) -> bytes:
+    """What arrives on ``c`` until its end (a reset after the answer ends it too)."""
+    got = bytearray()
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := c.recv(1 << 16):
+            got.extend(chunk)
+    return bytes(got)
+
+
 def test_bytes_pass_unchanged_both_ways_with_half_close(short_tmp: Path) -> None:
     echo = Echo(short_tmp / "g.sock")
     port = relay_start(str(echo.path), port=0)
@@ -228,10 +237,7 @@ def test_an_answer_sent_before_the_gateway_stopped_reading_reaches_the_client(
         with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
             with contextlib.suppress(OSError):  # the write may fail: httpx reads on
                 c.sendall(head + b"x" * 262144)
-            got = bytearray()
-            with contextlib.suppress(ConnectionResetError):
-                while chunk := c.recv(1 << 16):
-                    got.extend(chunk)
+            got = read_to_end(c)
             assert bytes(got) == REFUSAL
     gw.close()
 
@@ -252,10 +258,7 @@ def test_a_client_still_writing_gets_a_large_answer_whole(short_tmp: Path) -> No
         with socket.create_connection(("127.0.0.1", port), timeout=20) as c:
             with contextlib.suppress(OSError):
                 c.sendall(head + body)
-            got = bytearray()
-            with contextlib.suppress(ConnectionResetError):
-                while chunk := c.recv(1 << 16):
-                    got.extend(chunk)
+            got = read_to_end(c)
             assert len(got) == len(answer) and bytes(got) == answer
     gw.close()
 
@@ -277,10 +280,7 @@ def test_a_lingering_client_is_closed_after_its_bound(short_tmp: Path) -> None:
     # the one slot is free again: the next connection gets its answer
     with socket.create_connection(("127.0.0.1", port), timeout=20) as d:
         d.sendall(b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 2\r\n\r\n{}")
-        got = bytearray()
-        with contextlib.suppress(ConnectionResetError):
-            while chunk := d.recv(1 << 16):
-                got.extend(chunk)
+        got = read_to_end(d)
         assert bytes(got) == REFUSAL
     gw.close()
 
