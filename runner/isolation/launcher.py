@@ -84,8 +84,8 @@ OFFLINE_ENV.update({
 EGRESS_URL = f"http://{RELAY_HOST}:{EGRESS_PORT}"
 """The holder's deny-all proxy (:mod:`sandbox.holder`): refuses with 403, names the host."""
 EGRESS_ENV = {
-    **{name: EGRESS_URL for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY",
-                                     "http_proxy", "https_proxy", "all_proxy")},
+    **{name: EGRESS_URL for name in ("HTTP_PROXY", "HTTPS_PROXY",
+                                     "http_proxy", "https_proxy")},
     "NO_PROXY": f"{RELAY_HOST},localhost",
     "no_proxy": f"{RELAY_HOST},localhost",
 }
@@ -94,7 +94,13 @@ Rust's reqwest in Codex, Claude Code's fetch) sends any request other than to th
 gateway's loopback endpoint to the holder's deny-all proxy: it fails at once with a
 403, and the run record names the host (``egress_refused``), instead of a DNS error
 the record never sees or a client waiting for a network that will not come. A client
-that ignores them still has no network: it fails closed, unnamed."""
+that ignores them still has no network: it fails closed, unnamed.
+
+No ``ALL_PROXY``: every client above takes the scheme's own variable for http and https
+(the only schemes the proxy speaks), and httpx builds one more transport, with its own
+CA bundle load (~26 ms in the analyst image), for each proxy variable it finds: an
+``ALL_PROXY`` cost every Python SDK client that much at construction, every case, and
+named nothing the other two do not."""
 
 
 class GatewayBinding(Protocol):
