@@ -99,8 +99,9 @@ that ignores them still has no network: it fails closed, unnamed.
 No ``ALL_PROXY``: every client above takes the scheme's own variable for http and https
 (the only schemes the proxy speaks), and httpx builds one more transport, with its own
 CA bundle load (~26 ms in the analyst image), for each proxy variable it finds: an
-``ALL_PROXY`` cost every Python SDK client that much at construction, every case, and
-named nothing the other two do not."""
+``ALL_PROXY`` cost every Python SDK client that much at construction, every case. It
+named only a client reading nothing else (curl for a scheme other than http and https);
+that one now fails closed, unnamed."""
 
 
 class GatewayBinding(Protocol):
