@@ -13,6 +13,14 @@ which for a slow case is minutes. So every signal is also written to a wake-up p
 (:func:`signal.set_wakeup_fd`), and a watcher thread, reading it, knocks on the main
 thread with a no-op signal aimed at it (:data:`NUDGE`) until the handler has run: the
 wait is interrupted and the handler runs at once.
+
+CPython itself can swallow the first signal's ``KeyboardInterrupt`` without a word: when
+the handler runs inside an io object's finalizer (``IOBase`` evaluating ``closed`` or
+calling ``close()`` as the object is freed, e.g. a urllib3 response), the finalizer
+clears whatever was raised, and unlike ``__del__`` it does not report it to
+``sys.unraisablehook``. The controller then went on waiting for cases that sleep. So the
+places where the main thread waits or moves on to new work call :func:`check` (or wait
+with :func:`result`): a first signal that has come and is not held unwinds there.
 """
 
 from __future__ import annotations
@@ -24,11 +32,14 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 from runner.errors import EXIT_INTERRUPTED
+
+T = TypeVar("T")
 
 REDELIVER_S = 0.01
 """How soon a swallowed first signal is delivered again."""
@@ -39,6 +50,8 @@ signal is otherwise unused: no out-of-band socket data anywhere in the controlle
 NUDGE_EVERY_S = 0.05
 NUDGE_FOR_S = 2.0
 """How often, and at most how long, the watcher knocks after a signal."""
+CHECK_EVERY_S = 0.25
+"""How often :func:`result` looks for a first signal that did not unwind."""
 
 
 class _State:
@@ -173,6 +186,31 @@ def install() -> None:
 def seen() -> bool:
     """True once a first signal arrived (whether it unwound or was held)."""
     return _state.signals > 0
+
+
+def check() -> None:
+    """Unwind now (``KeyboardInterrupt``) if a first signal came and nothing holds it.
+
+    For points on the main thread's normal path, where it waits or starts new work: a
+    signal that reached the handler has unwound by then, unless something swallowed its
+    ``KeyboardInterrupt`` (see the module's docstring). While an exception is being
+    handled (an ``except`` or ``finally`` on the way out, which is where an unwinding
+    signal is) and inside :func:`shielded`/:func:`deferred` it does nothing; elsewhere
+    than the main thread too (only the main thread is ever interrupted)."""
+    if (_state.signals and not _state.shield and sys.exc_info()[1] is None
+            and threading.current_thread() is threading.main_thread()):
+        raise KeyboardInterrupt
+
+
+def result(fut: Future[T]) -> T:
+    """``fut.result()`` that unwinds within :data:`CHECK_EVERY_S` of a first signal,
+    even one whose ``KeyboardInterrupt`` was swallowed (:func:`check`)."""
+    while True:
+        try:
+            return fut.result(timeout=CHECK_EVERY_S)
+        except TimeoutError:
+            pass
+        check()  # outside the except: there it would see an exception being handled
 
 
 @contextmanager

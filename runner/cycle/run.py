@@ -329,10 +329,12 @@ class CycleRunner:
         drift = check_drift(self.plan_path, self.plan_hash, self.plan)
         if drift:
             raise StageFailed(f"before {name}: {drift}")
+        interrupts.check()  # a first signal whose KeyboardInterrupt was swallowed
         t = time.monotonic()
         self.progress(name, 0, 0)
         result = fn()
         self.timings[name] = round(time.monotonic() - t, 3)
+        interrupts.check()
         drift = check_drift(self.plan_path, self.plan_hash, self.plan)
         if drift:
             raise StageFailed(f"after {name}: {drift}")
@@ -439,7 +441,7 @@ class CycleRunner:
         self._inflight = futures
         try:
             for fut in futures:
-                results.append(fut.result())
+                results.append(interrupts.result(fut))
                 done += 1
                 self.progress(stage, done, len(jobs))
         except BaseException:

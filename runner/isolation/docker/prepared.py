@@ -22,6 +22,7 @@ import docker.errors
 import requests.exceptions
 from docker.models.containers import _create_container_args
 
+from runner import interrupts
 from runner.errors import SandboxError
 from runner.isolation.docker.channel import (
     STOP_GRACE_S,
@@ -305,6 +306,9 @@ class DockerPreparedRun:
                 # the caller is stopping (and exits within its grace): end it now
                 stopping_run = True
                 break
+            # on the main thread (a stage's single container): a first signal whose
+            # KeyboardInterrupt was swallowed unwinds here, as it would have in the wait
+            interrupts.check()
         if timed_out or stream_exceeded.is_set() or stopping_run:
             stop_role(None)
         copy.done.wait(STOP_GRACE_S if stopping_run else STOP_GRACE_S + FINISH_BASE_S

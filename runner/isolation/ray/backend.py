@@ -45,7 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runner import fswalk
+from runner import fswalk, interrupts
 from runner.errors import (
     ConfigError,
     CycleboxError,
@@ -479,6 +479,7 @@ class RaySandbox:
                 ray.cancel(ref)
                 cancelled = True
                 deadline = min(deadline, time.monotonic() + CANCEL_GRACE_S)
+            interrupts.check()  # main thread: a first signal whose KeyboardInterrupt was lost
             if time.monotonic() > deadline:
                 ray.cancel(ref, force=True)
                 return self._lost(spec, node, started, "no answer from the node within "
