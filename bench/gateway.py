@@ -10,6 +10,10 @@ run it three times and take medians (the machine's load is reported as ``loadavg
 ``gateway_cpu_us_per_call``: CPU seconds the gateway process spent (``/proc/PID/stat``)
 per call, which the load of other processes does not distort.
 
+``--floor``: also a byte pipe in the gateway's place (``bench/_pipe_proc.py``: the same
+unix socket to TCP hop on uvloop, nothing parsed, checked or recorded), c1 p50 interleaved
+with direct: what the hop alone costs, so the gateway's ratio over it is its own work.
+
 ``--in-container``: also the in-container path (issue 20): an unmodified SDK
 (``openai.OpenAI()``, no arguments) inside a real hardened analyst container, through the
 loopback endpoint 127.0.0.1:40080 its holder relays to the gateway socket, beside the
@@ -148,6 +152,38 @@ async def measure(info: dict[str, str], port: int, n: int) -> dict[str, object]:
     return out
 
 
+async def floor(port: int, n: int) -> dict[str, object]:
+    """c1 p50 of a byte pipe (``_pipe_proc.py``) against direct, rounds interleaved."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="cbx-bench-pipe-") as tmp:
+        path = str(Path(tmp) / "pipe.sock")
+        pipe = subprocess.Popen([sys.executable, str(HERE / "_pipe_proc.py"), str(port), path],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert pipe.stdout is not None
+            pipe.stdout.readline()
+            h = {"Authorization": "Bearer sk-bench", "Content-Type": "application/json"}
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            via = httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=path), timeout=30)
+            direct = httpx2.AsyncClient(timeout=30)
+            rows: dict[str, list[float]] = {"pipe": [], "direct": []}
+            await load(via, url, h, 50, 1)  # warm-up
+            await load(direct, url, h, 50, 1)
+            for _ in range(4):
+                for name, c in (("pipe", via), ("direct", direct)):
+                    lat, _wall = await load(c, url, h, n // 4, 1)
+                    rows[name] += lat
+            await via.aclose()
+            await direct.aclose()
+        finally:
+            pipe.kill()
+            pipe.wait()
+    p50 = {k: round(1000 * statistics.median(v), 3) for k, v in rows.items()}
+    return {"pipe_p50_ms": p50["pipe"], "direct_p50_ms": p50["direct"],
+            "c1_p50_pipe_over_direct": round(p50["pipe"] / p50["direct"], 3)}
+
+
 IN_CONTAINER = """
 import json, os, statistics, time
 import openai
@@ -217,6 +253,8 @@ def main() -> None:
     ap.add_argument("--in-container", action="store_true",
                     help="also measure the in-container loopback path (Docker, role images)")
     ap.add_argument("--container-calls", type=int, default=200)
+    ap.add_argument("--floor", action="store_true",
+                    help="also a byte pipe in the gateway's place (what the hop alone costs)")
     a = ap.parse_args()
     load_before = os.getloadavg()
     port = free_port()
@@ -235,6 +273,7 @@ def main() -> None:
         info = json.loads(gateway.stdout.readline())
         result = asyncio.run(measure(info, port, a.requests))
         flooded = asyncio.run(victim(info, 200))
+        piped = asyncio.run(floor(port, a.requests)) if a.floor else None
         calls = sum(1 for line in (Path(info["run_dir"]) / "gateway" / "calls.jsonl").open()
                     if '"stage":"bench"' in line)
     finally:
@@ -267,6 +306,10 @@ def main() -> None:
                 "its next request, a large one before its reply; fsync when the "
                 "socket closes: runner/gateway/calllog.py)",
     }
+    if piped is not None:
+        piped["c1_p50_gateway_over_pipe"] = round(
+            c1["gateway"]["p50_ms"] / piped["pipe_p50_ms"], 3)  # type: ignore[index]
+        summary["floor_byte_pipe"] = piped
     if a.in_container:
         summary["in_container"] = in_container(a.container_calls)
     report(summary, a.out)
