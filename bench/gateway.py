@@ -111,6 +111,29 @@ def pct(v: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+Sides = dict[str, tuple[httpx2.AsyncClient, str, dict[str, str]]]
+"""name -> (client, url, headers) of each path measured."""
+
+
+async def warm_up(sides: Sides, conc: int) -> None:
+    for c, url, h in sides.values():
+        await load(c, url, h, 50, conc)
+
+
+async def interleaved(sides: Sides, n: int,
+                      conc: int) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """``n`` requests per side at ``conc``, in 4 rounds alternating the sides so that drift
+    hits them all: latencies and wall time per side."""
+    rows: dict[str, list[float]] = {name: [] for name in sides}
+    walls: dict[str, float] = dict.fromkeys(sides, 0.0)
+    for _ in range(4):
+        for name, (c, url, h) in sides.items():
+            lat, wall = await load(c, url, h, n // 4, conc)
+            rows[name] += lat
+            walls[name] += wall
+    return rows, walls
+
+
 async def measure(info: dict[str, str], port: int, n: int) -> dict[str, object]:
     """c1 and c8 rounds, gateway and direct interleaved; the gateway's CPU per call from
     /proc (clock ticks: use enough requests for the figure to be more than a few ticks)."""
@@ -124,17 +147,11 @@ async def measure(info: dict[str, str], port: int, n: int) -> dict[str, object]:
     direct_url = f"http://127.0.0.1:{port}/v1/chat/completions"
     out: dict[str, object] = {}
     for conc in (1, 8):
-        await load(gw, gw_url, gw_headers, 50, conc)  # warm-up
-        await load(direct, direct_url, direct_headers, 50, conc)
-        rows: dict[str, list[float]] = {"gateway": [], "direct": []}
-        walls: dict[str, float] = {"gateway": 0.0, "direct": 0.0}
+        sides = {"gateway": (gw, gw_url, gw_headers),
+                 "direct": (direct, direct_url, direct_headers)}
+        await warm_up(sides, conc)  # outside the CPU figure
         cpu0 = cpu_s(int(info["pid"]))  # the gateway idles (no CPU) in the direct rounds
-        for _ in range(4):  # interleave rounds so drift hits both sides
-            for name, c, url, h in (("gateway", gw, gw_url, gw_headers),
-                                    ("direct", direct, direct_url, direct_headers)):
-                lat, wall = await load(c, url, h, n // 4, conc)
-                rows[name] += lat
-                walls[name] += wall
+        rows, walls = await interleaved(sides, n, conc)
         gw_cpu = cpu_s(int(info["pid"])) - cpu0
         res = {}
         for name, lat in rows.items():
@@ -167,13 +184,9 @@ async def floor(port: int, n: int) -> dict[str, object]:
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
             via = httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=path), timeout=30)
             direct = httpx2.AsyncClient(timeout=30)
-            rows: dict[str, list[float]] = {"pipe": [], "direct": []}
-            await load(via, url, h, 50, 1)  # warm-up
-            await load(direct, url, h, 50, 1)
-            for _ in range(4):
-                for name, c in (("pipe", via), ("direct", direct)):
-                    lat, _wall = await load(c, url, h, n // 4, 1)
-                    rows[name] += lat
+            sides: Sides = {"pipe": (via, url, h), "direct": (direct, url, h)}
+            await warm_up(sides, 1)
+            rows, _walls = await interleaved(sides, n, 1)
             await via.aclose()
             await direct.aclose()
         finally:
