@@ -435,11 +435,18 @@ class CycleRunner:
         # twice the cases that may run at once: a case that left the gate (its command
         # ended) still removes its container and writes its record meanwhile
         pool = ThreadPoolExecutor(max_workers=2 * control.workers)
-        control.start(gate.set_limit)
-        ahead.start()
-        futures = [pool.submit(job, i) for i in range(len(jobs))]
+        # Known to the stop path before the first job exists: a signal landing while the
+        # jobs are submitted (each submit may start a thread and wait for it) must
+        # stop and drain those already running, or they go on preparing containers
+        # and writing into the run directory after its receipt.
+        futures: list[Future[Record]] = []
         self._inflight = futures
         try:
+            control.start(gate.set_limit)
+            ahead.start()
+            for i in range(len(jobs)):
+                with interrupts.deferred():  # a job queued is a job in ``futures``
+                    futures.append(pool.submit(job, i))
             for fut in futures:
                 results.append(interrupts.result(fut))
                 done += 1

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from runner import interrupts
+from runner.cycle import run as run_module
 from runner.cycle.plan import freeze
 from runner.cycle.receipt import build, compare_receipts
 from runner.cycle.run import CycleRunner
@@ -170,6 +171,49 @@ def test_an_interrupt_mid_stage_discards_every_prepared_container(planned: Freez
     assert box.live() == []
     assert [p for p in analyst_runs(box) if p.state == "discarded"], [
         (placement(p.spec), p.state) for p in box.prepared]
+    assert all(p.uses <= 1 for p in box.prepared)
+
+
+def test_an_interrupt_while_jobs_are_submitted_stops_the_jobs_already_running(
+        planned: Freeze, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal lands while the stage submits its jobs (each submit may start a thread
+    and wait for it): the jobs already running are stopped and waited for like any
+    others, so none goes on preparing or running containers, or writing into the run
+    directory, after the cycle returned (CI: a case's crash log after the receipt)."""
+    plan = planned(concurrency=1)
+    started = threading.Event()
+    ran_after: list[float] = []
+    returned: list[float] = []
+
+    def slow(call: Call) -> Result:
+        if call.stage == "baseline":
+            started.set()
+            time.sleep(0.5)
+            if returned:
+                ran_after.append(time.monotonic())
+        return analyst(call)
+
+    class SignalOnSecondSubmit(run_module.ThreadPoolExecutor):
+        submitted = 0
+
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            type(self).submitted += 1
+            if type(self).submitted == 2:
+                assert started.wait(5), "the first job never ran"
+                raise KeyboardInterrupt  # as the handler does, mid-submit
+            return super().submit(fn, *args, **kwargs)
+
+    monkeypatch.setattr(run_module, "ThreadPoolExecutor", SignalOnSecondSubmit)
+    box = fake(script(analyst=slow))
+    outcome = run(plan, box)
+    returned.append(time.monotonic())
+    prepared = len(box.prepared)
+    time.sleep(1.0)  # what a job left running would do meanwhile
+    assert outcome.failure is not None and outcome.failure.reason == "interrupted"
+    assert ran_after == [], "a baseline case was still running after the cycle returned"
+    assert len(box.prepared) == prepared, "containers prepared after the cycle returned"
+    assert box.live() == []
+    assert not list((plan.parent / "logs").glob("error-*")), "a case crashed on the way out"
     assert all(p.uses <= 1 for p in box.prepared)
 
 
