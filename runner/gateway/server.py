@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 import uvloop
 
 from runner import interrupts
-from runner.errors import ConfigError, OutputRejected
+from runner.errors import ConfigError, CycleboxError, OutputRejected
 from runner.gateway.budget import BudgetPolicy, BudgetRefused, Reservation, RunBudget
 from runner.gateway.calllog import (
     ANTHROPIC_APIS,
@@ -165,6 +165,11 @@ class Binding:
         return t
 
 
+class GatewayClosed(CycleboxError):
+    """Raised by :meth:`Gateway.bind` once the gateway is closed (or before it started):
+    a container that would be bound then is one the run no longer starts."""
+
+
 class Gateway:
     """Host-side model gateway for one run."""
 
@@ -182,6 +187,9 @@ class Gateway:
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._bindings: list[Binding] = []
+        self._closed = False
+        """Set by close(), under _bind_lock: no binding is registered after it."""
+        self._bind_lock = threading.Lock()
         self._by_key: dict[tuple[str, str | None, int | None], list[CallRecord]] = {}
         self._index_lock = threading.Lock()
 
@@ -223,7 +231,10 @@ class Gateway:
     def close(self) -> None:
         """Stop every socket; in-flight upstream calls are cancelled at once and recorded
         as ``interrupted`` (the controller's unwinding on SIGTERM/SIGINT ends here)."""
-        for b in list(self._bindings):
+        with self._bind_lock:
+            self._closed = True
+            bindings = list(self._bindings)
+        for b in bindings:
             self.unbind(b, grace_s=CLOSE_GRACE_S)
         if self._loop is not None:
             for p in self._providers.values():
@@ -252,7 +263,11 @@ class Gateway:
     def bind(self, role: str, *, stage: str, uid: int, case: str | None = None,
              trial: int | None = None) -> Binding:
         """Start a socket for one container of ``role``; mount ``binding.directory`` read-only."""
-        assert self._loop is not None, "gateway not started"  # noqa: S101
+        loop = self._loop
+        if loop is None or self._closed:
+            raise GatewayClosed(f"no gateway socket for the {role} container: the gateway "
+                               "is " + ("closed (the run is stopping)" if self._closed
+                                        else "not started"))
         # Short path under the temp dir: unix socket paths are limited to 108 bytes.
         # The owner record (pid, boot id, for `cyclebox gc`) stays beside the mounted
         # directory, never in it: a container learns nothing about the controller.
@@ -265,15 +280,21 @@ class Gateway:
                 binding = self._make_binding(outer, role, stage=stage, uid=uid, case=case,
                                              trial=trial)
                 asyncio.run_coroutine_threadsafe(self._start(binding),
-                                                 self._loop).result(timeout=30)
+                                                 loop).result(timeout=30)
+                with self._bind_lock:
+                    # close() may have listed the bindings meanwhile: this one would
+                    # outlive it, so it is undone here instead
+                    if self._closed:
+                        raise GatewayClosed(f"no gateway socket for the {role} container: "
+                                           "the gateway closed (the run is stopping)")
+                    self._bindings.append(binding)
             except BaseException:
                 if binding is not None and binding.listener is not None:
                     with contextlib.suppress(Exception):
                         asyncio.run_coroutine_threadsafe(binding.listener.close(0),
-                                                         self._loop).result(timeout=10)
+                                                         loop).result(timeout=10)
                 shutil.rmtree(outer, ignore_errors=True)
                 raise
-            self._bindings.append(binding)
         return binding
 
     def _make_binding(self, outer: Path, role: str, *, stage: str, uid: int,
@@ -306,8 +327,9 @@ class Gateway:
         """Close the socket; calls still running after ``grace_s`` (default
         UNBIND_GRACE_S) are cancelled and recorded as interrupted."""
         grace_s = UNBIND_GRACE_S if grace_s is None else grace_s
-        if b in self._bindings:
-            self._bindings.remove(b)
+        with self._bind_lock:
+            if b in self._bindings:
+                self._bindings.remove(b)
         if b.listener is not None and self._loop is not None:
             asyncio.run_coroutine_threadsafe(b.listener.close(grace_s),
                                              self._loop).result(timeout=grace_s + 10)

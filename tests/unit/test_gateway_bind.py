@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from runner import interrupts
-from runner.gateway.server import SOCKET_DIR_PREFIX, Gateway
+from runner.gateway.server import SOCKET_DIR_PREFIX, Gateway, GatewayClosed
 
 
 @pytest.fixture
@@ -62,3 +62,33 @@ def test_a_failed_bind_removes_what_it_made(tmp: Path, tmp_path: Path,
     with Gateway(tmp_path / "run", "bindtest", {}, {}) as gw, pytest.raises(OSError):
         gw.bind("analyst", stage="baseline", uid=os.getuid())
     assert _left(tmp) == []
+
+
+def test_no_binding_after_close(tmp: Path, tmp_path: Path) -> None:
+    gw = Gateway(tmp_path / "run", "bindtest", {}, {}).start()
+    gw.close()
+    with pytest.raises(GatewayClosed, match="analyst container: the gateway is closed"):
+        gw.bind("analyst", stage="baseline", uid=os.getuid())
+    assert _left(tmp) == []
+
+
+def test_a_bind_that_loses_the_race_with_close_is_undone(
+        tmp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() lists the bindings while a bind is starting its socket: that binding is
+    never registered (it would outlive close), and its own thread removes it."""
+    gw = Gateway(tmp_path / "run", "bindtest", {}, {}).start()
+    start = Gateway._start
+
+    async def closing_meanwhile(self: Gateway, b: Any) -> None:
+        await start(self, b)
+        with self._bind_lock:
+            self._closed = True  # as close() does first, from another thread
+
+    monkeypatch.setattr(Gateway, "_start", closing_meanwhile)
+    try:
+        with pytest.raises(GatewayClosed, match="the gateway closed"):
+            gw.bind("analyst", stage="baseline", uid=os.getuid())
+        assert gw._bindings == []
+        assert _left(tmp) == []
+    finally:
+        gw.close()
