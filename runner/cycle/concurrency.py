@@ -222,7 +222,8 @@ class Control:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
+        # is_alive: a signal may have landed between making the thread and starting it
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(self.interval_s * 2)
 
     def timings(self, stage: str) -> dict[str, float]:

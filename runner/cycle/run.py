@@ -454,15 +454,17 @@ class CycleRunner:
         except BaseException:
             # Never wait for the pool on the way out: admit nothing new, discard what was
             # prepared, kill the run's containers, cancel what did not start and give
-            # running cases a moment to see their container go.
-            self._stopping.set()
-            with contextlib.suppress(Exception):  # the sweep below removes what is left
-                # a prepare stuck in the engine is not waited for: it sees the stop and
-                # discards its own container when it returns, and _drain sweeps meanwhile
-                ahead.close(join_s=1.0)
-            gate.open()
-            pool.shutdown(wait=False, cancel_futures=True)
-            self._drain(futures)
+            # running cases a moment to see their container go. Shielded: a first signal
+            # delivered again (see runner.interrupts) must not cut this short.
+            with interrupts.shielded():
+                self._stopping.set()
+                with contextlib.suppress(Exception):  # the sweep below removes the rest
+                    # a prepare stuck in the engine is not waited for: it sees the stop
+                    # and discards its own container when it returns; _drain sweeps
+                    ahead.close(join_s=1.0)
+                gate.open()
+                pool.shutdown(wait=False, cancel_futures=True)
+                self._drain(futures)
             raise
         finally:
             control.stop()

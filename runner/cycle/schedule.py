@@ -140,8 +140,11 @@ class Lookahead(Generic[T]):
         ``closed`` error."""
         slot = self._slots[index]
         with self._cond:
-            self._cond.wait_for(lambda: slot.state != "preparing")
-            if slot.state in ("taken", "discarded") or (self._closed and slot.state == "new"):
+            # closed: a prepare stuck in the engine is not waited for (the preparer
+            # discards its late value itself)
+            self._cond.wait_for(lambda: slot.state != "preparing" or self._closed)
+            if slot.state in ("taken", "discarded") or (
+                    self._closed and slot.state in ("new", "preparing")):
                 if slot.state == "taken":
                     raise AssertionError(f"job {index} taken twice")
                 raise self._closed_error()

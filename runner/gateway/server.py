@@ -91,6 +91,8 @@ hop to a thread costs more than the work."""
 WRITERS_PER_SOCKET = 2
 """Pool jobs one socket may have queued at once, so a flood queues behind itself."""
 UNBIND_GRACE_S = 5.0
+BUSY_WAIT_S = 2.0
+"""How long close() waits for binds and unbinds under way on other threads."""
 CLOSE_GRACE_S = 0.0
 """On close (SIGTERM/SIGINT) in-flight calls are cancelled at once and recorded."""
 DEFAULT_LIMIT = 1 << 20
@@ -189,7 +191,11 @@ class Gateway:
         self._bindings: list[Binding] = []
         self._closed = False
         """Set by close(), under _bind_lock: no binding is registered after it."""
-        self._bind_lock = threading.Lock()
+        self._bind_lock = threading.Condition()
+        self._busy = 0
+        """binds and unbinds under way (close() waits for them before stopping the loop)"""
+        self._unbinding: list[Binding] = []
+        """bindings an unbind() took out of _bindings and is closing"""
         self._by_key: dict[tuple[str, str | None, int | None], list[CallRecord]] = {}
         self._index_lock = threading.Lock()
 
@@ -221,7 +227,7 @@ class Gateway:
             return
 
         def cancel() -> None:
-            for b in self._bindings:
+            for b in [*self._bindings, *self._unbinding]:
                 if b.listener is not None:
                     for t in list(b.listener.tasks):
                         t.cancel()
@@ -233,6 +239,12 @@ class Gateway:
         as ``interrupted`` (the controller's unwinding on SIGTERM/SIGINT ends here)."""
         with self._bind_lock:
             self._closed = True
+        # A bind or unbind under way on another thread finishes on the running loop
+        # first (its in-flight calls cancelled like every other); only then does the loop
+        # stop, so none of them waits on a stopped loop or writes after the log closed.
+        self.interrupt()
+        with self._bind_lock:
+            self._bind_lock.wait_for(lambda: self._busy == 0, timeout=BUSY_WAIT_S)
             bindings = list(self._bindings)
         for b in bindings:
             self.unbind(b, grace_s=CLOSE_GRACE_S)
@@ -263,11 +275,29 @@ class Gateway:
     def bind(self, role: str, *, stage: str, uid: int, case: str | None = None,
              trial: int | None = None) -> Binding:
         """Start a socket for one container of ``role``; mount ``binding.directory`` read-only."""
-        loop = self._loop
-        if loop is None or self._closed:
-            raise GatewayClosed(f"no gateway socket for the {role} container: the gateway "
-                               "is " + ("closed (the run is stopping)" if self._closed
-                                        else "not started"))
+        counted = False
+        try:
+            # deferred: a signal between the count and the flag would leave close() waiting
+            with interrupts.deferred(), self._bind_lock:
+                loop = self._loop
+                if loop is None or self._closed:
+                    raise GatewayClosed(f"no gateway socket for the {role} container: the "
+                                        "gateway is " + ("closed (the run is stopping)"
+                                                         if self._closed else "not started"))
+                self._busy += 1
+                counted = True
+            return self._bind(loop, role, stage=stage, uid=uid, case=case, trial=trial)
+        finally:
+            if counted:
+                self._done()
+
+    def _done(self) -> None:
+        with self._bind_lock:
+            self._busy -= 1
+            self._bind_lock.notify_all()
+
+    def _bind(self, loop: asyncio.AbstractEventLoop, role: str, *, stage: str, uid: int,
+              case: str | None, trial: int | None) -> Binding:
         # Short path under the temp dir: unix socket paths are limited to 108 bytes.
         # The owner record (pid, boot id, for `cyclebox gc`) stays beside the mounted
         # directory, never in it: a container learns nothing about the controller.
@@ -327,19 +357,37 @@ class Gateway:
         """Close the socket; calls still running after ``grace_s`` (default
         UNBIND_GRACE_S) are cancelled and recorded as interrupted."""
         grace_s = UNBIND_GRACE_S if grace_s is None else grace_s
-        with self._bind_lock:
-            if b in self._bindings:
+        taken = finished = False
+        try:
+            with interrupts.deferred(), self._bind_lock:
+                # once per binding: the thread that takes it out closes it (close() and
+                # the container's own unbind may both try)
+                if b not in self._bindings:
+                    return
                 self._bindings.remove(b)
-        if b.listener is not None and self._loop is not None:
-            asyncio.run_coroutine_threadsafe(b.listener.close(grace_s),
-                                             self._loop).result(timeout=grace_s + 10)
-        if b.not_itemized:
-            self._record(b, b.next_turn(), time.perf_counter(), status="refused",
-                         error="refusals_not_itemized", upstream=self.role_upstream.get(b.role),
-                         received=b"", not_itemized=b.not_itemized)
-            b.not_itemized = 0
-        shutil.rmtree(b.directory.parent, ignore_errors=True)
-        self.log.sync()
+                self._unbinding.append(b)
+                loop = self._loop
+                self._busy += 1
+                taken = True
+            if b.listener is not None and loop is not None:
+                asyncio.run_coroutine_threadsafe(b.listener.close(grace_s),
+                                                 loop).result(timeout=grace_s + 10)
+            if b.not_itemized:
+                self._record(b, b.next_turn(), time.perf_counter(), status="refused",
+                             error="refusals_not_itemized",
+                             upstream=self.role_upstream.get(b.role), received=b"",
+                             not_itemized=b.not_itemized)
+                b.not_itemized = 0
+            shutil.rmtree(b.directory.parent, ignore_errors=True)
+            self.log.sync()
+            finished = True
+        finally:
+            if taken:
+                with self._bind_lock:
+                    self._unbinding.remove(b)
+                    if not finished:  # cut short (a signal): close() closes it again
+                        self._bindings.append(b)
+                self._done()
 
     @contextmanager
     def bound(self, role: str, *, stage: str, uid: int, case: str | None = None,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,3 +95,83 @@ def test_a_bind_that_loses_the_race_with_close_is_undone(
         assert _left(tmp) == []
     finally:
         gw.close()
+
+
+def test_a_bind_under_way_when_close_starts_ends_before_the_loop_stops(
+        tmp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() on one thread while another binds: the bind finishes on the running loop
+    and is refused by name (never an error from a stopped or closed loop, never a
+    30 s wait), and nothing of it is left."""
+    gw = Gateway(tmp_path / "run", "bindtest", {}, {}).start()
+    start = Gateway._start
+    entered = threading.Event()
+
+    async def slow(self: Gateway, b: Any) -> None:
+        entered.set()
+        await asyncio.sleep(0.3)
+        await start(self, b)
+
+    monkeypatch.setattr(Gateway, "_start", slow)
+    got: list[BaseException] = []
+
+    def bind() -> None:
+        try:
+            gw.bind("analyst", stage="baseline", uid=os.getuid())
+        except BaseException as exc:
+            got.append(exc)
+
+    t = threading.Thread(target=bind)
+    t.start()
+    assert entered.wait(5)
+    t0 = time.monotonic()
+    gw.close()
+    t.join(5)
+    assert not t.is_alive()
+    assert [type(e) for e in got] == [GatewayClosed], got
+    assert time.monotonic() - t0 < 2.0
+    assert _left(tmp) == []
+
+
+def test_a_binding_is_unbound_once(tmp: Path, tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() and the container's own unbind may both reach a binding: the second
+    finds it gone and does nothing (no second close, no second record)."""
+    with Gateway(tmp_path / "run", "bindtest", {}, {}) as gw:
+        b = gw.bind("analyst", stage="baseline", uid=os.getuid())
+        b.not_itemized = 3
+        recorded: list[Any] = []
+        monkeypatch.setattr(gw, "_record", lambda *a, **k: recorded.append(k))
+        gw.unbind(b, grace_s=0)
+
+        async def closed_twice(_grace_s: float) -> None:
+            raise AssertionError("the listener was closed a second time")
+
+        assert b.listener is not None
+        monkeypatch.setattr(b.listener, "close", closed_twice)
+        gw.unbind(b, grace_s=0)
+        assert [k["not_itemized"] for k in recorded] == [3]
+    assert _left(tmp) == []
+
+
+def test_an_unbind_cut_short_by_a_signal_leaves_the_binding_to_close(
+        tmp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gw = Gateway(tmp_path / "run", "bindtest", {}, {}).start()
+    try:
+        b = gw.bind("analyst", stage="baseline", uid=os.getuid())
+        b.not_itemized = 1
+        calls: list[int] = []
+
+        def record(*_a: Any, **_k: Any) -> None:
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyboardInterrupt  # the signal lands mid-unbind
+
+        monkeypatch.setattr(gw, "_record", record)
+        with pytest.raises(KeyboardInterrupt):
+            gw.unbind(b, grace_s=0)
+        assert gw._bindings == [b]
+        assert len(_left(tmp)) == 1
+    finally:
+        gw.close()
+    assert _left(tmp) == []
+    assert gw._bindings == [] and gw._busy == 0

@@ -110,6 +110,38 @@ def test_a_prepare_in_flight_at_close_is_discarded_by_the_preparer() -> None:
     assert discarded == [0]
 
 
+def test_a_job_waiting_on_a_stuck_prepare_is_released_by_close() -> None:
+    """A prepare stuck in the engine holds no job past close(): the job waiting for that
+    slot gets the closed error at once, and the preparer discards the late value."""
+    entered, release = threading.Event(), threading.Event()
+    discarded: list[int] = []
+
+    def prep(i: int) -> int:
+        entered.set()
+        release.wait(10)
+        return i
+
+    ahead = Lookahead(2, prepare=prep, discard=discarded.append, depth=lambda: 1,
+                      closed=lambda: Stop("closed")).start()
+    assert entered.wait(5)
+    got: list[BaseException] = []
+
+    def job() -> None:
+        try:
+            ahead.take(0)
+        except BaseException as exc:
+            got.append(exc)
+
+    t = threading.Thread(target=job)
+    t.start()
+    time.sleep(0.1)  # the job waits on the slot being prepared
+    ahead.close(join_s=0)
+    t.join(2)
+    assert not t.is_alive() and [type(e) for e in got] == [Stop]
+    release.set()
+    wait_until(lambda: discarded == [0])
+
+
 # -- Gate ----------------------------------------------------------------------------------
 
 def test_the_gate_admits_in_order_and_follows_its_limit() -> None:
@@ -232,6 +264,14 @@ def test_a_fixed_setting_is_recorded_as_it_is(tmp_path: Path) -> None:
     assert control.limit == 3 and control.workers == 3
     assert control.timings("baseline") == {"baseline.concurrency": 3.0,
                                            "baseline.lookahead_max": 3.0}
+
+
+def test_stop_before_the_thread_started_is_quiet() -> None:
+    """A signal between making the auto-concurrency thread and starting it: stop() in the
+    stage's ``finally`` must not replace that signal with a RuntimeError."""
+    control = cc.Control("auto", 4, per_case_bytes=GIB // 2, interval_s=0.01)
+    control._thread = threading.Thread(target=lambda: None)
+    control.stop()
 
 
 def test_auto_raises_the_limit_while_the_host_is_idle() -> None:
