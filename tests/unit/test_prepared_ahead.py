@@ -217,6 +217,58 @@ def test_an_interrupt_while_jobs_are_submitted_stops_the_jobs_already_running(
     assert all(p.uses <= 1 for p in box.prepared)
 
 
+def test_a_first_signal_delivered_again_does_not_cut_the_stop_cleanup_short(
+        planned: Freeze, monkeypatch: pytest.MonkeyPatch) -> None:
+    """runner.interrupts delivers a swallowed first signal again a moment later; landing
+    in the stage's stop cleanup, it is held there (shielded), so the cleanup drains the
+    jobs before the stage unwinds."""
+    plan = planned(concurrency=1)
+    started = threading.Event()
+
+    def slow(call: Call) -> Result:
+        if call.stage == "baseline":
+            started.set()
+            time.sleep(0.3)
+        return analyst(call)
+
+    class SignalOnSecondSubmit(run_module.ThreadPoolExecutor):
+        submitted = 0
+
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            type(self).submitted += 1
+            if type(self).submitted == 2:
+                assert started.wait(5), "the first job never ran"
+                raise KeyboardInterrupt
+            return super().submit(fn, *args, **kwargs)
+
+    log: list[str] = []
+    calls: list[int] = []
+    drain = CycleRunner._drain
+    state = interrupts._state
+    saved = (state.signals, state.shield, state.pending, state.redeliver, state.handled)
+
+    def drain_redelivered(self: CycleRunner, futures: Any) -> None:
+        calls.append(1)
+        if len(calls) == 1:  # the stage's stop cleanup; later ones are _finish's backstop
+            state.signals, state.redeliver = 1, True  # the first signal, delivered again
+            interrupts._handler(signal.SIGTERM, None)
+            drain(self, futures)
+            log.append("stop cleanup drained")
+        else:
+            drain(self, futures)
+            log.append("drained again")
+
+    monkeypatch.setattr(run_module, "ThreadPoolExecutor", SignalOnSecondSubmit)
+    monkeypatch.setattr(CycleRunner, "_drain", drain_redelivered)
+    try:
+        outcome = run(plan, box := fake(script(analyst=slow)))
+    finally:
+        state.signals, state.shield, state.pending, state.redeliver, state.handled = saved
+    assert outcome.failure is not None and outcome.failure.reason == "interrupted"
+    assert log[:1] == ["stop cleanup drained"], log
+    assert box.live() == []
+
+
 def test_a_budget_halt_discards_what_was_prepared(planned: Freeze) -> None:
     plan = planned(concurrency=1)
     runner: CycleRunner
