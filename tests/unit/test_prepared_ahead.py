@@ -62,6 +62,21 @@ def placement(spec: Any) -> tuple[str, str, str]:
     return labels["io.cyclebox.stage"], labels["io.cyclebox.case"], labels["io.cyclebox.trial"]
 
 
+def signal_on_second_submit(started: threading.Event) -> type:
+    """The stage's pool, with the signal landing at its second submit (as the handler
+    raises it, mid-submit), once the first job runs."""
+    class SignalOnSecondSubmit(run_module.ThreadPoolExecutor):
+        submitted = 0
+
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            type(self).submitted += 1
+            if type(self).submitted == 2:
+                assert started.wait(5), "the first job never ran"
+                raise KeyboardInterrupt
+            return super().submit(fn, *args, **kwargs)
+    return SignalOnSecondSubmit
+
+
 @pytest.mark.parametrize("concurrency", [1, 3, "auto"])
 def test_every_case_runs_once_in_its_own_container(planned: Freeze,
                                                    concurrency: int | str) -> None:
@@ -193,17 +208,7 @@ def test_an_interrupt_while_jobs_are_submitted_stops_the_jobs_already_running(
                 ran_after.append(time.monotonic())
         return analyst(call)
 
-    class SignalOnSecondSubmit(run_module.ThreadPoolExecutor):
-        submitted = 0
-
-        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
-            type(self).submitted += 1
-            if type(self).submitted == 2:
-                assert started.wait(5), "the first job never ran"
-                raise KeyboardInterrupt  # as the handler does, mid-submit
-            return super().submit(fn, *args, **kwargs)
-
-    monkeypatch.setattr(run_module, "ThreadPoolExecutor", SignalOnSecondSubmit)
+    monkeypatch.setattr(run_module, "ThreadPoolExecutor", signal_on_second_submit(started))
     box = fake(script(analyst=slow))
     outcome = run(plan, box)
     returned.append(time.monotonic())
@@ -231,16 +236,6 @@ def test_a_first_signal_delivered_again_does_not_cut_the_stop_cleanup_short(
             time.sleep(0.3)
         return analyst(call)
 
-    class SignalOnSecondSubmit(run_module.ThreadPoolExecutor):
-        submitted = 0
-
-        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
-            type(self).submitted += 1
-            if type(self).submitted == 2:
-                assert started.wait(5), "the first job never ran"
-                raise KeyboardInterrupt
-            return super().submit(fn, *args, **kwargs)
-
     log: list[str] = []
     calls: list[int] = []
     drain = CycleRunner._drain
@@ -258,7 +253,7 @@ def test_a_first_signal_delivered_again_does_not_cut_the_stop_cleanup_short(
             drain(self, futures)
             log.append("drained again")
 
-    monkeypatch.setattr(run_module, "ThreadPoolExecutor", SignalOnSecondSubmit)
+    monkeypatch.setattr(run_module, "ThreadPoolExecutor", signal_on_second_submit(started))
     monkeypatch.setattr(CycleRunner, "_drain", drain_redelivered)
     try:
         outcome = run(plan, box := fake(script(analyst=slow)))
