@@ -8,6 +8,16 @@ cycle and raw N times and reports the median ratio (the machine may be shared).
 
 Targets: issue 4, cycle / raw <= 1.3; issue 23, at concurrency 1 (where the next cases'
 containers are prepared while one runs) <= 0.8 and at concurrency 2 <= 0.93.
+
+``cpu_per_container``: each side's host CPU seconds per container, polled from ``/proc``
+(:class:`bench._hostcpu.HostCpu`): ``attributed`` (every busy CPU second of the host but
+this bench's poller and unrelated processes) and split by kind: ``container`` (what runs
+inside: the holder and the agent, or raw's ``python -c``), ``engine`` (dockerd,
+containerd, shims), ``controller`` (cyclebox's own process and its children; on the raw
+side the ``docker`` CLIs) and ``kernel``. A process that lives less than a poll (50 ms)
+is missed from its kind but stays in ``attributed``. When a side is CPU-bound (two cores
+at concurrency 2), its wall time follows this figure: the ratio cannot go below the two
+sides' CPU ratio.
 """
 
 from __future__ import annotations
@@ -19,13 +29,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from bench._hostcpu import HostCpu
 from bench._report import report
 from bench.overhead import docker_cli_args
 from runner.isolation.docker.hardening import create_kwargs
@@ -55,6 +69,42 @@ def scaled_example(dest: Path, trials: int) -> Path:
 
 
 TARGETS = {1: 0.8, 2: 0.93}
+POLL_S = 0.05
+
+
+@contextmanager
+def host_cpu(controller_pid: Callable[[], int | None]) -> Iterator[dict[str, Any]]:
+    """Poll the host's CPU by kind while the block runs; fills the yielded dict at exit
+    with CPU seconds (totals: the caller divides by its containers)."""
+    out: dict[str, Any] = {}
+    stop = threading.Event()
+    box: list[HostCpu] = []
+
+    def poller() -> None:
+        while (pid := controller_pid()) is None and not stop.is_set():
+            time.sleep(0.001)
+        host = HostCpu(pid)
+        box.append(host)
+        while not stop.is_set():
+            host.poll(True)
+            stop.wait(POLL_S)
+        host.poll(True)
+
+    t = threading.Thread(target=poller, daemon=True)
+    t.start()
+    try:
+        yield out
+    finally:
+        stop.set()
+        t.join()
+        if box:
+            h = box[0]
+            out["attributed"] = h.attributed_s()
+            out.update({k: v for k, v in h.by_kind.items() if k not in ("bench", "other")})
+
+
+def per_container(cpu: dict[str, Any], n: int) -> dict[str, float]:
+    return {k: round(v / n, 3) for k, v in sorted(cpu.items())}
 
 
 def main() -> None:
@@ -82,10 +132,16 @@ def one_round(trials: int, concurrency: int, i: int) -> dict[str, Any]:
     cyc["name"] = f"bench-cycle-{i}"
     cycle.write_text(yaml.safe_dump(cyc))
     cli = str(PROJECT_ROOT / ".venv" / "bin" / "cyclebox")
-    t0 = time.perf_counter()
-    res = subprocess.run([cli, "cycle", "run", str(cycle), "--out", str(work / "run"), "--json"],
-                         capture_output=True, text=True, check=False)
-    cycle_wall = time.perf_counter() - t0
+    proc: list[subprocess.Popen[str]] = []
+    with host_cpu(lambda: proc[0].pid if proc else None) as cycle_cpu:
+        t0 = time.perf_counter()
+        p = subprocess.Popen([cli, "cycle", "run", str(cycle), "--out", str(work / "run"),
+                              "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+        proc.append(p)
+        stdout, stderr = p.communicate()
+        cycle_wall = time.perf_counter() - t0
+    res = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
     if res.returncode != 0:
         raise SystemExit(f"cycle failed ({res.returncode}): {res.stdout} {res.stderr}")
     out = json.loads(res.stdout)
@@ -102,10 +158,11 @@ def one_round(trials: int, concurrency: int, i: int) -> dict[str, Any]:
     def raw_one(_: int) -> None:
         subprocess.run(raw_args, check=True, capture_output=True)
 
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        list(pool.map(raw_one, range(len(containers))))
-    raw_wall = time.perf_counter() - t0
+    with host_cpu(os.getpid) as raw_cpu:  # the docker CLIs count as raw's controller
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            list(pool.map(raw_one, range(len(containers))))
+        raw_wall = time.perf_counter() - t0
     result = {
         "bench": "cycle", "trials": trials, "verdict": out["verdict"],
         "containers": len(containers), "analyst_case_trial_runs": analyst_runs,
@@ -116,6 +173,8 @@ def one_round(trials: int, concurrency: int, i: int) -> dict[str, Any]:
         "per_stage_s": {k: v for k, v in out["timing"].items() if "prepared_wait_s." not in k
                         or not k.split("prepared_wait_s.")[1].count("__t")},
         "raw_command": RAW_COMMAND,
+        "cpu_per_container": {"cycle": per_container(cycle_cpu, len(containers)),
+                              "raw": per_container(raw_cpu, len(containers))},
     }
     print(json.dumps(result), file=sys.stderr, flush=True)
     shutil.rmtree(work, ignore_errors=True)
