@@ -41,7 +41,7 @@ import yaml
 
 from bench._hostcpu import HostCpu
 from bench._report import report
-from bench.overhead import docker_cli_args
+from bench.overhead import NO_HOLDER, docker_cli_args
 from runner.isolation.docker.hardening import create_kwargs
 from runner.isolation.docker.images import resolve_image
 from runner.isolation.policy import load_policies
@@ -152,7 +152,8 @@ def one_round(trials: int, concurrency: int, i: int) -> dict[str, Any]:
     backend: Any = get_sandbox("docker")
     spec = role_spec(policy, role="analyst", run_id="bench-raw", image=resolve_image("analyst"),
                      command=RAW_COMMAND)
-    raw_args = docker_cli_args(create_kwargs(spec, backend.owner, "raw"))[:-1]
+    raw_args = docker_cli_args(create_kwargs(spec, backend.owner, "raw",
+                                                holder_dir=NO_HOLDER))[:-1]
     raw_args = [*raw_args[: raw_args.index(str(spec.image)) + 1], *RAW_COMMAND]
 
     def raw_one(_: int) -> None:

@@ -7,6 +7,13 @@ runs) and to the first frame of its output (``echo``), both read off the framed 
 
 Targets (issue 23): backend median / raw docker median <= 1.0; hand-over -> command
 running p50 <= 50 ms, p99 <= 150 ms.
+
+``engine_floor``: what any backend that keeps the contract's minimum must wait for, on
+the same engine and API client: create (the same hardening, ``true`` as PID 1: no
+holder), start, wait for the exit, remove, confirm the removal. No attach, no output,
+no copy-out. The backend does all of it and more (its holder's READY, the hand-over, the
+exit frame, the copy-out), so ``ratio_backend_over_engine_floor`` cannot go below 1.0,
+and ``ratio_raw_docker_over_engine_floor`` shows how far ``docker run --rm`` is from it.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._report import report
+from runner.isolation.docker.hardening import HOLDER_MOUNT
 from runner.isolation.docker.images import resolve_image
 from runner.isolation.policy import RolePolicy, load_policies
 from runner.isolation.registry import get_sandbox
@@ -29,6 +37,8 @@ from runner.isolation.sandbox import RunSpec
 from runner.isolation.seccomp import PROFILE_PATH
 from runner.paths import default_policies
 
+NO_HOLDER = Path("/nonexistent")
+"""The holder directory where only the flags are used (raw ``docker run``, the floor)."""
 COMMAND = ["true"]
 HANDOVER_COMMAND = ["echo", "go"]
 HANDOVER_PER_ROUND = 3
@@ -53,6 +63,30 @@ def docker_cli_args(kw: dict[str, object]) -> list[str]:
     return [*args, str(kw["image"]), *COMMAND]
 
 
+def engine_floor(backend: Any, kw: dict[str, Any]) -> None:
+    """One container through the engine's API with nothing of cyclebox's in it: create,
+    start, wait, remove, confirm (see the module docstring)."""
+    import docker.errors
+    from docker.models.containers import _create_container_args
+
+    api = backend.client.api
+    mounts = [m for m in kw["mounts"] if m["Target"] != HOLDER_MOUNT]  # no holder here
+    args = _create_container_args({**kw, "entrypoint": COMMAND, "command": None,
+                                   "mounts": mounts,
+                                   "stdin_open": False, "version": api._version})
+    cid = api.create_container(**args)["Id"]
+    try:
+        api.start(cid)
+        assert api.wait(cid)["StatusCode"] == 0
+    finally:
+        api.remove_container(cid, force=True, v=True)
+    try:
+        api.inspect_container(cid)
+        raise AssertionError(f"{cid} still known after removal")
+    except docker.errors.NotFound:
+        pass
+
+
 def _spec(policy: RolePolicy, out: Path | None) -> RunSpec:
     return role_spec(policy, role="analyst", run_id="bench", image=resolve_image("analyst"),
                      command=COMMAND, output_dir=out)
@@ -69,10 +103,11 @@ def main() -> None:
     policy = load_policies(default_policies()).roles["analyst"]
     backend: Any = get_sandbox("docker")
     # raw docker gets the same tmpfs mounts, the output one included, as plain flags
-    raw_kw = create_kwargs(_spec(policy, Path("/nonexistent")), backend.owner, "raw")
+    raw_kw = create_kwargs(_spec(policy, Path("/nonexistent")), backend.owner, "raw",
+                           holder_dir=NO_HOLDER)
     raw_args = docker_cli_args(raw_kw)
-    times: dict[str, list[float]] = {"bare": [], "raw_docker": [], "backend": [],
-                                     "backend_no_output": []}
+    times: dict[str, list[float]] = {"bare": [], "raw_docker": [], "engine_floor": [],
+                                     "backend": [], "backend_no_output": []}
     handover: dict[str, list[float]] = {"to_running": [], "to_first_output": []}
     with tempfile.TemporaryDirectory() as tmp:
         n = iter(range(10_000))
@@ -88,6 +123,15 @@ def main() -> None:
         subprocess.run(COMMAND, check=True)
         subprocess.run(raw_args, check=True, capture_output=True)
         run(True)
+        floor_n = iter(range(10_000))
+
+        def floor() -> None:
+            out = Path(tmp) / f"f{next(floor_n)}"
+            out.mkdir()
+            engine_floor(backend, create_kwargs(_spec(policy, out), backend.owner, "floor",
+                                                holder_dir=NO_HOLDER))
+
+        floor()
         for _ in range(a.rounds):
             t = time.perf_counter()
             subprocess.run(COMMAND, check=True)
@@ -95,6 +139,9 @@ def main() -> None:
             t = time.perf_counter()
             subprocess.run(raw_args, check=True, capture_output=True)
             times["raw_docker"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            floor()
+            times["engine_floor"].append(time.perf_counter() - t)
             t = time.perf_counter()
             run(True)
             times["backend"].append(time.perf_counter() - t)
@@ -119,12 +166,17 @@ def main() -> None:
         "ratio_backend_no_output_over_raw_docker": round(
             med["backend_no_output"] / med["raw_docker"], 3),
         "ratio_raw_docker_over_bare": round(med["raw_docker"] / med["bare"], 1),
+        "ratio_backend_over_engine_floor": round(med["backend"] / med["engine_floor"], 3),
+        "ratio_raw_docker_over_engine_floor": round(
+            med["raw_docker"] / med["engine_floor"], 3),
         "backend_includes": "stage inputs, create, attach (stdin too), start the holder, "
                             "wait READY, hand the case over (the holder starts the "
                             "command as its child), its exit frame, the holder's framed "
                             "tar of the output tmpfs extracted on the host, inspect, "
                             "remove, confirm removal",
         "raw_docker_includes": "docker run --rm with the same flags and tmpfs mounts",
+        "engine_floor_includes": "the same hardening through the same API client, true as "
+                                 "PID 1: create, start, wait, remove, confirm removal",
     }
     def pct(v: list[float], q: float) -> float:
         return round(1000 * sorted(v)[min(len(v) - 1, round(q * (len(v) - 1)))], 1)

@@ -1,10 +1,10 @@
 """PID 1 of every role container, and the in-container half of the output copy-out.
 
-Stdlib only, and never imported from the image: the host reads this file and runs it
-with ``python3 -I -S -c <boot> <code> <source> MODE`` so that neither the image's
-``sandbox`` package nor anything the role wrote can change it (``-I``: no environment,
-no cwd on ``sys.path``; ``-S``: no site-packages, and ~100 ms less start-up per exec;
-``<code>``: the host's own compile of this file, see
+Stdlib only, and never imported from the image: the host writes this file and its own
+compile of it into a directory mounted read-only in each container and runs it with
+``python3 -I -S -c <boot> MODE`` so that neither the image's ``sandbox`` package nor
+anything the role wrote can change it (``-I``: no environment, no cwd on ``sys.path``;
+``-S``: no site-packages, and ~100 ms less start-up per exec; see
 :data:`runner.isolation.docker.hardening.HOLDER_BOOT`). Its start is on the path of
 every container that is not prepared ahead, so it imports little before READY: no
 ``typing``, ``json``, ``re``, ``contextlib``, ``enum`` (``_signal``, not ``signal``),

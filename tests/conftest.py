@@ -3,7 +3,8 @@ missing: `make test` builds both first, and a test that cannot run must not pass
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,23 @@ from runner.isolation.sandbox import Mount, RunRecord
 from runner.paths import default_policies, default_upstreams
 
 RunFn = Callable[..., RunRecord]
+
+
+@pytest.fixture(scope="session")
+def holder_dir() -> Iterator[Path]:
+    """The holder's code written as a container gets it, in a directory any uid can read
+    (a test that runs the holder on the host as a role uid passes it to ``holder_argv``)."""
+    import shutil
+    import tempfile
+
+    from runner.isolation.docker.hardening import write_holder_files
+
+    base = Path(tempfile.mkdtemp(prefix="cbx-test-holder-"))
+    os.chmod(base, 0o755)
+    try:
+        yield write_holder_files(base / "holder")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

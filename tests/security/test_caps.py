@@ -507,7 +507,7 @@ def test_copyout_waits_for_the_holder_ready_marker(tmp_path: Path) -> None:
     assert ended.ready.wait(10) and not ended.ready_ok
 
 
-def test_holder_ready_only_once_undumpable() -> None:
+def test_holder_ready_only_once_undumpable(holder_dir: Path) -> None:
     import select
     import signal
     import subprocess
@@ -515,7 +515,7 @@ def test_holder_ready_only_once_undumpable() -> None:
     from runner.isolation.docker.hardening import holder_argv
 
     uid = 65534 if os.getuid() == 0 else os.getuid()  # as a role: not root
-    proc = subprocess.Popen(holder_argv("hold", "-"), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(holder_argv("hold", "-", where=str(holder_dir)), stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, start_new_session=True,
                             user=uid if uid != os.getuid() else None,
                             group=uid if uid != os.getuid() else None)

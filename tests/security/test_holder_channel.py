@@ -180,7 +180,8 @@ def test_a_prepared_container_waits_for_its_case(
     assert rec.stdout_tail == "started\n"
 
 
-def test_the_holder_kills_nothing_outside_its_own_namespace(tmp_path: Path) -> None:
+def test_the_holder_kills_nothing_outside_its_own_namespace(tmp_path: Path,
+                                                            holder_dir: Path) -> None:
     """``finish`` as anything but PID 1 (a test, a mistake) must not ``kill(-1)``: for an
     unprivileged uid that would be every process of that uid on the host."""
     from runner.isolation.docker.hardening import holder_argv
@@ -190,7 +191,7 @@ def test_the_holder_kills_nothing_outside_its_own_namespace(tmp_path: Path) -> N
     uid = 54321
     sleeper = subprocess.Popen(["sleep", "30"], user=uid, group=uid)
     try:
-        res = subprocess.run(holder_argv("finish", "-"), user=uid, group=uid,
+        res = subprocess.run(holder_argv("finish", "-", where=str(holder_dir)), user=uid, group=uid,
                              capture_output=True, timeout=30, check=False)
         assert b'"phase": "pre"' in res.stderr
         assert sleeper.poll() is None, "the holder killed a process outside its container"

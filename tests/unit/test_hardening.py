@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from runner.errors import PolicyViolation
-from runner.isolation.docker.hardening import create_kwargs
+from runner.isolation.docker.hardening import HOLDER_MOUNT
+from runner.isolation.docker.hardening import create_kwargs as _create_kwargs
 from runner.isolation.owner import Owner
 from runner.isolation.policy import load_policies
 from runner.isolation.roles import parse_mount_flag, resolve_user, role_spec
@@ -16,6 +18,11 @@ from runner.isolation.seccomp import load_profile
 from runner.paths import default_policies
 
 OWNER = Owner(pid=42, start=1234, boot_id="boot", host="h")
+HOLDER = Path("/staged/holder")
+
+
+def create_kwargs(spec: RunSpec, owner: Owner, nonce: str) -> dict[str, Any]:
+    return _create_kwargs(spec, owner, nonce, holder_dir=HOLDER)
 
 
 def _spec(**kw: object) -> RunSpec:
@@ -53,9 +60,13 @@ def test_every_control_is_set(tmp_path: Path) -> None:
     for forbidden in ("pid_mode", "uts_mode", "userns_mode", "devices", "ports",
                       "volumes", "network", "dns"):
         assert forbidden not in kw
-    (ro,) = kw["mounts"]  # the output directory is never a bind mount of a host path
-    assert ro["ReadOnly"] is True and ro["Target"] == "/in"
-    assert ro["BindOptions"]["Propagation"] == "rprivate"
+    # the output directory is never a bind mount of a host path; the holder's code is
+    # the container's own copy, read-only
+    code, ro = kw["mounts"]
+    assert code["Source"] == str(HOLDER) and code["Target"] == HOLDER_MOUNT
+    for m in (code, ro):
+        assert m["ReadOnly"] is True and m["BindOptions"]["Propagation"] == "rprivate"
+    assert ro["Target"] == "/in"
     out = kw["tmpfs"]["/out"]
     assert out.startswith("rw,nosuid,nodev,noexec,size=67108864,nr_inodes=10001,")
     assert out.endswith("mode=0700,uid=10001,gid=10001")
@@ -70,6 +81,14 @@ def test_every_control_is_set(tmp_path: Path) -> None:
 def test_output_target_collision_refused(tmp_path: Path) -> None:
     with pytest.raises(PolicyViolation, match="also mounted"):
         create_kwargs(_spec(output_dir=tmp_path, output_target="/tmp"), OWNER, "n")
+    with pytest.raises(PolicyViolation, match="also mounted"):
+        create_kwargs(_spec(output_dir=tmp_path, output_target=HOLDER_MOUNT), OWNER, "n")
+
+
+def test_the_holder_mount_target_is_its_own(tmp_path: Path) -> None:
+    with pytest.raises(PolicyViolation, match="holds the holder's code"):
+        create_kwargs(_spec(mounts=(Mount(source=tmp_path, target=HOLDER_MOUNT + "/"),)),
+                      OWNER, "n")
 
 
 def test_memory_must_cover_every_tmpfs() -> None:
@@ -114,7 +133,7 @@ def test_socket_mount_refused_at_translation(tmp_path: Path) -> None:
                           OWNER, "n")
         kw = create_kwargs(_spec(mounts=(Mount(source=tmp_path, target="/gw", gateway=True),)),
                            OWNER, "n")
-        assert kw["mounts"][0]["ReadOnly"] is True
+        assert kw["mounts"][1]["ReadOnly"] is True
         # the holder relays its loopback endpoint to that one socket
         assert kw["command"] == ["hold", "-", "/gw/gateway.sock"]
         with pytest.raises(PolicyViolation, match="more than one gateway"):

@@ -165,39 +165,63 @@ def test_every_sandbox_file_reaches_some_image_or_is_host_only() -> None:
     assert not (copied & host_only)
 
 
-def test_holder_is_host_supplied_not_imported_from_images() -> None:
-    import binascii
+def test_holder_is_host_supplied_not_imported_from_images(tmp_path: Path) -> None:
+    import importlib.util
     import marshal
-    import zlib
 
-    from runner.isolation.docker.hardening import holder_argv
+    from runner.isolation.docker.hardening import (
+        HOLDER_MOUNT,
+        holder_argv,
+        write_holder_files,
+    )
 
     argv = holder_argv("hold", "-")
-    assert argv[:4] == ["python3", "-I", "-S", "-c"]
-    source = (sandbox_src() / "holder.py").read_text()
-    assert argv[6] == source and argv[7:] == ["hold", "-"]
+    assert argv[:4] == ["python3", "-I", "-S", "-c"] and argv[5:] == ["hold", "-"]
+    assert repr(HOLDER_MOUNT) in argv[4] and len(argv[4]) < 1024  # no code in the config
+    d = write_holder_files(tmp_path / "h")
+    source = (sandbox_src() / "holder.py").read_bytes()
+    assert (d / "holder.py").read_bytes() == source
     # the bytecode the boot program prefers is the host's compile of that same source
-    code = marshal.loads(zlib.decompress(binascii.a2b_base64(argv[5])))  # noqa: S302 - ours
-    assert code == compile(source, "<holder>", "exec")
+    blob = (d / f"{importlib.util.MAGIC_NUMBER.hex()}.code").read_bytes()
+    assert marshal.loads(blob) == compile(source, "<holder>", "exec")  # noqa: S302 - ours
+    for f in d.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o444
+    assert d.stat().st_mode & 0o777 == 0o755
     assert "holder.py" in img.load_inputs().host_only
 
 
-def test_the_holder_boot_runs_the_source_when_the_bytecode_cannot_be_read() -> None:
-    """Another Python's magic number, or a blob that does not load: the source is compiled
-    in the container instead, and the holder's argv is the same either way."""
+def test_the_holder_boot_runs_the_source_when_the_bytecode_cannot_be_read(
+        tmp_path: Path) -> None:
+    """Another Python's magic number (no file of its name), or a blob that does not load:
+    the source is compiled in the container instead, and the holder's argv is the same
+    either way."""
+    import importlib.util
     import subprocess
     import sys
 
     from runner.isolation.docker.hardening import holder_argv
 
-    probe = "import sys; print(sys.argv)"
-    for mangle in (lambda a: [*a[:4], a[4].replace("MAGIC_NUMBER ==", "MAGIC_NUMBER !="),
-                              a[5], probe, *a[7:]],
-                   lambda a: [*a[:5], "AAAA", probe, *a[7:]]):
-        argv = mangle(holder_argv("x", "y"))
+    probe = b"import sys; print(sys.argv)"
+    magic = importlib.util.MAGIC_NUMBER.hex()
+    for name, blob in (("ffff0d0a", b"not read"), (magic, b"AAAA")):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "holder.py").write_bytes(probe)
+        (d / f"{name}.code").write_bytes(blob)
+        argv = holder_argv("x", "y", where=str(d))
         argv[0] = sys.executable
         out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=30)
         assert out.stdout.strip() == "['-c', 'x', 'y']", out
+    # and the bytecode, when it loads, is what runs
+    d = tmp_path / "ok"
+    d.mkdir()
+    (d / "holder.py").write_bytes(b"print('source')")
+    import marshal
+    (d / f"{magic}.code").write_bytes(marshal.dumps(compile("print('code')", "<h>", "exec")))
+    argv = holder_argv(where=str(d))
+    argv[0] = sys.executable
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=30)
+    assert out.stdout.strip() == "code", out
 
 
 def test_one_dockerfile_takes_the_role_as_a_build_argument() -> None:

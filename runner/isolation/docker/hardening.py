@@ -43,6 +43,7 @@ are for services), 5.27 (images are pinned by id and never pulled on purpose).
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -80,15 +81,24 @@ def _tmpfs_opts(size: int) -> str:
     return f"rw,nosuid,nodev,noexec,size={size},mode=1777"
 
 
-def create_kwargs(spec: RunSpec, owner: Owner, nonce: str) -> dict[str, Any]:
-    """Keyword arguments for ``docker.containers.create``; raises on a forbidden mount."""
-    mounts: list[dict[str, Any]] = []
+def create_kwargs(spec: RunSpec, owner: Owner, nonce: str, *,
+                  holder_dir: Path) -> dict[str, Any]:
+    """Keyword arguments for ``docker.containers.create``; raises on a forbidden mount.
+    ``holder_dir``: this container's copy of :func:`holder_files` on the host, mounted
+    read-only at :data:`HOLDER_MOUNT`."""
+    mounts: list[dict[str, Any]] = [_bind(str(holder_dir), HOLDER_MOUNT, read_only=True)]
+    taken = {HOLDER_MOUNT}
     for m in spec.mounts:
+        if m.target.rstrip("/") == HOLDER_MOUNT:
+            raise PolicyViolation(f"mount target {m.target} holds the holder's code",
+                                  field=f"mount {m.source}:{m.target}",
+                                  fix="mount it elsewhere")
         why = mount_violation(str(m.source), read_only=m.read_only, allow_socket=m.gateway)
         if why:
             raise PolicyViolation(why, field=f"mount {m.source}:{m.target}",
                                   fix="mount data directories read-only")
         mounts.append(_bind(str(m.source), m.target, read_only=m.read_only))
+        taken.add(m.target.rstrip("/"))
     tmpfs = {path: _tmpfs_opts(size) for path, size in spec.tmpfs}
     if spec.output_dir is not None:
         # Not a mount of the host directory: the output is a tmpfs capped by the kernel
@@ -96,8 +106,7 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str) -> dict[str, Any]:
         why = mount_violation(str(spec.output_dir), read_only=False, allow_writable=True)
         if why:
             raise PolicyViolation(why, field="output_dir", fix="use a fresh run directory")
-        if spec.output_target in tmpfs or any(m.target == spec.output_target
-                                              for m in spec.mounts):
+        if spec.output_target in tmpfs or spec.output_target.rstrip("/") in taken:
             raise PolicyViolation(f"output target {spec.output_target} is also mounted",
                                   field="output_target", fix="use a distinct path")
         tmpfs[spec.output_target] = output_tmpfs_opts(spec)
@@ -169,50 +178,72 @@ def output_tmpfs_opts(spec: RunSpec) -> str:
             f"nr_inodes={spec.output_max_entries + 1},mode=0700,uid={spec.uid},gid={spec.gid}")
 
 
+HOLDER_MOUNT = "/.cyclebox-holder"
+"""Where a container finds the holder's code: a read-only bind of a directory the host
+wrote for that one container (:func:`write_holder_files`, in its staging copy)."""
+
+
 @functools.cache
-def _holder_source() -> str:
-    return Path(holder.__file__).read_text(encoding="utf-8")
+def _holder_source() -> bytes:
+    return Path(holder.__file__).read_bytes()
+
+
+@functools.cache
+def holder_files() -> dict[str, bytes]:
+    """The files of the holder's directory: its source, and the host's compile of it
+    (marshal) under this host's bytecode magic number, which the boot program prefers
+    when the image's Python has the same one."""
+    import importlib.util
+    import marshal
+
+    code = compile(_holder_source(), "<holder>", "exec")
+    return {"holder.py": _holder_source(),
+            f"{importlib.util.MAGIC_NUMBER.hex()}.code": marshal.dumps(code)}
+
+
+def write_holder_files(dest: Path) -> Path:
+    """Write :func:`holder_files` into the new directory ``dest`` (mode 0755, files 0444,
+    never through a symlink or over an existing file); returns ``dest``."""
+    dest.mkdir(mode=0o755)
+    os.chmod(dest, 0o755)  # noqa: S103 - read (never written) by the role uid
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for name, data in holder_files().items():
+        fd = os.open(dest / name, flags, 0o444)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    return dest
 
 
 HOLDER_BOOT = """import sys, _frozen_importlib_external as e
+d = {where!r}
 c = None
-if e.MAGIC_NUMBER == {magic!r}:
-    try:
-        import binascii, marshal, zlib
-        c = marshal.loads(zlib.decompress(binascii.a2b_base64(sys.argv[1])))
-    except Exception:
-        c = None
+try:
+    import marshal
+    with open(d + "/" + e.MAGIC_NUMBER.hex() + ".code", "rb") as f:
+        c = marshal.loads(f.read())
+except Exception:
+    c = None
 if c is None:
-    c = compile(sys.argv[2], "<holder>", "exec")
-del sys.argv[1:3], e
+    with open(d + "/holder.py", "rb") as f:
+        c = compile(f.read(), "<holder>", "exec")
+del d, e
 exec(c)
 """
 """The holder's ``-c`` program: the code the host compiled from ``sandbox/holder.py``
-(marshal, when the image's Python reads this host's bytecode: its magic number), else
-that source compiled in the container. Compiling ~1100 lines is ~half of the holder's
-start before READY (~7-12 ms per container); the bytecode is the host's, like the
-source, never the image's."""
+(marshal, when the image's Python reads this host's bytecode: the file named by its
+magic number exists), else that source compiled in the container. Compiling ~1200 lines
+is ~half of the holder's start before READY (~7-12 ms per container); the bytecode is
+the host's, like the source, never the image's. Both come from a directory mounted
+read-only (:data:`HOLDER_MOUNT`), not from the container's arguments: ~100 KB of
+arguments in every container's configuration cost the engine ~15 ms per container
+(create, start, inspect and remove all carry it; ``bench/overhead.py``)."""
 
 
-@functools.cache
-def _holder_code() -> tuple[str, str]:
-    """(the boot program for this host's bytecode, the holder's compiled code, base64)."""
-    import binascii
-    import importlib.util
-    import marshal
-    import zlib
-
-    code = compile(_holder_source(), "<holder>", "exec")
-    packed = binascii.b2a_base64(zlib.compress(marshal.dumps(code), 9), newline=False)
-    return HOLDER_BOOT.format(magic=importlib.util.MAGIC_NUMBER), packed.decode("ascii")
-
-
-def holder_argv(*args: str) -> list[str]:
-    """``python3 -I -S -c <boot> <code> <sandbox/holder.py> ARGS``: host-supplied code
-    (:data:`HOLDER_BOOT`), isolated from the image's packages and from anything the role
-    wrote; inside, ``sys.argv`` is ``["-c", *ARGS]`` as when the source ran itself."""
-    boot, code = _holder_code()
-    return ["python3", "-I", "-S", "-c", boot, code, _holder_source(), *args]
+def holder_argv(*args: str, where: str = HOLDER_MOUNT) -> list[str]:
+    """``python3 -I -S -c <boot> ARGS``: host-supplied code (:data:`HOLDER_BOOT`, reading
+    the holder from ``where``), isolated from the image's packages and from anything the
+    role wrote; inside, ``sys.argv`` is ``["-c", *ARGS]`` as when the source ran itself."""
+    return ["python3", "-I", "-S", "-c", HOLDER_BOOT.format(where=where), *args]
 
 
 def _bind(source: str, target: str, *, read_only: bool) -> dict[str, Any]:

@@ -87,7 +87,8 @@ class DockerPreparedRun:
         self._cancel = cancel
         self._spec = spec
         self._staged = staged
-        self.kwargs = create_kwargs(staged.spec, backend.owner, secrets.token_hex(4))
+        self.kwargs = create_kwargs(staged.spec, backend.owner, secrets.token_hex(4),
+                                    holder_dir=staged.holder)
         self.cid: str | None = None
         self.channel: CaseChannel | None = None
         self.copy: _CopyOut | None = None

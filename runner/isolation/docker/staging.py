@@ -22,6 +22,7 @@ from pathlib import Path
 
 from runner import fswalk
 from runner.errors import ConfigError, PolicyViolation, SandboxError
+from runner.isolation.docker.hardening import write_holder_files
 from runner.isolation.owner import current_owner
 from runner.isolation.policy import mount_violation
 from runner.isolation.sandbox import RunSpec
@@ -143,12 +144,17 @@ class _Staging:
     Each input mount is hard-linked (copied across file systems) into
     ``$CYCLEBOX_STAGING_DIR`` or the temp directory, under a random per-run name
     (:func:`_new_staging_dir`), so ``/proc/self/mountinfo`` inside shows only that. The gateway
-    socket directory is mounted as is (already an opaque temp directory)."""
+    socket directory is mounted as is (already an opaque temp directory). Beside the
+    inputs, ``holder``: the holder's code for this container
+    (:func:`runner.isolation.docker.hardening.write_holder_files`), gone with the copy."""
 
     def __init__(self, spec: RunSpec) -> None:
         self.dir: Path | None = None
         try:
             self._stage(spec)
+            if self.dir is None:
+                self.dir = _new_staging_dir()
+            self.holder = write_holder_files(self.dir / "holder")
         except BaseException:
             self.cleanup()  # a half-made copy is never left behind
             raise
