@@ -214,7 +214,7 @@ def write_holder_files(dest: Path) -> Path:
     return dest
 
 
-HOLDER_BOOT = """import sys, _frozen_importlib_external as e
+HOLDER_BOOT = """import _frozen_importlib_external as e
 d = {where!r}
 c = None
 try:
