@@ -81,14 +81,39 @@ def test_every_control_is_set(tmp_path: Path) -> None:
 def test_output_target_collision_refused(tmp_path: Path) -> None:
     with pytest.raises(PolicyViolation, match="also mounted"):
         create_kwargs(_spec(output_dir=tmp_path, output_target="/tmp"), OWNER, "n")
-    with pytest.raises(PolicyViolation, match="also mounted"):
-        create_kwargs(_spec(output_dir=tmp_path, output_target=HOLDER_MOUNT), OWNER, "n")
 
 
-def test_the_holder_mount_target_is_its_own(tmp_path: Path) -> None:
-    with pytest.raises(PolicyViolation, match="holds the holder's code"):
-        create_kwargs(_spec(mounts=(Mount(source=tmp_path, target=HOLDER_MOUNT + "/"),)),
-                      OWNER, "n")
+def test_nothing_is_mounted_at_or_under_the_holder_code(tmp_path: Path) -> None:
+    """A file mounted over the holder's bytecode or source would be PID 1 (a reviewer ran
+    one): refused however the target is spelled, for binds, tmpfs and the output."""
+    for target in (HOLDER_MOUNT, HOLDER_MOUNT + "/", "/" + HOLDER_MOUNT,
+                   HOLDER_MOUNT + "/a70d0d0a.code", HOLDER_MOUNT + "/./holder.py",
+                   "/x/.." + HOLDER_MOUNT + "/holder.py", "/." + HOLDER_MOUNT):
+        with pytest.raises(PolicyViolation, match="where the holder's code is mounted"):
+            create_kwargs(_spec(mounts=(Mount(source=tmp_path, target=target),)), OWNER, "n")
+        with pytest.raises(PolicyViolation, match="where the holder's code is mounted"):
+            create_kwargs(_spec(tmpfs=((target, 1 << 20),)), OWNER, "n")
+        with pytest.raises(PolicyViolation, match="where the holder's code is mounted"):
+            create_kwargs(_spec(output_dir=tmp_path, output_target=target), OWNER, "n")
+    # a neighbour is not inside it
+    create_kwargs(_spec(mounts=(Mount(source=tmp_path, target=HOLDER_MOUNT + "-x"),)),
+                  OWNER, "n")
+
+
+def test_the_holder_files_are_readable_by_the_role_whatever_the_umask(tmp_path: Path) -> None:
+    import os
+
+    from runner.isolation.docker.hardening import write_holder_files
+
+    old = os.umask(0o077)
+    try:
+        d = write_holder_files(tmp_path / "h")
+    finally:
+        os.umask(old)
+    assert d.stat().st_mode & 0o777 == 0o755
+    assert sorted(f.stat().st_mode & 0o777 for f in d.iterdir()) == [0o444, 0o444]
+    with pytest.raises(FileExistsError):  # never over something already there
+        write_holder_files(d)
 
 
 def test_memory_must_cover_every_tmpfs() -> None:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import os
+import posixpath
 from pathlib import Path
 from typing import Any
 
@@ -87,18 +88,20 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str, *,
     ``holder_dir``: this container's copy of :func:`holder_files` on the host, mounted
     read-only at :data:`HOLDER_MOUNT`."""
     mounts: list[dict[str, Any]] = [_bind(str(holder_dir), HOLDER_MOUNT, read_only=True)]
-    taken = {HOLDER_MOUNT}
-    for m in spec.mounts:
-        if m.target.rstrip("/") == HOLDER_MOUNT:
-            raise PolicyViolation(f"mount target {m.target} holds the holder's code",
-                                  field=f"mount {m.source}:{m.target}",
+    for where, target in [*((f"mount {m.source}:{m.target}", m.target) for m in spec.mounts),
+                          *((f"tmpfs {t}", t) for t, _ in spec.tmpfs),
+                          *([("output_target", spec.output_target)]
+                            if spec.output_dir is not None else [])]:
+        if _within(target, HOLDER_MOUNT):
+            raise PolicyViolation(f"{target} is or lies under {HOLDER_MOUNT}, where the "
+                                  "holder's code is mounted", field=where,
                                   fix="mount it elsewhere")
+    for m in spec.mounts:
         why = mount_violation(str(m.source), read_only=m.read_only, allow_socket=m.gateway)
         if why:
             raise PolicyViolation(why, field=f"mount {m.source}:{m.target}",
                                   fix="mount data directories read-only")
         mounts.append(_bind(str(m.source), m.target, read_only=m.read_only))
-        taken.add(m.target.rstrip("/"))
     tmpfs = {path: _tmpfs_opts(size) for path, size in spec.tmpfs}
     if spec.output_dir is not None:
         # Not a mount of the host directory: the output is a tmpfs capped by the kernel
@@ -106,7 +109,8 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str, *,
         why = mount_violation(str(spec.output_dir), read_only=False, allow_writable=True)
         if why:
             raise PolicyViolation(why, field="output_dir", fix="use a fresh run directory")
-        if spec.output_target in tmpfs or spec.output_target.rstrip("/") in taken:
+        if spec.output_target in tmpfs or any(m.target == spec.output_target
+                                              for m in spec.mounts):
             raise PolicyViolation(f"output target {spec.output_target} is also mounted",
                                   field="output_target", fix="use a distinct path")
         tmpfs[spec.output_target] = output_tmpfs_opts(spec)
@@ -156,6 +160,13 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str, *,
     if spec.runtime:
         kwargs["runtime"] = spec.runtime
     return kwargs
+
+
+def _within(target: str, root: str) -> bool:
+    """``target`` is ``root`` or lies under it, however spelled (``//``, ``/./``, ``..``,
+    a trailing slash): the engine resolves the path the same way."""
+    p = "/" + posixpath.normpath("/" + target).lstrip("/")
+    return p == root or p.startswith(root + "/")
 
 
 def hold_args(spec: RunSpec) -> list[str]:
@@ -211,6 +222,7 @@ def write_holder_files(dest: Path) -> Path:
         fd = os.open(dest / name, flags, 0o444)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            os.fchmod(fd, 0o444)  # whatever the umask: the role uid reads it
     return dest
 
 
