@@ -12,8 +12,9 @@ running p50 <= 50 ms, p99 <= 150 ms.
 the same engine and API client: create (the same hardening, ``true`` as PID 1: no
 holder), start, wait for the exit, remove, confirm the removal. No attach, no output,
 no copy-out. The backend does all of it and more (its holder's READY, the hand-over, the
-exit frame, the copy-out), so ``ratio_backend_over_engine_floor`` cannot go below 1.0,
-and ``ratio_raw_docker_over_engine_floor`` shows how far ``docker run --rm`` is from it.
+exit frame, the copy-out), so ``ratio_backend_over_engine_floor`` stays above 1.0 but
+for the noise of one run, and ``ratio_raw_docker_over_engine_floor`` shows how far
+``docker run --rm`` is from it (on 2026-12-04: 0.99 to 1.09, i.e. on it).
 """
 
 from __future__ import annotations
