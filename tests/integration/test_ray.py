@@ -707,3 +707,60 @@ def test_head_lost_mid_stage_ends_with_exit_6_a_named_verdict_and_a_receipt(
         os.environ.pop(node_side.NODE_DIR_ENV)
     left = [d for d in own_cluster.node_dir.glob("*/runs/*") if d.is_dir()]
     assert left == [], left
+
+
+def test_prepared_ahead_on_the_nodes_each_container_serves_its_own_case_once(
+        cluster: RayCluster, tmp_path: Path) -> None:
+    """``RaySandbox.prepare`` makes the container on a node before its case's turn (it
+    exists, holder waiting, while nothing was handed over); each serves only the case it
+    was prepared for (its own input), once; a second ``run`` gives the first record and
+    starts nothing; ``discard`` removes an unrun one on its node (container and node run
+    directory), after which it cannot run."""
+    from runner.errors import SandboxError
+    from runner.isolation.docker.images import resolve_image
+    from runner.isolation.launcher import prepare
+    from runner.isolation.policy import load_policies
+    from runner.isolation.ray import backend
+    from runner.isolation.sandbox import Mount
+    from runner.paths import default_policies
+
+    run_id = f"rayprep{os.getpid()}"
+    policy = load_policies(default_policies()).roles["analyst"]
+    code = "print(open('/in/which').read())"
+
+    def case(name: str) -> Any:
+        src = tmp_path / name
+        src.mkdir()
+        (src / "which").write_text(name)
+        return prepare(rs, policy, role="analyst", run_id=run_id,
+                       image=resolve_image("analyst"), command=["python", "-c", code],
+                       mounts=[Mount(source=src, target="/in")], stage="s", case=name,
+                       trial=0)
+
+    def ours() -> list[dict[str, str]]:
+        return [labels for _, _, labels in managed()
+                if labels.get("io.cyclebox.run_id") == run_id]
+
+    rs = backend.RaySandbox(cluster.address)
+    try:
+        a, b, c = case("a"), case("b"), case("c")
+        deadline = time.monotonic() + 120
+        while len(ours()) < 3:  # prepared ahead: created before any hand-over
+            assert time.monotonic() < deadline, ours()
+            time.sleep(0.1)
+        rb = b.run()
+        ra = a.run()
+        assert (ra.stdout_tail.strip(), rb.stdout_tail.strip()) == ("a", "b")
+        assert ra.stop_reason.value == rb.stop_reason.value == "ok", ra.stderr_tail
+        assert ra.container_name != rb.container_name
+        assert b.run() is rb  # the same record: nothing started again
+        assert [lab["io.cyclebox.case"] for lab in ours()] == ["c"]
+        c.discard()
+        assert ours() == []
+        with pytest.raises(SandboxError, match="discarded before it ran"):
+            c.run()
+    finally:
+        rs.close()
+        ray.shutdown()
+    left = [d for d in cluster.node_dir.glob("*/runs/*") if d.is_dir()]
+    assert left == [], left

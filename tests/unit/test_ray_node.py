@@ -29,18 +29,37 @@ NODE = "f" * 40
 OTHER_UID = 54321
 
 
-class Recorder:
-    """Stands in for the node's DockerSandbox: keeps each spec it was asked to run."""
+class Prepared:
+    """Stands in for a DockerPreparedRun: counts its runs and discards."""
 
-    def __init__(self) -> None:
-        self.specs: list[RunSpec] = []
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
+        self.runs = 0
+        self.discards = 0
 
-    def run(self, spec: RunSpec) -> RunRecord:
-        self.specs.append(spec)
+    def run(self) -> RunRecord:
+        self.runs += 1
+        spec = self.spec
         return RunRecord(run_id=spec.run_id, role=spec.role, image_id=spec.image,
                          container_name="c", exit_code=0, stop_reason=StopReason.OK,
                          wall_s=0.1, stdout_bytes=0, stderr_bytes=0, stdout_tail="",
                          stderr_tail="", cleanup_confirmed=True)
+
+    def discard(self) -> None:
+        self.discards += 1
+
+
+class Recorder:
+    """Stands in for the node's DockerSandbox: keeps each spec it was asked to prepare."""
+
+    def __init__(self) -> None:
+        self.specs: list[RunSpec] = []
+        self.prepared: list[Prepared] = []
+
+    def prepare(self, spec: RunSpec) -> Prepared:
+        self.specs.append(spec)
+        self.prepared.append(Prepared(spec))
+        return self.prepared[-1]
 
 
 @pytest.fixture()
@@ -49,6 +68,20 @@ def docker(monkeypatch: pytest.MonkeyPatch) -> Iterator[Recorder]:
     monkeypatch.setattr(node_side, "_docker", rec)
     monkeypatch.setattr(node_side, "node_id", lambda: NODE)
     yield rec
+
+
+@pytest.fixture()
+def words(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The head's words by key (the mailbox actor's seam): a key without one is RUN."""
+    said: dict[str, str] = {}
+    monkeypatch.setattr(node_side, "_word",
+                        lambda _mailbox, key: said.pop(key, node_side.RUN))
+    return said
+
+
+def serve(spec: RunSpec, inputs: list[tuple[int, str, list[Any]]],
+          key: str = "k1") -> dict[str, Any]:
+    return node_side.serve(spec, inputs, None, None, key, None)
 
 
 def run_with_input(tmp_path: Path) -> tuple[RunSpec, list[tuple[int, str, list[Any]]]]:
@@ -74,7 +107,8 @@ def plant(base: Path, sha: str) -> Path:
 
 @pytest.mark.skipif(os.getuid() != 0, reason="makes a directory of another uid")
 def test_a_node_dir_made_first_by_another_user_is_refused_before_its_cache_is_used(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docker: Recorder) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docker: Recorder,
+        words: dict[str, str]) -> None:
     root = tmp_path / "cyclebox-ray-0"
     monkeypatch.setenv(node_side.NODE_DIR_ENV, str(root))
     spec, inputs = run_with_input(tmp_path)
@@ -84,12 +118,13 @@ def test_a_node_dir_made_first_by_another_user_is_refused_before_its_cache_is_us
     for p in (root, *root.rglob("*")):
         os.chown(p, OTHER_UID, OTHER_UID)
     with pytest.raises(SandboxError, match=f"owned by uid {OTHER_UID}.*CYCLEBOX_RAY_NODE_DIR"):
-        node_side.run(spec, inputs, None, None)
+        serve(spec, inputs)
     assert docker.specs == [], f"a container was started with {fake}"
 
 
 def test_a_symlinked_or_world_writable_node_dir_is_refused(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docker: Recorder) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docker: Recorder,
+        words: dict[str, str]) -> None:
     spec, inputs = run_with_input(tmp_path)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -98,29 +133,76 @@ def test_a_symlinked_or_world_writable_node_dir_is_refused(
     link.symlink_to(elsewhere)
     monkeypatch.setenv(node_side.NODE_DIR_ENV, str(link))
     with pytest.raises(SandboxError, match="is a symlink"):
-        node_side.run(spec, inputs, None, None)
+        serve(spec, inputs)
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
     plant(shared / NODE[:16], inputs[0][1])
     monkeypatch.setenv(node_side.NODE_DIR_ENV, str(shared))
     with pytest.raises(SandboxError, match="writable by other users"):
-        node_side.run(spec, inputs, None, None)
+        serve(spec, inputs)
     assert docker.specs == []
 
 
 def test_the_node_dir_is_made_private_and_its_cache_then_used(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docker: Recorder) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docker: Recorder,
+        words: dict[str, str]) -> None:
     root = tmp_path / "made" / "here"
     monkeypatch.setenv(node_side.NODE_DIR_ENV, str(root))
     spec, inputs = run_with_input(tmp_path)
     base = node_side.own_base(NODE)
     cached = plant(base, inputs[0][1])  # the node's own earlier fetch
-    answer = node_side.run(spec, inputs, None, None)
+    answer = serve(spec, inputs)
     assert answer["record"].stop_reason is StopReason.OK
     assert docker.specs[0].mounts[0].source == cached
     for d in (root, base, base / "inputs", base / "runs"):
         assert d.stat().st_mode & 0o777 == 0o711, d  # other users may not list
+
+
+def test_a_prepared_container_runs_once_on_the_heads_word_and_is_removed_unrun_otherwise(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docker: Recorder,
+        words: dict[str, str]) -> None:
+    monkeypatch.setenv(node_side.NODE_DIR_ENV, str(tmp_path / "nodes"))
+    spec, inputs = run_with_input(tmp_path)
+    node_side.own_base(NODE)
+    plant(node_side.node_base(NODE), inputs[0][1])
+    got = serve(spec, inputs, "ran")
+    assert got["record"].stop_reason is StopReason.OK
+    ran = docker.prepared[-1]
+    assert (ran.runs, ran.discards) == (1, 1)  # the discard after a run is a no-op there
+    words["gone"] = "discard"
+    assert serve(spec, inputs, "gone") == {"discarded": True, "node": NODE}
+    gone = docker.prepared[-1]
+    assert (gone.runs, gone.discards) == (0, 1)
+    # the word that never comes (the head died: the mailbox went with it) removes it too
+    def lost(_mailbox: object, _key: str) -> str:
+        raise RuntimeError("ActorDiedError: the mailbox is gone")
+    monkeypatch.setattr(node_side, "_word", lost)
+    with pytest.raises(RuntimeError, match="mailbox is gone"):
+        serve(spec, inputs, "orphan")
+    orphan = docker.prepared[-1]
+    assert (orphan.runs, orphan.discards) == (0, 1)
+    # every run directory (relay socket, output) is gone with its task
+    assert list((node_side.node_base(NODE) / "runs").iterdir()) == []
+
+
+def test_the_mailbox_delivers_one_word_per_key_whichever_comes_first() -> None:
+    import asyncio
+
+    async def go() -> None:
+        box = node_side.Mailbox()
+        await box.put("a", node_side.RUN)          # the word before its waiter
+        assert await box.wait("a") == node_side.RUN
+        waiter = asyncio.ensure_future(box.wait("b"))
+        await asyncio.sleep(0)
+        assert not waiter.done()                   # no word yet: the task keeps waiting
+        await box.put("b", "discard")
+        assert await waiter == "discard"
+        await box.put("c", node_side.RUN)          # its task was refused before it waited
+        await box.drop("c")
+        assert await box.size() == 0               # nothing kept per key once delivered
+
+    asyncio.run(go())
 
 
 # -- what the head accepts from a node ----------------------------------------------------

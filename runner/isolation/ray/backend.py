@@ -35,6 +35,7 @@ import atexit
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -63,9 +64,7 @@ from runner.isolation.ray.archive import digest, pack_input, pack_output
 from runner.isolation.ray.headwatch import HeadWatch, Target
 from runner.isolation.ray.relay import HeadForwarder, Ticket
 from runner.isolation.sandbox import (
-    DeferredRun,
     OutputCallback,
-    PreparedRun,
     RunRecord,
     RunSpec,
     StopReason,
@@ -83,6 +82,9 @@ CANCEL_GRACE_S = 30.0
 EACH_NODE_S = 120.0
 """How long a call on every node (gc, doctor, leftovers, image ids) waits for all of
 them together; a node that has not answered by then is skipped and its task cancelled."""
+MAILBOX_CONCURRENCY = 10_000
+"""Words the mailbox actor may be waited on for at once (one per prepared container of
+this head; an async actor: no thread each)."""
 INPUT_MEMO_BYTES = 256 * 1024 * 1024
 ANSWER_TEXT_MAX = 64 * 1024
 """Characters a node's record may hold in ``detail`` or a label, a refusal in its
@@ -280,7 +282,8 @@ class RaySandbox:
         self._memo_bytes = 0
         self.unanswered: list[str] = []
         """Nodes that did not answer the last call on every node (gc, doctor, ...)."""
-        self._run_task = ray.remote(node_side.run)
+        self._serve_task = ray.remote(node_side.serve)
+        self._mail: Any = None
         self._head_engine: DockerSandbox | None = None
         self._ship_lock = threading.Lock()
 
@@ -410,21 +413,45 @@ class RaySandbox:
         return self._forward()
 
     # -- running -----------------------------------------------------------------
-    def prepare(self, spec: RunSpec) -> PreparedRun:
-        """Deferred: the node creates the container when the case runs. Preparing on the
-        node ahead of the case (a Ray actor holding it) is not built yet."""
-        return DeferredRun(self, spec)
+    def _mailbox(self) -> Any:
+        """The head's mailbox actor (:class:`node_side.Mailbox`), started on first use on
+        the head's own node; its calls queue while it starts."""
+        with self._lock:
+            if self._mail is None:
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                here = str(self._ray.get_runtime_context().get_node_id())
+                self._mail = self._ray.remote(node_side.Mailbox).options(
+                    num_cpus=0, max_restarts=0, max_concurrency=MAILBOX_CONCURRENCY,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+                ).remote()
+            return self._mail
+
+    def prepare(self, spec: RunSpec) -> RayPreparedRun:
+        """Ship ``spec``'s inputs and start a node task that prepares its container and
+        holds it, ready, until :meth:`RayPreparedRun.run` hands the case over (or
+        ``discard`` removes it unrun); see :func:`node_side.serve`. Mount rules are
+        checked here, before anything ships; what the node refuses is raised by ``run``
+        (as a run would raise it); a node lost meanwhile is that run's ``node_lost``
+        record."""
+        return RayPreparedRun(self, spec)
 
     def run(self, spec: RunSpec, *, on_output: OutputCallback | None = None,
             cancel: threading.Event | None = None) -> RunRecord:
-        """Run ``spec`` on a cluster node; the record says which (``io.cyclebox.node``)."""
-        check_mounts(spec)
+        """Run ``spec`` on a cluster node; the record says which (``io.cyclebox.node``).
+        One path: ``prepare(spec).run(...)``."""
         if cancel is not None and cancel.is_set():
+            check_mounts(spec)
             raise SandboxError(f"{spec.role} container not started: the run is stopping")
+        return self.prepare(spec).run(on_output=on_output, cancel=cancel)
+
+    def _submit(self, spec: RunSpec, key: str) -> tuple[str, Any, Ticket | None,
+                                                         dict[str, str]]:
+        """Pack ``spec``'s inputs, pick its node, bind its relay ticket and start its node
+        task: (node, task ref, ticket, the seed's links)."""
+        check_mounts(spec)
         self._head()
-        started = time.monotonic()
         inputs: list[tuple[int, str, list[Any]]] = []
-        ticket: Ticket | None = None
         for i, m in enumerate(spec.mounts):
             if not m.gateway:
                 dg, ref = self._input(Path(m.source))
@@ -433,7 +460,9 @@ class RaySandbox:
         seed: list[Any] | None = None
         if spec.output_dir is not None:
             seed = self._seed(spec.output_dir, spec.output_cap_bytes, seed_links)
+        mailbox = self._mailbox()
         node = self._pick()
+        ticket: Ticket | None = None
         try:
             self._head()
             for m in spec.mounts:
@@ -441,24 +470,15 @@ class RaySandbox:
                     src = Path(m.source)
                     ticket = self._forward().add(src / node_side.GATEWAY_SOCKET,
                                                  (src / node_side.GATEWAY_TOKEN).read_bytes())
-            ref = self._run_task.options(
+            ref = self._serve_task.options(
                 num_cpus=0, max_retries=0, resources={self.resource: 1},
-                **self._on(node)).remote(spec, inputs, seed, ticket)
-            answer = self._wait(ref, spec, node, cancel, started)
-        finally:
+                **self._on(node)).remote(spec, inputs, seed, ticket, key, mailbox)
+        except BaseException:
             self._release(node)
             if ticket is not None:
                 self._forward().remove(ticket)
-        lost, got = answer
-        if lost is not None:
-            return lost  # the head's own record: the node did not answer
-        rec, output = take_answer(spec, node, got)
-        if spec.output_dir is not None and output is not None:
-            rec = read_output(spec, rec, output, seed_links)
-        if on_output is not None:
-            on_output("stdout", rec.stdout_tail.encode())
-            on_output("stderr", rec.stderr_tail.encode())
-        return rec
+            raise
+        return node, ref, ticket, seed_links
 
     def _wait(self, ref: Any, spec: RunSpec, node: str, cancel: threading.Event | None,
               started: float) -> tuple[RunRecord | None, object]:
@@ -496,6 +516,19 @@ class RaySandbox:
             return self._lost(spec, node, started, f"{type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else ''}"[:300]), None
         return None, result
+
+    def _answered(self, spec: RunSpec, node: str, answer: tuple[RunRecord | None, object],
+                  seed_links: dict[str, str], on_output: OutputCallback | None) -> RunRecord:
+        lost, got = answer
+        if lost is not None:
+            return lost  # the head's own record: the node did not answer
+        rec, output = take_answer(spec, node, got)
+        if spec.output_dir is not None and output is not None:
+            rec = read_output(spec, rec, output, seed_links)
+        if on_output is not None:
+            on_output("stdout", rec.stdout_tail.encode())
+            on_output("stderr", rec.stderr_tail.encode())
+        return rec
 
     def _lost(self, spec: RunSpec, node: str, started: float, why: str) -> RunRecord:
         return lost_record(spec, node, round(time.monotonic() - started, 3), why)
@@ -644,10 +677,131 @@ class RaySandbox:
         return list(rows.values())
 
     def close(self) -> None:
+        if self._mail is not None and self.head_lost() is None:
+            # a task still waiting for its word (none should) removes its container
+            with contextlib.suppress(Exception):
+                self._ray.kill(self._mail)
+            self._mail = None
         if self._forwarder is not None:
             self._forwarder.close()
         if self._watch is not None:
             self._watch.close()
+
+
+class RayPreparedRun:
+    """One container prepared on a node for exactly one case (:meth:`RaySandbox.prepare`):
+    a node task (:func:`node_side.serve`) holding the node slot, whose container is
+    created with its holder waiting, until ``run`` sends the word that hands the case
+    over (a few milliseconds through the head's mailbox actor) or ``discard`` sends the
+    one that removes it unrun. ``run`` at most once; after either, the other is refused
+    (``run``) or a no-op (``discard``). The task, and so the container, also ends when
+    the head dies (the mailbox goes with it) or cancels it (``ray.cancel``)."""
+
+    def __init__(self, sandbox: RaySandbox, spec: RunSpec) -> None:
+        self._sandbox = sandbox
+        self._spec = spec
+        self._key = secrets.token_hex(16)
+        self._lock = threading.Lock()
+        self._state = "ready"  # -> running | discarded
+        self._record: RunRecord | None = None
+        self.node, self._ref, self._ticket, self._links = sandbox._submit(spec, self._key)
+        self._released = False
+
+    @property
+    def spec(self) -> RunSpec:
+        return self._spec
+
+    def _claim(self, to: str) -> str:
+        with self._lock:
+            was = self._state
+            if was == "ready":
+                self._state = to
+            return was
+
+    def _release(self) -> None:
+        """The node slot and the relay ticket, once (the node task has ended, or was
+        cancelled and given up on)."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        self._sandbox._release(self.node)
+        if self._ticket is not None:
+            self._sandbox._forward().remove(self._ticket)
+
+    def _say(self, word: str) -> None:
+        try:
+            self._sandbox._mailbox().put.remote(self._key, word)
+        except Exception as exc:  # the head is going: the task is cancelled
+            log.debug("mailbox put failed: %s", exc)
+            with contextlib.suppress(Exception):
+                self._sandbox._ray.cancel(self._ref)
+
+    def run(self, *, on_output: OutputCallback | None = None,
+            cancel: threading.Event | None = None,
+            ended: Callable[[], None] | None = None) -> RunRecord:
+        """Hand the case over and follow it to the end (or a limit); the node removes the
+        container before it answers. ``cancel`` set before the hand-over: removed unrun
+        and SandboxError raised."""
+        was = self._claim("running")
+        if was == "running":
+            if self._record is None:
+                raise SandboxError("this prepared container is running its case")
+            return self._record
+        if was != "ready":
+            raise SandboxError(f"the {self._spec.role} container was discarded before it ran")
+        spec, sandbox = self._spec, self._sandbox
+        try:
+            if cancel is not None and cancel.is_set():
+                self._end("discard")
+                raise SandboxError(f"{spec.role} container not started: the run is stopping")
+            sandbox._head()
+            started = time.monotonic()
+            self._say(node_side.RUN)
+            answer = sandbox._wait(self._ref, spec, self.node, cancel, started)
+        finally:
+            self._release()
+        if isinstance(answer[1], dict) and "error" in answer[1]:
+            self._forget()  # refused before it waited: the word was never taken
+        rec = sandbox._answered(spec, self.node, answer, self._links, on_output)
+        if ended is not None:  # the container is gone too: nothing overlaps here
+            ended()
+        self._record = rec
+        return rec
+
+    def discard(self) -> None:
+        """Remove the container unrun and wait (bounded) until the node says so; a no-op
+        once ``run`` began or after a discard."""
+        if self._claim("discarded") != "ready":
+            return
+        try:
+            self._end("discard")
+        finally:
+            self._release()
+
+    def _end(self, word: str) -> None:
+        """Send ``word`` (not the hand-over) and wait up to :data:`CANCEL_GRACE_S` for the
+        task to remove its container; then cancel it (its ``finally`` removes it)."""
+        ray = self._sandbox._ray
+        if self._sandbox.head_lost() is not None:
+            return  # nothing more is asked of Ray: the node's task ends with its cluster
+        self._say(word)
+        try:
+            done, _ = ray.wait([self._ref], timeout=CANCEL_GRACE_S)
+        except Exception:  # the head is lost: nothing more is asked of Ray
+            return
+        if not done:
+            with contextlib.suppress(Exception):
+                ray.cancel(self._ref, force=True)
+            return
+        with contextlib.suppress(Exception):
+            got = ray.get(self._ref, timeout=0)
+            if isinstance(got, dict) and "error" in got:  # refused before it waited
+                self._forget()
+
+    def _forget(self) -> None:
+        with contextlib.suppress(Exception):
+            self._sandbox._mailbox().drop.remote(self._key)
 
 
 def _watch_head(ray: Any, address: str) -> HeadWatch | None:

@@ -27,7 +27,7 @@ from runner.isolation.ray.archive import cached, pack_output, unpack_input, unpa
 from runner.isolation.ray.relay import NodeRelay, Ticket
 from runner.isolation.ray.ship import LOAD_TIMEOUT_S, MAX_CHUNKS, MAX_IMAGE_BYTES, Received
 from runner.isolation.roles import fresh_output_dir
-from runner.isolation.sandbox import LABEL_PREFIX, RunSpec, SweepResult
+from runner.isolation.sandbox import LABEL_PREFIX, RunRecord, RunSpec, SweepResult
 
 NODE_DIR_ENV = "CYCLEBOX_RAY_NODE_DIR"
 NODE_LABEL = f"{LABEL_PREFIX}.node"
@@ -127,16 +127,14 @@ def _scratch(base: Path, kind: str = RUNS, mode: int = 0o711) -> Path:
     return work
 
 
-def run(spec: RunSpec, inputs: list[tuple[int, str, list[Any]]], seed: list[Any] | None,
-        ticket: Ticket | None) -> dict[str, Any]:
-    """Run ``spec`` here. ``inputs`` are (mount index, sha256, [object ref]) (the ref is
-    fetched only on a cache miss), ``seed`` the output directory's seed tar; returns the
-    record and the output tar, or the error the run raised (by class name)."""
+def _stage(spec: RunSpec, inputs: list[tuple[int, str, list[Any]]], seed: list[Any] | None,
+           ticket: Ticket | None, base: Path, work: Path) -> tuple[RunSpec, NodeRelay | None]:
+    """``spec`` as this node runs it: each input from the content-addressed cache
+    (fetched on a miss), the gateway mount a relay to the head in ``work``, the output
+    directory fresh in ``work`` and seeded. The relay (or None) is the caller's to close,
+    on every way out, once the run ended."""
     import ray
 
-    node = node_id()
-    base = own_base(node)
-    work = _scratch(base)
     relay: NodeRelay | None = None
     try:
         mounts = list(spec.mounts)
@@ -147,8 +145,8 @@ def run(spec: RunSpec, inputs: list[tuple[int, str, list[Any]]], seed: list[Any]
             mounts[i] = mounts[i].model_copy(update={"source": path})
         for i, m in enumerate(mounts):
             if m.gateway:
-                if ticket is None:
-                    raise CycleboxError("a gateway mount arrived without its relay ticket")
+                if ticket is None or relay is not None:
+                    raise CycleboxError("a gateway mount arrived without its own relay ticket")
                 relay = NodeRelay(work / "g", ticket, uid=spec.uid, socket_name=GATEWAY_SOCKET,
                                   token_name=GATEWAY_TOKEN)
                 mounts[i] = m.model_copy(update={"source": work / "g"})
@@ -157,19 +155,119 @@ def run(spec: RunSpec, inputs: list[tuple[int, str, list[Any]]], seed: list[Any]
             out = fresh_output_dir(work / "out")
             if seed:
                 unpack_seed(ray.get(seed[0]), out, spec.output_cap_bytes)
-        node_spec = spec.model_copy(update={"mounts": tuple(mounts), "output_dir": out})
-        try:
-            rec = _sandbox().run(node_spec)
-        except CycleboxError as exc:
-            return {"error": type(exc).__name__, "message": str(exc), "node": node}
-        output = pack_output(out, spec.output_cap_bytes) if out is not None else None
-        rec = rec.model_copy(update={"labels": {**rec.labels, NODE_LABEL: node,
-                                                WORKER_PID_LABEL: str(os.getpid())}})
-        return {"record": rec, "output": output, "node": node}
-    finally:
+    except BaseException:
         if relay is not None:
             relay.close()
-        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return spec.model_copy(update={"mounts": tuple(mounts), "output_dir": out}), relay
+
+
+def _answer(spec: RunSpec, node_spec: RunSpec, rec: RunRecord, node: str) -> dict[str, Any]:
+    """The record (labelled with this node and process) and the output tar."""
+    out = node_spec.output_dir
+    output = pack_output(out, spec.output_cap_bytes) if out is not None else None
+    rec = rec.model_copy(update={"labels": {**rec.labels, NODE_LABEL: node,
+                                            WORKER_PID_LABEL: str(os.getpid())}})
+    return {"record": rec, "output": output, "node": node}
+
+
+def _refusal(exc: CycleboxError, node: str) -> dict[str, Any]:
+    return {"error": type(exc).__name__, "message": str(exc), "node": node}
+
+
+RUN = "run"
+"""The head's word that hands a prepared container its case (anything else discards it)."""
+
+
+def serve(spec: RunSpec, inputs: list[tuple[int, str, list[Any]]], seed: list[Any] | None,
+          ticket: Ticket | None, key: str, mailbox: Any) -> dict[str, Any]:
+    """Prepare ``spec``'s container here, then wait for the head's word on ``key``
+    (``mailbox.wait``): :data:`RUN` hands the case over and follows it to the end;
+    anything else (or the mailbox gone with its head, or this task cancelled) removes the
+    container unrun. The task holds its node slot (one ``cyclebox`` unit) throughout,
+    so a prepared container counts against the node like a running one.
+
+    ``inputs`` are (mount index, sha256, [object ref]) (the ref is fetched only on a
+    cache miss), ``seed`` the output directory's seed tar. Returns the record and the
+    output tar, ``{"discarded": True}``, or the error the prepare or run raised (by
+    class name). One task, one container, one case: nothing here is ever reused."""
+    node = node_id()
+    base = own_base(node)
+    work = _scratch(base)
+    relay: NodeRelay | None = None
+    prepared: Any = None
+    try:
+        node_spec, relay = _stage(spec, inputs, seed, ticket, base, work)
+        try:
+            prepared = _sandbox().prepare(node_spec)
+        except CycleboxError as exc:
+            return _refusal(exc, node)
+        if _word(mailbox, key) != RUN:
+            return {"discarded": True, "node": node}
+        try:
+            rec = prepared.run()
+        except CycleboxError as exc:
+            return _refusal(exc, node)
+        return _answer(spec, node_spec, rec, node)
+    finally:
+        try:
+            if prepared is not None:
+                prepared.discard()  # a no-op once it ran: removed unrun otherwise
+        finally:
+            _drop(relay, work)
+
+
+def _word(mailbox: Any, key: str) -> str:
+    """The head's word on ``key`` (blocks; the task keeps its node slot meanwhile)."""
+    import ray
+
+    return str(ray.get(mailbox.wait.remote(key)))
+
+
+class Mailbox:
+    """The head's words to the node tasks holding its prepared containers (a Ray actor
+    on the head's node, owned by the head: should the head die, every waiting task's
+    ``wait`` fails and its container is removed unrun). Keys are 128-bit secrets, one per
+    prepared container; a word is delivered once, whichever of ``put`` and ``wait``
+    comes first."""
+
+    def __init__(self) -> None:
+        self._words: dict[str, str] = {}
+        self._events: dict[str, Any] = {}
+
+    def _event(self, key: str) -> Any:
+        import asyncio
+
+        return self._events.setdefault(key, asyncio.Event())
+
+    async def wait(self, key: str) -> str:
+        try:
+            await self._event(key).wait()
+            return self._words.get(key, "")
+        finally:
+            self._events.pop(key, None)
+            self._words.pop(key, None)
+
+    async def put(self, key: str, word: str) -> None:
+        self._words[key] = word
+        self._event(key).set()
+
+    async def drop(self, key: str) -> None:
+        """Forget ``key`` (its task ended without waiting: a refused prepare)."""
+        self._events.pop(key, None)
+        self._words.pop(key, None)
+
+    async def size(self) -> int:
+        return len(self._events)
+
+
+def _drop(relay: NodeRelay | None, work: Path | None) -> None:
+    try:
+        if relay is not None:
+            relay.close()
+    finally:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def image_id(ref: str) -> tuple[str, str | None]:
