@@ -509,7 +509,53 @@ F_SEED = b"d"
 """The host-made tar for the output directory (before the case)."""
 F_CASE = b"c"
 """The hand-over: the :class:`Seal` key (:data:`SEAL_KEY_BYTES`), then the argv joined by
-NUL bytes; the holder starts the command as its child at once."""
+NUL bytes; the holder starts the command as its child at once. After :data:`F_WARM`,
+the key alone (the same key): the waiting interpreter goes on to run the command."""
+F_WARM = b"w"
+"""Optional, after any seed and before the case (a warm start): the :class:`Seal` key,
+then the modules to import (comma-separated) and the argv, NUL-separated. Every frame
+from here on is sealed; the holder starts the command's interpreter as its child with
+:data:`WARM_BOOT`, which imports those modules and waits for the case."""
+
+WARM_BOOT = """\
+import os, sys
+def _cyclebox_warm():
+    go, mods, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    module = argv[0] == "-m"
+    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.realpath(argv[0]))
+    failed = None
+    try:
+        for name in filter(None, mods.split(",")):
+            __import__(name)
+    except BaseException as exc:
+        failed = exc
+    while True:
+        try:
+            word = os.read(go, 1)
+            break
+        except InterruptedError:
+            continue
+    os.close(go)
+    if word != b"g":
+        os._exit(0)
+    if failed is not None:
+        raise failed
+    import runpy
+    if module:
+        sys.argv = argv[1:]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv
+        runpy.run_path(argv[0], run_name="__main__")
+_cyclebox_warm()
+"""
+"""What a warm start runs as ``python -c WARM_BOOT GO_FD MODULES SCRIPT|-m MODULE ARGS``:
+``sys.path[0]`` set as ``python SCRIPT`` (the script's directory) or ``python -m``
+(the working directory) would set it, the modules imported, then a wait on ``GO_FD``
+(the holder writes ``g`` at the hand-over; nothing else runs before it), then the
+script or module run as ``__main__`` with ``sys.argv`` as the cold command would see it.
+An import that failed is raised after the hand-over, so it fails the case as the cold
+command would (exit 1, its traceback on stderr)."""
 
 
 F_STATUS = b"l"
@@ -662,9 +708,11 @@ class _StdinPayload:
             self.read(CHUNK)
 
 
-def _exec_child(argv: list[str], report_fd: int, out_w: int, err_w: int) -> None:
-    """In the forked child: the role's stdio, nothing else of the holder's, default
-    signal handling, then exec (an error is reported on ``report_fd``, close-on-exec)."""
+def _exec_child(argv: list[str], report_fd: int, out_w: int, err_w: int,
+                keep: int | None = None) -> None:
+    """In the forked child: the role's stdio, nothing else of the holder's (but ``keep``,
+    a warm start's go pipe), default signal handling, then exec (an error is reported on
+    ``report_fd``, close-on-exec)."""
     try:
         null = os.open("/dev/null", os.O_RDONLY)
         os.dup2(null, 0)
@@ -678,9 +726,11 @@ def _exec_child(argv: list[str], report_fd: int, out_w: int, err_w: int) -> None
         except OSError:
             fds = list(range(3, max(os.sysconf("SC_OPEN_MAX"), 1024)))
         for fd in fds:
-            if fd > 2 and fd != report_fd:
+            if fd > 2 and fd not in (report_fd, keep):
                 with _suppress(OSError):
                     os.close(fd)
+        if keep is not None:
+            os.set_inheritable(keep, True)
         for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # ignored by Python: not by the role
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, ())
@@ -714,7 +764,16 @@ class _Case:
         self.code: int | None = None
         self.reported = False
         self.ended = False
-        """The command ended (or could not start): finish is next."""
+        """The command ended (or could not start) after the hand-over: finish is next."""
+        self.exited = False
+        """The child was reaped (before the hand-over too, in a warm start)."""
+        self.handed = False
+        self.warm_key: bytes | None = None
+        self.go: int | None = None
+        """A warm start's go pipe (written at the hand-over)."""
+        self.failed = b""
+        """What the exec of the child reported (empty once it succeeded)."""
+        self.argv0 = ""
         self._watch(0)
 
     def also_poll(self, poller: Any) -> None:
@@ -775,18 +834,22 @@ class _Case:
         while len(self.inbox) >= FRAME_HEADER and self.stdin_open:
             kind = bytes(self.inbox[:1])
             n = int.from_bytes(self.inbox[1:FRAME_HEADER], "big")
-            if kind == F_SEED:
+            if kind == F_SEED and self.warm_key is None:
                 del self.inbox[:FRAME_HEADER]
                 self._seed(_StdinPayload(self.inbox, n))
                 continue
-            if kind != F_CASE or n > FRAME_MAX:
-                self._refuse(f"unknown frame {kind!r} of {n} bytes on stdin")
+            if kind not in (F_CASE, F_WARM) or n > FRAME_MAX or (
+                    kind == F_WARM and self.warm_key is not None):
+                self._refuse(f"unexpected frame {kind!r} of {n} bytes on stdin")
                 return
             if len(self.inbox) < FRAME_HEADER + n:
                 return
             payload = bytes(self.inbox[FRAME_HEADER:FRAME_HEADER + n])
             del self.inbox[:FRAME_HEADER + n]
-            self._start(payload)
+            if kind == F_WARM:
+                self._warm(payload)
+            else:
+                self._start(payload)
 
     def _stop_stdin(self) -> None:
         if self.stdin_open:
@@ -810,6 +873,10 @@ class _Case:
 
     def _start(self, payload: bytes) -> None:
         self._stop_stdin()  # one case per container: nothing more is read
+        self.handed = True
+        if self.warm_key is not None:
+            self._go(payload)
+            return
         key = payload[:SEAL_KEY_BYTES]
         argv = [a.decode("utf-8", "surrogateescape")
                 for a in payload[SEAL_KEY_BYTES:].split(b"\0")]
@@ -817,29 +884,69 @@ class _Case:
             self._refuse("bad case frame: a key and a non-empty argv[0] are needed")
             return
         _SEAL.append(Seal(key))  # before the fork: every frame about the role is sealed
+        self._fork(argv)
+        self._started()
+
+    def _warm(self, payload: bytes) -> None:
+        """Start the command's interpreter now, importing the modules named, held at
+        :data:`WARM_BOOT`'s wait until :meth:`_go` (the hand-over)."""
+        parts = [a.decode("utf-8", "surrogateescape")
+                 for a in payload[SEAL_KEY_BYTES:].split(b"\0")]
+        if len(payload) <= SEAL_KEY_BYTES or len(parts) < 3 or not parts[1] or not parts[2]:
+            self._refuse("bad warm frame: a key, the modules and an argv of at least two "
+                         "are needed")
+            return
+        self.warm_key = payload[:SEAL_KEY_BYTES]
+        _SEAL.append(Seal(self.warm_key))  # before the fork, as for the case
+        mods, argv = parts[0], parts[1:]
+        go_r, self.go = os.pipe()
+        try:
+            self._fork([argv[0], "-c", WARM_BOOT, str(go_r), mods, *argv[1:]], keep=go_r)
+        finally:
+            os.close(go_r)
+
+    def _go(self, payload: bytes) -> None:
+        """The hand-over of a warm start: the same key alone, then the go byte."""
+        if payload != self.warm_key:
+            self._refuse("bad case frame: a warm start's hand-over is its key alone")
+            return
+        if self.go is not None:
+            with _suppress(OSError):  # the interpreter already ended: its status stands
+                _write_all(self.go, b"g")
+            os.close(self.go)
+            self.go = None
+        self._started()
+        if self.exited:
+            self.ended = True
+
+    def _fork(self, argv: list[str], keep: int | None = None) -> None:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         rep_r, rep_w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _exec_child(argv, rep_w, out_w, err_w)
+            _exec_child(argv, rep_w, out_w, err_w, keep)
         for fd in (out_w, err_w, rep_w):
             os.close(fd)
         self.pid = pid
-        failed = os.read(rep_r, 32)  # empty once the exec succeeded (close-on-exec)
+        self.argv0 = argv[0]
+        self.failed = os.read(rep_r, 32)  # empty once the exec succeeded (close-on-exec)
         os.close(rep_r)
         for fd, kind in ((out_r, F_STDOUT), (err_r, F_STDERR)):
             os.set_blocking(fd, False)
             self.pipes[fd] = kind
             self._watch(fd)
-        if failed:
-            err = int(failed) if failed.isdigit() else 0
+
+    def _started(self) -> None:
+        """Report the start (at the hand-over): the pid, or why the exec failed."""
+        if self.failed:
+            err = int(self.failed) if self.failed.isdigit() else 0
             _send(F_STARTED, _json({"error": os.strerror(err)}).encode())
-            _send(F_STDERR, f"cyclebox: cannot run {argv[0]!r}: {os.strerror(err)}\n"
+            _send(F_STDERR, f"cyclebox: cannot run {self.argv0!r}: {os.strerror(err)}\n"
                   .encode())
             self.code = 127 if err == 2 else 126  # what a shell (and docker exec) says
         else:
-            _send(F_STARTED, _json({"pid": pid}).encode())
+            _send(F_STARTED, _json({"pid": self.pid}).encode())
 
     def reap(self) -> None:
         """Reap every exited child (orphans are re-parented to PID 1); note ours."""
@@ -854,7 +961,8 @@ class _Case:
                 code = os.waitstatus_to_exitcode(status)
                 if self.code is None:
                     self.code = code if code >= 0 else 128 - code
-                self.ended = True
+                self.exited = True
+                self.ended = self.handed  # a warm start's interpreter waits for its case
 
     def close(self, *, all_gone: bool) -> None:
         """After every other process was killed (``all_gone``; else some could not be

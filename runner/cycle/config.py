@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from runner.errors import ConfigError
 from runner.gateway.budget import BudgetPolicy
 from runner.gateway.config import UpstreamPolicy
-from runner.isolation.sandbox import Frozen
+from runner.isolation.sandbox import Frozen, warm_refusal
 from runner.loading import checked_path, load_model, relative_inside, resolve_under, show
 
 
@@ -46,6 +46,19 @@ class ProjectSpec(Frozen):
     npm_ignore_scripts: tuple[str, ...] = Field(default=(), exclude_if=lambda v: not v)
     """Packages of the lockfile that declare an install script (``hasInstallScript``) and
     are to be installed WITHOUT it; any other such package is refused."""
+    warm: tuple[str, ...] = Field(default=(), exclude_if=lambda v: not v)
+    """A warm start: modules (e.g. ``openai``) the agent's interpreter imports while its
+    container is prepared ahead of the case, so the case starts with them loaded. The
+    entry must be ``[python, SCRIPT, ...]`` or ``[python, -m, MODULE, ...]``; model calls
+    before the hand-over are refused. Absent: the entry starts when the case does."""
+
+    @model_validator(mode="after")
+    def _warm_fits(self) -> ProjectSpec:
+        why = warm_refusal(self.entry, self.warm)
+        if why is not None:
+            raise ValueError(f"warm: {why}; warm only an entry [python, SCRIPT, ...] or "
+                             "[python, -m, MODULE, ...], or remove project.warm")
+        return self
 
 
 class EditSpec(Frozen):

@@ -517,6 +517,7 @@ class CycleRunner:
                       role="analyst", run_id=self.run_id, image=self.plan.images["analyst"],
                       command=list(self.plan.project.spec.entry), output_dir=out, env=env,
                       gateway=self.gw, stage=stage, case=sc.id, trial=trial,
+                      warm=self.plan.project.spec.warm,
                       mounts=[Mount(source=src, target="/src"),
                               Mount(source=case_dir / "input", target="/case"),
                               Mount(source=Path(self.plan.data_dir), target="/data")])

@@ -151,6 +151,9 @@ class Binding:
     writers: asyncio.Semaphore | None = field(default=None, repr=False)
     token: str = field(default="", repr=False)
     """The role's per-run token (also in ``directory``), for :meth:`env`."""
+    armed: bool = True
+    """False while the container waits for its case (a warm start imports then): every
+    call is refused (``not_handed_over``, recorded) until the hand-over arms it."""
 
     def mount(self) -> Mount:
         """The read-only mount that gives a container this socket and token."""
@@ -517,6 +520,11 @@ class _Handler:
             return self.refuse(head, 401, "bad_token",
                                f"missing or wrong gateway token for role {self.b.role} "
                                "(Authorization: Bearer or x-api-key)", b"")
+        if not self.b.armed:
+            return self.refuse(head, 409, "not_handed_over",
+                               f"the {self.b.role} container has not been handed its case "
+                               "yet: a model call while it is prepared (at import, in a warm "
+                               "start) is refused", b"")
         if self.up is None or self.name is None:
             return self.refuse(head, 403, "no_model_access",
                                f"role {self.b.role} has no model upstream", b"")

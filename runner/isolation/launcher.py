@@ -22,6 +22,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
 
+from runner.errors import ConfigError
 from runner.isolation.policy import RolePolicy
 from runner.isolation.roles import fresh_output_dir, role_spec
 from runner.isolation.sandbox import (
@@ -31,6 +32,7 @@ from runner.isolation.sandbox import (
     RunRecord,
     RunSpec,
     Sandbox,
+    warm_refusal,
 )
 from sandbox.holder import EGRESS_PORT, RELAY_HOST, RELAY_PORT
 
@@ -107,6 +109,9 @@ that one now fails closed, unnamed."""
 class GatewayBinding(Protocol):
     """A role's bound gateway socket (:class:`runner.gateway.server.Binding`)."""
 
+    armed: bool
+    """False: every call is refused (``not_handed_over``), until the case is handed over."""
+
     def mount(self) -> Mount: ...
 
     def env(self) -> dict[str, str]: ...
@@ -154,18 +159,23 @@ def _bound_spec(stack: contextlib.ExitStack, policy: RolePolicy, *, role: str, r
                 image: str, command: Sequence[str], mounts: Sequence[Mount],
                 output_dir: Path | None, output_target: str,
                 env: Mapping[str, str] | None, gateway: GatewayBinder | None,
-                stage: str | None, case: str | None, trial: int | None) -> RunSpec:
-    """The spec of one role container, its gateway binding (if any) entered on ``stack``."""
+                stage: str | None, case: str | None, trial: int | None,
+                armed: bool = True) -> tuple[RunSpec, GatewayBinding | None]:
+    """The spec of one role container and its gateway binding (if any, entered on
+    ``stack``; with ``armed=False`` it refuses every call until armed)."""
     all_mounts = list(mounts)
     all_env = dict(env or {})
+    binding: GatewayBinding | None = None
     if policy.upstream and gateway is not None:
         binding = stack.enter_context(gateway.bound(
             role, stage=stage or role, uid=policy.uid, case=case, trial=trial))
+        binding.armed = armed  # before any container exists
         all_mounts.append(binding.mount())
         all_env.update(binding.env())
-    return build_spec(policy, role=role, run_id=run_id, image=image, command=command,
+    spec = build_spec(policy, role=role, run_id=run_id, image=image, command=command,
                       mounts=all_mounts, output_dir=output_dir, output_target=output_target,
                       env=all_env, labels=placement_labels(stage, case, trial))
+    return spec, binding
 
 
 def launch(sandbox: Sandbox, policy: RolePolicy, *, role: str, run_id: str, image: str,
@@ -184,10 +194,10 @@ def launch(sandbox: Sandbox, policy: RolePolicy, *, role: str, run_id: str, imag
     ``case`` and ``trial`` become container labels and key the gateway's call records.
     """
     with contextlib.ExitStack() as stack:
-        spec = _bound_spec(stack, policy, role=role, run_id=run_id, image=image,
-                           command=command, mounts=mounts, output_dir=output_dir,
-                           output_target=output_target, env=env, gateway=gateway,
-                           stage=stage, case=case, trial=trial)
+        spec, _ = _bound_spec(stack, policy, role=role, run_id=run_id, image=image,
+                              command=command, mounts=mounts, output_dir=output_dir,
+                              output_target=output_target, env=env, gateway=gateway,
+                              stage=stage, case=case, trial=trial)
         return sandbox.run(spec, on_output=on_output, cancel=cancel)
 
 
@@ -196,26 +206,37 @@ def prepare(sandbox: Sandbox, policy: RolePolicy, *, role: str, run_id: str, ima
             output_dir: Path | None = None, output_target: str = "/out",
             env: Mapping[str, str] | None = None, gateway: GatewayBinder | None = None,
             stage: str | None = None, case: str | None = None,
-            trial: int | None = None) -> PreparedRun:
+            trial: int | None = None, warm: Sequence[str] = ()) -> PreparedRun:
     """What :func:`launch` does up to the role command: the gateway bound, the spec built
     and ``sandbox.prepare(spec)`` called. The binding lives until the returned run has
-    run or is discarded (whichever comes first); a failed prepare releases it at once."""
+    run or is discarded (whichever comes first); a failed prepare releases it at once.
+    ``warm``: modules the command's interpreter imports ahead of the case (a warm start,
+    :attr:`RunSpec.warm`); the gateway refuses the binding's calls until the hand-over."""
+    why = warm_refusal(command, warm)
+    if why is not None:
+        raise ConfigError(why, field="project.warm",
+                          fix="warm only an entry [python, SCRIPT, ...] or "
+                          "[python, -m, MODULE, ...], or remove project.warm")
     with contextlib.ExitStack() as stack:
-        spec = _bound_spec(stack, policy, role=role, run_id=run_id, image=image,
-                           command=command, mounts=mounts, output_dir=output_dir,
-                           output_target=output_target, env=env, gateway=gateway,
-                           stage=stage, case=case, trial=trial)
+        spec, binding = _bound_spec(stack, policy, role=role, run_id=run_id, image=image,
+                                    command=command, mounts=mounts, output_dir=output_dir,
+                                    output_target=output_target, env=env, gateway=gateway,
+                                    stage=stage, case=case, trial=trial, armed=not warm)
+        if warm:
+            spec = spec.model_copy(update={"warm": tuple(warm)})
         prepared = sandbox.prepare(spec)
-        return BoundRun(prepared, stack.pop_all())
+        return BoundRun(prepared, stack.pop_all(), binding)
 
 
 class BoundRun:
     """A :class:`PreparedRun` holding its gateway binding: released when the container
     has run (after its record is back) or is discarded, exactly once."""
 
-    def __init__(self, prepared: PreparedRun, binding: contextlib.ExitStack) -> None:
+    def __init__(self, prepared: PreparedRun, binding: contextlib.ExitStack,
+                 gateway: GatewayBinding | None = None) -> None:
         self._prepared = prepared
         self._binding = binding
+        self._gateway = gateway
         self._lock = threading.Lock()
         self._released = False
 
@@ -239,6 +260,8 @@ class BoundRun:
             cancel: threading.Event | None = None,
             ended: Callable[[], None] | None = None) -> RunRecord:
         try:
+            if self._gateway is not None:
+                self._gateway.armed = True  # the case is handed over next: calls may come
             rec = self._prepared.run(on_output=on_output, cancel=cancel, ended=ended)
         except BaseException as exc:
             self._release(exc)

@@ -7,16 +7,47 @@ they can be hashed into plans and receipts as they are.
 
 from __future__ import annotations
 
+import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runner.errors import SandboxError
+
+WARM_MODULES_MAX = 64
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_PYTHON = re.compile(r"^python(3(\.[0-9]+)?)?$")
+
+
+def warm_refusal(command: Sequence[str], modules: Sequence[str]) -> str | None:
+    """Why ``command`` cannot be warm-started with ``modules`` (None when it can): the
+    interpreter must be ``python``/``python3``/``python3.N`` given a script or ``-m
+    MODULE`` and nothing else before it (an interpreter flag would change what the warm
+    interpreter is); each module a dotted Python name."""
+    if not modules:
+        return None
+    if len(modules) > WARM_MODULES_MAX:
+        return f"at most {WARM_MODULES_MAX} modules may be warmed ({len(modules)} given)"
+    bad = [m for m in modules if not _MODULE.match(m) or len(m) > 200]
+    if bad:
+        return f"not a Python module name: {bad[0][:80]!r}"
+    argv = list(command)
+    if len(argv) < 2 or not _PYTHON.match(argv[0].rsplit("/", 1)[-1]):
+        return ("a warm start needs an entry run by python: [python, SCRIPT, ...] or "
+                f"[python, -m, MODULE, ...] (got {argv[:2]!r})")
+    if argv[1] == "-m":
+        if len(argv) < 3 or not _MODULE.match(argv[2]):
+            return "a warm start's [python, -m, MODULE, ...] needs a module name"
+    elif argv[1].startswith("-"):
+        return (f"a warm start takes no interpreter option ({argv[1]!r}): "
+                "[python, SCRIPT, ...] or [python, -m, MODULE, ...]")
+    return None
+
 
 LABEL_PREFIX = "io.cyclebox"
 """Every label a backend puts on what it creates starts with this."""
@@ -125,6 +156,17 @@ class RunSpec(Frozen):
     ``policies/seccomp.json`` (never the engine's default, which allows io_uring)."""
     labels: tuple[tuple[str, str], ...] = ()
     """Extra labels (case, trial, stage); run id, role and owner are always added."""
+    warm: tuple[str, ...] = ()
+    """A warm start (prepared runs only): modules the command's interpreter imports while
+    the container waits for its case; ``command`` must then be ``python SCRIPT ...`` or
+    ``python -m MODULE ...`` (:func:`warm_refusal`)."""
+
+    @model_validator(mode="after")
+    def _warm_fits(self) -> RunSpec:
+        why = warm_refusal(self.command, self.warm) if self.warm else None
+        if why is not None:
+            raise ValueError(why)
+        return self
 
     @property
     def uid(self) -> int:

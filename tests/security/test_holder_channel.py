@@ -286,3 +286,154 @@ def test_a_stopping_caller_ends_a_running_case(
     assert rec.stop_reason is StopReason.PROCESS_FAILED, rec  # killed, never a timeout
     assert rec.cleanup_confirmed and _left(backend) == []
     assert not staging.exists() or list(staging.iterdir()) == []
+
+
+# -- a warm start: the interpreter imports ahead of the case ------------------------------
+
+WARM_AGENT = """
+import json, os, sys, time
+from openai import OpenAI
+main_at = time.time()
+reply = OpenAI().chat.completions.create(
+    model="fixture-target", messages=[{"role": "user", "content": "ping"}])
+print(json.dumps({"main_at": main_at, "imported_at": float(open("/tmp/imported").read()),
+                  "early": open("/tmp/early").read(),
+                  "reply": reply.choices[0].message.content, "argv": sys.argv,
+                  "path0": sys.path[0], "name": __name__}))
+"""
+EARLY_CALL = """
+import time
+open("/tmp/imported", "w").write(repr(time.time()))
+import openai
+try:  # a model call before the hand-over: refused by the gateway, and recorded
+    openai.OpenAI(max_retries=0).chat.completions.create(
+        model="fixture-target", messages=[{"role": "user", "content": "early"}])
+    said = "answered"
+except openai.APIStatusError as exc:
+    said = f"{exc.status_code} {exc.body.get('code') if isinstance(exc.body, dict) else exc.body}"
+open("/tmp/early", "w").write(said)
+"""
+
+
+def _warm(backend: Any, policies: RolePolicies, tmp_path: Path, files: dict[str, str],
+          warm: list[str], *, gateway: Any = None, runtime: str | None = None,
+          **overrides: Any) -> Any:
+    from runner.isolation.launcher import output_dir, prepare
+    from runner.isolation.policy import RolePolicy
+    from runner.isolation.sandbox import Mount
+
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    for name, text in files.items():
+        (src / name).write_text(text)
+    policy = RolePolicy.model_validate({**policies.roles["analyst"].model_dump(),
+                                        "runtime": runtime, **overrides})
+    out = output_dir(policy, tmp_path / f"out-{len(list(tmp_path.iterdir()))}")
+    return prepare(backend, policy, role="analyst", run_id="test-warm",
+                   image=resolve_image("analyst"), command=["python", "/src/agent.py", "x"],
+                   mounts=[Mount(source=src, target="/src")], output_dir=out,
+                   gateway=gateway, stage="s", case="c1", trial=0, warm=warm)
+
+
+def test_a_warm_start_imports_ahead_runs_nothing_of_the_case_before_it_and_refuses_calls(
+        backend: Any, policies: RolePolicies, tmp_path: Path) -> None:
+    """The declared modules are imported while the container waits (a model call made
+    then is refused, 409 ``not_handed_over``, and recorded); the script runs only after
+    the hand-over, as ``python SCRIPT ARGS`` would (argv, ``sys.path[0]``, ``__main__``),
+    and its own call is answered."""
+    from runner.gateway.calllog import CallLog
+    from runner.gateway.config import load_upstreams
+    from runner.gateway.server import Gateway
+    from runner.paths import default_upstreams
+
+    with Gateway(tmp_path / "gw", "warm", load_upstreams(default_upstreams()),
+                 {"analyst": "target"}) as gw:
+        run = _warm(backend, policies, tmp_path, {"agent.py": WARM_AGENT,
+                                                   "early.py": EARLY_CALL},
+                    ["openai", "early"], gateway=gw)
+        deadline = time.monotonic() + 30
+        while not any(r.case == "c1" for r in CallLog(tmp_path / "gw" / "gateway").records()):
+            assert time.monotonic() < deadline, "the import-time call never reached the gateway"
+            time.sleep(0.1)
+        handed_at = time.time()
+        rec = run.run()
+    assert rec.stop_reason is StopReason.OK, rec
+    got = json.loads(rec.stdout_tail)
+    assert got["imported_at"] < handed_at <= got["main_at"], got
+    assert got["early"] == "409 not_handed_over", got
+    assert got["reply"] == "pong"
+    assert (got["argv"], got["path0"], got["name"]) == (["/src/agent.py", "x"], "/src",
+                                                         "__main__")
+    calls = CallLog(tmp_path / "gw" / "gateway").records()
+    assert [(c.status, c.error) for c in calls] == [("refused", "not_handed_over"),
+                                                    ("ok", None)], calls
+
+
+@pytest.mark.parametrize("runtime", [None, "runsc"])
+def test_a_warm_import_cannot_write_frames_into_the_holders_stdout(
+        backend: Any, policies: RolePolicies, tmp_path: Path, runtime: str | None) -> None:
+    """The seal starts with the warm frame, before any role process exists: bytes an
+    import writes into ``/proc/1/fd/1`` (which gVisor lets it open) fail closed, named."""
+    inject = INJECTOR.replace("sys.exit(3)", "")
+    run = _warm(backend, policies, tmp_path, {"agent.py": "import sys\nsys.exit(3)\n",
+                                              "inject.py": inject}, ["inject"],
+                runtime=runtime)
+    time.sleep(1.0)  # the import ran meanwhile
+    rec = run.run()
+    assert rec.stop_reason is not StopReason.OK and rec.exit_code != 0, rec
+    if "holder fd: " in rec.stdout_tail:
+        assert runtime is None, "gVisor refused /proc/1/fd/1: drop the runsc case's note"
+        assert rec.exit_code == 3 and rec.detail == "exit code 3"
+    else:
+        assert runtime == "runsc", "/proc/1/fd/1 of a non-dumpable PID 1 was opened"
+        assert "failed authentication" in rec.detail, rec.detail
+
+
+def test_a_warm_import_that_fails_fails_the_case_after_the_hand_over(
+        backend: Any, policies: RolePolicies, tmp_path: Path) -> None:
+    run = _warm(backend, policies, tmp_path, {"agent.py": "print('never')\n"},
+                ["no_such_module_here"])
+    time.sleep(0.5)
+    rec = run.run()
+    assert rec.exit_code == 1 and rec.stop_reason is StopReason.PROCESS_FAILED, rec
+    assert "ModuleNotFoundError: No module named 'no_such_module_here'" in rec.stderr_tail
+    assert "never" not in rec.stdout_tail
+
+
+def test_what_a_warm_import_writes_counts_against_the_output_cap(
+        backend: Any, policies: RolePolicies, tmp_path: Path) -> None:
+    """2 MiB written at import, before any sink exists: kept up to a bound, the rest
+    counted, and the cap applies at the hand-over."""
+    loud = "import sys\nsys.stdout.write('x' * (2 << 20))\nsys.stdout.flush()\n"
+    run = _warm(backend, policies, tmp_path, {"agent.py": "print('main')\n",
+                                              "loud.py": loud}, ["loud"],
+                stdout_cap=1 << 20)
+    time.sleep(1.0)
+    rec = run.run()
+    assert rec.stop_reason is StopReason.OUTPUT_LIMIT, rec
+    assert rec.stdout_bytes >= 2 << 20, rec.stdout_bytes
+
+
+def test_a_discarded_warm_container_is_removed_and_its_script_never_ran(
+        backend: Any, policies: RolePolicies, tmp_path: Path) -> None:
+    run = _warm(backend, policies, tmp_path,
+                {"agent.py": "open('/out/ran', 'w').write('ran')\n"}, ["json"])
+    time.sleep(0.5)
+    run.discard()
+    with pytest.raises(SandboxError, match="discarded before it ran"):
+        run.run()
+    assert [p.name for p in tmp_path.glob("out-*/*")] == []
+
+
+def test_an_entry_that_cannot_be_warmed_is_refused_by_name(
+        policies: RolePolicies, tmp_path: Path) -> None:
+    from runner.errors import ConfigError
+    from runner.isolation.sandbox import warm_refusal
+
+    assert warm_refusal(["python", "/src/a.py"], ["openai"]) is None
+    assert warm_refusal(["python3", "-m", "agent.main"], ["openai", "json"]) is None
+    assert "interpreter option" in str(warm_refusal(["python", "-u", "/src/a.py"], ["x"]))
+    assert "run by python" in str(warm_refusal(["node", "/src/a.js"], ["x"]))
+    assert "module name" in str(warm_refusal(["python", "a.py"], ["os; rm -rf"]))
+    with pytest.raises(ConfigError, match=r"project\.warm"):
+        _warm(None, policies, tmp_path, {}, ["bad name"])  # refused before any container

@@ -176,3 +176,32 @@ def test_every_proxy_variable_points_at_the_deny_all_proxy_but_the_gateway_is_di
     # the gateway endpoint is on the host NO_PROXY names, so clients reach it directly
     assert env["OPENAI_BASE_URL"].startswith(f"http://{RELAY_HOST}:")
     assert env["DISABLE_TELEMETRY"] == env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
+
+
+def test_a_cycle_file_warm_that_cannot_be_warmed_is_refused_naming_the_field(
+        tmp_path: Path) -> None:
+    """``project.warm`` is checked when the cycle file is loaded: the file, the field and
+    the fix named; a warm list on a python entry loads, and without it the frozen
+    project is what it was (no ``warm`` key: old plans hash as before)."""
+    import yaml
+
+    from runner.cycle.config import load_cycle
+    from runner.paths import PROJECT_ROOT
+
+    doc = yaml.safe_load((PROJECT_ROOT / "examples/shop-analyst/cycle.yaml").read_text())
+    assert doc["project"]["warm"] == ["openai"]
+    path = tmp_path / "cycle.yaml"
+    for entry, warm, why in [(["node", "/src/a.js"], ["openai"], "run by python"),
+                             (["python", "-u", "/src/a.py"], ["openai"], "interpreter option"),
+                             (["python", "/src/a.py"], ["openai;x"], "module name")]:
+        path.write_text(yaml.safe_dump({**doc, "project": {**doc["project"], "entry": entry,
+                                                            "warm": warm}}))
+        with pytest.raises(ConfigError) as exc:
+            load_cycle(path)
+        assert str(path) in str(exc.value) and "project.warm" in str(exc.value), exc.value
+        assert why in str(exc.value)
+    path.write_text(yaml.safe_dump(doc))
+    assert load_cycle(path)[0].project.warm == ("openai",)
+    del doc["project"]["warm"]
+    path.write_text(yaml.safe_dump(doc))
+    assert "warm" not in load_cycle(path)[0].project.model_dump()

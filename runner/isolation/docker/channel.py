@@ -21,7 +21,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from sandbox.holder import (
     F_STDERR,
     F_STDOUT,
     F_TAR,
+    F_WARM,
     FRAME_HEADER,
     FRAME_MAX,
     READY,
@@ -59,6 +60,9 @@ processes to die) before the controller kills the container."""
 STATUS_CAP = 64 * 1024
 SMALL_FRAME_CAP = 4096
 """The largest start/exit/seed reply the holder writes (JSON of a few fields)."""
+EARLY_BYTES = 256 * 1024
+"""What the role may write before the hand-over (a warm start's imports) that is kept
+for the run's tails; beyond it only counted."""
 MUX_HEADER = struct.Struct(">BxxxL")
 """The engine's attach multiplexing: stream (1 stdout, 2 stderr), payload size."""
 
@@ -116,7 +120,15 @@ class CaseChannel:
         """When the first output frame of the role command arrived (host clock)."""
         self._lock = threading.Lock()
         self._seal: Seal | None = None
-        """Set with the hand-over: every frame after it must carry its tag."""
+        """Set with the hand-over (or the warm start): every frame after it must carry
+        its tag."""
+        self._warm_key: bytes | None = None
+        self._sink_lock = threading.Lock()
+        self._early: list[tuple[str, bytes]] = []
+        self._early_bytes = 0
+        self.early_dropped = 0
+        """Bytes the role wrote before the hand-over beyond :data:`EARLY_BYTES` (counted
+        into the run's output total, not kept)."""
         self.refused = ""
         """Why the channel was refused (a frame the holder cannot have written)."""
 
@@ -130,12 +142,38 @@ class CaseChannel:
         self.send(F_SEED, data)
 
     def hand_over(self, argv: list[str]) -> None:
-        """Send the case: the command and a fresh key for the frames about it."""
+        """Send the case: the command and a fresh key for the frames about it; after
+        :meth:`warm`, its key alone (the interpreter waiting there goes on)."""
+        if self._warm_key is not None:
+            self.send(F_CASE, self._warm_key)
+            return
         import secrets
 
         key = secrets.token_bytes(SEAL_KEY_BYTES)
         self._seal = Seal(key)  # before the send: the first sealed frame may come at once
         self.send(F_CASE, case_payload(key, argv))
+
+    def warm(self, argv: list[str], modules: Sequence[str]) -> None:
+        """Start the command's interpreter ahead of the case (:data:`F_WARM`): it imports
+        ``modules`` and waits for :meth:`hand_over`. Sent once the holder is READY and
+        any seed answered, so no unsealed frame can follow the key; whatever the
+        interpreter writes meanwhile is held (bounded) for the run's sink."""
+        import secrets
+
+        key = secrets.token_bytes(SEAL_KEY_BYTES)
+        self._seal = Seal(key)
+        self._warm_key = key
+        self.send(F_WARM, key + b"\0".join(
+            a.encode("utf-8", "surrogateescape") for a in [",".join(modules), *argv]))
+
+    def attach(self, sink: Sink) -> None:
+        """Give the run's sink what the role wrote before it (a warm start's imports,
+        at most :data:`EARLY_BYTES` kept; the rest counted as dropped), then all after."""
+        with self._sink_lock:
+            for kind, data in self._early:
+                sink(kind, data)
+            self._early.clear()
+            self.sink = sink
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -203,8 +241,15 @@ class CaseChannel:
         if kind in (F_STDOUT, F_STDERR):
             if self.first_output_at is None:
                 self.first_output_at = time.monotonic()
-            if self.sink is not None:
-                self.sink("stdout" if kind == F_STDOUT else "stderr", payload)
+            name = "stdout" if kind == F_STDOUT else "stderr"
+            with self._sink_lock:
+                if self.sink is not None:
+                    self.sink(name, payload)
+                elif self._early_bytes + len(payload) <= EARLY_BYTES:
+                    self._early.append((name, payload))
+                    self._early_bytes += len(payload)
+                else:
+                    self.early_dropped += len(payload)
             return
         if kind not in (F_STARTED, F_EXIT, F_SEEDED) or len(payload) > SMALL_FRAME_CAP:
             raise CopyRefused(f"case channel: unexpected frame {kind!a} of "

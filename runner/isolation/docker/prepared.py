@@ -153,6 +153,9 @@ class DockerPreparedRun:
                     raise SandboxError(f"could not seed the {spec.role} output directory: "
                                        + (str(channel.seed_reply.get("error"))[:300]
                                           if channel.seed_reply else "no answer"))
+            if spec.warm:
+                # after READY and the seed's answer: no unsealed frame can follow the key
+                channel.warm(list(spec.command), spec.warm)
         except _Cancelled:
             raise
         except (SandboxError, docker.errors.APIError, OSError,
@@ -294,7 +297,11 @@ class DockerPreparedRun:
             if out.total + err.total > spec.stdout_cap_bytes and not stream_exceeded.is_set():
                 stop_role(stream_exceeded)
 
-        channel.sink = sink
+        channel.attach(sink)
+        if channel.early_dropped:  # written before the hand-over, beyond what was kept
+            out.total += channel.early_dropped
+            if out.total + err.total > spec.stdout_cap_bytes:
+                stop_role(stream_exceeded)
         deadline = time.monotonic() + spec.timeout_s
         with contextlib.suppress(OSError):  # the attach is gone: the end below names it
             channel.hand_over(list(spec.command))
