@@ -95,6 +95,8 @@ class Lookahead(Generic[T]):
         self._cond = threading.Condition()
         self._ready = 0
         self._closed = False
+        self._own: set[int] = set()
+        """Jobs preparing their own value (the preparer was not there yet)."""
         self.waits: dict[int, float] = {}
         """Job -> seconds its prepared value waited before the job took it (0 when the
         job prepared its own)."""
@@ -108,7 +110,11 @@ class Lookahead(Generic[T]):
     def _loop(self) -> None:
         for i, slot in enumerate(self._slots):
             with self._cond:
-                while not self._closed and self._ready >= self._depth():
+                # never ahead of a job still preparing its own (earlier) value: on a
+                # cluster, a later case's container could take the node slot the
+                # earlier one waits for, and wait itself for a turn that never comes
+                while not self._closed and (self._ready >= self._depth() or any(
+                        k < i for k in self._own)):
                     self._cond.wait(_IDLE_WAIT_S)
                 if self._closed:
                     return
@@ -149,7 +155,9 @@ class Lookahead(Generic[T]):
                     raise AssertionError(f"job {index} taken twice")
                 raise self._closed_error()
             own = slot.state == "new"
-            if not own:
+            if own:
+                self._own.add(index)
+            else:
                 self._ready -= 1
                 self.waits[index] = time.monotonic() - (slot.ready_at or time.monotonic())
             slot.state = "taken"
@@ -158,7 +166,12 @@ class Lookahead(Generic[T]):
             self._cond.notify_all()
         if own:
             self.waits[index] = 0.0
-            return self._prepare(index)
+            try:
+                return self._prepare(index)
+            finally:
+                with self._cond:
+                    self._own.discard(index)
+                    self._cond.notify_all()
         if error is not None:
             raise error
         return cast(T, value)  # a prepare may return None (nothing to run) as its T

@@ -759,8 +759,75 @@ def test_prepared_ahead_on_the_nodes_each_container_serves_its_own_case_once(
         assert ours() == []
         with pytest.raises(SandboxError, match="discarded before it ran"):
             c.run()
+        # the run's leftovers sweep discards what is still prepared, then sweeps the nodes
+        d = case("d")
+        while len(ours()) < 1:
+            assert time.monotonic() < deadline, ours()
+            time.sleep(0.1)
+        rs.leftovers(run_id)
+        assert ours() == []
+        with pytest.raises(SandboxError, match="discarded before it ran"):
+            d.run()
     finally:
         rs.close()
         ray.shutdown()
     left = [d for d in cluster.node_dir.glob("*/runs/*") if d.is_dir()]
     assert left == [], left
+
+
+KILLED_HEAD = """
+import sys, time
+from pathlib import Path
+from runner.isolation.docker.images import resolve_image
+from runner.isolation.launcher import prepare
+from runner.isolation.policy import load_policies
+from runner.isolation.ray import backend
+from runner.isolation.sandbox import Mount
+from runner.paths import default_policies
+
+rs = backend.RaySandbox(sys.argv[1])
+policy = load_policies(default_policies()).roles["analyst"]
+src = Path(sys.argv[3])
+runs = [prepare(rs, policy, role="analyst", run_id=sys.argv[2], image=resolve_image("analyst"),
+                command=["true"], mounts=[Mount(source=src, target="/in")], stage="s",
+                case=f"c{i}", trial=0) for i in range(2)]
+print("prepared", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_controller_killed_with_prepared_containers_leaves_nothing_after_gc(
+        cluster: RayCluster, tmp_path: Path) -> None:
+    """SIGKILL to a controller holding prepared containers on the nodes (no finally of
+    its own runs): Ray ends the node tasks it owned; whatever they could not remove is
+    labelled with the run and owned by a process that is gone, and ``cyclebox gc`` on
+    every node removes it with the node run directories."""
+    run_id = f"raykill{os.getpid()}"
+    src = tmp_path / "in"
+    src.mkdir()
+
+    def ours() -> list[str]:
+        return [n for _, n, labels in managed() if labels.get("io.cyclebox.run_id") == run_id]
+
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_HEAD, cluster.address, run_id,
+                             str(src)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=PROJECT_ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while len(ours()) < 2:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "nothing was prepared"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    deadline = time.monotonic() + 30
+    while ours() and time.monotonic() < deadline:  # Ray ends the dead driver's tasks
+        time.sleep(0.5)
+    left_by_ray = ours()
+    res = cli("gc", "--backend", "ray", "--ray-address", cluster.address, "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert ours() == [], (left_by_ray, res.stdout)
+    runs = [d for d in cluster.node_dir.glob("*/runs/*") if d.is_dir()]
+    assert runs == [], runs
+    print(f"left by Ray after the driver's death, removed by gc: {left_by_ray}")

@@ -76,6 +76,9 @@ def words(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     said: dict[str, str] = {}
     monkeypatch.setattr(node_side, "_word",
                         lambda _mailbox, key: said.pop(key, node_side.RUN))
+    # a word already there before the container is built ("early:KEY")
+    monkeypatch.setattr(node_side, "_peek",
+                        lambda _mailbox, key: said.pop(f"early:{key}", ""))
     return said
 
 
@@ -174,6 +177,11 @@ def test_a_prepared_container_runs_once_on_the_heads_word_and_is_removed_unrun_o
     assert serve(spec, inputs, "gone") == {"discarded": True, "node": NODE}
     gone = docker.prepared[-1]
     assert (gone.runs, gone.discards) == (0, 1)
+    # discarded while its task waited for a node slot: nothing is built at all
+    words["early:never"] = "discard"
+    built = len(docker.prepared)
+    assert serve(spec, inputs, "never") == {"discarded": True, "node": NODE}
+    assert len(docker.prepared) == built
     # the word that never comes (the head died: the mailbox went with it) removes it too
     def lost(_mailbox: object, _key: str) -> str:
         raise RuntimeError("ActorDiedError: the mailbox is gone")

@@ -70,6 +70,38 @@ def test_a_job_ahead_of_the_preparer_prepares_its_own() -> None:
     assert log == ["prepare 0", "prepare 1"]
 
 
+def test_the_preparer_never_gets_ahead_of_a_job_preparing_its_own() -> None:
+    """Job 0 prepares its own value (the preparer was not started yet); the preparer
+    starts job 1's only once job 0's prepare returned. On a cluster the reverse order
+    could give job 1's container the node slot job 0's waits for, and job 1 waits for
+    job 0: a stall until the run's deadline."""
+    log: list[str] = []
+    release = threading.Event()
+
+    def prep(i: int) -> int:
+        log.append(f"start {i}")
+        if i == 0:
+            release.wait(5)
+        log.append(f"end {i}")
+        return i
+
+    ahead = Lookahead(3, prepare=prep, discard=lambda v: None, depth=lambda: 2,
+                      closed=lambda: Stop("closed"))
+    got: list[int] = []
+    job = threading.Thread(target=lambda: got.append(ahead.take(0)))
+    job.start()
+    wait_until(lambda: log == ["start 0"])
+    ahead.start()
+    time.sleep(0.3)
+    assert log == ["start 0"], log  # the preparer waits for job 0's own prepare
+    release.set()
+    job.join(5)
+    wait_until(lambda: "end 2" in log)
+    assert log == ["start 0", "end 0", "start 1", "end 1", "start 2", "end 2"]
+    assert got == [0] and [ahead.take(1), ahead.take(2)] == [1, 2]
+    ahead.close()
+
+
 def test_close_discards_what_no_job_took_and_refuses_later_takes() -> None:
     log: list[str] = []
     ahead = lookahead(5, depth=3, log=log).start()

@@ -79,6 +79,9 @@ RESULT_GRACE_S = 300.0
 """Beyond a run's own timeout: how long the head waits for a node's answer (staging,
 input fetch, copy-out, removal) before it records the node as lost."""
 CANCEL_GRACE_S = 30.0
+DISCARD_WORD_S = 2.0
+"""How long a discarded prepared run's node task gets to take the word and remove its
+container before it is cancelled (a task still queued for a slot never takes it)."""
 EACH_NODE_S = 120.0
 """How long a call on every node (gc, doctor, leftovers, image ids) waits for all of
 them together; a node that has not answered by then is skipped and its task cancelled."""
@@ -284,6 +287,8 @@ class RaySandbox:
         """Nodes that did not answer the last call on every node (gc, doctor, ...)."""
         self._serve_task = ray.remote(node_side.serve)
         self._mail: Any = None
+        self._live: dict[str, RayPreparedRun] = {}
+        """Prepared runs whose node task was submitted and not yet released, by key."""
         self._head_engine: DockerSandbox | None = None
         self._ship_lock = threading.Lock()
 
@@ -427,6 +432,11 @@ class RaySandbox:
                 ).remote()
             return self._mail
 
+    def _mailbox_lost(self) -> None:
+        """The mailbox actor failed: the next prepare starts a new one."""
+        with self._lock:
+            self._mail = None
+
     def prepare(self, spec: RunSpec) -> RayPreparedRun:
         """Ship ``spec``'s inputs and start a node task that prepares its container and
         holds it, ready, until :meth:`RayPreparedRun.run` hands the case over (or
@@ -445,10 +455,11 @@ class RaySandbox:
             raise SandboxError(f"{spec.role} container not started: the run is stopping")
         return self.prepare(spec).run(on_output=on_output, cancel=cancel)
 
-    def _submit(self, spec: RunSpec, key: str) -> tuple[str, Any, Ticket | None,
-                                                         dict[str, str]]:
+    def _submit(self, spec: RunSpec, key: str, owner: RayPreparedRun
+                ) -> tuple[str, Any, Ticket | None, dict[str, str]]:
         """Pack ``spec``'s inputs, pick its node, bind its relay ticket and start its node
-        task: (node, task ref, ticket, the seed's links)."""
+        task: (node, task ref, ticket, the seed's links); ``owner`` is registered under
+        ``key`` until it is released (:meth:`leftovers` discards what is still there)."""
         check_mounts(spec)
         self._head()
         inputs: list[tuple[int, str, list[Any]]] = []
@@ -470,9 +481,14 @@ class RaySandbox:
                     src = Path(m.source)
                     ticket = self._forward().add(src / node_side.GATEWAY_SOCKET,
                                                  (src / node_side.GATEWAY_TOKEN).read_bytes())
-            ref = self._serve_task.options(
-                num_cpus=0, max_retries=0, resources={self.resource: 1},
-                **self._on(node)).remote(spec, inputs, seed, ticket, key, mailbox)
+            # a signal between the submission and the registration would leave a task
+            # (and its container) that no discard or leftovers() sweep could find
+            with interrupts.deferred():
+                ref = self._serve_task.options(
+                    num_cpus=0, max_retries=0, resources={self.resource: 1},
+                    **self._on(node)).remote(spec, inputs, seed, ticket, key, mailbox)
+                with self._lock:
+                    self._live[key] = owner
         except BaseException:
             self._release(node)
             if ticket is not None:
@@ -659,7 +675,12 @@ class RaySandbox:
                                     f"({type(exc).__name__}: {first[:300]})") from None
 
     def leftovers(self, run_id: str) -> list[str]:
-        """Remove what is still labelled with ``run_id`` on every alive node."""
+        """Discard this head's prepared runs of ``run_id`` not yet run, then remove what
+        is still labelled with ``run_id`` on every alive node."""
+        with self._lock:
+            live = [r for r in self._live.values() if r.spec.run_id == run_id]
+        for r in live:
+            r.discard()
         names: set[str] = set()
         for _, got in self._each_node(node_side.leftovers, run_id):
             names.update(got)
@@ -704,7 +725,9 @@ class RayPreparedRun:
         self._lock = threading.Lock()
         self._state = "ready"  # -> running | discarded
         self._record: RunRecord | None = None
-        self.node, self._ref, self._ticket, self._links = sandbox._submit(spec, self._key)
+        self._put: Any = None
+        self.node, self._ref, self._ticket, self._links = sandbox._submit(spec, self._key,
+                                                                          self)
         self._released = False
 
     @property
@@ -725,15 +748,19 @@ class RayPreparedRun:
             if self._released:
                 return
             self._released = True
+        with self._sandbox._lock:
+            self._sandbox._live.pop(self._key, None)
         self._sandbox._release(self.node)
         if self._ticket is not None:
             self._sandbox._forward().remove(self._ticket)
 
     def _say(self, word: str) -> None:
         try:
-            self._sandbox._mailbox().put.remote(self._key, word)
-        except Exception as exc:  # the head is going: the task is cancelled
+            mailbox = self._sandbox._mailbox()
+            self._put = mailbox.put.remote(self._key, word)
+        except Exception as exc:  # the mailbox is gone: the task is cancelled instead
             log.debug("mailbox put failed: %s", exc)
+            self._sandbox._mailbox_lost()
             with contextlib.suppress(Exception):
                 self._sandbox._ray.cancel(self._ref)
 
@@ -759,10 +786,15 @@ class RayPreparedRun:
             started = time.monotonic()
             self._say(node_side.RUN)
             answer = sandbox._wait(self._ref, spec, self.node, cancel, started)
+        except BaseException:
+            if sandbox.head_lost() is None:
+                # the wait was cut (a signal): the task's own finally removes the container
+                with contextlib.suppress(Exception):
+                    sandbox._ray.cancel(self._ref)
+            raise
         finally:
             self._release()
-        if isinstance(answer[1], dict) and "error" in answer[1]:
-            self._forget()  # refused before it waited: the word was never taken
+            self._forget()
         rec = sandbox._answered(spec, self.node, answer, self._links, on_output)
         if ended is not None:  # the container is gone too: nothing overlaps here
             ended()
@@ -778,30 +810,42 @@ class RayPreparedRun:
             self._end("discard")
         finally:
             self._release()
+            self._forget()
 
     def _end(self, word: str) -> None:
-        """Send ``word`` (not the hand-over) and wait up to :data:`CANCEL_GRACE_S` for the
-        task to remove its container; then cancel it (its ``finally`` removes it)."""
-        ray = self._sandbox._ray
-        if self._sandbox.head_lost() is not None:
-            return  # nothing more is asked of Ray: the node's task ends with its cluster
-        self._say(word)
+        """Send ``word`` (not the hand-over) and wait until the task removed its container:
+        up to :data:`DISCARD_WORD_S` for the word, then ``ray.cancel`` (a task still queued
+        never starts; a running one unwinds through its ``finally``, which removes the
+        container) for up to :data:`CANCEL_GRACE_S`, and only then a forced cancel. The head
+        watched throughout: once it is lost, nothing more is asked of Ray."""
+        sandbox, ray = self._sandbox, self._sandbox._ray
         try:
-            done, _ = ray.wait([self._ref], timeout=CANCEL_GRACE_S)
-        except Exception:  # the head is lost: nothing more is asked of Ray
-            return
-        if not done:
-            with contextlib.suppress(Exception):
-                ray.cancel(self._ref, force=True)
-            return
-        with contextlib.suppress(Exception):
-            got = ray.get(self._ref, timeout=0)
-            if isinstance(got, dict) and "error" in got:  # refused before it waited
-                self._forget()
+            sandbox._head()
+            self._say(word)
+            if self._ended_within(DISCARD_WORD_S):
+                return
+            ray.cancel(self._ref)
+            if self._ended_within(CANCEL_GRACE_S):
+                return
+            ray.cancel(self._ref, force=True)
+        except SandboxError:
+            return  # the head is lost: the node's task ends with its cluster
+        except Exception as exc:  # what Ray raised about a task that is gone
+            log.debug("discard of %s: %s", self._key[:8], exc)
+
+    def _ended_within(self, seconds: float) -> bool:
+        """Whether the task ended within ``seconds`` (SandboxError once the head is lost)."""
+        self._sandbox._until_ready(self._ref, time.monotonic() + seconds)
+        return bool(self._sandbox._ray.wait([self._ref], timeout=0)[0])
 
     def _forget(self) -> None:
+        """The mailbox forgets this key once the task ended (a word no task took: a
+        refused prepare, a lost node, a cancel), after the word itself (the ``put``'s ref
+        is ``drop``'s argument, so Ray runs it first)."""
+        if self._sandbox.head_lost() is not None or self._sandbox._mail is None:
+            return
         with contextlib.suppress(Exception):
-            self._sandbox._mailbox().drop.remote(self._key)
+            self._sandbox._mail.drop.remote(self._key, self._put)
 
 
 def _watch_head(ray: Any, address: str) -> HeadWatch | None:

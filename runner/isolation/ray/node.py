@@ -198,6 +198,8 @@ def serve(spec: RunSpec, inputs: list[tuple[int, str, list[Any]]], seed: list[An
     prepared: Any = None
     try:
         node_spec, relay = _stage(spec, inputs, seed, ticket, base, work)
+        if _peek(mailbox, key) not in ("", RUN):  # discarded while it waited for a slot
+            return {"discarded": True, "node": node}
         try:
             prepared = _sandbox().prepare(node_spec)
         except CycleboxError as exc:
@@ -222,6 +224,12 @@ def _word(mailbox: Any, key: str) -> str:
     import ray
 
     return str(ray.get(mailbox.wait.remote(key)))
+
+
+def _peek(mailbox: Any, key: str) -> str:
+    import ray
+
+    return str(ray.get(mailbox.peek.remote(key)))
 
 
 class Mailbox:
@@ -252,8 +260,13 @@ class Mailbox:
         self._words[key] = word
         self._event(key).set()
 
-    async def drop(self, key: str) -> None:
-        """Forget ``key`` (its task ended without waiting: a refused prepare)."""
+    async def peek(self, key: str) -> str:
+        """The word on ``key`` if one came (a task checks before it builds anything)."""
+        return self._words.get(key, "")
+
+    async def drop(self, key: str, _after: object = None) -> None:
+        """Forget ``key`` (its task ended; ``_after`` is the ``put``'s result, so this
+        runs after it)."""
         self._events.pop(key, None)
         self._words.pop(key, None)
 
