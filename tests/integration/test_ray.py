@@ -683,6 +683,10 @@ def test_head_lost_mid_stage_ends_with_exit_6_a_named_verdict_and_a_receipt(
     own_cluster.cluster.shutdown()
     owners = {int(labels["io.cyclebox.owner_pid"]) for _, _, labels in managed()
               if labels.get("io.cyclebox.run_id") == rid}
+    # and the task processes that made a node run directory but no container yet (a
+    # case prepared ahead, still staging its inputs when the head went)
+    owners |= {int(json.loads((d / "owner.json").read_text())["pid"])
+               for d in own_cluster.node_dir.glob("*/runs/*") if (d / "owner.json").is_file()}
     deadline = time.monotonic() + 60  # the dead raylets' task processes exit after them
     while (alive := {p for p in owners if Path(f"/proc/{p}").exists()}) and \
             time.monotonic() < deadline:
