@@ -162,6 +162,7 @@ def hold(root: str, gateway_socket: str | None = None) -> None:
         case.also_poll(relay.poller)
     waited = {signal.SIGCHLD, signal.SIGUSR1}
     while not case.ended:
+        case.tick()
         # One thread for everything: a round of IO (relay and the case channel, at most
         # SIGNAL_POLL_MS of waiting), then any pending signal, so SIGUSR1 is acted on
         # within one round however busy the relay is, and finish never waits on it.
@@ -510,25 +511,49 @@ F_SEED = b"d"
 F_CASE = b"c"
 """The hand-over: the :class:`Seal` key (:data:`SEAL_KEY_BYTES`), then the argv joined by
 NUL bytes; the holder starts the command as its child at once. After :data:`F_WARM`,
-the key alone (the same key): the waiting interpreter goes on to run the command."""
+the warm frame's go token alone: the waiting interpreter goes on to run the command
+(the seal key never crosses stdin while a role process exists: under gVisor one can
+open ``/proc/1/fd/0``)."""
 F_WARM = b"w"
 """Optional, after any seed and before the case (a warm start): the :class:`Seal` key,
-then the modules to import (comma-separated) and the argv, NUL-separated. Every frame
-from here on is sealed; the holder starts the command's interpreter as its child with
-:data:`WARM_BOOT`, which imports those modules and waits for the case."""
+a go token (:data:`SEAL_KEY_BYTES` each), then the modules to import (comma-separated)
+and the argv, NUL-separated. Every frame from here on is sealed; the holder starts the
+command's interpreter as its child with :data:`WARM_BOOT`, which imports those modules,
+says so, and waits for the case; the holder then stops every role process
+(``SIGSTOP``) until the hand-over, as it does :data:`WARM_LIMIT_S` after the warm frame
+whatever the imports do, and reads at most :data:`EARLY_BYTES` of their output before it."""
+WARM_LIMIT_S = 60.0
+"""How long a warm start's imports may run before the holder stops them (``SIGSTOP``,
+continued at the hand-over): the time before a case is outside its ``timeout``."""
+EARLY_BYTES = 256 * 1024
+"""What the holder reads of the role's output before the hand-over (a warm start's
+imports); the role then blocks on its full pipe until the hand-over."""
 
-WARM_BOOT = """\
+WARM_BOOT = """\\
 import os, sys
 def _cyclebox_warm():
-    go, mods, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    go, ready, mods, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
     module = argv[0] == "-m"
-    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.realpath(argv[0]))
+    if module:
+        first = os.getcwd()
+    else:
+        argv[0] = os.path.abspath(argv[0])
+        first = os.path.dirname(os.path.realpath(argv[0]))
+    if sys.path and sys.path[0] in ("", os.getcwd()) and not sys.flags.safe_path:
+        sys.path[0] = first
+    elif not sys.flags.safe_path:
+        sys.path.insert(0, first)
     failed = None
     try:
         for name in filter(None, mods.split(",")):
             __import__(name)
     except BaseException as exc:
         failed = exc
+    try:
+        os.write(ready, b"r")
+        os.close(ready)
+    except OSError:
+        pass
     while True:
         try:
             word = os.read(go, 1)
@@ -537,7 +562,7 @@ def _cyclebox_warm():
             continue
     os.close(go)
     if word != b"g":
-        os._exit(0)
+        os._exit(125)
     if failed is not None:
         raise failed
     import runpy
@@ -549,13 +574,15 @@ def _cyclebox_warm():
         runpy.run_path(argv[0], run_name="__main__")
 _cyclebox_warm()
 """
-"""What a warm start runs as ``python -c WARM_BOOT GO_FD MODULES SCRIPT|-m MODULE ARGS``:
-``sys.path[0]`` set as ``python SCRIPT`` (the script's directory) or ``python -m``
-(the working directory) would set it, the modules imported, then a wait on ``GO_FD``
-(the holder writes ``g`` at the hand-over; nothing else runs before it), then the
-script or module run as ``__main__`` with ``sys.argv`` as the cold command would see it.
-An import that failed is raised after the hand-over, so it fails the case as the cold
-command would (exit 1, its traceback on stderr)."""
+"""What a warm start runs as ``python -c WARM_BOOT GO_FD READY_FD MODULES SCRIPT|-m MODULE
+ARGS``: ``sys.path[0]`` set as ``python SCRIPT`` (the script's directory) or ``python -m``
+(the working directory) would set it, the modules imported, one byte on ``READY_FD``,
+then a wait on ``GO_FD`` (the holder writes ``g`` at the hand-over; nothing of the
+script runs before it), then the script (its path made absolute, as ``python`` makes
+``__main__.__file__``) or module run as ``__main__`` with ``sys.argv`` as the cold command
+would see it. An import that failed is raised after the hand-over, so it fails the case
+as the cold command would (exit 1, its traceback on stderr). Without the go byte (the
+container discarded) it exits 125."""
 
 
 F_STATUS = b"l"
@@ -647,6 +674,16 @@ def _sha256() -> Any:
     return hashlib.sha256
 
 
+def _same(a: bytes, b: bytes) -> bool:
+    """``a == b`` in time independent of where they differ (``hmac`` loads OpenSSL)."""
+    if len(a) != len(b) or not b:
+        return False
+    diff = 0
+    for x, y in zip(a, b, strict=True):
+        diff |= x ^ y
+    return diff == 0
+
+
 _SEAL: list[Seal] = []
 """The holder's seal once it was handed its case (sealed frames from then on)."""
 
@@ -709,10 +746,10 @@ class _StdinPayload:
 
 
 def _exec_child(argv: list[str], report_fd: int, out_w: int, err_w: int,
-                keep: int | None = None) -> None:
+                keep: tuple[int, ...] = ()) -> None:
     """In the forked child: the role's stdio, nothing else of the holder's (but ``keep``,
-    a warm start's go pipe), default signal handling, then exec (an error is reported on
-    ``report_fd``, close-on-exec)."""
+    a warm start's go and ready pipes), default signal handling, then exec (an error is
+    reported on ``report_fd``, close-on-exec)."""
     try:
         null = os.open("/dev/null", os.O_RDONLY)
         os.dup2(null, 0)
@@ -726,11 +763,11 @@ def _exec_child(argv: list[str], report_fd: int, out_w: int, err_w: int,
         except OSError:
             fds = list(range(3, max(os.sysconf("SC_OPEN_MAX"), 1024)))
         for fd in fds:
-            if fd > 2 and fd not in (report_fd, keep):
+            if fd > 2 and fd != report_fd and fd not in keep:
                 with _suppress(OSError):
                     os.close(fd)
-        if keep is not None:
-            os.set_inheritable(keep, True)
+        for fd in keep:
+            os.set_inheritable(fd, True)
         for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # ignored by Python: not by the role
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, ())
@@ -771,6 +808,14 @@ class _Case:
         self.warm_key: bytes | None = None
         self.go: int | None = None
         """A warm start's go pipe (written at the hand-over)."""
+        self.go_token = b""
+        self.ready: int | None = None
+        """A warm start's ready pipe (the interpreter's imports are done)."""
+        self.warm_at = 0.0
+        self.frozen = False
+        """Every role process stopped (``SIGSTOP``) until the hand-over."""
+        self.early = 0
+        """Bytes of the role's output read before the hand-over."""
         self.failed = b""
         """What the exec of the child reported (empty once it succeeded)."""
         self.argv0 = ""
@@ -808,6 +853,8 @@ class _Case:
                 self._read_stdin()
             elif fd in self.pipes:
                 self._pump(fd)
+            elif fd == self.ready:
+                self._freeze()  # the imports are done (or the interpreter is gone)
         return had and not self.pipes
 
     def _pump(self, fd: int) -> bool:
@@ -819,6 +866,11 @@ class _Case:
             data = b""
         if data:
             _send(self.pipes[fd], data)
+            if not self.handed:
+                self.early += len(data)
+                if self.early >= EARLY_BYTES:  # the rest waits in the pipe for the case
+                    for held in self.pipes:
+                        self._unwatch(held)
             return True
         self._unwatch(fd)
         del self.pipes[fd]
@@ -890,26 +942,61 @@ class _Case:
     def _warm(self, payload: bytes) -> None:
         """Start the command's interpreter now, importing the modules named, held at
         :data:`WARM_BOOT`'s wait until :meth:`_go` (the hand-over)."""
-        parts = [a.decode("utf-8", "surrogateescape")
-                 for a in payload[SEAL_KEY_BYTES:].split(b"\0")]
-        if len(payload) <= SEAL_KEY_BYTES or len(parts) < 3 or not parts[1] or not parts[2]:
-            self._refuse("bad warm frame: a key, the modules and an argv of at least two "
-                         "are needed")
+        head = 2 * SEAL_KEY_BYTES
+        parts = [a.decode("utf-8", "surrogateescape") for a in payload[head:].split(b"\0")]
+        if len(payload) <= head or len(parts) < 3 or not parts[1] or not parts[2]:
+            self._refuse("bad warm frame: a key, a go token, the modules and an argv of at "
+                         "least two are needed")
             return
-        self.warm_key = payload[:SEAL_KEY_BYTES]
+        self.warm_key, self.go_token = payload[:SEAL_KEY_BYTES], payload[SEAL_KEY_BYTES:head]
         _SEAL.append(Seal(self.warm_key))  # before the fork, as for the case
         mods, argv = parts[0], parts[1:]
         go_r, self.go = os.pipe()
+        ready_r, ready_w = os.pipe()
+        self.warm_at = time.monotonic()
         try:
-            self._fork([argv[0], "-c", WARM_BOOT, str(go_r), mods, *argv[1:]], keep=go_r)
+            self._fork([argv[0], "-c", WARM_BOOT, str(go_r), str(ready_w), mods, *argv[1:]],
+                       keep=(go_r, ready_w))
         finally:
             os.close(go_r)
+            os.close(ready_w)
+        os.set_blocking(ready_r, False)
+        self.ready = ready_r
+        self._watch(ready_r)
+
+    def tick(self) -> None:
+        """A warm start's imports get :data:`WARM_LIMIT_S`, then every role process is
+        stopped until the hand-over."""
+        if (self.warm_key is not None and not self.handed and not self.frozen
+                and time.monotonic() - self.warm_at > WARM_LIMIT_S):
+            self._freeze()
+
+    def _freeze(self) -> None:
+        """Stop every process but this one (the role's, before its case) until :meth:`_go`."""
+        if self.ready is not None:
+            self._unwatch(self.ready)
+            os.close(self.ready)
+            self.ready = None
+        if not self.handed and not self.frozen and os.getpid() == 1:
+            self.frozen = True  # kill(-1) spares PID 1 (this holder) in its namespace only
+            with _suppress(OSError):
+                os.kill(-1, signal.SIGSTOP)
 
     def _go(self, payload: bytes) -> None:
-        """The hand-over of a warm start: the same key alone, then the go byte."""
-        if payload != self.warm_key:
-            self._refuse("bad case frame: a warm start's hand-over is its key alone")
+        """The hand-over of a warm start: its go token alone, then the go byte."""
+        if not _same(payload, self.go_token):
+            self._refuse("bad case frame: a warm start's hand-over is its go token alone")
             return
+        if self.ready is not None:
+            self._unwatch(self.ready)
+            os.close(self.ready)
+            self.ready = None
+        if self.frozen:
+            self.frozen = False
+            with _suppress(OSError):
+                os.kill(-1, signal.SIGCONT)
+        for fd in self.pipes:  # read again what was held back before the hand-over
+            self._watch(fd)
         if self.go is not None:
             with _suppress(OSError):  # the interpreter already ended: its status stands
                 _write_all(self.go, b"g")
@@ -919,7 +1006,7 @@ class _Case:
         if self.exited:
             self.ended = True
 
-    def _fork(self, argv: list[str], keep: int | None = None) -> None:
+    def _fork(self, argv: list[str], keep: tuple[int, ...] = ()) -> None:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         rep_r, rep_w = os.pipe()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from runner.errors import ConfigError
 from runner.gateway.budget import BudgetPolicy
@@ -52,13 +52,13 @@ class ProjectSpec(Frozen):
     entry must be ``[python, SCRIPT, ...]`` or ``[python, -m, MODULE, ...]``; model calls
     before the hand-over are refused. Absent: the entry starts when the case does."""
 
-    @model_validator(mode="after")
-    def _warm_fits(self) -> ProjectSpec:
-        why = warm_refusal(self.entry, self.warm)
+    @field_validator("warm")
+    @classmethod
+    def _warm_fits(cls, warm: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        why = warm_refusal(info.data.get("entry") or (), warm)
         if why is not None:
-            raise ValueError(f"warm: {why}; warm only an entry [python, SCRIPT, ...] or "
-                             "[python, -m, MODULE, ...], or remove project.warm")
-        return self
+            raise ValueError(f"{why}; or remove project.warm")
+        return warm
 
 
 class EditSpec(Frozen):

@@ -258,16 +258,26 @@ class BoundRun:
 
     def run(self, *, on_output: OutputCallback | None = None,
             cancel: threading.Event | None = None,
-            ended: Callable[[], None] | None = None) -> RunRecord:
+            ended: Callable[[], None] | None = None,
+            handing: Callable[[], None] | None = None) -> RunRecord:
+        def arm_then() -> None:
+            self._arm()
+            if handing is not None:
+                handing()
+
         try:
-            if self._gateway is not None:
-                self._gateway.armed = True  # the case is handed over next: calls may come
-            rec = self._prepared.run(on_output=on_output, cancel=cancel, ended=ended)
+            rec = self._prepared.run(on_output=on_output, cancel=cancel, ended=ended,
+                                     handing=arm_then)
         except BaseException as exc:
             self._release(exc)
             raise
         self._release()
         return rec
+
+    def _arm(self) -> None:
+        """Just before the hand-over (never without one): calls may come from now on."""
+        if self._gateway is not None:
+            self._gateway.armed = True
 
     def discard(self) -> None:
         try:

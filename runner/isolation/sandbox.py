@@ -43,9 +43,16 @@ def warm_refusal(command: Sequence[str], modules: Sequence[str]) -> str | None:
     if argv[1] == "-m":
         if len(argv) < 3 or not _MODULE.match(argv[2]):
             return "a warm start's [python, -m, MODULE, ...] needs a module name"
+        entry = argv[2]
     elif argv[1].startswith("-"):
         return (f"a warm start takes no interpreter option ({argv[1]!r}): "
                 "[python, SCRIPT, ...] or [python, -m, MODULE, ...]")
+    else:
+        entry = argv[1].rsplit("/", 1)[-1].removesuffix(".py")
+    own = [m for m in modules if m == entry or m.startswith(entry + ".")]
+    if own:
+        return (f"{own[0]!r} is the entry itself: warming it would run its top-level code "
+                "before the case and again as __main__; list the libraries it imports")
     return None
 
 
@@ -287,10 +294,12 @@ class PreparedRun(Protocol):
 
     def run(self, *, on_output: OutputCallback | None = None,
             cancel: threading.Event | None = None,
-            ended: Callable[[], None] | None = None) -> RunRecord:
+            ended: Callable[[], None] | None = None,
+            handing: Callable[[], None] | None = None) -> RunRecord:
         """Run the spec once; ``ended`` (if given) is called on this thread once the
         command ended and its output is copied out, possibly before the container's
-        removal is confirmed (never after ``run`` returns)."""
+        removal is confirmed (never after ``run`` returns); ``handing`` just before the
+        case is handed over (never when it is not: a stopping caller, a discard)."""
         ...
 
     def discard(self) -> None: ...
@@ -318,11 +327,14 @@ class DeferredRun:
 
     def run(self, *, on_output: OutputCallback | None = None,
             cancel: threading.Event | None = None,
-            ended: Callable[[], None] | None = None) -> RunRecord:
+            ended: Callable[[], None] | None = None,
+            handing: Callable[[], None] | None = None) -> RunRecord:
         if not self._claim():
             # Running twice (or after a discard) would reuse a container: refused loudly,
             # never a second record for the same spec.
             raise SandboxError(f"prepared {self._spec.role} run already used or discarded")
+        if handing is not None:
+            handing()
         rec = self._sandbox.run(self._spec, on_output=on_output, cancel=cancel)
         if ended is not None:  # the container is gone too: nothing overlaps here
             ended()

@@ -372,7 +372,7 @@ def test_the_next_case_starts_while_the_last_container_is_removed(
     orig = FakePrepared.run
 
     def run_(self: Any, *, on_output: Any = None, cancel: Any = None,
-             ended: Any = None) -> Any:
+             ended: Any = None, handing: Any = None) -> Any:
         def ended_then_removing() -> None:
             if ended is not None:
                 ended()
@@ -380,7 +380,8 @@ def test_the_next_case_starts_while_the_last_container_is_removed(
                 # this container is "still being removed": the next case must start now
                 overlapped.append(second.wait(10))
 
-        return orig(self, on_output=on_output, cancel=cancel, ended=ended_then_removing)
+        return orig(self, on_output=on_output, cancel=cancel, ended=ended_then_removing,
+                    handing=handing)
 
     monkeypatch.setattr(FakePrepared, "run", run_)
     outcome = run(plan, fake(script(analyst=behaviour)))

@@ -33,6 +33,7 @@ from runner.isolation.collect import loads_strict
 from runner.isolation.copyout import CopyLimits, CopyRefused, Extracted, extract
 from runner.isolation.sandbox import RunSpec
 from sandbox.holder import (
+    EARLY_BYTES,
     F_CASE,
     F_EXIT,
     F_SEED,
@@ -60,9 +61,6 @@ processes to die) before the controller kills the container."""
 STATUS_CAP = 64 * 1024
 SMALL_FRAME_CAP = 4096
 """The largest start/exit/seed reply the holder writes (JSON of a few fields)."""
-EARLY_BYTES = 256 * 1024
-"""What the role may write before the hand-over (a warm start's imports) that is kept
-for the run's tails; beyond it only counted."""
 MUX_HEADER = struct.Struct(">BxxxL")
 """The engine's attach multiplexing: stream (1 stdout, 2 stderr), payload size."""
 
@@ -122,13 +120,14 @@ class CaseChannel:
         self._seal: Seal | None = None
         """Set with the hand-over (or the warm start): every frame after it must carry
         its tag."""
-        self._warm_key: bytes | None = None
+        self._go_token: bytes | None = None
         self._sink_lock = threading.Lock()
-        self._early: list[tuple[str, bytes]] = []
+        self._early: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
         self._early_bytes = 0
-        self.early_dropped = 0
-        """Bytes the role wrote before the hand-over beyond :data:`EARLY_BYTES` (counted
-        into the run's output total, not kept)."""
+        self.early_dropped = {"stdout": 0, "stderr": 0}
+        """Bytes the role wrote before the hand-over beyond :data:`EARLY_BYTES`, per stream
+        (counted into the run's output totals, not kept; the holder itself reads no more
+        than that before the hand-over)."""
         self.refused = ""
         """Why the channel was refused (a frame the holder cannot have written)."""
 
@@ -144,8 +143,8 @@ class CaseChannel:
     def hand_over(self, argv: list[str]) -> None:
         """Send the case: the command and a fresh key for the frames about it; after
         :meth:`warm`, its key alone (the interpreter waiting there goes on)."""
-        if self._warm_key is not None:
-            self.send(F_CASE, self._warm_key)
+        if self._go_token is not None:
+            self.send(F_CASE, self._go_token)
             return
         import secrets
 
@@ -161,17 +160,19 @@ class CaseChannel:
         import secrets
 
         key = secrets.token_bytes(SEAL_KEY_BYTES)
+        token = secrets.token_bytes(SEAL_KEY_BYTES)
         self._seal = Seal(key)
-        self._warm_key = key
-        self.send(F_WARM, key + b"\0".join(
+        self._go_token = token  # the hand-over sends this, never the key again
+        self.send(F_WARM, key + token + b"\0".join(
             a.encode("utf-8", "surrogateescape") for a in [",".join(modules), *argv]))
 
     def attach(self, sink: Sink) -> None:
         """Give the run's sink what the role wrote before it (a warm start's imports,
         at most :data:`EARLY_BYTES` kept; the rest counted as dropped), then all after."""
         with self._sink_lock:
-            for kind, data in self._early:
-                sink(kind, data)
+            for kind, data in self._early.items():
+                if data:
+                    sink(kind, bytes(data))
             self._early.clear()
             self.sink = sink
 
@@ -246,10 +247,10 @@ class CaseChannel:
                 if self.sink is not None:
                     self.sink(name, payload)
                 elif self._early_bytes + len(payload) <= EARLY_BYTES:
-                    self._early.append((name, payload))
+                    self._early[name] += payload
                     self._early_bytes += len(payload)
                 else:
-                    self.early_dropped += len(payload)
+                    self.early_dropped[name] += len(payload)
             return
         if kind not in (F_STARTED, F_EXIT, F_SEEDED) or len(payload) > SMALL_FRAME_CAP:
             raise CopyRefused(f"case channel: unexpected frame {kind!a} of "

@@ -198,7 +198,8 @@ class DockerPreparedRun:
 
     def run(self, *, on_output: OutputCallback | None = None,
             cancel: threading.Event | None = None,
-            ended: Callable[[], None] | None = None) -> RunRecord:
+            ended: Callable[[], None] | None = None,
+            handing: Callable[[], None] | None = None) -> RunRecord:
         """Hand the case over and run it to the end (or a limit); always remove.
 
         ``cancel`` set before the hand-over: removed unrun and SandboxError raised (a
@@ -221,7 +222,7 @@ class DockerPreparedRun:
             if cancel is not None and cancel.is_set():
                 raise SandboxError(f"{self._spec.role} container not started: "
                                    "the run is stopping")
-            record = self._run(on_output, cancel)
+            record = self._run(on_output, cancel, handing)
             if ended is not None:
                 ended()
         finally:
@@ -248,8 +249,8 @@ class DockerPreparedRun:
         finally:
             self._staged.cleanup()
 
-    def _run(self, on_output: OutputCallback | None,
-             cancel: threading.Event | None) -> RunRecord:
+    def _run(self, on_output: OutputCallback | None, cancel: threading.Event | None,
+             handing: Callable[[], None] | None = None) -> RunRecord:
         spec = self._staged.spec
         api = self._backend.client.api
         started = time.monotonic()
@@ -298,11 +299,14 @@ class DockerPreparedRun:
                 stop_role(stream_exceeded)
 
         channel.attach(sink)
-        if channel.early_dropped:  # written before the hand-over, beyond what was kept
-            out.total += channel.early_dropped
+        if any(channel.early_dropped.values()):  # written before the hand-over, not kept
+            out.total += channel.early_dropped["stdout"]
+            err.total += channel.early_dropped["stderr"]
             if out.total + err.total > spec.stdout_cap_bytes:
                 stop_role(stream_exceeded)
         deadline = time.monotonic() + spec.timeout_s
+        if handing is not None:
+            handing()
         with contextlib.suppress(OSError):  # the attach is gone: the end below names it
             channel.hand_over(list(spec.command))
         stopping_run = False

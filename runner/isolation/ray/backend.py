@@ -766,7 +766,8 @@ class RayPreparedRun:
 
     def run(self, *, on_output: OutputCallback | None = None,
             cancel: threading.Event | None = None,
-            ended: Callable[[], None] | None = None) -> RunRecord:
+            ended: Callable[[], None] | None = None,
+            handing: Callable[[], None] | None = None) -> RunRecord:
         """Hand the case over and follow it to the end (or a limit); the node removes the
         container before it answers. ``cancel`` set before the hand-over: removed unrun
         and SandboxError raised."""
@@ -784,6 +785,8 @@ class RayPreparedRun:
                 raise SandboxError(f"{spec.role} container not started: the run is stopping")
             sandbox._head()
             started = time.monotonic()
+            if handing is not None:
+                handing()
             self._say(node_side.RUN)
             answer = sandbox._wait(self._ref, spec, self.node, cancel, started)
         except BaseException:
