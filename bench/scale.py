@@ -82,6 +82,8 @@ def main() -> None:
     ap.add_argument("--cases", default="100,400",
                     help="comma-separated case counts per side (rounded to 14 x trials)")
     ap.add_argument("--backends", default="local,ray")
+    ap.add_argument("--cold", action="store_true",
+                    help="the example without project.warm (as bench/cycle.py --cold)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     backends = a.backends.split(",")
@@ -106,6 +108,8 @@ def main() -> None:
             # the demo's budget (200 calls) is sized for 14 cases: scale it with them
             cyc = yaml.safe_load(cycle.read_text())
             cyc["budget"].update(max_calls=10 * DEMO_CASES * trials + 100, limit_usd=100.0)
+            if a.cold:
+                cyc["project"].pop("warm", None)
             cycle.write_text(yaml.safe_dump(cyc))
             row: dict[str, Any] = {"cases_per_side": DEMO_CASES * trials, "trials": trials}
             for b in backends:
@@ -118,6 +122,7 @@ def main() -> None:
         if cluster is not None:
             cluster.shutdown()
     report({"machine_cpus": os.cpu_count(), "concurrency": 2, "sizes": sizes,
+            "warm": not a.cold,
             "growth": growth(sizes, backends), "work": str(work)}, a.out)
 
 
