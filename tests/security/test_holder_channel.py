@@ -30,7 +30,7 @@ from runner.errors import SandboxError
 from runner.isolation.docker.images import resolve_image
 from runner.isolation.policy import RolePolicies
 from runner.isolation.roles import role_spec
-from runner.isolation.sandbox import LABEL_PREFIX, RunSpec, StopReason
+from runner.isolation.sandbox import LABEL_PREFIX, RunRecord, RunSpec, StopReason
 from sandbox.holder import F_EXIT, F_STARTED, F_TAR, READY, frame
 from tests.conftest import RunFn
 
@@ -62,6 +62,18 @@ sys.exit(3)
 """
 
 
+def injection_refused(rec: RunRecord, runtime: str | None) -> None:
+    """What a role that wrote into ``/proc/1/fd/1`` (``INJECTOR``) must come to: under
+    runc it could not open it; under gVisor it could, and the frames' tags refused it."""
+    assert rec.stop_reason is not StopReason.OK and rec.exit_code != 0, rec
+    if "holder fd: " in rec.stdout_tail:
+        assert runtime is None, "gVisor refused /proc/1/fd/1: drop the runsc case's note"
+        assert rec.exit_code == 3 and rec.detail == "exit code 3"
+    else:
+        assert runtime == "runsc", "/proc/1/fd/1 of a non-dumpable PID 1 was opened"
+        assert "failed authentication" in rec.detail, rec.detail
+
+
 @pytest.mark.parametrize("runtime", [None, "runsc"])
 def test_a_role_cannot_forge_its_exit_status(run_role: RunFn, runtime: str | None) -> None:
     rec = run_role(["python", "-c", FORGER], runtime=runtime)
@@ -82,13 +94,7 @@ def test_bytes_written_into_the_holders_stdout_are_refused(run_role: RunFn,
     a same-uid process open it anyway: there the frames' tags (keyed per case, the key
     out of the role's reach) refuse what the role wrote, and the run fails closed."""
     rec = run_role(["python", "-c", INJECTOR], runtime=runtime)
-    assert rec.stop_reason is not StopReason.OK and rec.exit_code != 0, rec
-    if "holder fd: " in rec.stdout_tail:
-        assert runtime is None, "gVisor refused /proc/1/fd/1: drop the runsc case's note"
-        assert rec.exit_code == 3 and rec.detail == "exit code 3"
-    else:
-        assert runtime == "runsc", "/proc/1/fd/1 of a non-dumpable PID 1 was opened"
-        assert "failed authentication" in rec.detail, rec.detail
+    injection_refused(rec, runtime)
     out = rec.__dict__["output_dir"]
     assert out is not None and list(Path(out).iterdir()) == []
 
@@ -380,13 +386,7 @@ def test_a_warm_import_cannot_write_frames_into_the_holders_stdout(
                 runtime=runtime)
     time.sleep(1.0)  # the import ran meanwhile
     rec = run.run()
-    assert rec.stop_reason is not StopReason.OK and rec.exit_code != 0, rec
-    if "holder fd: " in rec.stdout_tail:
-        assert runtime is None, "gVisor refused /proc/1/fd/1: drop the runsc case's note"
-        assert rec.exit_code == 3 and rec.detail == "exit code 3"
-    else:
-        assert runtime == "runsc", "/proc/1/fd/1 of a non-dumpable PID 1 was opened"
-        assert "failed authentication" in rec.detail, rec.detail
+    injection_refused(rec, runtime)
 
 
 def test_a_warm_import_that_fails_fails_the_case_after_the_hand_over(
