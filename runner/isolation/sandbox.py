@@ -15,7 +15,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from runner.errors import SandboxError
 
@@ -166,14 +166,8 @@ class RunSpec(Frozen):
     warm: tuple[str, ...] = ()
     """A warm start (prepared runs only): modules the command's interpreter imports while
     the container waits for its case; ``command`` must then be ``python SCRIPT ...`` or
-    ``python -m MODULE ...`` (:func:`warm_refusal`)."""
-
-    @model_validator(mode="after")
-    def _warm_fits(self) -> RunSpec:
-        why = warm_refusal(self.command, self.warm) if self.warm else None
-        if why is not None:
-            raise ValueError(why)
-        return self
+    ``python -m MODULE ...`` (:func:`warm_refusal`, checked where it is set: the cycle
+    file and :func:`runner.isolation.launcher.prepare`)."""
 
     @property
     def uid(self) -> int:
