@@ -501,6 +501,7 @@ def test_node_lost_mid_cycle_is_named_never_lost_and_gc_cleans(cluster: RayClust
     # nothing lost: every baseline case has its record; the lost ones are infra_invalid,
     # named, never a pass
     cases = len(json.loads((EXAMPLE / "manifest.json").read_text())["scenarios"])
+    assert (run / "stages/baseline/records.jsonl").is_file(), receipt["verdict"]
     records = [json.loads(x) for x in
                (run / "stages/baseline/records.jsonl").read_text().splitlines()]
     assert len(records) == cases

@@ -420,7 +420,9 @@ class RaySandbox:
     # -- running -----------------------------------------------------------------
     def _mailbox(self) -> Any:
         """The head's mailbox actor (:class:`node_side.Mailbox`), started on first use on
-        the head's own node; its calls queue while it starts."""
+        the head's own node and only there (a soft affinity let Ray place it on a worker
+        node whenever the head's raylet was slow to start a worker: losing that node then
+        failed every prepared run on the others); its calls queue while it starts."""
         with self._lock:
             if self._mail is None:
                 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -428,7 +430,7 @@ class RaySandbox:
                 here = str(self._ray.get_runtime_context().get_node_id())
                 self._mail = self._ray.remote(node_side.Mailbox).options(
                     num_cpus=0, max_restarts=0, max_concurrency=MAILBOX_CONCURRENCY,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
                 ).remote()
             return self._mail
 
