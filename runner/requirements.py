@@ -62,10 +62,19 @@ def pip_reason(stderr: str, limit: int) -> str:
         line = raw.strip()
         if line.startswith("To fix this you could try"):
             break
-        if line and not line.startswith(("CYCLEBOX-REFUSED ", "[notice]",
-                                         "ERROR: ResolutionImpossible: for help")):
+        if line and not line.startswith(_PROGRESS) and not line.startswith(
+                ("CYCLEBOX-REFUSED ", "[notice]", "ERROR: ResolutionImpossible: for help")):
             lines.append(line)
-    return one_line(" / ".join(lines) or "(pip printed no reason)", limit)
+    # pip's reason starts at its first ERROR line: what came before is progress, and a
+    # bounded reason must not spend its characters on it
+    first = next((i for i, ln in enumerate(lines) if ln.startswith("ERROR")), 0)
+    return one_line(" / ".join(lines[first:]) or "(pip printed no reason)", limit)
+
+
+_PROGRESS = ("Processing ", "Requirement already satisfied", "Collecting ", "Downloading ",
+             "Using cached ", "Installing collected packages", "Removing intermediate container",
+             "---> ", "Saved ", "File was already downloaded", "Obtaining ")
+"""pip's (and the engine's) progress lines: never the reason."""
 
 
 def unpinned(requirements: str) -> list[str]:

@@ -78,3 +78,22 @@ def test_pip_reason_has_no_escape_codes() -> None:
     assert got == "ERROR: Cannot install a==1 and b==2 / link", got
     assert "\x1b" not in pip_reason("\x1b[2J\x1bc bare \x1b" * 3, 500)
     assert len(pip_reason("ERROR: x" * 10_000, 300)) <= 303
+
+
+def test_pip_reason_starts_at_the_error_not_at_the_progress_before_it() -> None:
+    """CI, 2026-12-04: the derived image's build tail was 24 ``Processing`` lines and then
+    pip's conflict; the 1500-character reason showed only the progress."""
+    from runner.requirements import pip_reason
+
+    tail = "\n".join([f"Processing /build/wheels/pkg{i}-1.0-py3-none-any.whl" for i in range(40)]
+                     + ["Requirement already satisfied: h11==0.16.0 in /opt/venv (0.16.0)",
+                        "\x1b[91mERROR: Cannot install httpcore2==2.16.2 because these package "
+                        "versions have conflicting dependencies.\x1b[0m", "",
+                        "The conflict is caused by:",
+                        "    The user requested httpcore2==2.16.2",
+                        "    The user requested (constraint) httpcore2==2.17.0", "",
+                        "To fix this you could try to:", "1. loosen the range"])
+    got = pip_reason(tail, 300)
+    assert got.startswith("ERROR: Cannot install httpcore2==2.16.2"), got
+    assert "(constraint) httpcore2==2.17.0" in got, got
+    assert "Processing" not in got and "already satisfied" not in got

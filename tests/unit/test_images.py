@@ -281,3 +281,36 @@ def test_a_missing_requirements_file_is_named(tree: tuple[Path, Path]) -> None:
     (images / "apply" / "requirements.txt").unlink()
     with pytest.raises(ConfigError, match=r"roles\.apply\.requirements.*does not exist"):
         img.input_hash("apply", "b", "w", images=images, sandbox=sandbox)
+
+
+def test_a_wheel_not_pinned_to_its_version_is_named() -> None:
+    """CI, 2026-12-04: the role images pinned only their top packages; httpcore2 2.17.0
+    came out, the analyst image changed under every agent's pinned requirements."""
+    from runner.isolation.docker.images import unpinned_wheels
+
+    req = ("# c\ntorch==2.13.0\nFoo_Bar[x] == 1.0 ; python_version >= '3'\nexact===2\n"
+           "loose>=1\n")
+    wheels = ["torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl", "foo.bar-1.0-py3-none-any.whl",
+              "exact-2-py3-none-any.whl", "loose-1.5-py3-none-any.whl",
+              "new_dep-0.1-py3-none-any.whl", "torch-2.13.1-cp311-cp311-linux_x86_64.whl"]
+    assert unpinned_wheels(req, wheels) == ["loose==1.5", "new-dep==0.1", "torch==2.13.1"]
+    assert unpinned_wheels(req, wheels[:3]) == []
+
+
+def test_a_role_image_is_not_built_from_an_unpinned_wheel(tmp_path, monkeypatch) -> None:
+    from runner.errors import ConfigError
+    from runner.isolation.docker import images
+
+    wdir = tmp_path / "wheels"
+    wdir.mkdir()
+    for name in ("openai-3.57.0-py3-none-any.whl", "httpcore2-2.17.0-py3-none-any.whl"):
+        (wdir / name).write_bytes(b"")
+    monkeypatch.setattr(images, "download_wheels", lambda *a, **k: wdir)
+    req = tmp_path / "requirements.txt"
+    req.write_text("openai==3.57.0\n")
+    monkeypatch.setattr(images, "requirements_file", lambda role, inputs: req)
+    with pytest.raises(ConfigError) as err:
+        images.ensure_wheels("worker", print, inputs=object())
+    assert err.value.field == "httpcore2" and "add httpcore2==2.17.0" in str(err.value)
+    req.write_text("openai==3.57.0\nhttpcore2==2.17.0\n")
+    assert images.ensure_wheels("worker", print, inputs=object()) == wdir

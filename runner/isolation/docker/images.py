@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -223,10 +224,51 @@ def ensure_wheels(role: str, log: Log, inputs: ImageInputs | None = None) -> Pat
     """Download the role's wheels once per requirements content; return the directory."""
     req = requirements_file(role, inputs or load_inputs())
     try:
-        return download_wheels(req, wheel_dir(role), log, what=f"the {role} image")
+        wdir = download_wheels(req, wheel_dir(role), log, what=f"the {role} image")
     except BaseException:  # a partial wheel set (full disk, signal): downloaded again next time
         shutil.rmtree(wheel_dir(role), ignore_errors=True)
         raise
+    loose = unpinned_wheels(req.read_text(), [w.name for w in wdir.glob("*.whl")])
+    if loose:
+        raise ConfigError(
+            f"{len(loose)} wheel(s) the index gave are not pinned to their version here: "
+            f"{', '.join(loose[:8])}{' ...' if len(loose) > 8 else ''}; a new release on "
+            "the index would change this image (and the analyst's constraints every "
+            "agent's requirements are resolved against)", path=show(str(req)),
+            field=loose[0].split("==")[0],
+            fix=f"pin every package the image installs: add {' '.join(loose[:8])} "
+                "(or the versions you want) to the file")
+    return wdir
+
+
+_NAME = re.compile(r"[-_.]+")
+_PIN = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*===?\s*([^\s;#,*]+)\s*(?:[;#].*)?$")
+
+
+def _canonical(name: str) -> str:
+    return _NAME.sub("-", name).lower()
+
+
+def unpinned_wheels(requirements: str, wheels: list[str]) -> list[str]:
+    """``name==version`` for each wheel file name whose distribution is not pinned to
+    exactly its version in ``requirements`` (a local label such as ``+cpu`` matches a pin
+    without one, as PEP 440's ``==`` does), sorted."""
+    pins: dict[str, str] = {}
+    for line in requirements.splitlines():
+        m = _PIN.match(line)
+        if m:
+            pins[_canonical(m.group(1))] = m.group(2)
+    loose = set()
+    for filename in wheels:
+        parts = filename[:-len(".whl")].split("-") if filename.endswith(".whl") else []
+        if len(parts) < 5:
+            loose.add(filename)  # not a wheel name: nothing pins it
+            continue
+        name, version = _canonical(parts[0]), parts[1]
+        pin = pins.get(name)
+        if pin is None or (version != pin and version.split("+")[0] != pin):
+            loose.add(f"{name}=={version}")
+    return sorted(loose)
 
 
 WHEEL_SUMS = ".sha256"
