@@ -242,7 +242,8 @@ def ensure_wheels(role: str, log: Log, inputs: ImageInputs | None = None) -> Pat
 
 
 _NAME = re.compile(r"[-_.]+")
-_PIN = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*===?\s*([^\s;#,*]+)\s*(?:[;#].*)?$")
+_PIN = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?"
+                  r"\s*===?\s*([^\s;#,*]+)\s*(?:[;#].*)?$")
 
 
 def _canonical(name: str) -> str:
