@@ -7,15 +7,17 @@ VENV := .venv
 BIN := $(VENV)/bin
 CYCLEBOX := $(BIN)/cyclebox
 STAMP := $(VENV)/.installed
+PIP_VERSION := 26.3
+# Every env installs with -c constraints/<env>.txt: all it installs, pinned (make lock).
 export BASE_IMAGE
 
 help: ## List the targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  \033[36m%-14s\033[0m %s\n",$$1,$$2}' $(MAKEFILE_LIST)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints/host.txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q pip==$(PIP_VERSION)
+	$(BIN)/pip install -q -c constraints/host.txt -e '.[dev]'
 	@touch $@
 
 setup: $(STAMP) ## Create .venv with cyclebox and dev tools; install debootstrap when root
@@ -64,11 +66,11 @@ check: setup ## Lint (ruff), type-check (mypy strict), import contracts (import-
 VERL_VENV := build/verl-venv
 VERL_STAMP := $(VERL_VENV)/.installed
 
-$(VERL_STAMP): tests/verl-env.txt
+$(VERL_STAMP): tests/verl-env.txt constraints/verl.txt
 	rm -rf $(VERL_VENV)
 	$(PY) -m venv $(VERL_VENV)
-	$(VERL_VENV)/bin/pip install -q --upgrade pip
-	$(VERL_VENV)/bin/pip install -q -r tests/verl-env.txt
+	$(VERL_VENV)/bin/pip install -q pip==$(PIP_VERSION)
+	$(VERL_VENV)/bin/pip install -q -c constraints/verl.txt -r tests/verl-env.txt
 	$(VERL_VENV)/bin/pip install -q --no-deps verl==0.9.1
 	$(VERL_VENV)/bin/python -c "from verl.utils.dataset.rl_dataset import RLHFDataset; \
 	  from verl.utils.dataset.multiturn_sft_dataset import MultiTurnSFTDataset; import peft"
@@ -77,21 +79,21 @@ $(VERL_STAMP): tests/verl-env.txt
 MOCK_VENV := build/mock-venv
 MOCK_STAMP := $(MOCK_VENV)/.installed
 
-$(MOCK_STAMP):
+$(MOCK_STAMP): constraints/mock.txt
 	rm -rf $(MOCK_VENV)
 	$(PY) -m venv $(MOCK_VENV)
-	$(MOCK_VENV)/bin/pip install -q --upgrade pip
-	$(MOCK_VENV)/bin/pip install -q --only-binary=:all: mock-ai-api==0.1.1
+	$(MOCK_VENV)/bin/pip install -q pip==$(PIP_VERSION)
+	$(MOCK_VENV)/bin/pip install -q -c constraints/mock.txt --only-binary=:all: mock-ai-api==0.1.1
 	@touch $@
 
 ATTEST_VENV := build/attest-venv
 ATTEST_STAMP := $(ATTEST_VENV)/.installed
 
-$(ATTEST_STAMP): tests/attest-env.txt
+$(ATTEST_STAMP): tests/attest-env.txt constraints/attest.txt
 	rm -rf $(ATTEST_VENV)
 	$(PY) -m venv $(ATTEST_VENV)
-	$(ATTEST_VENV)/bin/pip install -q --upgrade pip
-	$(ATTEST_VENV)/bin/pip install -q --only-binary=:all: -r tests/attest-env.txt
+	$(ATTEST_VENV)/bin/pip install -q pip==$(PIP_VERSION)
+	$(ATTEST_VENV)/bin/pip install -q -c constraints/attest.txt --only-binary=:all: -r tests/attest-env.txt
 	$(ATTEST_VENV)/bin/python -c "from securesystemslib.dsse import Envelope; \
 	  from securesystemslib.signer import SSlibKey; \
 	  from in_toto_attestation.v1.statement import Statement; import jsonschema"
@@ -168,6 +170,9 @@ bench-scale: setup docker images ## Demo grown to ~100 and ~400 cases/side, loca
 	@mkdir -p build/bench
 	$(BIN)/python -m bench.scale --cases 100,400 --out build/bench/scale.json
 
+lock: ## Refresh constraints/*.txt (every env's pins) from fresh unconstrained venvs; then run make test
+	$(PY) constraints/refresh.py $(PIP_VERSION) host verl mock attest
+
 gc: setup ## Remove cyclebox containers whose controller is gone
 	$(CYCLEBOX) gc
 
@@ -175,4 +180,4 @@ clean: ## Remove orphaned cyclebox containers and build/ (images are kept)
 	-@[ -x $(CYCLEBOX) ] && $(CYCLEBOX) gc || true
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache
 
-.PHONY: help setup docker chromium gvisor images check test faults unit verl-env demo demo-negative receipt matrix mock-env dream smoke bench bench-scale gc clean
+.PHONY: help setup docker chromium gvisor images check test faults unit verl-env lock demo demo-negative receipt matrix mock-env dream smoke bench bench-scale gc clean
