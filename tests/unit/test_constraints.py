@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
+import sysconfig
 from importlib import metadata
 
 import pytest
@@ -60,7 +61,10 @@ def test_every_distribution_of_this_venv_is_pinned_at_its_version() -> None:
     """Fails when a dependency is added (pyproject) or moved without `make lock`."""
     locked = pins("host")
     loose = []
-    for dist in metadata.distributions():
+    # the venv's own site-packages only: ``import ray`` puts the copies it vendors
+    # (ray/thirdparty_files: psutil, colorama) on sys.path, pinned by ray's own version
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    for dist in metadata.distributions(path=site):
         name = canonical(dist.metadata["Name"])
         if name in NOT_PINNED:
             continue
