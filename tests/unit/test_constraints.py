@@ -71,4 +71,5 @@ def test_every_distribution_of_this_venv_is_pinned_at_its_version() -> None:
         if locked.get(name) != dist.version:
             loose.append(f"{name}=={dist.version} (constraints/host.txt: "
                          f"{locked.get(name, 'absent')})")
-    assert not loose, f"run make lock, then make test: {sorted(loose)}"
+    assert not loose, ("a new or moved dependency: run make lock, then make test; a venv "
+                       f"older than the lock: rm -rf .venv && make setup. {sorted(loose)}")
