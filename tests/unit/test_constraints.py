@@ -10,6 +10,7 @@ from importlib import metadata
 
 import pytest
 
+from runner.isolation.docker.images import pypi_name as canonical
 from runner.paths import PROJECT_ROOT
 
 CONSTRAINTS = PROJECT_ROOT / "constraints"
@@ -17,10 +18,6 @@ ENVS = ("host", "verl", "mock", "attest")
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][^\s;#+]*)$")
 NOT_PINNED = {"pip", "setuptools", "wheel", "cyclebox"}
 """The venv's own tools (pip is pinned in the Makefile) and the project itself (editable)."""
-
-
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def pins(env: str) -> dict[str, str]:
@@ -46,6 +43,22 @@ def test_the_makefile_installs_every_env_with_its_constraints(env: str) -> None:
     make = (PROJECT_ROOT / "Makefile").read_text()
     assert f"-c constraints/{env}.txt" in make
     assert "--upgrade pip" not in make  # pip itself pinned: its resolver and output vary
+
+
+def test_make_lock_installs_each_env_as_its_make_target_does() -> None:
+    """constraints/refresh.py repeats each env's install lines (without -c): they agree."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("refresh", CONSTRAINTS / "refresh.py")
+    assert spec is not None and spec.loader is not None
+    refresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(refresh)
+    make = (PROJECT_ROOT / "Makefile").read_text()
+    assert set(refresh.INSTALLS) == set(ENVS)
+    for env, (_, installs) in refresh.INSTALLS.items():
+        for args in installs:
+            line = " ".join(a if a != ".[dev]" else "'.[dev]'" for a in args)
+            assert line in make, f"{env}: {line!r} is not how the Makefile installs it"
 
 
 def test_verl_env_pins_agree_with_its_constraints() -> None:

@@ -241,13 +241,13 @@ def ensure_wheels(role: str, log: Log, inputs: ImageInputs | None = None) -> Pat
     return wdir
 
 
-_NAME = re.compile(r"[-_.]+")
 _PIN = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?"
                   r"\s*===?\s*([^\s;#,*]+)\s*(?:[;#].*)?$")
 
 
-def _canonical(name: str) -> str:
-    return _NAME.sub("-", name).lower()
+def pypi_name(name: str) -> str:
+    """PEP 503's normalised project name (the form a pypi package URL takes)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def unpinned_wheels(requirements: str, wheels: list[str]) -> list[str]:
@@ -258,14 +258,14 @@ def unpinned_wheels(requirements: str, wheels: list[str]) -> list[str]:
     for line in requirements.splitlines():
         m = _PIN.match(line)
         if m:
-            pins[_canonical(m.group(1))] = m.group(2)
+            pins[pypi_name(m.group(1))] = m.group(2)
     loose = set()
     for filename in wheels:
         parts = filename[:-len(".whl")].split("-") if filename.endswith(".whl") else []
         if len(parts) < 5:
             loose.add(filename)  # not a wheel name: nothing pins it
             continue
-        name, version = _canonical(parts[0]), parts[1]
+        name, version = pypi_name(parts[0]), parts[1]
         pin = pins.get(name)
         if pin is None or (version != pin and version.split("+")[0] != pin):
             loose.add(f"{name}=={version}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from runner.isolation.docker.images import (
     Log,
     download_wheels,
     link_or_copy,
+    pypi_name,
     wheel_set_digest,
 )
 from runner.paths import state_dir
@@ -49,11 +49,6 @@ class Stage:
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def pypi_name(name: str) -> str:
-    """PEP 503's normalised project name (the form a pypi package URL takes)."""
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def wheel_file(filename: str, sha256: str) -> ResolvedFile:
