@@ -14,6 +14,11 @@ per call, which the load of other processes does not distort.
 unix socket to TCP hop on uvloop, nothing parsed, checked or recorded), c1 p50 interleaved
 with direct: what the hop alone costs, so the gateway's ratio over it is its own work.
 
+``sdk_client``: the same c1 comparison with the client an agent runs instead of
+httpx2: the ``openai`` SDK's synchronous client (``chat.completions.create``, retries off),
+to 127.0.0.1 directly and to the gateway socket. A figure beside the target, not the
+target: the SDK's own per-call work is in both paths, so its ratio is the one an agent sees.
+
 ``--in-container``: also the in-container path (issue 20): an unmodified SDK
 (``openai.OpenAI()``, no arguments) inside a real hardened analyst container, through the
 loopback endpoint 127.0.0.1:40080 its holder relays to the gateway socket, beside the
@@ -219,6 +224,37 @@ print(json.dumps({k: {"p50_ms": round(1000 * statistics.median(v), 3),
 """
 
 
+def sdk_client(info: dict[str, str], port: int, n: int) -> dict[str, object]:
+    """c1 p50 of ``openai.OpenAI`` direct vs through the gateway socket, rounds
+    interleaved (see the module docstring)."""
+    import openai
+
+    sock = str(Path(info["dir"]) / "gateway.sock")
+    sides = {"direct": openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-bench",
+                                     max_retries=0),
+             "gateway": openai.OpenAI(base_url="http://gw/v1", api_key=info["token"],
+                                      max_retries=0, http_client=httpx2.Client(
+                                          transport=httpx2.HTTPTransport(uds=sock)))}
+    msgs = [{"role": "user", "content": "ping"}]
+    lat: dict[str, list[float]] = {name: [] for name in sides}
+    for c in sides.values():  # warm-up, outside the figures
+        for _ in range(50):
+            c.chat.completions.create(model="bench", messages=msgs)  # type: ignore[arg-type]
+    for _ in range(4):
+        for name, c in sides.items():
+            for _ in range(n // 4):
+                t = time.perf_counter()
+                c.chat.completions.create(model="bench", messages=msgs)  # type: ignore[arg-type]
+                lat[name].append(time.perf_counter() - t)
+    for c in sides.values():
+        c.close()
+    p50 = {k: round(1000 * statistics.median(v), 3) for k, v in lat.items()}
+    return {"client": f"openai {openai.__version__} (sync)", "direct_p50_ms": p50["direct"],
+            "gateway_p50_ms": p50["gateway"],
+            "added_p50_ms": round(p50["gateway"] - p50["direct"], 3),
+            "c1_p50_gateway_over_direct": round(p50["gateway"] / p50["direct"], 3)}
+
+
 def relay_available() -> str | None:
     """None when the holder relays 127.0.0.1:40080 to the gateway socket, else why not."""
     holder = Path(__file__).resolve().parents[1] / "sandbox" / "holder.py"
@@ -236,6 +272,7 @@ def in_container(n: int) -> dict[str, object]:
     import tempfile
 
     from bench.loopback import unthrottled_upstreams
+    from runner.errors import PrerequisiteError
     from runner.gateway.server import Gateway
     from runner.isolation.docker.images import resolve_image
     from runner.isolation.launcher import launch
@@ -244,11 +281,15 @@ def in_container(n: int) -> dict[str, object]:
     from runner.isolation.sandbox import StopReason
     from runner.paths import default_policies
 
+    try:
+        image = resolve_image("analyst")
+    except PrerequisiteError as exc:  # the other figures stand without this one
+        return {"status": "not_run", "reason": str(exc)}
     policies = load_policies(default_policies())
     with tempfile.TemporaryDirectory(prefix="cbx-bench-ic-") as tmp, \
             Gateway(Path(tmp), "bench", unthrottled_upstreams(), {"analyst": "target"}) as gw:
         rec = launch(get_sandbox("docker"), policies.roles["analyst"], role="analyst",
-                     run_id="bench", image=resolve_image("analyst"),
+                     run_id="bench", image=image,
                      command=["python", "-c", IN_CONTAINER % n], gateway=gw, stage="bench",
                      case="in-container", trial=0)
     if rec.stop_reason is not StopReason.OK:
@@ -289,6 +330,7 @@ def main() -> None:
         piped = asyncio.run(floor(port, a.requests)) if a.floor else None
         calls = sum(1 for line in (Path(info["run_dir"]) / "gateway" / "calls.jsonl").open()
                     if '"stage":"bench"' in line)
+        sdk = sdk_client(info, port, a.requests)
     finally:
         if gateway is not None and gateway.stdin is not None:
             gateway.stdin.close()
@@ -319,6 +361,7 @@ def main() -> None:
                 "its next request, a large one before its reply; fsync when the "
                 "socket closes: runner/gateway/calllog.py)",
     }
+    summary["sdk_client"] = sdk
     if piped is not None:
         piped["c1_p50_gateway_over_pipe"] = round(
             c1["gateway"]["p50_ms"] / piped["pipe_p50_ms"], 3)  # type: ignore[index]
