@@ -175,7 +175,7 @@ def test_the_derived_image_is_the_hardened_analyst_plus_the_package(tmp_path: Pa
     facts = json.loads(rec.stdout_tail)
     assert facts["intcomma"] == "1,234,567"
     # the analyst's own pins are untouched (images/analyst/requirements.txt)
-    assert facts["openai"] == "3.57.0"
+    assert facts["openai"] == "3.63.0"
     assert facts["interfaces"] == ["lo"] and facts["uid"] != 0
 
 
