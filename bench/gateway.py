@@ -328,8 +328,6 @@ def main() -> None:
         result = asyncio.run(measure(info, port, a.requests))
         flooded = asyncio.run(victim(info, 200))
         piped = asyncio.run(floor(port, a.requests)) if a.floor else None
-        calls = sum(1 for line in (Path(info["run_dir"]) / "gateway" / "calls.jsonl").open()
-                    if '"stage":"bench"' in line)
         sdk = sdk_client(info, port, a.requests)
     finally:
         if gateway is not None and gateway.stdin is not None:
@@ -337,6 +335,9 @@ def main() -> None:
             gateway.wait(timeout=30)
         upstream.terminate()
         upstream.wait(timeout=10)
+    # counted once the gateway exited: what it made durable, the SDK client's calls included
+    calls = sum(1 for line in (Path(info["run_dir"]) / "gateway" / "calls.jsonl").open()
+                if '"stage":"bench"' in line)
     c1, c8 = result["concurrency_1"], result["concurrency_8"]
     p50_ratio = round(c1["gateway"]["p50_ms"] / c1["direct"]["p50_ms"], 3)  # type: ignore[index]
     rps_ratio = round(c8["gateway"]["requests_per_s"]  # type: ignore[index]
