@@ -229,12 +229,11 @@ def sdk_client(info: dict[str, str], port: int, n: int) -> dict[str, object]:
     interleaved (see the module docstring)."""
     import openai
 
-    sock = str(Path(info["dir"]) / "gateway.sock")
+    from sandbox.gateway_client import client
+
     sides = {"direct": openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-bench",
                                      max_retries=0),
-             "gateway": openai.OpenAI(base_url="http://gw/v1", api_key=info["token"],
-                                      max_retries=0, http_client=httpx2.Client(
-                                          transport=httpx2.HTTPTransport(uds=sock)))}
+             "gateway": client(gateway_dir=Path(info["dir"]))}
     msgs = [{"role": "user", "content": "ping"}]
     lat: dict[str, list[float]] = {name: [] for name in sides}
     for c in sides.values():  # warm-up, outside the figures
