@@ -50,7 +50,7 @@ from typing import Any
 import git
 from git.objects.fun import tree_entries_from_data
 
-from runner import fswalk, untar
+from runner import fswalk, interrupts, untar
 from runner.errors import ConfigError, EnvironmentFailure, IntegrityError
 from runner.failures import environment_reason, one_line
 
@@ -240,6 +240,16 @@ def _open_reader(repo: Path) -> tuple[tuple[str, int, int], _Repo]:
     if found is not None:
         _readers.move_to_end(key)
         return key, found
+    # Opening is a few local file reads, held whole: GitPython's objects are not safe
+    # against a KeyboardInterrupt halfway through their __init__ (a GitConfigParser cut
+    # there fails again in its __del__, a traceback on the operator's terminal). A
+    # first signal that came meanwhile unwinds right after.
+    with interrupts.deferred():
+        return _open_new_reader(repo, key)
+
+
+def _open_new_reader(repo: Path, key: tuple[str, int, int]
+                     ) -> tuple[tuple[str, int, int], _Repo]:
     try:
         r = _Repo(key[0], search_parent_directories=True)
     except (git.exc.InvalidGitRepositoryError, git.exc.NoSuchPathError, OSError,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import signal
@@ -9,6 +10,8 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -195,3 +198,41 @@ def test_result_returns_a_done_future_and_check_is_quiet_without_a_signal(
     done.set_result(7)
     assert interrupts.result(done) == 7
     interrupts.check()
+
+
+def test_a_first_signal_while_git_opens_a_reader_unwinds_after_it_without_a_traceback(
+        installed: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal landing inside GitPython's GitConfigParser.__init__ (the controller's
+    apply stage, reading the base tree) left a half-built parser whose ``__del__``
+    printed an AttributeError traceback on the operator's terminal. Opening a reader is
+    held whole; the signal unwinds right after it."""
+    import git
+
+    from runner import gitops
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "a.txt").write_text("a\n")
+    gitops.init_fixed(repo, "base")
+    gitops.close_readers()
+    unraisable: list[BaseException | None] = []
+    monkeypatch.setattr(interrupts, "_previous_unraisable",
+                        lambda args: unraisable.append(args.exc_value))
+    real_init = git.config.GitConfigParser.__init__
+    fired: list[bool] = []
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        if not fired:  # before any attribute is set, as the signal came in CI
+            fired.append(True)
+            interrupts._handler(signal.SIGINT, None)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(git.config.GitConfigParser, "__init__", init)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            gitops.head_tree(repo)
+        gc.collect()
+        assert fired and unraisable == []
+        assert interrupts._state.signals == 1 and not interrupts._state.pending
+    finally:
+        gitops.close_readers()
