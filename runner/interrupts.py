@@ -26,6 +26,7 @@ with :func:`result`): a first signal that has come and is not held unwinds there
 from __future__ import annotations
 
 import _thread
+import contextlib
 import os
 import signal
 import sys
@@ -38,6 +39,7 @@ from types import FrameType
 from typing import Any, TypeVar
 
 from runner.errors import EXIT_INTERRUPTED
+from runner.failures import one_line
 
 T = TypeVar("T")
 
@@ -98,6 +100,16 @@ def _unraisable(args: Any) -> None:
             timer.start()
         except RuntimeError:  # no new thread (the interpreter is shutting down)
             _state.redeliver = False
+        return
+    if _state.signals and not isinstance(args.exc_value, KeyboardInterrupt):
+        # Unwinding from the operator's signal: a library object the signal cut in half
+        # (in its __init__) can fail again in its __del__. Named in one line, not a
+        # traceback on the terminal of an operator who asked the run to stop.
+        obj = getattr(args.object, "__qualname__", None) or type(args.object).__name__
+        with contextlib.suppress(Exception):  # stderr closed, or str() of it fails
+            sys.stderr.write(one_line(
+                f"cyclebox: while stopping, a finalizer failed (ignored): {obj}: "
+                f"{type(args.exc_value).__name__}: {args.exc_value}", 300) + "\n")
         return
     _previous_unraisable(args)
 

@@ -236,3 +236,25 @@ def test_a_first_signal_while_git_opens_a_reader_unwinds_after_it_without_a_trac
         assert interrupts._state.signals == 1 and not interrupts._state.pending
     finally:
         gitops.close_readers()
+
+
+def test_after_a_first_signal_a_failing_finalizer_is_one_line_not_a_traceback(
+        installed: None, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Whatever library object a signal cuts in half: its failing ``__del__`` is named in
+    one escaped line while the controller stops, never a traceback."""
+    seen: list[type[BaseException]] = []
+    monkeypatch.setattr(interrupts, "_previous_unraisable",
+                        lambda args: seen.append(type(args.exc_value)))
+
+    class HalfBuilt:
+        def __del__(self) -> None:
+            raise AttributeError("no attribute '_read_only'\x1b[2J")
+
+    interrupts._state.signals = 1
+    b = HalfBuilt()
+    del b
+    err = capsys.readouterr().err
+    assert seen == []
+    assert err.count("\n") == 1 and "Traceback" not in err and "\x1b" not in err
+    assert "HalfBuilt.__del__" in err and "AttributeError" in err and "\\x1b[2J" in err
