@@ -126,6 +126,11 @@ class CallRecord(Frozen):
     """Replay only: sha256 of the recorded request whose response answered this call; it
     differs from ``request_sha256`` when the request matched by its stable key (a coding
     CLI's fresh ids, runner/gateway/replay_key.py)."""
+    resolved_references: int | None = Field(default=None, ge=1,
+                                            exclude_if=lambda v: v is None)
+    """Responses only: item references in the container's request that the gateway put
+    the referenced output items of its own earlier answers in place of, so the request
+    sent (and hashed, stored, replayed) differs from it there (runner/gateway/items.py)."""
 
 
 def sha256(data: bytes) -> str:

@@ -63,6 +63,7 @@ from runner.gateway.config import (
     read_credential,
 )
 from runner.gateway.http import Head, Listener, Reply
+from runner.gateway.items import ResponseItems
 from runner.gateway.providers import (
     AnthropicProvider,
     CallSite,
@@ -151,6 +152,8 @@ class Binding:
     writers: asyncio.Semaphore | None = field(default=None, repr=False)
     token: str = field(default="", repr=False)
     """The role's per-run token (also in ``directory``), for :meth:`env`."""
+    items: ResponseItems = field(default_factory=ResponseItems, repr=False)
+    """Output items of its Responses answers, which its item references resolve to."""
     armed: bool = True
     """False while the container waits for its case (a warm start imports then): every
     call is refused (``not_handed_over``, recorded) until the hand-over arms it."""
@@ -460,7 +463,7 @@ class Gateway:
                 sent: bytes | None = None, response: bytes | None = None,
                 redactions: int = 0, not_itemized: int | None = None,
                 api: Api | None = None, cost_basis: CostBasis | None = None,
-                replay_of: str | None = None) -> None:
+                replay_of: str | None = None, resolved_references: int = 0) -> None:
         """Write one record (blobs first). ``sent``: bytes sent upstream, stored whole;
         ``received``: a refused request's bytes, of which only hash, length and prefix
         are kept."""
@@ -479,7 +482,8 @@ class Gateway:
             cost_basis=cost_basis,
             request_sha256=req_sha, response_sha256=resp_sha, request_stored=stored,
             request_bytes=nbytes, request_prefix=prefix, redactions=redactions,
-            not_itemized=not_itemized, replay_of=replay_of)
+            not_itemized=not_itemized, replay_of=replay_of,
+            resolved_references=resolved_references or None)
         self.log.append(rec)
         with self._index_lock:
             self._by_key.setdefault((b.stage, b.case, b.trial), []).append(rec)
@@ -598,14 +602,18 @@ class _Handler:
                                body, model=shown, t0=t0, turn=turn, param="model")
         stream = obj.get("stream") is True
 
-        def prepare() -> tuple[Vetted, bytes]:
+        def prepare() -> tuple[Vetted, bytes, int]:
+            # item references: put in place from this container's earlier answers
+            resolved = self.b.items.resolve(obj, body_bytes=len(body),
+                                            max_bytes=up.max_request_bytes
+                                            ) if api == "responses" else 0
             v = vet(obj, rules=up.rules, cap=up.max_tokens, api=api,
                     where=f"upstreams.{name}.rules")
             return v, json.dumps(v.body, separators=(",", ":"), sort_keys=True,
-                                 ensure_ascii=False).encode()
+                                 ensure_ascii=False).encode(), resolved
 
         try:
-            vetted, sent = await self.gw.offload(self.b, len(body), prepare)
+            vetted, sent, resolved = await self.gw.offload(self.b, len(body), prepare)
         except Refusal as r:
             return self.refuse(head, r.status, r.code, r.message, body, model=model,
                                stream=stream, t0=t0, turn=turn, param=r.param)
@@ -622,7 +630,8 @@ class _Handler:
                                    stream=stream, t0=t0, turn=turn)
         provider = self.gw._providers[name]
         common: dict[str, Any] = {"upstream": name, "provider": provider.name, "model": model,
-                                  "stream": stream, "sent": sent, "api": api}
+                                  "stream": stream, "sent": sent, "api": api,
+                                  "resolved_references": resolved}
         deadline = _Deadline(up.call_deadline_s)
         try:
             site = CallSite(self.b.role, self.b.stage, self.b.case, self.b.trial, turn)
@@ -653,7 +662,12 @@ class _Handler:
         else:
             reply = Reply(200, response, "text/event-stream" if stream else "application/json")
 
+        remember = api == "responses" and response is not None and not result.error
+
         def record() -> None:
+            if remember:  # before the next request of this container can be read
+                assert response is not None  # noqa: S101 - remember says so
+                self.b.items.remember(response, stream=stream)
             self.gw._record(
                 self.b, turn, t0, status="infra_error" if result.error else "ok",
                 error=result.error, fixture=result.fixture, http_status=result.http_status,

@@ -121,6 +121,7 @@ def _chat_content(body: dict[str, Any], ctx: _Ctx) -> None:
 
 
 RESPONSES_ITEMS = frozenset({"message", "function_call", "function_call_output", "reasoning"})
+RESPONSES_ROLES = frozenset({"user", "assistant", "system", "developer"})
 RESPONSES_PARTS = frozenset({"input_text", "output_text", "text", "refusal", "input_image",
                              "input_file", "summary_text", "reasoning_text"})
 
@@ -174,6 +175,11 @@ def _responses_content(body: dict[str, Any], ctx: _Ctx) -> None:
                           f"server-side tool calls are refused); allowed: "
                           f"{sorted(RESPONSES_ITEMS)}")
         if kind == "message":
+            if item.get("role") not in RESPONSES_ROLES:
+                # {"id": ...} alone is an item reference (runner.gateway.items resolves
+                # this container's own); a message without a role is not one to forward
+                raise _refuse("bad_request", f"{where}.role",
+                              f"{where}: a message needs a role in {sorted(RESPONSES_ROLES)}")
             _responses_parts(item.get("content"), f"{where}.content", ctx)
         elif kind == "function_call_output":
             _responses_parts(item.get("output"), f"{where}.output", ctx)

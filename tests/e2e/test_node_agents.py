@@ -63,7 +63,7 @@ EXPECTED_CALLS: dict[str, list[tuple[str, bool]]] = {
     "openai_chat_stream": [("chat", True), ("chat", True)],
     "openai_responses": [("responses", False), ("responses", False)],
     "anthropic_messages_stream": [("messages", True), ("messages", True)],
-    "ai_sdk_stream": [("chat", True), ("chat", True)],
+    "ai_sdk_stream": [("responses", True), ("responses", True)],
 }
 
 
@@ -185,6 +185,14 @@ def test_every_call_is_recorded_with_its_family_stream_and_usage(runs: dict[str,
                              for n in INCIDENTS for v in matrix.VARIANTS}
     for (_stage, case), got in per_case.items():
         assert Counter(got) == Counter(EXPECTED_CALLS[variant_of(case)]), (case, got)
+    # the AI SDK's default (Responses, store: true): @ai-sdk/openai 2 sends the first
+    # step's function call back by id; the gateway put that item in its place
+    refs: dict[tuple[str, str], list[int | None]] = {}
+    for c in sorted(calls, key=lambda c: c.get("seq", 0)):
+        if c["role"] == "analyst" and variant_of(c["case"]) == "ai_sdk_stream":
+            refs.setdefault((c["stage"], c["case"]), []).append(c.get("resolved_references"))
+    assert len(refs) == 2 * len(INCIDENTS)
+    assert all(r == [None, 1] for r in refs.values()), refs
     total = json.loads((run / "receipt.json").read_text())["usage"]["total"]
     assert total["complete"] is True
     assert total["cost_usd"] == pytest.approx(sum(c["cost_usd"] for c in calls), abs=1e-8)

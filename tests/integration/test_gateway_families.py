@@ -301,3 +301,75 @@ def test_worker_and_relay_speak_the_optimizer_family(
     recs: list[CallRecord] = CallLog(tmp_path / "run" / "gateway").records()
     assert [r.api for r in recs] == [api, api] and all(r.status == "ok" for r in recs)
     assert summarize(recs).total.complete
+
+
+def _references(gw: Gateway, b: Binding) -> dict[str, Any]:
+    """Responses with ``store: true`` whose next request refers to their output items
+    by id, as the Vercel AI SDK sends them: a function call (not streamed) and a text
+    answer (streamed), each referenced once."""
+    oc = openai_client(gw, b)
+    first = oc.responses.create(model="m", input="weather in Paris?", tools=RESP_TOOLS,
+                                store=True)
+    call = first.output[0]
+    with oc.responses.stream(model="m", input="hello", store=True) as st:
+        for _ in st:
+            pass
+        text = st.get_final_response().output[0]
+    after: Any = [{"role": "user", "content": "hello"},
+                  {"type": "item_reference", "id": text.id},
+                  {"role": "user", "content": "weather in Paris?"},
+                  {"type": "item_reference", "id": call.id},
+                  {"type": "function_call_output", "call_id": getattr(call, "call_id", ""),
+                   "output": "sunny"}]
+    answer = oc.responses.create(model="m", input=after, tools=RESP_TOOLS, store=True)
+    return {"call": call, "text": text, "answer": answer.output_text}
+
+
+def test_item_references_resolve_to_this_containers_own_answers_only(tmp_path: Path) -> None:
+    """An item reference (the Responses API's stored state) resolves to an output item of
+    an earlier answer to the same container, put in its place before the call: the
+    upstream reads nothing it keeps, the record holds the whole request, replay matches
+    it. Another container's item id is refused by name, before anything is sent."""
+    rec_dir = tmp_path / "recorded"
+    with Gateway(rec_dir, "rec", {"target": scripted()}, {"analyst": "target"}) as gw, \
+            gw.bound("analyst", stage="s", case="a", uid=os.getuid()) as b, \
+            gw.bound("analyst", stage="s", case="other", uid=os.getuid()) as other:
+        got = _references(gw, b)
+        stolen = got["call"].id
+        with pytest.raises(openai.BadRequestError) as exc:
+            openai_client(gw, other).responses.create(
+                model="m", input=[{"type": "item_reference", "id": stolen},
+                                  {"role": "user", "content": "hi"}])
+        assert exc.value.code == "item_reference_unknown", exc.value
+        assert "this same container" in str(exc.value)
+        # the API's other spelling of a reference: an item with an id, no type, no role
+        auth = {"Authorization": f"Bearer {gw.token_for('analyst')}"}
+        bare = _post(other, "/v1/responses", auth, {"model": "m", "input": [{"id": stolen}]})
+        assert bare.status_code == 400 and "item_reference_unknown" in bare.text, bare.text
+        twice = [{"type": "item_reference", "id": stolen}] * 2
+        again = _post(b, "/v1/responses", auth, {"model": "m", "input": twice})
+        assert again.status_code == 400 and "item_reference_repeated" in again.text
+    assert got["answer"] == "It is sunny in Paris."
+    assert got["call"].id.startswith("fc_") and got["text"].id.startswith("msg_")
+    log = CallLog(rec_dir / "gateway")
+    recs = log.records()
+    assert [(r.case, r.status, r.error) for r in recs] == [
+        ("a", "ok", None), ("a", "ok", None), ("a", "ok", None),
+        ("other", "refused", "item_reference_unknown"),
+        ("other", "refused", "item_reference_unknown"),
+        ("a", "refused", "item_reference_repeated")]
+    sent = json.loads(log.blob(recs[2].request_sha256))
+    assert "item_reference" not in json.dumps(sent)
+    assert sent["input"][3] == got["call"].model_dump(exclude_none=True)
+    assert sent["input"][1]["id"] == got["text"].id
+    assert sent["input"][1]["content"][0]["text"] == "plain reply"
+    assert recs[2].usage is not None and recs[2].cost_basis == "measured"
+    assert [r.resolved_references for r in recs] == [None, None, 2, None, None, None]
+    # replay: the same references resolve to the same recorded items, the same request
+    rep_dir = tmp_path / "replayed"
+    up = scripted(provider="replay", replay_from=str(rec_dir), script=None)
+    with Gateway(rep_dir, "rep", {"target": up}, {"analyst": "target"}) as gw, \
+            gw.bound("analyst", stage="s", case="a", uid=os.getuid()) as b:
+        assert _references(gw, b)["answer"] == got["answer"]
+    assert [r.request_sha256 for r in CallLog(rep_dir / "gateway").records()] == [
+        r.request_sha256 for r in recs[:3]]

@@ -44,7 +44,7 @@ VARIANTS: dict[str, tuple[str, str, bool, bool]] = {
     "openai_chat_stream": ("openai (npm)", "chat", True, True),
     "openai_responses": ("openai (npm)", "responses", False, True),
     "anthropic_messages_stream": ("@anthropic-ai/sdk", "messages", True, True),
-    "ai_sdk_stream": ("ai + @ai-sdk/openai (openai.chat)", "chat", True, True),
+    "ai_sdk_stream": ("ai + @ai-sdk/openai (openai(model))", "responses", True, True),
 }
 
 

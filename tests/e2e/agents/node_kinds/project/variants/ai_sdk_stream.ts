@@ -1,8 +1,8 @@
 // Vercel AI SDK (ai + @ai-sdk/openai): streamText on the default provider instance's
-// Chat Completions model (`openai.chat(model)`), a zod-typed tool, and the SDK's own
-// tool loop (stopWhen). Not `openai(model)` (the Responses API): with its default
-// store: true, its second step refers to the first step's items by id (item_reference),
-// which the stateless gateway refuses (docs/agents.md, "Known gaps").
+// default model (`openai(model)`: the Responses API with store: true), a zod-typed tool,
+// and the SDK's own tool loop (stopWhen). Its second step refers to the first step's
+// output items by id (item_reference); the gateway resolves them from this container's
+// own earlier answers (docs/agents.md).
 import { openai } from "@ai-sdk/openai";
 import { stepCountIs, streamText, tool } from "ai";
 import { z } from "zod";
@@ -10,7 +10,7 @@ import { readLog, TOOL_DESCRIPTION } from "../common.ts";
 
 export async function run(question: string, system: string, model: string): Promise<string> {
   const result = streamText({
-    model: openai.chat(model),
+    model: openai(model),
     system,
     prompt: question,
     tools: {

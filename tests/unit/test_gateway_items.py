@@ -1,0 +1,96 @@
+"""Item references resolve only to this binding's own answers, within bounds."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from runner.gateway import items as items_mod
+from runner.gateway.items import ResponseItems, is_reference
+from runner.gateway.vet import Refusal
+
+
+def answer(*ids: str, text: str = "x") -> bytes:
+    return json.dumps({"output": [{"id": i, "type": "message", "role": "assistant",
+                                   "content": [{"type": "output_text", "text": text}]}
+                                  for i in ids]}).encode()
+
+
+def sse(*events: dict[str, Any]) -> bytes:
+    return b"".join(b"event: e\ndata: " + json.dumps(e).encode() + b"\n\n" for e in events)
+
+
+def resolve(store: ResponseItems, *inputs: Any, max_bytes: int = 1 << 20) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "m", "input": list(inputs)}
+    store.resolve(body, body_bytes=len(json.dumps(body)), max_bytes=max_bytes)
+    return body
+
+
+def refused(store: ResponseItems, *inputs: Any, max_bytes: int = 1 << 20) -> Refusal:
+    with pytest.raises(Refusal) as exc:
+        resolve(store, *inputs, max_bytes=max_bytes)
+    return exc.value
+
+
+def test_a_reference_is_replaced_by_the_item_and_other_items_are_untouched() -> None:
+    s = ResponseItems()
+    assert s.remember(answer("msg_1"), stream=False) == 1
+    user = {"role": "user", "content": "hi"}
+    body = resolve(s, user, {"type": "item_reference", "id": "msg_1"})
+    assert body["input"][1]["id"] == "msg_1" and body["input"][1]["role"] == "assistant"
+    assert body["input"][0] is user
+
+
+def test_streamed_answers_are_remembered_from_the_completed_response_or_the_items() -> None:
+    s = ResponseItems()
+    item = {"id": "rs_1", "type": "reasoning", "summary": []}
+    assert s.remember(sse({"type": "response.output_item.done", "item": item},
+                          {"type": "response.completed", "response": {"output": [item]}}),
+                      stream=True) == 1
+    assert s.remember(sse({"type": "response.output_item.done",
+                           "item": {**item, "id": "rs_2"}}), stream=True) == 1  # cut short
+    assert resolve(s, {"id": "rs_2"})["input"] == [{**item, "id": "rs_2"}]
+
+
+@pytest.mark.parametrize("bad", [b"{", b"[]", b'{"output": 3}', b"\xff",
+                                 b"[" * 100_000 + b"]" * 100_000])
+def test_a_malformed_answer_keeps_nothing_and_never_raises(bad: bytes) -> None:
+    s = ResponseItems()
+    assert s.remember(bad, stream=False) == 0
+    assert s.remember(bad, stream=True) == 0
+
+
+def test_unknown_repeated_and_malformed_references_are_refused_by_name() -> None:
+    s = ResponseItems()
+    s.remember(answer("msg_1"), stream=False)
+    assert refused(s, {"type": "item_reference", "id": "msg_9"}).code == "item_reference_unknown"
+    assert refused(s, {"id": "msg_9"}).code == "item_reference_unknown"  # no type, no role
+    r = refused(s, {"id": "msg_1"}, {"type": "item_reference", "id": "msg_1"})
+    assert (r.code, r.param) == ("item_reference_repeated", "input[1]")
+    assert refused(s, {"type": "item_reference", "id": 7}).code == "bad_request"
+    assert refused(s, {"type": "item_reference", "id": "msg_1", "role": "x"}).code == (
+        "bad_request")
+    assert not is_reference({"id": "m", "role": "user", "content": "hi"})  # a message
+
+
+def test_the_items_in_place_may_not_exceed_the_request_cap() -> None:
+    s = ResponseItems()
+    s.remember(answer("msg_1", text="y" * 5000), stream=False)
+    r = refused(s, {"id": "msg_1"}, max_bytes=4000)
+    assert (r.status, r.code) == (413, "request_too_large")
+
+
+def test_the_oldest_items_are_forgotten_past_the_cap_and_a_reference_says_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(items_mod, "MAX_ITEMS", 2)
+    s = ResponseItems()
+    for n in range(3):
+        s.remember(answer(f"msg_{n}"), stream=False)
+    r = refused(s, {"id": "msg_0"})
+    assert r.code == "item_reference_unknown" and "forgotten" in r.message
+    assert resolve(s, {"id": "msg_1"}, {"id": "msg_2"})["input"][1]["id"] == "msg_2"
+    monkeypatch.setattr(items_mod, "MAX_BYTES", 10)  # an item over the cap is never kept
+    s.remember(answer("msg_big"), stream=False)
+    assert "forgotten" in refused(s, {"id": "msg_big"}).message
