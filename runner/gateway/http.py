@@ -124,6 +124,24 @@ class Listener:
         self.bucket = TokenBucket(self.limits.rate_per_s, self.limits.burst)
         self.bytes = TokenBucket(self.limits.body_bytes_per_s, self.limits.body_bytes_burst)
 
+    def hold(self, n: int) -> tuple[int, str, str] | None:
+        """Charge ``n`` body bytes the handler adds to a request (a Responses request's
+        referenced items) to the byte rate and hold them as in flight until
+        :meth:`unhold`; the refusal (status, code, message) when over either."""
+        if not self.bytes.take(n):
+            return (429, "byte_rate_limited",
+                    f"over {self.limits.body_bytes_per_s} body bytes/s on this socket "
+                    f"(with {n} bytes of referenced items)")
+        if self.inflight + n > self.limits.max_inflight_bytes:
+            return (503, "inflight_bytes",
+                    f"bodies held on this socket, with {n} bytes of referenced items, "
+                    f"would pass {self.limits.max_inflight_bytes} bytes")
+        self.inflight += n
+        return None
+
+    def unhold(self, n: int) -> None:
+        self.inflight -= n
+
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.server = await loop.create_unix_server(lambda: Connection(self), self.path,

@@ -1,22 +1,34 @@
-"""Responses API item references, resolved from the same container's earlier answers.
+"""Responses API item ids: references resolved from the same container's earlier answers,
+and no id of anyone else's sent upstream.
 
 An agent on the Responses API with ``store: true`` (the API's default, and the Vercel AI
 SDK's, which then sends its earlier assistant text and reasoning back as
-``{"type": "item_reference", "id": ...}``) makes the upstream read items it keeps. The
-gateway cannot bound or replay state an upstream keeps, and it must not let a role read
-items of other runs, roles or cases through the provider key it holds. So it resolves
-a reference itself, and only to an output item of an earlier answer to the SAME binding
-(one container: one case, one trial): the item is put in the reference's place, the
-request sent upstream is self-contained (it is what is recorded, priced and replayed),
-and any other id is refused by name (``item_reference_unknown``), before anything is
-sent. An item written without a ``type`` and without a ``role`` (``{"id": ...}``) is a
-reference too, as the API reads it.
+``{"type": "item_reference", "id": ...}``) makes the upstream read items it keeps by id;
+so does any input item that carries an ``id`` (the upstream reads a reasoning item's
+stored content by it). The gateway cannot bound or replay state an upstream keeps, and it
+must not let a role read items of other runs, roles or cases through the provider key it
+holds. So:
 
-Bounded: per binding at most :data:`MAX_ITEMS` items and :data:`MAX_BYTES` of them
-(the oldest are forgotten first; a reference to one is refused, naming why), ids of at
-most :data:`MAX_ID` characters, each id resolved once per request
+- a reference is resolved by the gateway itself, and only to an output item of an
+  earlier answer to the SAME binding (one container: one case, one trial): the item is
+  put in the reference's place, so the request sent upstream is self-contained (it is
+  what is recorded, priced and replayed); any other id is refused by name
+  (``item_reference_unknown``) before anything is sent. An item written without a
+  ``type`` (or with ``type: null``) and without a ``role`` is a reference too, as the
+  API reads it;
+- any other input item's ``id`` must be one this binding was answered with
+  (``item_id_unknown`` otherwise): an agent resends its own items whole, ids and all,
+  and never anybody else's.
+
+Bounded: per binding the items kept are at most :data:`MAX_ITEMS` and :data:`MAX_BYTES`
+(the oldest are forgotten first; a reference to one is refused, naming why), the ids
+known as its own at most :data:`MAX_ID_BYTES` of them (oldest first), ids of at most
+:data:`MAX_ID` characters, each id resolved once per request
 (``item_reference_repeated``), and the request with the items in place at most the
-upstream's ``max_request_bytes`` (413 ``request_too_large``).
+upstream's ``max_request_bytes`` (413 ``request_too_large``). :meth:`measure` checks
+every id before any item is parsed and says how many bytes the items add, which the
+gateway charges to the socket's byte rate and in-flight bytes, and sizes its offload by,
+like the body's own.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from runner.gateway.usage import sse_events
@@ -32,13 +45,14 @@ from runner.gateway.vet import Refusal
 MAX_ITEMS = 256
 MAX_BYTES = 4 * 1024 * 1024
 MAX_ID = 256
+MAX_ID_BYTES = 1024 * 1024
 REFERENCE = "item_reference"
 
 
 def is_reference(item: object) -> bool:
     """``{"type": "item_reference", "id": ...}``, or an item with neither type nor role."""
     return isinstance(item, dict) and (item.get("type") == REFERENCE or (
-        "type" not in item and "role" not in item and "id" in item))
+        item.get("type") is None and item.get("role") is None and "id" in item))
 
 
 def _shown(v: object) -> str:
@@ -70,14 +84,44 @@ def _outputs(response: bytes, stream: bool) -> list[Any]:
     return done
 
 
+@dataclass(frozen=True)
+class Resolution:
+    """What :meth:`ResponseItems.measure` found: the referenced items (serialized) by
+    their place in ``input``, and the bytes they add."""
+
+    places: tuple[tuple[int, bytes], ...] = ()
+    extra: int = 0
+
+    def apply(self, body: dict[str, Any]) -> int:
+        """Put the items in place in ``body["input"]``; returns how many."""
+        items = body["input"] if self.places else None
+        for i, data in self.places:
+            items[i] = json.loads(data)  # type: ignore[index]
+        return len(self.places)
+
+
+NOTHING = Resolution()
+
+
 class ResponseItems:
     """The output items of one binding's answers, by id (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._items: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
+        self._items: OrderedDict[str, bytes] = OrderedDict()
         self._bytes = 0
-        self._forgotten: set[str] = set()
+        self._own: OrderedDict[str, None] = OrderedDict()
+        self._own_bytes = 0
         self._lock = threading.Lock()
+
+    def _know(self, iid: str) -> None:
+        if iid in self._own:
+            self._own.move_to_end(iid)
+            return
+        self._own[iid] = None
+        self._own_bytes += len(iid)
+        while self._own_bytes > MAX_ID_BYTES:
+            old, _ = self._own.popitem(last=False)
+            self._own_bytes -= len(old)
 
     def remember(self, response: bytes, *, stream: bool) -> int:
         """Keep the output items of a successful answer; returns how many. A malformed
@@ -92,65 +136,81 @@ class ResponseItems:
                 iid = item.get("id") if isinstance(item, dict) else None
                 if not isinstance(iid, str) or not 0 < len(iid) <= MAX_ID:
                     continue
+                self._know(iid)
                 data = json.dumps(item, separators=(",", ":"), ensure_ascii=False).encode()
-                if len(data) > MAX_BYTES:
-                    self._forgotten.add(iid)
-                    continue
                 old = self._items.pop(iid, None)
                 if old is not None:
-                    self._bytes -= old[1]
-                self._items[iid] = (data, len(data))
+                    self._bytes -= len(old)
+                if len(data) > MAX_BYTES:
+                    continue  # its own id, but too large to keep
+                self._items[iid] = data
                 self._bytes += len(data)
-                self._forgotten.discard(iid)
                 kept += 1
             while len(self._items) > MAX_ITEMS or self._bytes > MAX_BYTES:
-                iid, (_, size) = self._items.popitem(last=False)
-                self._bytes -= size
-                if len(self._forgotten) < 4 * MAX_ITEMS:
-                    self._forgotten.add(iid)
+                _, data = self._items.popitem(last=False)
+                self._bytes -= len(data)
         return kept
 
-    def resolve(self, body: dict[str, Any], *, body_bytes: int, max_bytes: int) -> int:
-        """Put each referenced item in place in ``body["input"]`` (in place); returns how
-        many were resolved. Refusal for an id this binding was not answered with, an id
-        referenced twice, or a request that would exceed ``max_bytes``."""
+    def measure(self, body: dict[str, Any], *, body_bytes: int,
+                max_bytes: int) -> Resolution:
+        """Check every id in ``body["input"]`` and find the referenced items, parsing
+        none of them. Refusal for a reference this binding was not answered with (or
+        whose item was forgotten), an id referenced twice, an item whose id is not this
+        binding's, or a request that would exceed ``max_bytes`` with the items in
+        place."""
         items = body.get("input")
         if not isinstance(items, list):
-            return 0
+            return NOTHING
         seen: set[str] = set()
+        places: list[tuple[int, bytes]] = []
         added = 0
-        for i, item in enumerate(items):
-            if not is_reference(item):
-                continue
-            where = f"input[{i}]"
-            iid = item.get("id")
-            if not isinstance(iid, str) or not 0 < len(iid) <= MAX_ID:
-                raise Refusal(400, "bad_request", f"{where}: an item reference needs an id "
-                              f"(a string of at most {MAX_ID} characters)", where)
-            if set(item) - {"type", "id"}:
-                raise Refusal(400, "bad_request", f"{where}: an item reference has only "
-                              f"type and id; got {sorted(item)[:8]}", where)
-            if iid in seen:
-                raise Refusal(400, "item_reference_repeated", f"{where}: item {_shown(iid)} "
-                              "is referenced twice in one request", where)
-            seen.add(iid)
-            with self._lock:
-                found = self._items.get(iid)
-                forgotten = iid in self._forgotten
-            if found is None:
-                why = (f"it was forgotten: a container keeps the output items of its "
-                       f"latest answers, at most {MAX_ITEMS} items and {MAX_BYTES} bytes"
-                       if forgotten else
-                       "the gateway resolves a reference only to an output item of an "
-                       "earlier answer to this same container (one case, one trial), "
-                       "never to state the upstream keeps from elsewhere")
-                raise Refusal(400, "item_reference_unknown", f"{where}: item {_shown(iid)} "
-                              f"cannot be resolved: {why}; send the item itself", where)
-            data, size = found
-            added += size
-            if body_bytes + added > max_bytes:
-                raise Refusal(413, "request_too_large", f"{where}: with its referenced "
-                              f"items in place the request exceeds max_request_bytes "
-                              f"({max_bytes}); send fewer or smaller items", where)
-            items[i] = json.loads(data)
-        return len(seen)
+        with self._lock:
+            for i, item in enumerate(items):
+                if not isinstance(item, dict):
+                    continue
+                where = f"input[{i}]"
+                reference = is_reference(item)
+                iid = item.get("id")
+                if iid is None and not reference:
+                    continue
+                if not isinstance(iid, str) or not 0 < len(iid) <= MAX_ID:
+                    raise Refusal(400, "bad_request", f"{where}.id: an item id is a string "
+                                  f"of 1 to {MAX_ID} characters", f"{where}.id")
+                own = iid in self._own
+                if not reference:
+                    if not own:
+                        raise Refusal(400, "item_id_unknown", f"{where}.id: item "
+                                      f"{_shown(iid)} was not an answer to this container; "
+                                      "an upstream reads a stored item by its id, and a "
+                                      "role reads only its own: send the item without "
+                                      "its id", f"{where}.id")
+                    continue
+                if set(item) - {"type", "id"}:
+                    raise Refusal(400, "bad_request", f"{where}: an item reference has only "
+                                  f"type and id; got {sorted(item)[:8]}", where)
+                if iid in seen:
+                    raise Refusal(400, "item_reference_repeated", f"{where}: item "
+                                  f"{_shown(iid)} is referenced twice in one request", where)
+                seen.add(iid)
+                data = self._items.get(iid)
+                if data is None:
+                    why = (f"it was forgotten: a container keeps the output items of its "
+                           f"latest answers, at most {MAX_ITEMS} items and {MAX_BYTES} "
+                           "bytes" if own else
+                           "the gateway resolves a reference only to an output item of an "
+                           "earlier answer to this same container (one case, one trial), "
+                           "never to state the upstream keeps from elsewhere")
+                    raise Refusal(400, "item_reference_unknown", f"{where}: item "
+                                  f"{_shown(iid)} cannot be resolved: {why}; send the item "
+                                  "itself", where)
+                added += len(data)
+                if body_bytes + added > max_bytes:
+                    raise Refusal(413, "request_too_large", f"{where}: with its referenced "
+                                  f"items in place the request exceeds max_request_bytes "
+                                  f"({max_bytes}); send fewer or smaller items", where)
+                places.append((i, data))
+        return Resolution(tuple(places), added) if places else NOTHING
+
+    def resolve(self, body: dict[str, Any], *, body_bytes: int, max_bytes: int) -> int:
+        """:meth:`measure`, then the items put in place (in ``body``); how many."""
+        return self.measure(body, body_bytes=body_bytes, max_bytes=max_bytes).apply(body)

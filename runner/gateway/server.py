@@ -63,7 +63,7 @@ from runner.gateway.config import (
     read_credential,
 )
 from runner.gateway.http import Head, Listener, Reply
-from runner.gateway.items import ResponseItems
+from runner.gateway.items import NOTHING, Resolution, ResponseItems
 from runner.gateway.providers import (
     AnthropicProvider,
     CallSite,
@@ -601,19 +601,46 @@ class _Handler:
                                f"{list(up.models)} (cycle.yaml upstreams.{name}.models)",
                                body, model=shown, t0=t0, turn=turn, param="model")
         stream = obj.get("stream") is True
+        found = NOTHING
+        if api == "responses":  # item ids: checked, references found, nothing parsed yet
+            try:
+                found = await self.gw.offload(self.b, len(body), functools.partial(
+                    self.b.items.measure, obj, body_bytes=len(body),
+                    max_bytes=up.max_request_bytes))
+            except Refusal as r:
+                return self.refuse(head, r.status, r.code, r.message, body, model=model,
+                                   stream=stream, t0=t0, turn=turn, param=r.param)
+        if not found.extra:
+            return await self._answer(head, body, obj, api, model, stream, t0, turn, found)
+        # The referenced items count as body bytes the container sent: the socket's byte
+        # rate and in-flight bytes are charged for them, and held until the call ends.
+        lst = self.b.listener
+        held = lst.hold(found.extra) if lst is not None else None
+        if isinstance(held, tuple):
+            return self.refuse(head, *held, body, model=model, stream=stream, t0=t0,
+                               turn=turn)
+        try:
+            return await self._answer(head, body, obj, api, model, stream, t0, turn, found)
+        finally:
+            if lst is not None:
+                lst.unhold(found.extra)
+
+    async def _answer(self, head: Head, body: bytes, obj: dict[str, Any], api: Api,
+                      model: str, stream: bool, t0: float, turn: int,
+                      found: Resolution) -> Reply:
+        up, name = self.up, self.name
+        assert up is not None and name is not None  # noqa: S101 - checked in head()
 
         def prepare() -> tuple[Vetted, bytes, int]:
-            # item references: put in place from this container's earlier answers
-            resolved = self.b.items.resolve(obj, body_bytes=len(body),
-                                            max_bytes=up.max_request_bytes
-                                            ) if api == "responses" else 0
+            resolved = found.apply(obj)  # this container's own items, in place
             v = vet(obj, rules=up.rules, cap=up.max_tokens, api=api,
                     where=f"upstreams.{name}.rules")
             return v, json.dumps(v.body, separators=(",", ":"), sort_keys=True,
                                  ensure_ascii=False).encode(), resolved
 
         try:
-            vetted, sent, resolved = await self.gw.offload(self.b, len(body), prepare)
+            vetted, sent, resolved = await self.gw.offload(self.b, len(body) + found.extra,
+                                                           prepare)
         except Refusal as r:
             return self.refuse(head, r.status, r.code, r.message, body, model=model,
                                stream=stream, t0=t0, turn=turn, param=r.param)

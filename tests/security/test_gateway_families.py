@@ -266,3 +266,71 @@ def test_a_token_of_another_role_is_refused_on_every_route(tmp_path: Path) -> No
     recs = CallLog(tmp_path / "gateway").records()
     assert {r.error for r in recs} == {"bad_token"} and len(recs) == 8
     assert {r.role for r in recs} == {"analyst"}
+
+
+def _items_upstream(url: str, **kw: Any) -> UpstreamPolicy:
+    return parse_upstream({"provider": "openai", "base_url": url,
+                           "credential": {"env": "CBX_ITEMS_KEY"},
+                           "models": ["items", "items-big"], "max_tokens": 10,
+                           "prices": {"items": PRICE, "items-big": PRICE}, **kw})
+
+
+def test_an_item_id_not_answered_to_this_container_is_refused_before_anything_is_sent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The upstream reads a stored item by its id, so an input item that carries an id
+    (not only an item reference) is a read of what the upstream keeps: a container may
+    send only ids of its own answers. Case b tries case a's reasoning item inline, as a
+    reference, and an id it made up; none reaches the upstream."""
+    monkeypatch.setenv("CBX_ITEMS_KEY", "sk-items")
+    with upstream() as (url, srv), Gateway(tmp_path, "i", {"target": _items_upstream(url)},
+                 {"analyst": "target"}) as gw, \
+                gw.bound("analyst", stage="s", case="a", uid=os.getuid()) as a, \
+                gw.bound("analyst", stage="s", case="b", uid=os.getuid()) as b:
+        assert post(gw, a, "/v1/responses", {"model": "items", "input": "hi"}
+                    ).status_code == 200
+        stolen = [{"role": "user", "content": "go on"},
+                  {"type": "reasoning", "id": "rs_1", "summary": []}]
+        tries = [post(gw, b, "/v1/responses", {"model": "items", "input": i}) for i in (
+            stolen, [{"type": "item_reference", "id": "rs_1"}],
+            [{"type": "reasoning", "id": "rs_made_up", "summary": []}],
+            [{"type": "message", "id": "msg_1", "role": "assistant",
+              "content": [{"type": "output_text", "text": "x"}]}])]
+        own = post(gw, a, "/v1/responses", {"model": "items", "input": [
+            *stolen, {"type": "item_reference", "id": "msg_1"}]})
+    assert [(t.status_code, t.json()["error"]["code"]) for t in tries] == [
+        (400, "item_id_unknown"), (400, "item_reference_unknown"),
+        (400, "item_id_unknown"), (400, "item_id_unknown")], [t.text for t in tries]
+    assert "input[1].id" in tries[0].json()["error"]["message"]
+    assert own.status_code == 200, own.text
+    assert len(srv.requests) == 2  # case a's two; nothing of case b's
+    assert srv.requests[1]["input"][1] == {"type": "reasoning", "id": "rs_1", "summary": []}
+    assert srv.requests[1]["input"][2]["id"] == "msg_1"
+    assert srv.requests[1]["input"][2]["content"][0]["text"] == "y" * 10
+    recs = CallLog(tmp_path / "gateway").records()
+    assert [(r.case, r.status, r.error) for r in recs] == [
+        ("a", "ok", None), *[("b", "refused", e) for e in (
+            "item_id_unknown", "item_reference_unknown", "item_id_unknown",
+            "item_id_unknown")], ("a", "ok", None)]
+
+
+def test_referenced_items_are_charged_to_the_sockets_byte_rate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reference of a few bytes puts a large item in the request the gateway parses,
+    prices and sends: the item's bytes count as the container's body bytes, so a loop of
+    small requests referencing a 200 KB answer cannot take more of the controller's CPU
+    than the same bytes sent outright."""
+    monkeypatch.setenv("CBX_ITEMS_KEY", "sk-items")
+    limits = {"body_bytes_per_s": 1000, "body_bytes_burst": 500_000}
+    with upstream() as (url, srv):
+        up = _items_upstream(url, limits=limits, max_request_bytes=500_000)
+        with Gateway(tmp_path, "r", {"target": up}, {"analyst": "target"}) as gw, \
+                gw.bound("analyst", stage="s", case="a", uid=os.getuid()) as a:
+            assert post(gw, a, "/v1/responses", {"model": "items-big", "input": "hi"}
+                        ).status_code == 200
+            ref = {"model": "items", "input": [{"type": "item_reference", "id": "msg_1"}]}
+            codes = [post(gw, a, "/v1/responses", ref) for _ in range(3)]
+    assert [c.status_code for c in codes] == [200, 200, 429], [c.text for c in codes]
+    assert codes[2].json()["error"]["code"] == "byte_rate_limited"
+    assert "referenced items" in codes[2].json()["error"]["message"]
+    assert len(srv.requests) == 3
+    assert len(srv.requests[1]["input"][0]["content"][0]["text"]) == 200_000

@@ -94,3 +94,45 @@ def test_the_oldest_items_are_forgotten_past_the_cap_and_a_reference_says_so(
     monkeypatch.setattr(items_mod, "MAX_BYTES", 10)  # an item over the cap is never kept
     s.remember(answer("msg_big"), stream=False)
     assert "forgotten" in refused(s, {"id": "msg_big"}).message
+
+
+def test_an_item_with_an_id_must_carry_one_of_this_bindings_own() -> None:
+    s = ResponseItems()
+    s.remember(answer("msg_1"), stream=False)
+    own = {"type": "message", "id": "msg_1", "role": "assistant", "content": "x"}
+    assert resolve(s, own)["input"] == [own]  # resent whole, id and all: forwarded
+    r = refused(s, {"type": "reasoning", "id": "rs_other", "summary": []})
+    assert (r.code, r.param) == ("item_id_unknown", "input[0].id")
+    assert refused(s, {"type": "reasoning", "id": 7}).code == "bad_request"
+    no_id = {"type": "message", "id": None, "role": "user", "content": "x"}
+    assert resolve(s, no_id)["input"] == [no_id]
+
+
+def test_a_reference_with_type_null_is_one() -> None:
+    s = ResponseItems()
+    s.remember(answer("msg_1"), stream=False)
+    assert resolve(s, {"type": None, "id": "msg_1"})["input"][0]["role"] == "assistant"
+
+
+def test_every_id_is_checked_before_any_item_is_put_in_place() -> None:
+    s = ResponseItems()
+    s.remember(answer("msg_1", "msg_2"), stream=False)
+    body: dict[str, Any] = {"input": [{"id": "msg_1"}, {"id": "msg_2"}, {"id": "nope"}]}
+    with pytest.raises(Refusal):
+        s.measure(body, body_bytes=10, max_bytes=1 << 20)
+    assert body["input"][0] == {"id": "msg_1"}  # nothing parsed, nothing changed
+    found = s.measure({"input": [{"id": "msg_1"}, {"id": "msg_2"}]}, body_bytes=10,
+                      max_bytes=1 << 20)
+    assert [i for i, _ in found.places] == [0, 1]
+    assert found.extra == sum(len(d) for _, d in found.places) > 0
+
+
+def test_the_ids_known_as_its_own_are_bounded_oldest_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(items_mod, "MAX_ID_BYTES", 10)  # two 5-character ids
+    s = ResponseItems()
+    for n in range(3):
+        s.remember(answer(f"msg_{n}"), stream=False)
+    assert refused(s, {"type": "message", "id": "msg_0", "role": "user",
+                       "content": "x"}).code == "item_id_unknown"
+    assert resolve(s, {"id": "msg_2"})["input"][0]["id"] == "msg_2"
