@@ -131,6 +131,9 @@ class CallRecord(Frozen):
     """Responses only: item references in the container's request that the gateway put
     the referenced output items of its own earlier answers in place of, so the request
     sent (and hashed, stored, replayed) differs from it there (runner/gateway/items.py)."""
+    dropped_ids: int | None = Field(default=None, ge=1, exclude_if=lambda v: v is None)
+    """Responses only: input items whose ``id`` was not one of this container's answers,
+    sent without it (runner/gateway/items.py)."""
 
 
 def sha256(data: bytes) -> str:

@@ -16,9 +16,11 @@ holds. So:
   (``item_reference_unknown``) before anything is sent. An item written without a
   ``type`` (or with ``type: null``) and without a ``role`` is a reference too, as the
   API reads it;
-- any other input item's ``id`` must be one this binding was answered with
-  (``item_id_unknown`` otherwise): an agent resends its own items whole, ids and all,
-  and never anybody else's.
+- any other input item's ``id`` is sent only when this binding was answered with it;
+  another id is dropped from the item before it is sent (the record counts it,
+  ``dropped_ids``): the item's content goes upstream as written, so nothing stored is
+  read by it. Agents resend their own items whole, ids and all, and some (the Codex CLI)
+  give their own input messages fresh ids, which no upstream ever stored.
 
 Bounded: per binding the items kept are at most :data:`MAX_ITEMS` and :data:`MAX_BYTES`
 (the oldest are forgotten first; a reference to one is refused, naming why), the ids
@@ -91,12 +93,17 @@ class Resolution:
 
     places: tuple[tuple[int, bytes], ...] = ()
     extra: int = 0
+    dropped: tuple[int, ...] = ()
+    """Places of items whose id is not this binding's: sent without it."""
 
     def apply(self, body: dict[str, Any]) -> int:
-        """Put the items in place in ``body["input"]``; returns how many."""
-        items = body["input"] if self.places else None
+        """Put the items in place in ``body["input"]`` and drop the ids not this
+        binding's; returns how many items were put in place."""
+        items = body["input"] if self.places or self.dropped else None
         for i, data in self.places:
             items[i] = json.loads(data)  # type: ignore[index]
+        for i in self.dropped:
+            items[i] = {k: v for k, v in items[i].items() if k != "id"}  # type: ignore[index]
         return len(self.places)
 
 
@@ -153,16 +160,17 @@ class ResponseItems:
 
     def measure(self, body: dict[str, Any], *, body_bytes: int,
                 max_bytes: int) -> Resolution:
-        """Check every id in ``body["input"]`` and find the referenced items, parsing
-        none of them. Refusal for a reference this binding was not answered with (or
-        whose item was forgotten), an id referenced twice, an item whose id is not this
-        binding's, or a request that would exceed ``max_bytes`` with the items in
+        """Check every id in ``body["input"]``, find the referenced items (parsing none
+        of them) and the ids to drop. Refusal for a reference this binding was not
+        answered with (or whose item was forgotten), an id referenced twice, an id not
+        a string, or a request that would exceed ``max_bytes`` with the items in
         place."""
         items = body.get("input")
         if not isinstance(items, list):
             return NOTHING
         seen: set[str] = set()
         places: list[tuple[int, bytes]] = []
+        dropped: list[int] = []
         added = 0
         with self._lock:
             for i, item in enumerate(items):
@@ -179,11 +187,7 @@ class ResponseItems:
                 own = iid in self._own
                 if not reference:
                     if not own:
-                        raise Refusal(400, "item_id_unknown", f"{where}.id: item "
-                                      f"{_shown(iid)} was not an answer to this container; "
-                                      "an upstream reads a stored item by its id, and a "
-                                      "role reads only its own: send the item without "
-                                      "its id", f"{where}.id")
+                        dropped.append(i)
                     continue
                 if set(item) - {"type", "id"}:
                     raise Refusal(400, "bad_request", f"{where}: an item reference has only "
@@ -209,7 +213,8 @@ class ResponseItems:
                                   f"items in place the request exceeds max_request_bytes "
                                   f"({max_bytes}); send fewer or smaller items", where)
                 places.append((i, data))
-        return Resolution(tuple(places), added) if places else NOTHING
+        return Resolution(tuple(places), added, tuple(dropped)) if places or dropped \
+            else NOTHING
 
     def resolve(self, body: dict[str, Any], *, body_bytes: int, max_bytes: int) -> int:
         """:meth:`measure`, then the items put in place (in ``body``); how many."""

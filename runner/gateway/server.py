@@ -463,7 +463,8 @@ class Gateway:
                 sent: bytes | None = None, response: bytes | None = None,
                 redactions: int = 0, not_itemized: int | None = None,
                 api: Api | None = None, cost_basis: CostBasis | None = None,
-                replay_of: str | None = None, resolved_references: int = 0) -> None:
+                replay_of: str | None = None, resolved_references: int = 0,
+                dropped_ids: int = 0) -> None:
         """Write one record (blobs first). ``sent``: bytes sent upstream, stored whole;
         ``received``: a refused request's bytes, of which only hash, length and prefix
         are kept."""
@@ -483,7 +484,7 @@ class Gateway:
             request_sha256=req_sha, response_sha256=resp_sha, request_stored=stored,
             request_bytes=nbytes, request_prefix=prefix, redactions=redactions,
             not_itemized=not_itemized, replay_of=replay_of,
-            resolved_references=resolved_references or None)
+            resolved_references=resolved_references or None, dropped_ids=dropped_ids or None)
         self.log.append(rec)
         with self._index_lock:
             self._by_key.setdefault((b.stage, b.case, b.trial), []).append(rec)
@@ -658,7 +659,8 @@ class _Handler:
         provider = self.gw._providers[name]
         common: dict[str, Any] = {"upstream": name, "provider": provider.name, "model": model,
                                   "stream": stream, "sent": sent, "api": api,
-                                  "resolved_references": resolved}
+                                  "resolved_references": resolved,
+                                  "dropped_ids": len(found.dropped)}
         deadline = _Deadline(up.call_deadline_s)
         try:
             site = CallSite(self.b.role, self.b.stage, self.b.case, self.b.trial, turn)

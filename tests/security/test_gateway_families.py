@@ -275,42 +275,44 @@ def _items_upstream(url: str, **kw: Any) -> UpstreamPolicy:
                            "prices": {"items": PRICE, "items-big": PRICE}, **kw})
 
 
-def test_an_item_id_not_answered_to_this_container_is_refused_before_anything_is_sent(
+def test_an_item_id_not_answered_to_this_container_never_reaches_the_upstream(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The upstream reads a stored item by its id, so an input item that carries an id
-    (not only an item reference) is a read of what the upstream keeps: a container may
-    send only ids of its own answers. Case b tries case a's reasoning item inline, as a
-    reference, and an id it made up; none reaches the upstream."""
+    (not only an item reference) is a read of what the upstream keeps: only ids of the
+    container's own answers are sent. Case b tries case a's reasoning item inline (sent
+    without the id), as a reference (refused), and an id it made up (sent without it)."""
     monkeypatch.setenv("CBX_ITEMS_KEY", "sk-items")
-    with upstream() as (url, srv), Gateway(tmp_path, "i", {"target": _items_upstream(url)},
-                 {"analyst": "target"}) as gw, \
-                gw.bound("analyst", stage="s", case="a", uid=os.getuid()) as a, \
-                gw.bound("analyst", stage="s", case="b", uid=os.getuid()) as b:
+    stolen = [{"role": "user", "content": "go on"},
+              {"type": "reasoning", "id": "rs_1", "summary": []}]
+    with upstream() as (url, srv), \
+            Gateway(tmp_path, "i", {"target": _items_upstream(url)},
+                    {"analyst": "target"}) as gw, \
+            gw.bound("analyst", stage="s", case="a", uid=os.getuid()) as a, \
+            gw.bound("analyst", stage="s", case="b", uid=os.getuid()) as b:
         assert post(gw, a, "/v1/responses", {"model": "items", "input": "hi"}
                     ).status_code == 200
-        stolen = [{"role": "user", "content": "go on"},
-                  {"type": "reasoning", "id": "rs_1", "summary": []}]
         tries = [post(gw, b, "/v1/responses", {"model": "items", "input": i}) for i in (
             stolen, [{"type": "item_reference", "id": "rs_1"}],
-            [{"type": "reasoning", "id": "rs_made_up", "summary": []}],
-            [{"type": "message", "id": "msg_1", "role": "assistant",
+            [{"type": "reasoning", "id": "rs_made_up", "summary": []},
+             {"type": "message", "id": "msg_1", "role": "assistant",
               "content": [{"type": "output_text", "text": "x"}]}])]
         own = post(gw, a, "/v1/responses", {"model": "items", "input": [
             *stolen, {"type": "item_reference", "id": "msg_1"}]})
-    assert [(t.status_code, t.json()["error"]["code"]) for t in tries] == [
-        (400, "item_id_unknown"), (400, "item_reference_unknown"),
-        (400, "item_id_unknown"), (400, "item_id_unknown")], [t.text for t in tries]
-    assert "input[1].id" in tries[0].json()["error"]["message"]
+    assert [t.status_code for t in tries] == [200, 400, 200], [t.text for t in tries]
+    assert tries[1].json()["error"]["code"] == "item_reference_unknown"
     assert own.status_code == 200, own.text
-    assert len(srv.requests) == 2  # case a's two; nothing of case b's
-    assert srv.requests[1]["input"][1] == {"type": "reasoning", "id": "rs_1", "summary": []}
-    assert srv.requests[1]["input"][2]["id"] == "msg_1"
-    assert srv.requests[1]["input"][2]["content"][0]["text"] == "y" * 10
+    sent = [r["input"] for r in srv.requests]
+    assert sent[1] == [stolen[0], {"type": "reasoning", "summary": []}]  # b: id dropped
+    assert [{k: v for k, v in i.items() if k != "content"} for i in sent[2]] == [
+        {"type": "reasoning", "summary": []}, {"type": "message", "role": "assistant"}]
+    assert sent[3][1] == {"type": "reasoning", "id": "rs_1", "summary": []}  # a: its own
+    assert sent[3][2]["id"] == "msg_1" and sent[3][2]["content"][0]["text"] == "y" * 10
     recs = CallLog(tmp_path / "gateway").records()
-    assert [(r.case, r.status, r.error) for r in recs] == [
-        ("a", "ok", None), *[("b", "refused", e) for e in (
-            "item_id_unknown", "item_reference_unknown", "item_id_unknown",
-            "item_id_unknown")], ("a", "ok", None)]
+    assert [(r.case, r.status, r.error, r.dropped_ids, r.resolved_references)
+            for r in recs] == [
+        ("a", "ok", None, None, None), ("b", "ok", None, 1, None),
+        ("b", "refused", "item_reference_unknown", None, None), ("b", "ok", None, 2, None),
+        ("a", "ok", None, None, 1)]
 
 
 def test_referenced_items_are_charged_to_the_sockets_byte_rate(

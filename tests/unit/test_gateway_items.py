@@ -96,14 +96,18 @@ def test_the_oldest_items_are_forgotten_past_the_cap_and_a_reference_says_so(
     assert "forgotten" in refused(s, {"id": "msg_big"}).message
 
 
-def test_an_item_with_an_id_must_carry_one_of_this_bindings_own() -> None:
+def test_an_id_not_this_bindings_own_is_dropped_from_its_item() -> None:
     s = ResponseItems()
     s.remember(answer("msg_1"), stream=False)
     own = {"type": "message", "id": "msg_1", "role": "assistant", "content": "x"}
     assert resolve(s, own)["input"] == [own]  # resent whole, id and all: forwarded
-    r = refused(s, {"type": "reasoning", "id": "rs_other", "summary": []})
-    assert (r.code, r.param) == ("item_id_unknown", "input[0].id")
-    assert refused(s, {"type": "reasoning", "id": 7}).code == "bad_request"
+    other = {"type": "reasoning", "id": "rs_other", "summary": []}
+    found = s.measure({"input": [own, other]}, body_bytes=10, max_bytes=1 << 20)
+    assert (found.places, found.dropped, found.extra) == ((), (1,), 0)
+    assert resolve(s, own, other)["input"] == [own, {"type": "reasoning", "summary": []}]
+    assert other["id"] == "rs_other"  # the container's own object is not changed
+    r = refused(s, {"type": "reasoning", "id": 7})
+    assert (r.code, r.param) == ("bad_request", "input[0].id")
     no_id = {"type": "message", "id": None, "role": "user", "content": "x"}
     assert resolve(s, no_id)["input"] == [no_id]
 
@@ -133,6 +137,6 @@ def test_the_ids_known_as_its_own_are_bounded_oldest_first(
     s = ResponseItems()
     for n in range(3):
         s.remember(answer(f"msg_{n}"), stream=False)
-    assert refused(s, {"type": "message", "id": "msg_0", "role": "user",
-                       "content": "x"}).code == "item_id_unknown"
+    assert s.measure({"input": [{"type": "message", "id": "msg_0", "role": "user",
+                                 "content": "x"}]}, body_bytes=1, max_bytes=99).dropped == (0,)
     assert resolve(s, {"id": "msg_2"})["input"][0]["id"] == "msg_2"
