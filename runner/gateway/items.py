@@ -137,26 +137,29 @@ class ResponseItems:
             items = _outputs(response, stream)
         except (ValueError, RecursionError):
             return 0
-        kept = 0
-        with self._lock:
-            for item in items:
-                iid = item.get("id") if isinstance(item, dict) else None
-                if not isinstance(iid, str) or not 0 < len(iid) <= MAX_ID:
-                    continue
+        kept: list[tuple[str, bytes | None]] = []  # serialized outside the lock
+        for item in items:
+            iid = item.get("id") if isinstance(item, dict) else None
+            if not isinstance(iid, str) or not 0 < len(iid) <= MAX_ID:
+                continue
+            try:
+                one = json.dumps(item, separators=(",", ":"), ensure_ascii=False).encode()
+            except (ValueError, RecursionError):
+                continue  # e.g. a lone surrogate: not an item to send again
+            kept.append((iid, one if len(one) <= MAX_BYTES else None))
+        with self._lock:  # only to insert and evict: measure never waits on a scan
+            for iid, data in kept:
                 self._know(iid)
-                data = json.dumps(item, separators=(",", ":"), ensure_ascii=False).encode()
                 old = self._items.pop(iid, None)
                 if old is not None:
                     self._bytes -= len(old)
-                if len(data) > MAX_BYTES:
-                    continue  # its own id, but too large to keep
-                self._items[iid] = data
-                self._bytes += len(data)
-                kept += 1
+                if data is not None:  # else its own id, but too large to keep
+                    self._items[iid] = data
+                    self._bytes += len(data)
             while len(self._items) > MAX_ITEMS or self._bytes > MAX_BYTES:
-                _, data = self._items.popitem(last=False)
-                self._bytes -= len(data)
-        return kept
+                _, old = self._items.popitem(last=False)
+                self._bytes -= len(old)
+        return sum(data is not None for _, data in kept)
 
     def measure(self, body: dict[str, Any], *, body_bytes: int,
                 max_bytes: int) -> Resolution:
@@ -172,47 +175,49 @@ class ResponseItems:
         places: list[tuple[int, bytes]] = []
         dropped: list[int] = []
         added = 0
-        with self._lock:
-            for i, item in enumerate(items):
-                if not isinstance(item, dict):
-                    continue
-                where = f"input[{i}]"
-                reference = is_reference(item)
-                iid = item.get("id")
-                if iid is None and not reference:
-                    continue
-                if not isinstance(iid, str) or not 0 < len(iid) <= MAX_ID:
-                    raise Refusal(400, "bad_request", f"{where}.id: an item id is a string "
-                                  f"of 1 to {MAX_ID} characters", f"{where}.id")
-                own = iid in self._own
-                if not reference:
-                    if not own:
-                        dropped.append(i)
-                    continue
-                if set(item) - {"type", "id"}:
-                    raise Refusal(400, "bad_request", f"{where}: an item reference has only "
-                                  f"type and id; got {sorted(item)[:8]}", where)
-                if iid in seen:
-                    raise Refusal(400, "item_reference_repeated", f"{where}: item "
-                                  f"{_shown(iid)} is referenced twice in one request", where)
-                seen.add(iid)
-                data = self._items.get(iid)
-                if data is None:
-                    why = (f"it was forgotten: a container keeps the output items of its "
-                           f"latest answers, at most {MAX_ITEMS} items and {MAX_BYTES} "
-                           "bytes" if own else
-                           "the gateway resolves a reference only to an output item of an "
-                           "earlier answer to this same container (one case, one trial), "
-                           "never to state the upstream keeps from elsewhere")
-                    raise Refusal(400, "item_reference_unknown", f"{where}: item "
-                                  f"{_shown(iid)} cannot be resolved: {why}; send the item "
-                                  "itself", where)
-                added += len(data)
-                if body_bytes + added > max_bytes:
-                    raise Refusal(413, "request_too_large", f"{where}: with its referenced "
-                                  f"items in place the request exceeds max_request_bytes "
-                                  f"({max_bytes}); send fewer or smaller items", where)
-                places.append((i, data))
+        own, kept = self._own, self._items
+        # No lock: remember() changes these under its lock, and a lookup in a dict is
+        # atomic; a scan of a large input on the pool never holds up a small request's
+        # on the loop (or anything else).
+        for i, item in enumerate(items):
+            if type(item) is not dict:
+                continue
+            iid = item.get("id")
+            reference = is_reference(item)
+            if iid is None and not reference:
+                continue
+            if type(iid) is not str or not 0 < len(iid) <= MAX_ID:
+                raise Refusal(400, "bad_request", f"input[{i}].id: an item id is a string "
+                              f"of 1 to {MAX_ID} characters", f"input[{i}].id")
+            if not reference:
+                if iid not in own:
+                    dropped.append(i)
+                continue
+            where = f"input[{i}]"
+            if set(item) - {"type", "id"}:
+                raise Refusal(400, "bad_request", f"{where}: an item reference has only "
+                              f"type and id; got {sorted(item)[:8]}", where)
+            if iid in seen:
+                raise Refusal(400, "item_reference_repeated", f"{where}: item "
+                              f"{_shown(iid)} is referenced twice in one request", where)
+            seen.add(iid)
+            data = kept.get(iid)
+            if data is None:
+                why = (f"it was forgotten: a container keeps the output items of its "
+                       f"latest answers, at most {MAX_ITEMS} items and {MAX_BYTES} bytes"
+                       if iid in own else
+                       "the gateway resolves a reference only to an output item of an "
+                       "earlier answer to this same container (one case, one trial), "
+                       "never to state the upstream keeps from elsewhere")
+                raise Refusal(400, "item_reference_unknown", f"{where}: item "
+                              f"{_shown(iid)} cannot be resolved: {why}; send the item "
+                              "itself", where)
+            added += len(data)
+            if body_bytes + added > max_bytes:
+                raise Refusal(413, "request_too_large", f"{where}: with its referenced "
+                              f"items in place the request exceeds max_request_bytes "
+                              f"({max_bytes}); send fewer or smaller items", where)
+            places.append((i, data))
         return Resolution(tuple(places), added, tuple(dropped)) if places or dropped \
             else NOTHING
 

@@ -126,16 +126,19 @@ RESPONSES_PARTS = frozenset({"input_text", "output_text", "text", "refusal", "in
                              "input_file", "summary_text", "reasoning_text"})
 
 
-def _responses_parts(parts: Any, where: str, ctx: _Ctx) -> None:
+def _responses_parts(parts: Any, where: str, ctx: _Ctx,
+                     allowed: frozenset[str] = RESPONSES_PARTS) -> None:
     if not isinstance(parts, list):
         return
     for j, part in enumerate(parts):
-        w = f"{where}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in RESPONSES_PARTS:
+        if kind not in allowed:
+            w = f"{where}[{j}]"
             raise _refuse("content_part_not_allowed", w,
-                          f"{w}: type {kind!r} is not allowed; allowed: "
-                          f"{sorted(RESPONSES_PARTS)}")
+                          f"{w}: type {kind!r} is not allowed; allowed: {sorted(allowed)}")
+        if kind not in ("input_image", "input_file"):
+            continue
+        w = f"{where}[{j}]"
         assert isinstance(part, dict)  # noqa: S101 - kind came from it
         if kind == "input_image":
             if part.get("file_id") is not None:
@@ -183,6 +186,11 @@ def _responses_content(body: dict[str, Any], ctx: _Ctx) -> None:
             _responses_parts(item.get("content"), f"{where}.content", ctx)
         elif kind == "function_call_output":
             _responses_parts(item.get("output"), f"{where}.output", ctx)
+        elif kind == "reasoning":  # its text only: no item or file reached through it
+            _responses_parts(item.get("summary"), f"{where}.summary", ctx,
+                             frozenset({"summary_text"}))
+            _responses_parts(item.get("content"), f"{where}.content", ctx,
+                             frozenset({"reasoning_text"}))
 
 
 ANTHROPIC_BLOCKS = frozenset({"text", "image", "document", "tool_use", "tool_result",

@@ -90,6 +90,12 @@ TRICKS: list[tuple[str, dict[str, Any], str, str]] = [
             {"type": "document", "source": {"type": "file", "file_id": "f"}}]}]}]},
      "remote_content_not_allowed", "messages[0].content[0].content[0].source"),
     ("/v1/embeddings", {"input": "hi", "max_tokens": 5}, "field_not_allowed", "'max_tokens'"),
+    ("/v1/responses", {"input": [{"type": "reasoning", "summary": [
+        {"type": "item_reference", "id": "rs_other"}]}]}, "content_part_not_allowed",
+     "input[0].summary[0]"),
+    ("/v1/responses", {"input": [{"type": "reasoning", "summary": [], "content": [
+        {"type": "input_file", "file_id": "file_other"}]}]}, "content_part_not_allowed",
+     "input[0].content[0]"),
 ]
 
 

@@ -140,3 +140,31 @@ def test_the_ids_known_as_its_own_are_bounded_oldest_first(
     assert s.measure({"input": [{"type": "message", "id": "msg_0", "role": "user",
                                  "content": "x"}]}, body_bytes=1, max_bytes=99).dropped == (0,)
     assert resolve(s, {"id": "msg_2"})["input"][0]["id"] == "msg_2"
+
+
+def test_measuring_never_waits_on_the_lock_that_remembering_takes() -> None:
+    """A large input is measured on the pool while a small request of the same container
+    is measured on the event loop: neither may wait on the other, or on remember()."""
+    import threading
+
+    s = ResponseItems()
+    s.remember(answer("msg_1"), stream=False)
+    done = threading.Event()
+
+    def measure() -> None:
+        resolve(s, {"id": "msg_1"})
+        done.set()
+
+    with s._lock:  # as remember() holds it while it inserts
+        t = threading.Thread(target=measure)
+        t.start()
+        assert done.wait(5), "measure waited on the lock"
+    t.join()
+
+
+def test_an_answer_item_that_cannot_be_serialized_is_not_kept() -> None:
+    s = ResponseItems()
+    bad = json.dumps({"output": [{"id": "msg_1", "type": "message", "text": "\ud800"},
+                                 {"id": "msg_2", "type": "message"}]}).encode()
+    assert s.remember(bad, stream=False) == 1
+    assert refused(s, {"id": "msg_1"}).code == "item_reference_unknown"
