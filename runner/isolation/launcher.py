@@ -57,6 +57,7 @@ def endpoint_env(token: str) -> dict[str, str]:
         "CYCLEBOX_GATEWAY_URL": RELAY_URL,
         **OFFLINE_ENV,
         **EGRESS_ENV,
+        **TRUST_ENV,
     }
 
 
@@ -104,6 +105,18 @@ CA bundle load (~26 ms in the analyst image), for each proxy variable it finds: 
 ``ALL_PROXY`` cost every Python SDK client that much at construction, every case. It
 named only a client reading nothing else (curl for a scheme other than http and https);
 that one now fails closed, unnamed."""
+
+
+TRUST_ENV = {"SSL_CERT_DIR": "/etc/ssl/certs"}
+"""The image's trust store named as the hashed directory it also is (Debian's
+ca-certificates; python:3.11-slim has it too), which OpenSSL reads a certificate at a
+time when a handshake asks, instead of the whole bundle, parsed again for every
+transport a Python SDK client builds: ``openai.OpenAI()`` and ``anthropic.Anthropic()``
+build three (their own and one per proxy variable of :data:`EGRESS_ENV`), measured at
+~110 ms of CPU per client in the analyst image without it and ~1 ms with it, every
+case. The same certificates either way, and no handshake can happen in a role container
+(no network; the deny-all proxy refuses ``CONNECT``): only the start is cheaper. A
+policy's own ``SSL_CERT_FILE`` still wins (clients read it first)."""
 
 
 class GatewayBinding(Protocol):

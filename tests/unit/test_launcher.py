@@ -16,6 +16,7 @@ from runner.isolation.launcher import (
     EGRESS_ENV,
     ENDPOINT_ENV_NAMES,
     OFFLINE_ENV,
+    TRUST_ENV,
     endpoint_env,
     launch,
     output_dir,
@@ -111,7 +112,8 @@ def test_a_bound_role_gets_the_endpoint_environment_over_any_other(tmp_path: Pat
     assert env["OPENAI_BASE_URL"] == env["OPENAI_API_BASE"] == "http://127.0.0.1:40080/v1"
     assert env["ANTHROPIC_BASE_URL"] == env["CYCLEBOX_GATEWAY_URL"] == "http://127.0.0.1:40080"
     assert env["OPENAI_API_KEY"] == env["ANTHROPIC_API_KEY"] == "tok-analyst"
-    assert set(endpoint_env("t")) == set(ENDPOINT_ENV_NAMES) | set(OFFLINE_ENV) | set(EGRESS_ENV)
+    assert set(endpoint_env("t")) == set(ENDPOINT_ENV_NAMES) | set(OFFLINE_ENV) | set(EGRESS_ENV) \
+        | set(TRUST_ENV)
 
 
 def test_an_unbound_role_gets_no_endpoint_environment(tmp_path: Path) -> None:
@@ -176,6 +178,8 @@ def test_every_proxy_variable_points_at_the_deny_all_proxy_but_the_gateway_is_di
     # the gateway endpoint is on the host NO_PROXY names, so clients reach it directly
     assert env["OPENAI_BASE_URL"].startswith(f"http://{RELAY_HOST}:")
     assert env["DISABLE_TELEMETRY"] == env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
+    # the trust store as its hashed directory: no bundle parsed per client transport
+    assert env["SSL_CERT_DIR"] == "/etc/ssl/certs" and "SSL_CERT_FILE" not in env
 
 
 def test_a_cycle_file_warm_that_cannot_be_warmed_is_refused_naming_the_field(
