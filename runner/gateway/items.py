@@ -99,11 +99,13 @@ class Resolution:
     def apply(self, body: dict[str, Any]) -> int:
         """Put the items in place in ``body["input"]`` and drop the ids not this
         binding's; returns how many items were put in place."""
-        items = body["input"] if self.places or self.dropped else None
+        if not (self.places or self.dropped):
+            return 0
+        items: list[Any] = body["input"]  # a list: measure() found these places in it
         for i, data in self.places:
-            items[i] = json.loads(data)  # type: ignore[index]
+            items[i] = json.loads(data)
         for i in self.dropped:
-            items[i] = {k: v for k, v in items[i].items() if k != "id"}  # type: ignore[index]
+            items[i] = {k: v for k, v in items[i].items() if k != "id"}
         return len(self.places)
 
 

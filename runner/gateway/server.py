@@ -696,6 +696,8 @@ class _Handler:
         def record() -> None:
             if remember:  # before the next request of this container can be read
                 assert response is not None  # noqa: S101 - remember says so
+                # The redacted answer, parsed again: the items inspect() parsed are the
+                # upstream's unredacted ones, and a resolved reference is sent and recorded.
                 self.b.items.remember(response, stream=stream)
             self.gw._record(
                 self.b, turn, t0, status="infra_error" if result.error else "ok",

@@ -18,6 +18,7 @@ import pytest
 from runner.gateway.budget import BudgetPolicy, RunBudget
 from runner.gateway.calllog import CallLog
 from runner.gateway.config import UpstreamPolicy, parse_upstream
+from runner.gateway.redact import MARK
 from runner.gateway.server import Binding, Gateway
 from tests.fixtures.gateway_upstreams import upstream
 
@@ -277,8 +278,9 @@ def test_a_token_of_another_role_is_refused_on_every_route(tmp_path: Path) -> No
 def _items_upstream(url: str, **kw: Any) -> UpstreamPolicy:
     return parse_upstream({"provider": "openai", "base_url": url,
                            "credential": {"env": "CBX_ITEMS_KEY"},
-                           "models": ["items", "items-big"], "max_tokens": 10,
-                           "prices": {"items": PRICE, "items-big": PRICE}, **kw})
+                           "models": ["items", "items-big", "items-echo-key"],
+                           "max_tokens": 10, "prices": {"items": PRICE, "items-big": PRICE,
+                                                        "items-echo-key": PRICE}, **kw})
 
 
 def test_an_item_id_not_answered_to_this_container_never_reaches_the_upstream(
@@ -319,6 +321,32 @@ def test_an_item_id_not_answered_to_this_container_never_reaches_the_upstream(
         ("a", "ok", None, None, None), ("b", "ok", None, 1, None),
         ("b", "refused", "item_reference_unknown", None, None), ("b", "ok", None, 2, None),
         ("a", "ok", None, None, 1)]
+
+
+def test_a_referenced_item_is_the_redacted_one_the_container_was_answered_with(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An upstream that echoes its key in an output item: the container gets the item
+    redacted, and a reference to it sends (and records) that redacted item, never the
+    upstream's own bytes with the key in them."""
+    monkeypatch.setenv("CBX_ITEMS_KEY", "sk-items-secret-value")
+    with upstream() as (url, srv), \
+            Gateway(tmp_path, "k", {"target": _items_upstream(url)},
+                    {"analyst": "target"}) as gw, \
+            gw.bound("analyst", stage="s", case="a", uid=os.getuid()) as a:
+        first = post(gw, a, "/v1/responses", {"model": "items-echo-key", "input": "hi"})
+        again = post(gw, a, "/v1/responses", {"model": "items", "input": [
+            {"type": "item_reference", "id": "msg_1"}]})
+    assert first.status_code == 200 and again.status_code == 200, again.text
+    assert "sk-items-secret-value" not in first.text
+    sent = srv.requests[1]["input"][0]
+    assert sent["id"] == "msg_1"
+    assert sent["content"][0]["text"] == MARK.decode()
+    for f in (tmp_path / "gateway").rglob("*"):
+        if f.is_file():
+            assert b"sk-items-secret-value" not in f.read_bytes(), f
+    recs = CallLog(tmp_path / "gateway").records()
+    assert [(r.status, r.resolved_references) for r in recs] == [("ok", None), ("ok", 1)]
+    assert recs[0].redactions == 1
 
 
 def test_referenced_items_are_charged_to_the_sockets_byte_rate(
