@@ -170,7 +170,7 @@ bench-scale: setup docker images ## Demo grown to ~100 and ~400 cases/side, loca
 	@mkdir -p build/bench
 	$(BIN)/python -m bench.scale --cases 100,400 --out build/bench/scale.json
 
-lock: ## Refresh constraints/*.txt (every env's pins) from fresh unconstrained venvs; then run make test
+lock: ## Refresh constraints/*.txt (every env's pins) from fresh unconstrained venvs (run make test afterwards)
 	$(PY) constraints/refresh.py $(PIP_VERSION) host verl mock attest
 
 gc: setup ## Remove cyclebox containers whose controller is gone

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from runner.cli.options import BackendOpt, JsonOpt, PoliciesOpt, RayAddressOpt
+from runner.cli.options import HostBackendOpt, HostRayAddressOpt, JsonOpt, PoliciesOpt
 from runner.cli.output import out
 from runner.errors import EXIT_PREREQUISITE
 from runner.paths import default_policies
@@ -20,7 +20,7 @@ commands = typer.Typer()
 def doctor(policies: PoliciesOpt = default_policies(), json_out: JsonOpt = False,
            probe: Annotated[bool, typer.Option(help="Run a probe container to check that "
                                                     "limits are enforced.")] = True,
-           backend: BackendOpt = None, ray_address: RayAddressOpt = None) -> None:
+           backend: HostBackendOpt = None, ray_address: HostRayAddressOpt = None) -> None:
     """Check the engine, its limits, the role images and free disk; exit non-zero with the fix.
 
     With --backend ray: the cluster's nodes advertising the cyclebox resource, and on

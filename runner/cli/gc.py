@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from runner.cli.options import BackendOpt, JsonOpt, RayAddressOpt
+from runner.cli.options import HostBackendOpt, HostRayAddressOpt, JsonOpt
 from runner.cli.output import out, report_warning
 from runner.errors import EXIT_ENGINE
 from runner.termsafe import emit_json, safe
@@ -22,8 +22,8 @@ def gc(all_: Annotated[bool, typer.Option("--all", help="Remove every cyclebox c
                                           "even those whose owner still runs.")] = False,
        dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be removed; "
                                              "remove nothing.")] = False,
-       json_out: JsonOpt = False, backend: BackendOpt = None,
-       ray_address: RayAddressOpt = None) -> None:
+       json_out: JsonOpt = False, backend: HostBackendOpt = None,
+       ray_address: HostRayAddressOpt = None) -> None:
     """Remove cyclebox-labelled containers whose owner process is gone, and stale gateway
     socket and input staging directories; print what it removed (or, with --dry-run,
     would remove)."""

@@ -20,7 +20,14 @@ HtmlOpt = Annotated[Path | None, typer.Option(
     "--html", help="Write one self-contained HTML report (no scripts, strict CSP).")]
 BackendOpt = Annotated[str | None, typer.Option(
     "--backend", help="Where role containers run: docker (this machine's engine) or ray "
-    "(the nodes of a Ray cluster). Default: the cycle file's `backend`, else docker.")]
+    "(the nodes of a Ray cluster). Default: the cycle file's `backend` when one is given "
+    "(a frozen --plan's run reads no cycle file), else docker.")]
 RayAddressOpt = Annotated[str | None, typer.Option(
     "--ray-address", help="Ray cluster address (HOST:PORT) for --backend ray. Default: the "
-    "cycle file's ray.address, else Ray's `auto`.")]
+    "cycle file's ray.address when one is given, else Ray's `auto`.")]
+HostBackendOpt = Annotated[str | None, typer.Option(
+    "--backend", help="Which backend to check or clean: docker (this machine's engine, the "
+    "default) or ray (the nodes of a Ray cluster).")]
+HostRayAddressOpt = Annotated[str | None, typer.Option(
+    "--ray-address", help="Ray cluster address (HOST:PORT) for --backend ray. Default: "
+    "Ray's `auto`.")]

@@ -45,14 +45,16 @@ class Answer(BaseModel):
     model_config = ConfigDict(extra="allow", use_attribute_docstrings=True)
 
     answer: float | str | None = None
-    """The answer: a number for a number reference (within its relative tolerance), text
-    for a text reference (must contain the reference value, case-insensitive), null when
-    refusing."""
+    """The answer, compared by the case's scorer (docs/scorers.md): a number for a number
+    reference (within its tolerance), text for a text reference (`kind: text` means the
+    `normalized` scorer: equal after Unicode normalisation, case folding and whitespace
+    collapsing; `contains` is the opt-in substring test), null when refusing."""
     refused: bool = False
     """true when the agent declines the request; a refuse reference needs exactly this."""
     evidence: list[str] = Field(default_factory=list)
-    """What the answer rests on (queries, table names, fact ids); must mention every string
-    of the reference's evidence."""
+    """What the answer rests on (queries, table names, fact ids): at most 16 strings; every
+    entry of the reference's evidence must occur in one of them as whole words, and
+    citing many entries the case does not need fails the evidence criterion."""
 
 
 class BaseFile(Frozen):
