@@ -3,6 +3,7 @@
 ``_gateway_proc.py PORT``: forward to an openai-compatible upstream on 127.0.0.1:PORT.
 ``_gateway_proc.py '{upstream policy JSON}'``: any upstream policy (role analyst).
 A second socket (``flood_dir``, stage ``flooded``) is there to be flooded.
+``CBX_BENCH_BARE_HANDLER=1``: the handler is a bare forward (the floor's http_relay).
 Prints {"dir", "token", "flood_dir", "run_dir", "pid"} once the sockets are up;
 exits when stdin closes.
 """
@@ -23,6 +24,21 @@ from runner.gateway.server import Gateway
 # Ablations for the flooded-socket figure: CBX_BENCH_OFFLOAD_BYTES (parse/write on the
 # loop below this size), CBX_BENCH_BYTE_RATE (per-socket body bytes/s).
 server.OFFLOAD_BYTES = int(os.environ.get("CBX_BENCH_OFFLOAD_BYTES", server.OFFLOAD_BYTES))
+
+if os.environ.get("CBX_BENCH_BARE_HANDLER"):
+    # The floor's "http_relay" (bench/gateway.py --floor): the gateway's own HTTP server
+    # (limits, token check) and upstream client, its handler replaced by a bare forward of
+    # the request bytes: no parse, no policy, no usage, no budget, no record. An ablation
+    # for the bench only; never a mode of the gateway.
+    from runner.gateway.http import Head, Reply
+
+    async def _bare(self: server._Handler, head: Head, body: bytes) -> Reply:
+        p = self.gw._providers[self.name]  # type: ignore[index]
+        status, data = await p._client.post(  # type: ignore[attr-defined]
+            "chat/completions", body, p.headers(False))  # type: ignore[attr-defined]
+        return Reply(status, data, "application/json")
+
+    server._Handler.handle = _bare  # type: ignore[method-assign]
 
 if sys.argv[1].startswith("{"):
     up = parse_upstream(json.loads(sys.argv[1]))

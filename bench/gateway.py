@@ -10,9 +10,13 @@ run it three times and take medians (the machine's load is reported as ``loadavg
 ``gateway_cpu_us_per_call``: CPU seconds the gateway process spent (``/proc/PID/stat``)
 per call, which the load of other processes does not distort.
 
-``--floor``: also a byte pipe in the gateway's place (``bench/_pipe_proc.py``: the same
-unix socket to TCP hop on uvloop, nothing parsed, checked or recorded), c1 p50 interleaved
-with direct: what the hop alone costs, so the gateway's ratio over it is its own work.
+``--floor``: c1 p50 of four paths interleaved in one set of rounds: direct; a byte pipe
+in the gateway's place (``bench/_pipe_proc.py``: the same unix socket to TCP hop on uvloop,
+nothing parsed, checked or recorded); ``http_relay``, the gateway's own HTTP server (its
+limits and token check) and upstream client with the handler a bare forward (no parse,
+policy, usage, budget or record; ``CBX_BENCH_BARE_HANDLER``, a bench-only ablation); and
+the whole gateway. What the hop, the HTTP layer and the gateway's own work each add, with
+the CPU per call of the two gateway processes.
 
 ``sdk_client``: the same c1 comparison with the client an agent runs instead of
 httpx2: the ``openai`` SDK's synchronous client (``chat.completions.create``, retries off),
@@ -174,32 +178,58 @@ async def measure(info: dict[str, str], port: int, n: int) -> dict[str, object]:
     return out
 
 
-async def floor(port: int, n: int) -> dict[str, object]:
-    """c1 p50 of a byte pipe (``_pipe_proc.py``) against direct, rounds interleaved."""
+async def floor(info: dict[str, str], port: int, n: int) -> dict[str, object]:
+    """c1 p50 of direct, a byte pipe (``_pipe_proc.py``), the gateway's HTTP layer alone
+    (``_gateway_proc.py`` with ``CBX_BENCH_BARE_HANDLER``: its server, limits, token check
+    and upstream client, the handler a bare forward) and the whole gateway, rounds
+    interleaved: what the hop, the HTTP layer and the gateway's own work each add."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="cbx-bench-pipe-") as tmp:
         path = str(Path(tmp) / "pipe.sock")
         pipe = subprocess.Popen([sys.executable, str(HERE / "_pipe_proc.py"), str(port), path],
                                 stdout=subprocess.PIPE, text=True)
+        bare = subprocess.Popen([sys.executable, str(HERE / "_gateway_proc.py"), str(port)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "CBX_BENCH_BARE_HANDLER": "1"})
         try:
-            assert pipe.stdout is not None
+            assert pipe.stdout is not None and bare.stdout is not None
             pipe.stdout.readline()
+            relay = json.loads(bare.stdout.readline())
             h = {"Authorization": "Bearer sk-bench", "Content-Type": "application/json"}
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
-            via = httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=path), timeout=30)
+            clients = [httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=d),
+                                          timeout=30)
+                       for d in (path, str(Path(relay["dir"]) / "gateway.sock"),
+                                 str(Path(info["dir"]) / "gateway.sock"))]
             direct = httpx2.AsyncClient(timeout=30)
-            sides: Sides = {"pipe": (via, url, h), "direct": (direct, url, h)}
+            sides: Sides = {
+                "direct": (direct, url, h), "pipe": (clients[0], url, h),
+                "http_relay": (clients[1], url, {**h, "Authorization":
+                                                 f"Bearer {relay['token']}"}),
+                "gateway": (clients[2], url, {**h, "Authorization":
+                                              f"Bearer {info['token']}"})}
             await warm_up(sides, 1)
+            cpu0 = {k: cpu_s(int(d["pid"])) for k, d in (("http_relay", relay),
+                                                           ("gateway", info))}
             rows, _walls = await interleaved(sides, n, 1)
-            await via.aclose()
-            await direct.aclose()
+            cpu = {k: round(1e6 * (cpu_s(int(d["pid"])) - cpu0[k]) / len(rows[k]), 1)
+                   for k, d in (("http_relay", relay), ("gateway", info))}
+            for c in (*clients, direct):
+                await c.aclose()
         finally:
             pipe.kill()
             pipe.wait()
+            if bare.stdin is not None:
+                bare.stdin.close()
+            bare.wait(timeout=30)
     p50 = {k: round(1000 * statistics.median(v), 3) for k, v in rows.items()}
-    return {"pipe_p50_ms": p50["pipe"], "direct_p50_ms": p50["direct"],
-            "c1_p50_pipe_over_direct": round(p50["pipe"] / p50["direct"], 3)}
+    return {"p50_ms": p50, "cpu_us_per_call": cpu,
+            "pipe_p50_ms": p50["pipe"], "direct_p50_ms": p50["direct"],
+            "c1_p50_pipe_over_direct": round(p50["pipe"] / p50["direct"], 3),
+            "c1_p50_http_relay_over_direct": round(p50["http_relay"] / p50["direct"], 3),
+            "c1_p50_gateway_over_direct": round(p50["gateway"] / p50["direct"], 3),
+            "c1_p50_gateway_over_http_relay": round(p50["gateway"] / p50["http_relay"], 3)}
 
 
 IN_CONTAINER = """
@@ -307,7 +337,8 @@ def main() -> None:
                     help="also measure the in-container loopback path (Docker, role images)")
     ap.add_argument("--container-calls", type=int, default=200)
     ap.add_argument("--floor", action="store_true",
-                    help="also a byte pipe in the gateway's place (what the hop alone costs)")
+                    help="also a byte pipe and the bare HTTP layer in the gateway's place, "
+                         "interleaved (what the hop and the HTTP layer alone cost)")
     a = ap.parse_args()
     load_before = os.getloadavg()
     port = free_port()
@@ -326,7 +357,7 @@ def main() -> None:
         info = json.loads(gateway.stdout.readline())
         result = asyncio.run(measure(info, port, a.requests))
         flooded = asyncio.run(victim(info, 200))
-        piped = asyncio.run(floor(port, a.requests)) if a.floor else None
+        piped = asyncio.run(floor(info, port, a.requests)) if a.floor else None
         sdk = sdk_client(info, port, a.requests)
     finally:
         if gateway is not None and gateway.stdin is not None:
@@ -363,9 +394,10 @@ def main() -> None:
     }
     summary["sdk_client"] = sdk
     if piped is not None:
+        p50 = piped["p50_ms"]
         piped["c1_p50_gateway_over_pipe"] = round(
-            c1["gateway"]["p50_ms"] / piped["pipe_p50_ms"], 3)  # type: ignore[index]
-        summary["floor_byte_pipe"] = piped
+            p50["gateway"] / p50["pipe"], 3)  # type: ignore[index]
+        summary["floor"] = piped
     if a.in_container:
         summary["in_container"] = in_container(a.container_calls)
     report(summary, a.out)
