@@ -288,7 +288,9 @@ def main(in_dir: Path = Path("/in"), ref_dir: Path = Path("/ref"), cfg_dir: Path
     project = ProjectScorer(project_file, float(proj_cfg["timeout_s"])) if proj_cfg else None
     lines = []
     try:
-        for line in (in_dir / "answers.jsonl").read_text().splitlines():
+        for line in (in_dir / "answers.jsonl").read_text().split("\n"):  # JSON Lines: "\n" only
+            if not line:
+                continue
             row = json.loads(line)
             ref = refs[row["case_id"]]
             grades = grade(row, ref, cfg, project)

@@ -21,7 +21,11 @@ from pathlib import Path
 MAX_FILE_BYTES = 256 * 1024
 MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays/objects any cyclebox JSON reader accepts."""
-_JSON_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
+# A string token cannot fail once it has started: its body is possessive and it ends at
+# its closing quote or at the end of the text (an unclosed string, maybe after a lone
+# backslash). A pattern that could fail there was retried from every later quote, each
+# try reading to the end: quadratic time in one C call holding the GIL.
+_JSON_TOKENS = re.compile(r'"[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\\?\Z)|[\[\]{}]', re.DOTALL)
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _FENCE = re.compile(r"^\s*```[A-Za-z0-9_-]*\s*\n(.*)\n\s*```\s*$", re.DOTALL)
 

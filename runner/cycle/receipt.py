@@ -90,7 +90,11 @@ def _records_digest(path: Path) -> str | None:
     if not path.is_file():
         return None
     rows = []
-    for line in path.read_text().splitlines():
+    # "\n" only: a record's strings may hold U+2028, U+2029 or U+0085 raw, which
+    # str.splitlines() would also split on (JSON Lines ends a line at "\n" alone)
+    for line in path.read_text().split("\n"):
+        if not line:
+            continue
         r = json.loads(line)
         rows.append({k: r.get(k) for k in ("case_id", "trial", "status", "reason", "answer",
                                             "grades", "identities")})

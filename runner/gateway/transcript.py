@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runner.errors import OutputRejected
+from runner.gateway.usage import sse_lines
 from runner.isolation.collect import loads_strict
 
 APIS = ("chat", "responses", "messages", "embeddings", "count_tokens")
@@ -179,7 +180,7 @@ def _sse(data: bytes, what: str = "response") -> list[tuple[str | None, Any]]:
                     raise _bad(f"stream_event_not_json (event {len(events)})") from None
         name = None
 
-    for line in text.splitlines():
+    for line in sse_lines(text):
         if not line:
             flush()
         elif line.startswith(":"):

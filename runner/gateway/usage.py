@@ -23,6 +23,7 @@ included; completion = every output token, reasoning included):
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from runner.errors import OutputRejected
@@ -87,11 +88,21 @@ def usage_messages(u: Any) -> Usage | None:
                  write=write, reasoning=_int(u, "output_tokens_details", "reasoning_tokens"))
 
 
+_SSE_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+def sse_lines(text: str) -> list[str]:
+    """The lines of an SSE body. A line ends at CRLF, CR or LF alone (the SSE standard),
+    never at U+2028, U+2029, U+0085 or the other breaks ``str.splitlines()`` honours:
+    JSON carries those raw inside a string, so an event would be cut in two."""
+    return _SSE_LINE_END.split(text)
+
+
 def sse_events(data: bytes) -> list[str]:
     """The data payloads of an SSE body, in order (multi-line data joined by newlines)."""
     events: list[str] = []
     lines: list[str] = []
-    for line in data.decode("utf-8", errors="replace").splitlines():
+    for line in sse_lines(data.decode("utf-8", errors="replace")):
         if not line:
             if lines:
                 events.append("\n".join(lines))

@@ -22,7 +22,7 @@ def main(in_dir: Path = Path("/in"), model_dir: Path = Path("/model"),
     persona: dict[str, Any] = json.loads((in_dir / "persona.json").read_text())
     cfg: dict[str, Any] = json.loads((in_dir / "config.json").read_text())
     ledger_file = in_dir / "ledger.jsonl"
-    ledger = [json.loads(x) for x in ledger_file.read_text().splitlines() if x.strip()] \
+    ledger = [json.loads(x) for x in ledger_file.read_text().split("\n") if x.strip()] \
         if ledger_file.exists() else []
     rows = plan.rows_from_persona(persona)
     dataset = out / "dataset.jsonl"

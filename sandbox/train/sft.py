@@ -27,7 +27,8 @@ def outcome_key(value: Any) -> str:
 
 def select(path: Path, *, include_failed: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(trajectories to learn from, selection record with counts by r_outcome)."""
-    trajs = [json.loads(line) for line in path.read_text().splitlines()]
+    # JSON Lines end at "\n" alone: a trajectory's text may hold U+2028 or U+0085 raw
+    trajs = [json.loads(line) for line in path.read_text().split("\n") if line]
     counts = {"1": 0, "0": 0, "null": 0}
     for t in trajs:
         counts[outcome_key(t.get("r_outcome"))] += 1

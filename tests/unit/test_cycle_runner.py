@@ -128,8 +128,8 @@ def run(plan: Path, box: FakeSandbox, stages: list[str] | None = None) -> Outcom
 
 
 def records(plan: Path, side: str) -> dict[str, dict[str, Any]]:
-    lines = (plan.parent / "stages" / side / "records.jsonl").read_text().splitlines()
-    return {r["case_id"]: r for r in map(json.loads, lines)}
+    text = (plan.parent / "stages" / side / "records.jsonl").read_text()
+    return {r["case_id"]: r for r in map(json.loads, text.split("\n")[:-1])}
 
 
 def fake(behaviours: dict[str, Behaviour], **kw: Any) -> FakeSandbox:
@@ -326,6 +326,31 @@ def test_hostile_or_failed_analyst_output_invalidates_that_case_only(planned: Fr
         "invalid_output: answer.json is not a JSON object (stderr: ")
     assert sum(r["status"] == "ok" for r in base.values()) == POLICY_CASES - 3
     assert outcome.result.verdict == "invalid_comparison"
+
+
+def test_line_separators_in_an_answer_are_kept_and_the_receipt_verifies(
+        planned: Freeze) -> None:
+    """U+2028, U+2029 and U+0085 are valid in a JSON string (escaped in answer.json) and
+    written raw into records.jsonl; every reader splits JSON Lines at "\\n" alone, so the
+    receipt is built (str.splitlines() split a record in three and no receipt was written)."""
+    from runner.cycle.receipt import build, verify
+
+    plan = planned()
+    marks = "see table\u2028orders\u2029and\u0085more"
+
+    def separators(call: Call) -> Result:
+        answer = json.loads(analyst(call).files["answer.json"])
+        answer["evidence"] = [*answer["evidence"], marks]
+        return Result(files={"answer.json": json.dumps(answer)})  # ASCII: escaped
+
+    outcome = run(plan, fake(script(analyst=separators)))
+    assert outcome.failure is None
+    raw = (plan.parent / "stages" / "baseline" / "records.jsonl").read_bytes()
+    assert "\u2028".encode() in raw  # written raw: the test exercises the readers
+    assert all(marks in r["answer"]["evidence"] for r in records(plan, "baseline").values()
+               if r["status"] == "ok")
+    build(outcome)
+    assert verify(plan.parent) == []
 
 
 def test_a_failed_evaluator_ends_the_cycle_with_its_stop_reason(planned: Freeze) -> None:

@@ -670,6 +670,18 @@ def test_sft_selection_learns_from_passed_only(run: Path, calibration: Path,
     assert len(everything) == 6 and sel_all["used"] == 6 and sel_all["left_out"] == 0
 
 
+def test_sft_selection_reads_line_separators_in_a_trajectory(tmp_path: Path) -> None:
+    """trajectories.jsonl keeps text unescaped (ensure_ascii=False): a request or reply
+    holding U+2028, U+2029 or U+0085 stays one line, read at "\\n" alone."""
+    from sandbox.train.sft import select
+
+    rows = [{"r_outcome": 1.0, "prompt": "a\u2028b\u2029c\u0085d"}, {"r_outcome": 0.0}]
+    path = tmp_path / "trajectories.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    used, sel = select(path, include_failed=False)
+    assert used == rows[:1] and sel["trajectories"] == 2
+
+
 def test_point_adapter_at_host_model(tmp_path: Path) -> None:
     from sandbox.train.sft import point_adapter_at
 

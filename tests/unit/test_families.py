@@ -70,6 +70,51 @@ def test_messages_stream_usage_is_cumulative_and_needs_message_stop() -> None:
     assert inspect(sse(start, d1), stream=True, api="messages") == (None, "truncated_stream")
 
 
+@pytest.mark.parametrize("mark", ["\u2028", "\u2029", "\u0085"])
+def test_a_stream_whose_text_holds_a_line_break_of_unicode_stays_whole(mark: str) -> None:
+    """SSE lines end at CR, LF or CRLF only. JSON carries U+2028, U+2029 and U+0085 raw
+    in a string (ensure_ascii=False, many encoders), and the reply is a whole stream:
+    measured, and its text read back (str.splitlines() cut the event in two)."""
+    from runner.gateway.transcript import chat_reply, messages_reply, responses_reply
+
+    text = f"hel{mark}lo"
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    streams = {
+        "chat": ("".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in (
+            {"choices": [{"index": 0, "delta": {"role": "assistant", "content": text}}]},
+            {"choices": [], "usage": usage})) + "data: [DONE]\n\n", chat_reply),
+        "responses": ("".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}"
+                              "\n\n" for e in (
+            {"type": "response.output_item.added", "output_index": 0,
+             "item": {"type": "message", "role": "assistant", "content": []}},
+            {"type": "response.output_text.delta", "output_index": 0, "content_index": 0,
+             "delta": text},
+            {"type": "response.completed", "response": {"output": [{
+                "type": "message", "role": "assistant", "content": [
+                    {"type": "output_text", "text": text}]}],
+                "usage": {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5}}})),
+            responses_reply),
+        "messages": ("".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}"
+                             "\n\n" for e in (
+            {"type": "message_start", "message": {"role": "assistant", "content": [],
+                                                  "usage": {"input_tokens": 3,
+                                                            "output_tokens": 1}}},
+            {"type": "content_block_start", "index": 0,
+             "content_block": {"type": "text", "text": ""}},
+            {"type": "content_block_delta", "index": 0,
+             "delta": {"type": "text_delta", "text": text}},
+            {"type": "content_block_stop", "index": 0},
+            {"type": "message_delta", "delta": {}, "usage": {"output_tokens": 2}},
+            {"type": "message_stop"})), messages_reply),
+    }
+    for api, (body, reply) in streams.items():
+        raw = body.encode()
+        assert mark.encode() in raw, api  # raw in the stream, not escaped
+        got, err = inspect(raw, stream=True, api=api)  # type: ignore[arg-type]
+        assert err is None and got is not None and got.completion_tokens == 2, api
+        assert reply(raw, True)["content"] == text, api
+
+
 def test_embeddings_and_count_tokens() -> None:
     body = json.dumps({"data": [], "usage": {"prompt_tokens": 8, "total_tokens": 8}}).encode()
     assert inspect(body, stream=False, api="embeddings") == (Usage(

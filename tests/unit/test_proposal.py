@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,21 @@ def test_strict_json_depth_and_duplicate_keys(text: str, error: str | None) -> N
     else:
         with pytest.raises(ValueError, match=error):
             strict_json(text)
+
+
+@pytest.mark.parametrize("tail", ['"' + '\\"' * 200_000, '"' + '\\"' * 200_000 + "\\",
+                                  '"' + "x" * 400_000])
+def test_the_depth_scan_of_an_unclosed_string_is_linear(tail: str) -> None:
+    """More than 64 brackets (so the depth scan runs), then a string that never closes,
+    full of escaped quotes: a string pattern that could fail at the end was retried from
+    every later quote, each try reading to the end, in one C call holding the GIL. At
+    400 KB that took many minutes and froze the gateway's every socket; now milliseconds.
+    The bound is a denial-of-service guard, hundreds of times the linear scan's time."""
+    text = "[]" * 65 + tail
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"Extra data|Unterminated string"):
+        strict_json(text)
+    assert time.perf_counter() - t0 < 5.0
 
 
 # -- check_path -------------------------------------------------------------------------
