@@ -412,8 +412,10 @@ class Connection(asyncio.Protocol):
         try:
             reply = await _guard(self.l.handler, head, body, self.l.handler.handle(head, body))
         except asyncio.CancelledError:
+            # Recorded by the handler: as interrupted, or as it ended when the upstream
+            # had already answered and only its recording was still waiting.
             self._send(Reply(503, b'{"error":{"code":"interrupted","message":"the gateway '
-                                  b'is shutting down; the call was recorded as interrupted"}}'),
+                                  b'is shutting down; the call was recorded"}}'),
                        keep_alive=False)
             raise
         finally:

@@ -578,6 +578,15 @@ class _Handler:
         self.gw._record(self.b, turn, t0, status="infra_error", error="interrupted",
                         cost=worst, cost_basis=basis, **common)
 
+    def _interrupted_unsent(self, head: Head, body: bytes, turn: int, t0: float, *,
+                            model: str | None = None, stream: bool = False) -> None:
+        """A call cancelled before anything was sent upstream (the gateway is stopping
+        while the pool parses or checks it): recorded as interrupted, at no cost."""
+        self.gw._record_after(functools.partial(
+            self.gw._record, self.b, turn, t0, status="infra_error", error="interrupted",
+            upstream=self.name, received=body, model=model, stream=stream,
+            api=ROUTES.get(head.path), cost=0.0))
+
     async def handle(self, head: Head, body: bytes) -> Reply:
         api = ROUTES.get(head.path)
         if api is None:
@@ -591,6 +600,9 @@ class _Handler:
                                         lambda: loads_strict(body, source="request"))
         except OutputRejected as exc:
             return self.refuse(head, 400, "bad_request", str(exc), body, t0=t0, turn=turn)
+        except asyncio.CancelledError:  # stopped while the pool parsed it: nothing sent
+            self._interrupted_unsent(head, body, turn, t0)
+            raise
         if not isinstance(obj, dict):
             return self.refuse(head, 400, "bad_request", "body must be an object", body,
                                t0=t0, turn=turn)
@@ -611,6 +623,9 @@ class _Handler:
             except Refusal as r:
                 return self.refuse(head, r.status, r.code, r.message, body, model=model,
                                    stream=stream, t0=t0, turn=turn, param=r.param)
+            except asyncio.CancelledError:
+                self._interrupted_unsent(head, body, turn, t0, model=model, stream=stream)
+                raise
         if not found.extra:
             return await self._answer(head, body, obj, api, model, stream, t0, turn, found)
         # The referenced items count as body bytes the container sent: the socket's byte
@@ -645,6 +660,9 @@ class _Handler:
         except Refusal as r:
             return self.refuse(head, r.status, r.code, r.message, body, model=model,
                                stream=stream, t0=t0, turn=turn, param=r.param)
+        except asyncio.CancelledError:
+            self._interrupted_unsent(head, body, turn, t0, model=model, stream=stream)
+            raise
         price = up.prices.get(model)
         free = api == "count_tokens"  # answered without generating: never billed
         worst = 0.0 if free else (worst_case_usd(len(sent), vetted, price, up.rules)
@@ -656,6 +674,10 @@ class _Handler:
             except BudgetRefused as exc:
                 return self.refuse(head, 429, "budget", exc.reason, body, model=model,
                                    stream=stream, t0=t0, turn=turn)
+        elif self.gw.budget.halted:  # free, but nothing reaches an upstream after a halt
+            return self.refuse(head, 429, "budget", f"admission halted: "
+                               f"{self.gw.budget.halted}", body, model=model, stream=stream,
+                               t0=t0, turn=turn)
         provider = self.gw._providers[name]
         common: dict[str, Any] = {"upstream": name, "provider": provider.name, "model": model,
                                   "stream": stream, "sent": sent, "api": api,
@@ -707,13 +729,38 @@ class _Handler:
 
         size = len(sent) + len(response or b"")
         if size >= OFFLOAD_BYTES:
-            await self.gw.offload(self.b, size, record)  # large blobs: on the pool, first
+            once = _Once(record)
+            try:
+                await self.gw.offload(self.b, size, once)  # large blobs: on the pool, first
+            except asyncio.CancelledError:
+                # Stopped while the pool was busy: the call happened and was charged, so
+                # it is recorded here (once: the pool may have started it meanwhile).
+                self.gw._record_after(once)
+                raise
         else:
             # Small: written right after the reply, in the same step of the loop (no await
             # between them, so neither a cancel nor another call comes in between), while
             # the container reads its answer: one call's recording is off its latency.
             reply.after = functools.partial(self.gw._record_after, record)
         return reply
+
+
+class _Once:
+    """Run ``fn`` at most once, from whichever thread comes first; a later caller waits
+    for the first to finish (a call's recording: on the pool, or on the loop when the
+    task awaiting the pool was cancelled)."""
+
+    __slots__ = ("_done", "_fn", "_lock")
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn, self._lock, self._done = fn, threading.Lock(), False
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+            self._fn()
 
 
 class _Deadline:

@@ -243,8 +243,10 @@ class HttpxClient:
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
         try:
-            async with self._client.stream("POST", path, content=body,
-                                           headers=headers) as resp:
+            # identity: the body is read raw (aiter_raw), measured and redacted as bytes;
+            # httpx's default Accept-Encoding would let a compressed answer pass unread
+            async with self._client.stream("POST", path, content=body, headers={
+                    **headers, "Accept-Encoding": "identity"}) as resp:
                 chunks: list[bytes] = []
                 got = 0
                 async for chunk in resp.aiter_raw():

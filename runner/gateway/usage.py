@@ -33,18 +33,26 @@ from runner.isolation.collect import loads_strict
 RESPONSES_TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
+MAX_TOKENS = 10**12
+"""More tokens than any call can use: a count above it is no measurement (an upstream's
+401-digit integer overflowed the cost to an exception that left its reservation open)."""
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_TOKENS
+
+
 def _int(obj: Any, *path: str) -> int:
-    """A non-negative int at ``path`` inside nested dicts; 0 when absent or not an int."""
+    """A token count at ``path`` inside nested dicts; 0 when absent or not a count."""
     for key in path:
         if not isinstance(obj, dict):
             return 0
         obj = obj.get(key)
-    return obj if isinstance(obj, int) and not isinstance(obj, bool) and obj >= 0 else 0
+    return obj if _count(obj) else 0
 
 
 def _has_int(obj: Any, key: str) -> bool:
-    v = obj.get(key) if isinstance(obj, dict) else None
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return _count(obj.get(key) if isinstance(obj, dict) else None)
 
 
 def _make(prompt: int, completion: int, *, cached: int = 0, write: int = 0,

@@ -660,6 +660,75 @@ def test_interrupt_from_a_signal_handler_cancels_and_records(
     assert [(r.status, r.error) for r in recs] == [("infra_error", "interrupted")]
 
 
+@pytest.mark.parametrize("busy_from", ["parse", "record"])
+def test_a_large_call_stopped_while_the_pool_is_busy_is_still_recorded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, busy_from: str) -> None:
+    """A body of 64 KiB or more is parsed and recorded on the gateway's shared pool. When
+    every worker is busy (other sockets' large calls) and the gateway is stopped, the
+    call's task is cancelled while it waits: before the upstream (nothing sent, recorded
+    interrupted at no cost) or after it answered (recorded as it ended, with its cost).
+    Either way one record, never none (the cancel dropped both)."""
+    monkeypatch.setenv("CBX_SEC_KEY", "sk-busy")
+    with upstream() as (url, srv):
+        up = parse_upstream({
+            "provider": "openai", "base_url": url, "credential": {"env": "CBX_SEC_KEY"},
+            "models": ["worst-a"],
+            "prices": {"worst-a": {"input_per_mtok": 1, "output_per_mtok": 1}}})
+        with Gateway(tmp_path, "sec", {"target": up}, {"analyst": "target"}) as gw, \
+                gw.bound("analyst", stage="s", uid=os.getuid()) as b:
+            assert gw._pool is not None
+            workers = gw._pool._max_workers
+            release = threading.Event()
+            busy = threading.Event()
+
+            def congest() -> None:
+                for _ in range(workers):
+                    gw._pool.submit(release.wait, 30)  # type: ignore[union-attr]
+                busy.set()
+
+            if busy_from == "parse":
+                congest()
+            else:
+                provider = gw._providers["target"]
+                answered = provider.call
+
+                async def then_congest(*a: Any, **kw: Any) -> Any:
+                    result = await answered(*a, **kw)
+                    congest()
+                    return result
+
+                monkeypatch.setattr(provider, "call", then_congest)
+            statuses: list[int] = []
+
+            def call() -> None:
+                with httpx2.Client(transport=httpx2.HTTPTransport(
+                        uds=str(b.directory / "gateway.sock")), timeout=30) as c:
+                    statuses.append(c.post("http://gw/v1/chat/completions", json={
+                        "model": "worst-a", "max_tokens": 16,
+                        "messages": [{"role": "user", "content": "x" * 100_000}]},
+                        headers={"Authorization": f"Bearer {gw.token_for('analyst')}"}
+                    ).status_code)
+
+            caller = threading.Thread(target=call)
+            caller.start()
+            assert busy.wait(10)
+            time.sleep(0.3)  # the call's task now waits for a worker
+            gw.interrupt()
+            caller.join(timeout=30)
+            release.set()
+            gw.flush()
+            recs = gw.calls("s")
+    assert statuses == [503]
+    if busy_from == "parse":
+        assert srv.requests == []
+        assert [(r.status, r.error, r.cost_usd) for r in recs] == [
+            ("infra_error", "interrupted", 0.0)]
+    else:
+        assert len(srv.requests) == 1
+        assert [(r.status, r.error) for r in recs] == [("ok", None)]
+        assert recs[0].cost_usd and recs[0].request_stored
+
+
 def test_calls_read_once_a_case_ended_are_not_kept_in_memory(gw_factory: Any) -> None:
     """A long run's controller memory does not grow with its calls: the cycle reads a
     case's calls with forget=True once it ended, and the gateway drops them (the log on

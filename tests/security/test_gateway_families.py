@@ -225,6 +225,21 @@ def test_a_stream_without_usage_is_bounded_and_admission_goes_on(
     assert budget.halted is None
 
 
+def test_a_free_count_tokens_call_is_refused_once_admission_halted(tmp_path: Path) -> None:
+    """count_tokens costs nothing and needs no reservation, but after a halt (e.g. the
+    call log could not be written) nothing reaches an upstream."""
+    budget = RunBudget(BudgetPolicy(limit_usd=1.0))
+    with Gateway(tmp_path, "ct", {"target": scripted()}, {"analyst": "target"},
+                 budget) as gw, gw.bound("analyst", stage="s", uid=os.getuid()) as b:
+        body = {"model": "m", "messages": MSG}
+        assert post(gw, b, "/v1/messages/count_tokens", body).status_code == 200
+        budget.halt("call log write failed: disk full")
+        r = post(gw, b, "/v1/messages/count_tokens", body)
+    assert r.status_code == 429 and "admission halted: call log write failed" in r.text
+    recs = CallLog(tmp_path / "gateway").records()
+    assert [(x.status, x.error) for x in recs] == [("ok", None), ("refused", "budget")]
+
+
 def test_a_100mb_tool_result_is_refused_from_its_length_without_being_held(
         tmp_path: Path) -> None:
     with Gateway(tmp_path, "big", {"target": scripted()}, {"analyst": "target"}) as gw, \

@@ -115,6 +115,21 @@ def test_a_stream_whose_text_holds_a_line_break_of_unicode_stays_whole(mark: str
         assert reply(raw, True)["content"] == text, api
 
 
+def test_a_token_count_beyond_any_call_is_no_measurement() -> None:
+    """A 401-digit count overflowed the cost to an exception after the upstream was
+    reached (the reservation left open): it is no usage, so the call is bounded."""
+    huge = 10 ** 400
+    body = json.dumps({"choices": [{}], "usage": {"prompt_tokens": huge,
+                                                  "completion_tokens": 1}}).encode()
+    assert inspect(body, stream=False) == (None, None)
+    body = json.dumps({"choices": [{}], "usage": {
+        "prompt_tokens": 5, "completion_tokens": 1,
+        "prompt_tokens_details": {"cached_tokens": huge}}}).encode()
+    got, _ = inspect(body, stream=False)
+    assert got is not None and got.cached_tokens == 0
+    assert cost_usd(got, Price(input_per_mtok=1, output_per_mtok=1)) is not None
+
+
 def test_embeddings_and_count_tokens() -> None:
     body = json.dumps({"data": [], "usage": {"prompt_tokens": 8, "total_tokens": 8}}).encode()
     assert inspect(body, stream=False, api="embeddings") == (Usage(

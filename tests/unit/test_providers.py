@@ -198,6 +198,53 @@ def test_upstream_client_uses_httpx_only_behind_a_proxy(monkeypatch: pytest.Monk
     assert isinstance(client_for("https://api.example.com/v1", **kw), HttpClient)
 
 
+def test_the_proxy_client_asks_for_and_reads_an_uncompressed_body() -> None:
+    """HttpxClient reads raw bytes (measured and redacted as they came): it must not ask
+    for a compressed answer, or an echoed key would pass redaction gzipped."""
+    import gzip
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from runner.gateway.upstream_http import HttpxClient
+
+    reply = b'{"echo": "sk-proxy-secret"}'
+    seen: list[str] = []
+
+    class Zipping(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            accept = self.headers.get("Accept-Encoding", "")
+            seen.append(accept)
+            data = gzip.compress(reply) if "gzip" in accept else reply
+            self.send_response(200)
+            if "gzip" in accept:
+                self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *_a: object) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Zipping)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        c = HttpxClient(f"http://127.0.0.1:{srv.server_address[1]}/v1", read_timeout=5,
+                        max_response=1 << 20)
+
+        async def go() -> tuple[int, bytes]:
+            try:
+                return await c.post("chat/completions", b"{}", {})
+            finally:
+                await c.aclose()
+
+        assert asyncio.run(go()) == (200, reply)
+        assert seen == ["identity"]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 # -- upstreams: a discriminated union on `provider` -------------------------------------------
 class _Ups(Frozen):
     upstreams: dict[str, UpstreamPolicy]
