@@ -112,8 +112,10 @@ def exact(got: Any, want: Any) -> bool:
         return isinstance(got, str) and got == want
     if isinstance(want, bool) or not isinstance(want, int | float):
         return got is None and want is None
-    return (not isinstance(got, bool) and isinstance(got, int | float)
-            and math.isfinite(got) and float(got) == float(want))
+    if isinstance(got, bool) or not isinstance(got, int | float):
+        return False
+    g, w = as_number(got), as_number(want)  # None past a float's range: a 400-digit int
+    return g is not None and w is not None and g == w
 
 
 def normalized(got: Any, want: Any) -> bool:

@@ -284,7 +284,7 @@ def chat_reply(response: bytes, stream: bool) -> Message:
         return _assistant(_chat_content(content, "response.choices[0].message.content"), calls)
     text: list[str] = []
     refusal: list[str] = []
-    acc: dict[int, dict[str, str]] = {}
+    acc: dict[int, dict[str, list[str]]] = {}
     for n, (_, raw_chunk) in enumerate(_sse(response)):
         w = f"stream chunk {n}"
         chunk = _obj(raw_chunk, w)
@@ -306,16 +306,17 @@ def chat_reply(response: bytes, stream: bool) -> Message:
                 if type(idx) is not int or not 0 <= idx < MAX_TOOL_CALLS:
                     raise _bad(f"{w}.delta.tool_calls[].index {_name(idx)} is not 0.."
                                f"{MAX_TOOL_CALLS - 1}")
-                slot = acc.setdefault(idx, {"id": "", "name": "", "arguments": ""})
-                # strings accumulate, as the openai SDK's accumulate_delta does
+                slot = acc.setdefault(idx, {"id": [], "name": [], "arguments": []})
+                # strings accumulate, as the openai SDK's accumulate_delta does (pieces
+                # joined once at the end: += on a dict's string copies it every time)
                 if tc.get("id") is not None:
-                    slot["id"] += _str(tc["id"], f"{w}.delta.tool_calls[].id")
+                    slot["id"].append(_str(tc["id"], f"{w}.delta.tool_calls[].id"))
                 fn = _obj(tc.get("function") or {}, f"{w}.delta.tool_calls[].function")
                 for k in ("name", "arguments"):
                     if fn.get(k) is not None:
-                        slot[k] += _str(fn[k], f"{w}.delta.tool_calls[].function.{k}")
-    calls = [_call(s["id"], s["name"], s["arguments"], f"stream tool call {i}")
-             for i, s in sorted(acc.items())]
+                        slot[k].append(_str(fn[k], f"{w}.delta.tool_calls[].function.{k}"))
+    calls = [_call("".join(s["id"]), "".join(s["name"]), "".join(s["arguments"]),
+                   f"stream tool call {i}") for i, s in sorted(acc.items())]
     content = "".join(text) if text or not refusal else "".join(refusal)
     return _assistant(content, calls)
 
@@ -414,6 +415,10 @@ def responses_reply(response: bytes, stream: bool) -> Message:
             raise _bad("response is an error")
         return _responses_output(obj.get("output"), "response.output")
     items: dict[int, dict[str, Any]] = {}
+    # Deltas gather as pieces, joined once when the stream ends (+= on a dict's string
+    # copies it every time: quadratic in the reply's length).
+    args: dict[int, list[str]] = {}
+    texts: dict[int, list[tuple[dict[str, Any], str, list[str]]]] = {}
     for n, (name, raw_ev) in enumerate(_sse(response)):
         w = f"stream event {n}"
         ev = _obj(raw_ev, w)
@@ -430,27 +435,39 @@ def responses_reply(response: bytes, stream: bool) -> Message:
         idx = ev.get("output_index")
         if type(idx) is not int or not 0 <= idx < MAX_MESSAGES:
             raise _bad(f"{w}.output_index {_name(idx)} out of range")
-        if kind == "response.output_item.done":
-            items[idx] = dict(_obj(ev.get("item"), f"{w}.item"))
-        elif kind == "response.output_item.added":
-            added = dict(_obj(ev.get("item"), f"{w}.item"))
-            if added.get("type") == "message":
-                added["content"] = []
-            items[idx] = added
+        if kind in ("response.output_item.done", "response.output_item.added"):
+            item = dict(_obj(ev.get("item"), f"{w}.item"))
+            if kind == "response.output_item.added" and item.get("type") == "message":
+                item["content"] = []
+            items[idx] = item  # the done item is whole: deltas gathered so far are moot
+            args.pop(idx, None)
+            texts.pop(idx, None)
         elif idx not in items:
             raise _bad(f"{w}: a delta for output {idx} before its item")
         else:
             item = items[idx]
             delta = _str(ev.get("delta"), f"{w}.delta")
             if kind == "response.function_call_arguments.delta":
-                item["arguments"] = _opt_str(item.get("arguments"), f"{w}.arguments") + delta
+                if idx not in args:
+                    args[idx] = [_opt_str(item.get("arguments"), f"{w}.arguments")]
+                args[idx].append(delta)
             else:
                 part = "refusal" if kind == "response.refusal.delta" else "output_text"
                 key = "refusal" if part == "refusal" else "text"
                 content = _list(item.setdefault("content", []), f"{w}.content")
-                if not content or content[-1].get("type") != part:
-                    content.append({"type": part, key: ""})
-                content[-1][key] += delta
+                parts = texts.setdefault(idx, [])
+                last = _obj(content[-1], f"{w}.content[-1]") if content else None
+                if last is None or last.get("type") != part:
+                    last = {"type": part, key: ""}
+                    content.append(last)
+                if not parts or parts[-1][0] is not last:
+                    parts.append((last, key, [_opt_str(last.get(key), f"{w}.content.{key}")]))
+                parts[-1][2].append(delta)
+    for idx, pieces in args.items():
+        items[idx]["arguments"] = "".join(pieces)
+    for gathered in texts.values():
+        for block, key, pieces in gathered:
+            block[key] = "".join(pieces)
     return _responses_output([items[k] for k in sorted(items)], "stream output")
 
 
@@ -550,6 +567,7 @@ def messages_reply(response: bytes, stream: bool) -> Message:
         return _assistant_blocks(obj.get("content"), "response.content")
     blocks: dict[int, dict[str, Any]] = {}
     partial: dict[int, list[str]] = {}
+    texts: dict[int, list[str]] = {}  # pieces joined at the end, not += (quadratic)
     for n, (name, raw_ev) in enumerate(_sse(response)):
         w = f"stream event {n}"
         ev = _obj(raw_ev, w)
@@ -564,15 +582,16 @@ def messages_reply(response: bytes, stream: bool) -> Message:
         if kind == "content_block_start":
             blocks[idx] = dict(_obj(ev.get("content_block"), f"{w}.content_block"))
             partial[idx] = []
+            texts.pop(idx, None)
         elif idx not in blocks:
             raise _bad(f"{w}: {kind} for block {idx} before its start")
         elif kind == "content_block_delta":
             delta = _obj(ev.get("delta"), f"{w}.delta")
             dk = delta.get("type")
             if dk == "text_delta":
-                b = blocks[idx]
-                b["text"] = _opt_str(b.get("text"), f"{w}.text") + _str(
-                    delta.get("text"), f"{w}.delta.text")
+                if idx not in texts:
+                    texts[idx] = [_opt_str(blocks[idx].get("text"), f"{w}.text")]
+                texts[idx].append(_str(delta.get("text"), f"{w}.delta.text"))
             elif dk == "input_json_delta":
                 partial[idx].append(_str(delta.get("partial_json"), f"{w}.delta.partial_json"))
             elif dk in ("thinking_delta", "signature_delta", "citations_delta"):
@@ -587,6 +606,8 @@ def messages_reply(response: bytes, stream: bool) -> Message:
                 except OutputRejected:
                     raise _bad(f"{w}: streamed tool input of block {idx} is not JSON"
                                ) from None
+    for idx, pieces in texts.items():
+        blocks[idx]["text"] = "".join(pieces)
     return _assistant_blocks([blocks[k] for k in sorted(blocks)], "stream content")
 
 

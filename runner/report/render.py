@@ -53,22 +53,23 @@ def change_text(c: Change) -> str:
 
 
 def terminal_rows(r: Report) -> Iterator[tuple[str, str]]:
-    """(label, value) rows for a two-column terminal table; values already made visible
-    (controls escaped) but not markup-escaped: print them with markup off."""
+    """(label, value) rows for a two-column terminal table; labels and values already made
+    visible (controls escaped) but not markup-escaped: print them with markup off."""
     yield "run", one_line(f"{r.name} ({r.run_dir})")
     yield "verdict", r.verdict + f" (exit {r.exit_code})"
     for reason in r.reasons:
         yield "reason", reason_text(r, reason)
     for p in r.pass_rates:
-        yield f"pass {p.arm} {p.split}", _rate(p.passed, p.rows) + (
+        yield one_line(f"pass {p.arm} {p.split}", 60), _rate(p.passed, p.rows) + (
             f", {p.rows - p.ok} not ok" if p.ok != p.rows else "")
     for ch in r.improved:
         yield "improved", one_line(change_text(ch))
     for ch in r.regressed:
         yield "regressed", one_line(change_text(ch))
     for rc in r.costs:
-        yield f"cost {rc.role}", (f"{rc.calls} calls ({rc.ok} ok), {rc.tokens} tokens, "
-                                  + cost_text(rc) + fixture_text(rc))
+        yield one_line(f"cost {rc.role}", 60), (
+            f"{rc.calls} calls ({rc.ok} ok), {rc.tokens} tokens, " + cost_text(rc)
+            + fixture_text(rc))
     if r.statistics is not None:
         s = r.statistics
         yield "McNemar", f"b={s.b} c={s.c} pairs={s.pairs} p={s.p_value:.4g} (beside the verdict)"

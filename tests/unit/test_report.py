@@ -156,8 +156,11 @@ def test_markdown_is_inert(run: Path) -> None:
 
 
 def test_terminal_rows_have_no_controls(run: Path) -> None:
+    calls = run / "gateway" / "calls.jsonl"  # a role from a tampered run dir: a label
+    calls.write_text(calls.read_text() + json.dumps(call(9, HOSTILE + "\x9b31m", 0.1)) + "\n")
     rows = list(terminal_rows(build_report(run)))
-    assert all("\x1b" not in v and "\u202e" not in v for _, v in rows)
+    assert any(k.startswith("cost <script>") for k, _ in rows)
+    assert all(c not in k + v for k, v in rows for c in ("\x1b", "\u202e", "\x9b"))
     assert ("verdict", "reject (exit 1)") in rows
     assert any(k == "McNemar" and "p=0.625" in v for k, v in rows)
 

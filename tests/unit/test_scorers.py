@@ -65,6 +65,9 @@ def test_exact() -> None:
     assert not scoring.exact("12", 12.0)  # a string is not the number
     assert not scoring.exact(True, 1.0)
     assert not scoring.exact(float("nan"), 1.0)
+    huge = 10 ** 400  # valid JSON, past a float's range: False, never OverflowError
+    assert not scoring.exact(huge, 42) and not scoring.exact(huge, 1.5)
+    assert not scoring.json_field({"a": huge}, 1.5, path="a", match="exact")
 
 
 def test_normalized_is_equality_not_substring() -> None:

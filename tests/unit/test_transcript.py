@@ -211,6 +211,30 @@ def test_responses_stream(completed: bool) -> None:
     assert t.reply == RESP_REPLY
 
 
+def test_responses_stream_parts_switch_and_a_done_item_replaces_its_deltas() -> None:
+    """Deltas gather as pieces joined at the end: a text part, a refusal part, text
+    again each stay their own part in order; an item's done event is the whole item."""
+    msg = {"type": "message", "role": "assistant", "content": []}
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": ""}
+    ev = [{"type": "response.output_item.added", "output_index": 0, "item": msg},
+          *({"type": f"response.{k}.delta", "output_index": 0, "delta": d}
+            for k, d in (("output_text", "A"), ("output_text", "b"), ("refusal", "R"),
+                         ("output_text", "c"))),
+          {"type": "response.output_item.added", "output_index": 1, "item": call},
+          {"type": "response.function_call_arguments.delta", "output_index": 1,
+           "delta": '{"city": "Pa'},
+          {"type": "response.output_item.done", "output_index": 1,
+           "item": {**call, "arguments": '{"city":"Rome"}'}},
+          {"type": "response.function_call_arguments.delta", "output_index": 0,
+           "delta": "ignored: not a call"}]
+    body = sse(ev[:-1], named=True)
+    t = transcript("responses", j(RESP_REQUEST), body, stream=True)
+    assert t.reason is None
+    assert t.reply == {"role": "assistant", "content": "AbRc", "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}}]}
+
+
 def test_responses_completed_is_the_reply_not_the_deltas() -> None:
     body = responses_stream(completed=False) + sse([{
         "type": "response.completed", "sequence_number": 9,
