@@ -333,7 +333,7 @@ class Connection(asyncio.Protocol):
         headers: dict[str, str] = {}
         for k, v in self.headers:
             key = k.decode("latin-1")
-            if key in headers and key in ("authorization", "content-length"):
+            if key in headers and key in ("authorization", "x-api-key", "content-length"):
                 self._refuse(400, "bad_http", f"duplicate {key} header")
                 return
             headers[key] = v.decode("latin-1")

@@ -158,7 +158,7 @@ def _responses_content(body: dict[str, Any], ctx: _Ctx) -> None:
                           f"{key} makes the upstream use state it keeps (earlier responses, "
                           "conversations, stored prompts) that the gateway can neither bound "
                           "nor replay; send the whole input instead")
-    if body.get("background") not in (None, False):
+    if body.get("background") is not None and body["background"] is not False:
         raise _refuse("background_not_allowed", "background",
                       "background: true runs the call detached from this request, beyond the "
                       "call deadline and the record; send it in the foreground")
@@ -432,7 +432,7 @@ def vet(body: dict[str, Any], *, rules: RequestRules, cap: int, api: Api = "chat
         opts = body.get("stream_options")
         out["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
                                  "include_usage": True}
-    elif stream not in (None, False, True):
+    elif stream is not None and type(stream) is not bool:  # 1 == True in Python, not JSON
         raise _refuse("bad_request", "stream", "stream must be true or false")
     elif stream is True and not fam.output:
         raise _refuse("bad_request", "stream", f"{api} does not stream")

@@ -73,6 +73,11 @@ TRICKS: list[tuple[str, dict[str, Any], str, str]] = [
      "conversation"),
     ("/v1/responses", {"input": "hi", "background": True}, "background_not_allowed",
      "background"),
+    ("/v1/responses", {"input": "hi", "background": 0}, "background_not_allowed",
+     "background"),  # 0 == False in Python, not in JSON
+    ("/v1/responses", {"input": "hi", "stream": 1}, "bad_request", "stream must be true"),
+    ("/v1/chat/completions", {"messages": MSG, "stream": 0}, "bad_request",
+     "stream must be true"),
     ("/v1/responses", {"input": "hi", "service_tier": "priority"}, "service_tier_not_allowed",
      "service_tier='priority'"),
     ("/v1/messages", {"messages": MSG, "max_tokens": 5, "service_tier": "auto"},

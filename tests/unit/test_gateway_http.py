@@ -101,6 +101,25 @@ def test_trailer_fields_are_refused_and_not_kept(run: Run) -> None:
     run(main())
 
 
+@pytest.mark.parametrize("name", [b"Authorization", b"x-api-key", b"Content-Length"])
+def test_a_credential_or_length_header_given_twice_is_refused(run: Run, name: bytes) -> None:
+    """Which of two values counts would be the parser's choice, not the request's."""
+    async def main() -> None:
+        h = FakeHandler()
+        lst = await _listener(h)
+        twice = b"".join(name + b": " + v + b"\r\n" for v in (b"2", b"2"))
+        r, w = await asyncio.open_unix_connection(lst.path)
+        w.write(b"POST /v1/messages HTTP/1.1\r\nHost: a\r\n" + twice
+                + (b"" if name == b"Content-Length" else b"Content-Length: 2\r\n")
+                + b"\r\n{}")
+        answer = await asyncio.wait_for(r.read(), 5)
+        w.close()
+        assert answer.startswith(b"HTTP/1.1 400 "), answer[:80]
+        assert [c for c, _, _ in h.refusals] == ["bad_http"] and h.calls == 0
+        await lst.close(0)
+    run(main())
+
+
 def test_one_endless_trailer_field_is_bounded(run: Run) -> None:
     # httptools accumulates a field's bytes itself and reports it only when it ends.
     async def main() -> None:
