@@ -112,6 +112,15 @@ class RequestRules(Frozen):
     remote image URLs are always refused (the upstream would fetch them)."""
     image_token_bound: int = Field(default=6000, gt=0)
     """Worst-case input tokens charged for one image part."""
+    allow_documents: bool = False
+    """Inline files the upstream reads page by page (Anthropic ``document`` blocks with a
+    base64 source, Responses ``input_file`` with ``file_data``: PDFs), each reserved at
+    document_token_bound input tokens. Their bytes do not bound their tokens (a 1 KB PDF
+    of 100 blank pages is billed per page) and a page may be sent as an image too.
+    Plain-text documents (a ``text`` or ``content`` source) are text, always allowed."""
+    document_token_bound: int = Field(default=300_000, gt=0)
+    """Worst-case input tokens charged for one such document (the default: 100 pages of
+    3,000 tokens, text and page image; set it to your provider's page limit)."""
     extra_fields: tuple[str, ...] = ()
     """Extra top-level fields forwarded verbatim, e.g. ``service_tier``, ``store``,
     ``web_search_options``, ``metadata``. Their cost effects are not bounded."""

@@ -56,6 +56,8 @@ class Vetted:
     max_tokens: int
     """Output tokens per choice, at most (0 for embeddings and token counting)."""
     images: int
+    documents: int = 0
+    """Inline files read page by page (PDFs), each reserved at document_token_bound."""
 
 
 @dataclass
@@ -66,6 +68,7 @@ class _Ctx:
     where: str
     """e.g. ``upstreams.target.rules`` (the policy place of this role's rules)."""
     images: int = 0
+    documents: int = 0
 
     def place(self, key: str) -> str:
         return f"{self.where}.{key} in cycle.yaml"
@@ -90,6 +93,17 @@ def _image(ctx: _Ctx, where: str, url: Any) -> None:
                       f"{where}: image input is off for this role "
                       f"({ctx.place('allow_images')})")
     ctx.images += 1
+
+
+def _document(ctx: _Ctx, where: str) -> None:
+    """An inline file the upstream reads page by page: its bytes do not bound its tokens."""
+    if not ctx.rules.allow_documents:
+        raise _refuse("documents_not_allowed", where,
+                      f"{where}: inline files (PDFs) are off for this role: their pages are "
+                      f"billed beyond their bytes; turn them on with "
+                      f"{ctx.place('allow_documents')} (each reserved at "
+                      f"document_token_bound tokens)")
+    ctx.documents += 1
 
 
 # -- per-family content -----------------------------------------------------------
@@ -149,6 +163,7 @@ def _responses_parts(parts: Any, where: str, ctx: _Ctx,
                 raise _remote(ctx, w, "a stored or remote file (file_id/file_url)")
             if not isinstance(part.get("file_data"), str):
                 raise _refuse("bad_request", w, f"{w}: input_file needs inline file_data")
+            _document(ctx, w)
 
 
 def _responses_content(body: dict[str, Any], ctx: _Ctx) -> None:
@@ -216,6 +231,8 @@ def _anthropic_blocks(blocks: Any, where: str, ctx: _Ctx) -> None:
                 raise _remote(ctx, f"{w}.source", f"a {stype!r} source (URL or stored file)")
             if kind == "image":
                 _image(ctx, w, "data:")
+            elif stype == "base64":
+                _document(ctx, w)
             elif stype == "content":
                 _anthropic_blocks(source.get("content") if isinstance(source, dict) else None,
                                   f"{w}.source.content", ctx)
@@ -440,12 +457,14 @@ def vet(body: dict[str, Any], *, rules: RequestRules, cap: int, api: Api = "chat
     budget = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
     per_choice = max([*caps, budget if isinstance(budget, int) else 0]) if fam.output else 0
     return Vetted(body=out, choices=max(n, best_of or 1), max_tokens=per_choice,
-                  images=ctx.images)
+                  images=ctx.images, documents=ctx.documents)
 
 
 def worst_case_usd(request_bytes: int, v: Vetted, price: Price, rules: RequestRules) -> float:
     """Most a call can cost: every byte an input token at the dearest input price (cache
-    writes can cost more than plain input), every choice at max_tokens."""
-    tokens_in = request_bytes + TEMPLATE_MARGIN_TOKENS + v.images * rules.image_token_bound
+    writes can cost more than plain input), each inline image and document at its token
+    bound, every choice at max_tokens."""
+    tokens_in = (request_bytes + TEMPLATE_MARGIN_TOKENS + v.images * rules.image_token_bound
+                 + v.documents * rules.document_token_bound)
     tokens_out = v.choices * v.max_tokens
     return (tokens_in * price.max_input_per_mtok() + tokens_out * price.output_per_mtok) / 1e6

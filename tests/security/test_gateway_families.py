@@ -95,6 +95,14 @@ TRICKS: list[tuple[str, dict[str, Any], str, str]] = [
         {"type": "tool_result", "tool_use_id": "t", "content": [
             {"type": "document", "source": {"type": "file", "file_id": "f"}}]}]}]},
      "remote_content_not_allowed", "messages[0].content[0].content[0].source"),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                        "data": "JVBERi0="}}]}]},
+     "documents_not_allowed", "rules.allow_documents"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_file", "filename": "a.pdf",
+         "file_data": "data:application/pdf;base64,JVBERi0="}]}]},
+     "documents_not_allowed", "rules.allow_documents"),
     ("/v1/embeddings", {"input": "hi", "max_tokens": 5}, "field_not_allowed", "'max_tokens'"),
     ("/v1/responses", {"input": [{"type": "reasoning", "summary": [
         {"type": "item_reference", "id": "rs_other"}]}]}, "content_part_not_allowed",

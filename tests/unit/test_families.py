@@ -168,6 +168,33 @@ def test_worst_case_uses_the_dearest_input_price_and_output_per_family() -> None
             rules=rules, cap=100, where="upstreams.u.rules")
 
 
+def test_an_inline_pdf_needs_the_policy_and_is_reserved_at_its_page_bound() -> None:
+    """A 1 KB PDF of 100 pages is billed per page, not per byte: refused unless
+    allow_documents, then reserved at document_token_bound; a text document is text."""
+    pdf = {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}
+    msg = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": [
+        {"type": "document", "source": pdf}, {"type": "text", "text": "sum up"}]}]}
+    resp = {"model": "m", "input": [{"role": "user", "content": [
+        {"type": "input_file", "filename": "a.pdf", "file_data": "data:application/pdf;"
+         "base64,JVBERi0="}]}]}
+    for api, body in (("messages", msg), ("responses", resp)):
+        with pytest.raises(Refusal, match=r"upstreams\.u\.rules\.allow_documents") as exc:
+            vet(json.loads(json.dumps(body)), rules=RequestRules(), cap=10, api=api,
+                where="upstreams.u.rules")
+        assert exc.value.code == "documents_not_allowed"
+        rules = RequestRules(allow_documents=True, document_token_bound=5000)
+        v = vet(json.loads(json.dumps(body)), rules=rules, cap=10, api=api)
+        assert v.documents == 1
+        p = Price(input_per_mtok=1, output_per_mtok=1)
+        assert worst_case_usd(100, v, p, rules) == pytest.approx((100 + 64 + 5000 + 10) / 1e6)
+    text_doc = {"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                               "data": "plain"}}
+    v = vet({"model": "m", "max_tokens": 10, "messages": [
+        {"role": "user", "content": [text_doc]}]}, rules=RequestRules(), cap=10,
+        api="messages")
+    assert v.documents == 0
+
+
 def test_old_call_records_load_with_defaults() -> None:
     old = {"seq": 0, "ts": "2025-01-01T00:00:00.000+00:00", "run_id": "r", "role": "analyst",
            "upstream": "target", "stage": "s", "turn": 0, "provider": "openai", "model": "m",
