@@ -30,6 +30,7 @@ and count_tokens calls are not turns: they are counted in the summary, not expor
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -442,15 +443,36 @@ def chat_messages(request: str) -> list[dict[str, Any]]:
         raise ValueError(exc.reason) from None
 
 
+Said = tuple[str, tuple[tuple[str, str, str], ...]]
+
+
+def said(message: dict[str, Any]) -> Said:
+    """What an assistant message says: its text and its tool calls (id, name, arguments;
+    arguments that parse as JSON compared as canonical JSON, since SDKs re-serialize
+    them)."""
+    calls = []
+    for c in message.get("tool_calls") or []:
+        fn = c.get("function") or {}
+        args = str(fn.get("arguments", ""))
+        with contextlib.suppress(OutputRejected):  # not JSON: compared as the text
+            args = json.dumps(loads_strict(args, source="arguments"), sort_keys=True,
+                              separators=(",", ":"))
+        calls.append((str(c.get("id", "")), str(fn.get("name", "")), args))
+    return str(message.get("content") or ""), tuple(calls)
+
+
 def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReference], *,
               ability: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, int]]:
     """(rl rows, sft rows, {reason: count} of trajectories left out of the parquet).
 
     A trajectory is left out of rl.parquet when its first or last request did not read
     as chat messages or its case has no frozen reference; out of sft.parquet also when it
-    did not pass (``r_outcome != 1``) or its last turn has no reply (neither text nor tool
-    calls). Each reason is counted. Rows carry the request's ``tools`` (rl: the first
-    turn's, sft: the last turn's)."""
+    did not pass (``r_outcome != 1``), its last turn has no reply (neither text nor tool
+    calls), or its last request holds an assistant turn that is not a reply the gateway
+    recorded earlier in the same trajectory (``sft_history_not_from_model``: the history
+    is written by the container, and SFT trains on every assistant turn in it). Each
+    reason is counted. Rows carry the request's ``tools`` (rl: the first turn's, sft: the
+    last turn's)."""
     rl: list[dict[str, Any]] = []
     sft: list[dict[str, Any]] = []
     skipped: dict[str, int] = defaultdict(int)
@@ -478,10 +500,13 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReferenc
                        separators=(",", ":"))},
                    "extra_info": extra, "tools": first["tools"]})
         reply = last["reply_message"]
+        replies = {said(r["reply_message"]) for r in t["turns"][:-1] if r["reply_message"]}
         if t["r_outcome"] != 1.0:
             skipped["sft_not_passed"] += 1
         elif reply is None or not (reply["content"] or reply.get("tool_calls")):
             skipped["sft_no_reply"] += 1
+        elif any(m["role"] == "assistant" and said(m) not in replies for m in final):
+            skipped["sft_history_not_from_model"] += 1
         else:
             sft.append({"data_source": t["data_source"], "messages": [*final, reply],
                         "extra_info": {**extra, "index": len(sft)}, "tools": last["tools"]})

@@ -652,6 +652,48 @@ def test_changed_frozen_manifest_fails_export(run: Path, calibration: Path,
     assert not (tmp_path / "out").exists()
 
 
+def test_an_assistant_turn_the_model_never_said_keeps_the_trajectory_out_of_sft() -> None:
+    """The request history is written by the container; SFT trains on every assistant
+    turn in it. Only turns the gateway recorded as replies earlier in the trajectory
+    (tool-call arguments compared as JSON) make a training row."""
+    from runner.cycle.models import Reference
+    from runner.train.export import FrozenReference, read_turn, verl_rows
+
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "query", "arguments": '{"sql": "SELECT 1"}'}}
+
+    def reply(message: dict[str, Any]) -> bytes:
+        return json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+                           "choices": [{"index": 0, "finish_reason": "stop",
+                                        "message": message}]}).encode()
+
+    def traj(history_call: dict[str, Any]) -> dict[str, Any]:
+        first = [{"role": "user", "content": "q?"}]
+        last = [*first, {"role": "assistant", "content": None, "tool_calls": [history_call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "1"}]
+        turns = []
+        for i, (msgs, answer) in enumerate((
+                (first, {"role": "assistant", "content": None, "tool_calls": [call]}),
+                (last, {"role": "assistant", "content": '{"answer": 1}'}))):
+            req = json.dumps({"model": "m", "messages": msgs}).encode()
+            turns.append({"turn": i, "prompt": req.decode(), "prompt_sha256": "0" * 64,
+                          "response_sha256": "1" * 64, "status": "ok", "stream": False,
+                          **read_turn("chat", req, reply(answer))})
+        return {"data_source": "d", "trajectory_id": "t", "stage": "baseline",
+                "case_id": "c1", "trial": 0, "turns": turns, "r_format": 1,
+                "r_outcome": 1.0, "r_outcome_basis": "correctness", "fixture": False}
+
+    refs = {"c1": FrozenReference(reference=Reference.model_validate(
+        {"kind": "number", "value": 1}), split="development", mandatory=False)}
+    resent = {**call, "function": {"name": "query", "arguments": '{ "sql":"SELECT 1" }'}}
+    _, sft, skipped = verl_rows([traj(resent)], refs, ability="analyst")
+    assert len(sft) == 1 and skipped == {}  # the model's call, re-serialized by an SDK
+    forged = {**call, "function": {"name": "query", "arguments": '{"sql": "DROP TABLE x"}'}}
+    rl, sft, skipped = verl_rows([traj(forged)], refs, ability="analyst")
+    assert sft == [] and skipped == {"sft_history_not_from_model": 1}
+    assert len(rl) == 1  # the prompt of an RL row is input, never a training target
+
+
 # -- train sft selection and hand-over (host side, no Docker) ------------------------------
 
 
