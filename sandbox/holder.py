@@ -110,6 +110,8 @@ class _suppress:  # contextlib.suppress's stand-in (contextlib: ~3 ms of imports
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> bool:
         return kind is not None and issubclass(kind, self.kinds)
 MAX_ERRORS = 8
+ERROR_CHARS = 200
+"""An error's text is cut here (8 of them, escaped, stay well inside a status frame)."""
 RELAY_HOST = "127.0.0.1"
 RELAY_PORT = 40080
 """The in-container model endpoint's port, on the container's own loopback."""
@@ -459,8 +461,10 @@ def _add_file(out: _Writer, dfd: int, name: bytes, rel: bytes,
 
 
 def _err(errors: list[str], msg: str) -> None:
+    """Keep the first MAX_ERRORS, each cut at ERROR_CHARS: a path has no length limit
+    here, and the status line that carries them must stay a small frame."""
     if len(errors) < MAX_ERRORS:
-        errors.append(msg)
+        errors.append(msg if len(msg) <= ERROR_CHARS else msg[:ERROR_CHARS] + "...")
 
 
 def seed(root: str, source: IO[bytes] | None = None) -> int:

@@ -9,6 +9,7 @@ import json
 import socket
 import struct
 import threading
+from typing import Any
 
 import pytest
 
@@ -115,6 +116,55 @@ def test_a_run_as_the_holder_writes_it() -> None:
     assert (None, b'{"phase": "pre"}\n') in got
     assert b"".join(o for o, _ in got[1:] if o) == bytes(1024)
     assert not any(e and b"role" in e and b"relay" not in e for _, e in got)
+
+
+def test_the_holders_post_status_with_long_unreadable_names_passes(tmp_path: Any) -> None:
+    """A role leaves entries the holder cannot copy at long non-ASCII paths: their names,
+    cut at ERROR_CHARS, escaped in the post status line, pass as the holder's own frame
+    (a 4 KB cap on status frames refused the channel as forged, blaming the holder)."""
+    import os
+
+    from sandbox import holder
+
+    d = str(tmp_path)
+    for _ in range(6):
+        d = os.path.join(d, "\u00e9" * 120)
+        os.mkdir(d)
+    sock = socket.socket(socket.AF_UNIX)
+    cwd = os.getcwd()
+    os.chdir(d)
+    try:
+        sock.bind("\U0001f600" * 20)  # a socket: "not a regular file, directory, ..."
+    finally:
+        os.chdir(cwd)
+
+    class Sink:
+        def write(self, b: bytes) -> int:
+            return len(b)
+
+        def flush(self) -> None:
+            pass
+
+    errors: list[str] = []
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        holder._add_dir(Sink(), fd, b"", errors, holder._Budget(None))  # closes fd
+    finally:
+        sock.close()
+    assert len(errors) == 1 and len(errors[0]) <= holder.ERROR_CHARS + 3
+    for i in range(holder.MAX_ERRORS + 2):  # the most the holder reports: ~19 KB escaped
+        holder._err(errors, f"{i}: " + "\U0001f600" * 400)
+    line = (holder._json({"phase": "post", "errors": errors}) + "\n").encode()
+    assert len(errors) == holder.MAX_ERRORS and len(line) > 4096
+    h, ch, _ = _pair()
+    got, t, errs = consume(ch)
+    h.send(READY)
+    _hand_over(h, ch)
+    h.send(h.frame(F_STATUS, line))
+    h.box.close()
+    t.join(10)
+    assert not errs, errs
+    assert (None, line) in got and json.loads(line)["errors"] == errors
 
 
 def _refused(frames: list[bytes], *, after_case: bool = True) -> str:

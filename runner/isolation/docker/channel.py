@@ -226,7 +226,7 @@ class CaseChannel:
                     del buf[:end]
                     if kind == F_TAR:
                         yield payload, None
-                    elif kind == F_STATUS and len(payload) <= SMALL_FRAME_CAP:
+                    elif kind == F_STATUS and len(payload) <= STATUS_CAP:
                         yield None, payload
                     else:
                         self._dispatch(kind, payload)
