@@ -64,6 +64,9 @@ class Usage(Frozen):
     """Input tokens read from the provider's prompt cache."""
     cache_write_tokens: int = Field(default=0, ge=0)
     """Input tokens written to the prompt cache (Anthropic cache creation)."""
+    cache_write_1h_tokens: int = Field(default=0, ge=0, exclude_if=lambda v: v == 0)
+    """Of those, the ones written to Anthropic's 1-hour cache (``ttl: 1h``, billed at
+    cache_write_1h_per_mtok)."""
     reasoning_tokens: int = Field(default=0, ge=0)
     """Output tokens spent on reasoning (priced as output)."""
 

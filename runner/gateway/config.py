@@ -52,6 +52,12 @@ class Price(Frozen):
     default: the input price. The worst case reserves every input token at the dearest
     input price."""
 
+    cache_write_1h_per_mtok: float | None = Field(default=None, ge=0,
+                                                  exclude_if=lambda v: v is None)
+    """USD per million input tokens written to Anthropic's 1-hour cache (``cache_control``
+    with ``ttl: 1h``); default: twice the input price (Anthropic's rate). A request asking
+    for it is reserved at this price when it is the dearest."""
+
     def cached_input(self) -> float:
         return self.input_per_mtok if self.cached_input_per_mtok is None \
             else self.cached_input_per_mtok
@@ -60,8 +66,15 @@ class Price(Frozen):
         return self.input_per_mtok if self.cache_write_per_mtok is None \
             else self.cache_write_per_mtok
 
-    def max_input_per_mtok(self) -> float:
-        return max(self.input_per_mtok, self.cached_input(), self.cache_write())
+    def cache_write_1h(self) -> float:
+        return 2 * self.input_per_mtok if self.cache_write_1h_per_mtok is None \
+            else self.cache_write_1h_per_mtok
+
+    def max_input_per_mtok(self, *, cache_1h: bool = False) -> float:
+        """The dearest input price; with ``cache_1h`` (the request asks for 1-hour cache
+        writes) the 1-hour write price counts too."""
+        return max(self.input_per_mtok, self.cached_input(), self.cache_write(),
+                   self.cache_write_1h() if cache_1h else 0.0)
 
 
 class GatewayLimits(Frozen):

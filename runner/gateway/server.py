@@ -104,13 +104,15 @@ MOUNTED_NAME = "g"
 
 def cost_usd(usage: Usage | None, price: Price | None) -> float | None:
     """Cost of a call; None (unknown) without usage or without a price, never zero.
-    Cache reads and writes are priced at their own rates (default: the input price);
+    Cache reads and writes are priced at their own rates (default: the input price;
+    Anthropic's 1-hour cache writes: twice it);
     reasoning tokens are part of the completion tokens, priced as output."""
     if usage is None or price is None:
         return None
     plain = max(0, usage.prompt_tokens - usage.cached_tokens - usage.cache_write_tokens)
+    short = usage.cache_write_tokens - usage.cache_write_1h_tokens
     return (plain * price.input_per_mtok + usage.cached_tokens * price.cached_input()
-            + usage.cache_write_tokens * price.cache_write()
+            + short * price.cache_write() + usage.cache_write_1h_tokens * price.cache_write_1h()
             + usage.completion_tokens * price.output_per_mtok) / 1e6
 
 

@@ -56,10 +56,11 @@ def _has_int(obj: Any, key: str) -> bool:
 
 
 def _make(prompt: int, completion: int, *, cached: int = 0, write: int = 0,
-          reasoning: int = 0) -> Usage:
+          write_1h: int = 0, reasoning: int = 0) -> Usage:
+    write = min(write, prompt)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
                  total_tokens=prompt + completion, cached_tokens=min(cached, prompt),
-                 cache_write_tokens=min(write, prompt),
+                 cache_write_tokens=write, cache_write_1h_tokens=min(write_1h, write),
                  reasoning_tokens=min(reasoning, completion))
 
 
@@ -93,7 +94,8 @@ def usage_messages(u: Any) -> Usage | None:
     read = _int(u, "cache_read_input_tokens")
     write = _int(u, "cache_creation_input_tokens")
     return _make(u["input_tokens"] + read + write, u["output_tokens"], cached=read,
-                 write=write, reasoning=_int(u, "output_tokens_details", "reasoning_tokens"))
+                 write=write, write_1h=_int(u, "cache_creation", "ephemeral_1h_input_tokens"),
+                 reasoning=_int(u, "output_tokens_details", "reasoning_tokens"))
 
 
 _SSE_LINE_END = re.compile(r"\r\n|\r|\n")

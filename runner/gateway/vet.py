@@ -58,6 +58,8 @@ class Vetted:
     images: int
     documents: int = 0
     """Inline files read page by page (PDFs), each reserved at document_token_bound."""
+    cache_1h: bool = False
+    """A ``cache_control`` asks for Anthropic's 1-hour cache (writes at its own price)."""
 
 
 @dataclass
@@ -457,7 +459,24 @@ def vet(body: dict[str, Any], *, rules: RequestRules, cap: int, api: Api = "chat
     budget = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
     per_choice = max([*caps, budget if isinstance(budget, int) else 0]) if fam.output else 0
     return Vetted(body=out, choices=max(n, best_of or 1), max_tokens=per_choice,
-                  images=ctx.images, documents=ctx.documents)
+                  images=ctx.images, documents=ctx.documents,
+                  cache_1h=api == "messages" and _asks_1h_cache(out))
+
+
+def _asks_1h_cache(body: object) -> bool:
+    """Any ``cache_control`` in the request (system, messages, tools) with a ttl other
+    than the default five minutes (depth is bounded: the request was parsed strictly)."""
+    stack = [body]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            cc = item.get("cache_control")
+            if isinstance(cc, dict) and cc.get("ttl") not in (None, "5m"):
+                return True
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def worst_case_usd(request_bytes: int, v: Vetted, price: Price, rules: RequestRules) -> float:
@@ -467,4 +486,5 @@ def worst_case_usd(request_bytes: int, v: Vetted, price: Price, rules: RequestRu
     tokens_in = (request_bytes + TEMPLATE_MARGIN_TOKENS + v.images * rules.image_token_bound
                  + v.documents * rules.document_token_bound)
     tokens_out = v.choices * v.max_tokens
-    return (tokens_in * price.max_input_per_mtok() + tokens_out * price.output_per_mtok) / 1e6
+    return (tokens_in * price.max_input_per_mtok(cache_1h=v.cache_1h)
+            + tokens_out * price.output_per_mtok) / 1e6

@@ -148,6 +148,31 @@ def test_cost_prices_cache_reads_writes_and_reasoning_as_output() -> None:
     assert cost_usd(u, plain) == pytest.approx(3 + 15)  # default: the input price
 
 
+def test_one_hour_cache_writes_are_priced_and_reserved_at_their_own_rate() -> None:
+    """Anthropic bills writes to its 1-hour cache (cache_control ttl 1h, the container's
+    choice) at twice the input price: measured at cache_write_1h_per_mtok (default 2x),
+    and a request asking for it is reserved at that price."""
+    u = {"input_tokens": 10, "output_tokens": 5, "cache_creation_input_tokens": 1000,
+         "cache_creation": {"ephemeral_5m_input_tokens": 400,
+                            "ephemeral_1h_input_tokens": 600}}
+    got, _ = inspect(json.dumps({"type": "message", "content": [], "usage": u}).encode(),
+                     stream=False, api="messages")
+    assert got is not None and (got.cache_write_tokens, got.cache_write_1h_tokens) == (1000, 600)
+    p = Price(input_per_mtok=1, output_per_mtok=1, cache_write_per_mtok=1.25)
+    assert cost_usd(got, p) == pytest.approx((10 + 400 * 1.25 + 600 * 2 + 5) / 1e6)
+    assert "cache_write_1h_tokens" not in Usage(prompt_tokens=1, completion_tokens=1,
+                                                total_tokens=2).model_dump()  # old shape
+    rules = RequestRules()
+    body = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "x"}]}
+    five = vet(json.loads(json.dumps(body)), rules=rules, cap=10, api="messages")
+    body["system"] = [{"type": "text", "text": "big", "cache_control": {
+        "type": "ephemeral", "ttl": "1h"}}]
+    hour = vet(json.loads(json.dumps(body)), rules=rules, cap=10, api="messages")
+    assert not five.cache_1h and hour.cache_1h
+    assert worst_case_usd(100, five, p, rules) == pytest.approx(((100 + 64) * 1.25 + 10) / 1e6)
+    assert worst_case_usd(100, hour, p, rules) == pytest.approx(((100 + 64) * 2 + 10) / 1e6)
+
+
 def test_worst_case_uses_the_dearest_input_price_and_output_per_family() -> None:
     rules = RequestRules(allow_tools=True)
     p = Price(input_per_mtok=1, output_per_mtok=10, cache_write_per_mtok=2)
