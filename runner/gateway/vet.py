@@ -121,6 +121,10 @@ def _chat_content(body: dict[str, Any], ctx: _Ctx) -> None:
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
             raise _refuse("bad_request", f"messages[{i}]",
                           f"messages[{i}] needs a role in {sorted(CHAT_ROLES)}")
+        if m.get("audio") is not None:
+            raise _refuse("server_state_not_allowed", f"messages[{i}].audio",
+                          f"messages[{i}].audio names audio the upstream keeps from an "
+                          "earlier answer, which the gateway can neither bound nor replay")
         content = m.get("content")
         if not isinstance(content, list):
             continue
@@ -179,6 +183,9 @@ def _responses_content(body: dict[str, Any], ctx: _Ctx) -> None:
         raise _refuse("background_not_allowed", "background",
                       "background: true runs the call detached from this request, beyond the "
                       "call deadline and the record; send it in the foreground")
+    if body.get("instructions") is not None and not isinstance(body["instructions"], str):
+        raise _refuse("bad_request", "instructions", "instructions must be a string (a "
+                      "list may name items the upstream keeps)")
     items = body.get("input")
     if isinstance(items, str):
         return

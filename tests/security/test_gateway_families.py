@@ -76,6 +76,12 @@ TRICKS: list[tuple[str, dict[str, Any], str, str]] = [
     ("/v1/responses", {"input": "hi", "background": 0}, "background_not_allowed",
      "background"),  # 0 == False in Python, not in JSON
     ("/v1/responses", {"input": "hi", "stream": 1}, "bad_request", "stream must be true"),
+    ("/v1/responses", {"input": "hi", "instructions": [
+        {"type": "item_reference", "id": "msg_other"}]}, "bad_request",
+     "instructions must be a string"),
+    ("/v1/chat/completions", {"messages": [*MSG, {"role": "assistant", "content": None,
+                                                  "audio": {"id": "audio_other"}}]},
+     "server_state_not_allowed", "messages[1].audio"),
     ("/v1/chat/completions", {"messages": MSG, "stream": 0}, "bad_request",
      "stream must be true"),
     ("/v1/responses", {"input": "hi", "service_tier": "priority"}, "service_tier_not_allowed",
