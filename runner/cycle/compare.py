@@ -24,6 +24,7 @@ from pathlib import Path
 
 from runner.cycle.models import (
     CRITERIA,
+    RECORDS_MAX_BYTES,
     CaseChange,
     ComparisonPolicy,
     ComparisonResult,
@@ -228,7 +229,7 @@ def _count(v: object) -> int | None:
 
 def load_records(path: Path) -> list[Record]:
     """Read JSON Lines records; a bad line raises ConfigError naming file, line and field."""
-    return load_lines(path, Record, what="records file",
+    return load_lines(path, Record, what="records file", max_bytes=RECORDS_MAX_BYTES,
                       fix="a records.jsonl written by a cycle stage: one Record object per "
                           "line (runner/cycle/models.py), no NaN/Infinity")
 

@@ -30,6 +30,11 @@ DEVELOPMENT = "development"
 TRAIN = "train"
 """The split of generated dream variants (never written by hand)."""
 SPLITS = (DEVELOPMENT, "acceptance", "reserved", TRAIN)
+MAX_ANSWER_BYTES = 256 * 1024
+"""Largest answer.json kept in a record (the scorers read 10 000 characters of it): one
+role output of 16 MiB stored whole made records.jsonl too large to review or export."""
+RECORDS_MAX_BYTES = 64 * 1024 * 1024
+"""What a records.jsonl may hold when read back: 256 answers of MAX_ANSWER_BYTES."""
 """The documented splits, the only names a manifest may use: development (run on the
 baseline; its failures are briefed to the worker), acceptance and reserved (held out:
 compared, never shown to the worker), train (dream variants, generated). Any other name

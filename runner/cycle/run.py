@@ -30,6 +30,7 @@ from runner.cycle.compare import compare
 from runner.cycle.concurrency import Control
 from runner.cycle.models import (
     DEVELOPMENT,
+    MAX_ANSWER_BYTES,
     ComparisonResult,
     Identities,
     Invocation,
@@ -552,7 +553,12 @@ class CycleRunner:
             return Record(**common, status="infra_invalid",
                           reason=f"{rec.stop_reason.value}: {rec.detail}{note}")
         try:
-            answer = collect(out, self._limits("analyst")).json("answer.json")
+            got = collect(out, self._limits("analyst"))
+            size = len(got.files.get("answer.json", b""))
+            if size > MAX_ANSWER_BYTES:
+                raise OutputRejected(f"answer.json of {size} bytes is over {MAX_ANSWER_BYTES} "
+                                     "(the answer is kept whole in the records)")
+            answer = got.json("answer.json")
         except OutputRejected as exc:
             return Record(**common, status="infra_invalid",
                           reason=f"invalid_output: {exc}{note}")

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from runner.cycle.models import Record
+from runner.cycle.models import RECORDS_MAX_BYTES, Record
 from runner.errors import CycleboxError, OutputRejected
 from runner.gateway.calllog import CallRecord
 from runner.gateway.report import summarize
@@ -68,8 +68,8 @@ class _Reader:
                              "the file is not what cyclebox wrote")
         return None
 
-    def jsonl(self, rel: str) -> list[Any]:
-        return self._try(readfs.read_jsonl, rel) or []
+    def jsonl(self, rel: str, cap: int = readfs.MAX_FILE) -> list[Any]:
+        return self._try(lambda root, r: readfs.read_jsonl(root, r, cap), rel) or []
 
     def is_file(self, rel: str) -> bool:
         """Whether ``rel`` is a regular file; what stops it being read is a problem."""
@@ -122,7 +122,7 @@ def _attempt(r: Record, criteria: tuple[str, ...], stage: str, rd: _Reader) -> A
 def _records(rd: _Reader, arm: Arm) -> list[Record]:
     rel = f"stages/{arm}/records.jsonl"
     out = []
-    for i, row in enumerate(rd.jsonl(rel)):
+    for i, row in enumerate(rd.jsonl(rel, RECORDS_MAX_BYTES)):
         try:
             out.append(Record.model_validate(row))
         except ValidationError as exc:

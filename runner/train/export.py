@@ -38,7 +38,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from runner.cycle.models import Manifest, Record, Reference
+from runner.cycle.models import RECORDS_MAX_BYTES, Manifest, Record, Reference
 from runner.cycle.review import OVERALL, CalibrationResult, load_calibration
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.gateway.calllog import CallLog, CallRecord
@@ -310,7 +310,7 @@ def _grades(run: Path) -> dict[str, Record]:
         if not present:
             raise IntegrityError(f"{f} is missing; the run's receipt recorded it (sha256 "
                                  f"{want[:16]}…), so its grades cannot be left out")
-        data = read_capped(f, what="records file", fix=RUN_FIX)
+        data = read_capped(f, what="records file", fix=RUN_FIX, max_bytes=RECORDS_MAX_BYTES)
         got = sha256_bytes(data)
         if got != want:
             raise IntegrityError(f"{f}: sha256 {got}, the run's receipt recorded {want}; the "

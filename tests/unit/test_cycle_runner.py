@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -351,6 +352,29 @@ def test_line_separators_in_an_answer_are_kept_and_the_receipt_verifies(
                if r["status"] == "ok")
     build(outcome)
     assert verify(plan.parent) == []
+
+
+def test_an_answer_over_its_cap_invalidates_that_case_only(planned: Freeze) -> None:
+    """answer.json is kept whole in the records: one of 16 MiB (the role's output cap)
+    made records.jsonl too large to review or export. Over MAX_ANSWER_BYTES it is
+    refused by name; the other cases stand."""
+    from runner.cycle.models import MAX_ANSWER_BYTES
+
+    plan = planned()
+
+    def big(call: Call) -> Result:
+        if call.case != "d01-revenue-march":
+            return analyst(call)
+        answer = json.loads(analyst(call).files["answer.json"])
+        answer["notes"] = "x" * MAX_ANSWER_BYTES
+        return Result(files={"answer.json": json.dumps(answer)})
+
+    run(plan, fake(script(analyst=big)))
+    base = records(plan, "baseline")
+    assert base["d01-revenue-march"]["status"] == "infra_invalid"
+    assert re.match(rf"invalid_output: answer\.json of \d+ bytes is over {MAX_ANSWER_BYTES} ",
+                    base["d01-revenue-march"]["reason"])
+    assert sum(r["status"] == "ok" for r in base.values()) == POLICY_CASES - 1
 
 
 def test_a_failed_evaluator_ends_the_cycle_with_its_stop_reason(planned: Freeze) -> None:
