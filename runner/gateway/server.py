@@ -102,17 +102,21 @@ MOUNTED_NAME = "g"
 """Subdirectory of a socket directory that is mounted (socket and token only)."""
 
 
-def cost_usd(usage: Usage | None, price: Price | None) -> float | None:
+def cost_usd(usage: Usage | None, price: Price | None, *,
+             writes_1h: bool = False) -> float | None:
     """Cost of a call; None (unknown) without usage or without a price, never zero.
     Cache reads and writes are priced at their own rates (default: the input price;
-    Anthropic's 1-hour cache writes: twice it);
+    Anthropic's 1-hour cache writes: twice it; ``writes_1h``: every write at that price,
+    for a request that asked for the 1-hour cache through a family whose usage does not
+    say which cache its writes went to);
     reasoning tokens are part of the completion tokens, priced as output."""
     if usage is None or price is None:
         return None
     plain = max(0, usage.prompt_tokens - usage.cached_tokens - usage.cache_write_tokens)
-    short = usage.cache_write_tokens - usage.cache_write_1h_tokens
+    hour = usage.cache_write_tokens if writes_1h else usage.cache_write_1h_tokens
+    short = usage.cache_write_tokens - hour
     return (plain * price.input_per_mtok + usage.cached_tokens * price.cached_input()
-            + short * price.cache_write() + usage.cache_write_1h_tokens * price.cache_write_1h()
+            + short * price.cache_write() + hour * price.cache_write_1h()
             + usage.completion_tokens * price.output_per_mtok) / 1e6
 
 
@@ -702,7 +706,8 @@ class _Handler:
             result = ProviderResult(None, None, f"internal_error: {type(exc).__name__}")
         finally:
             deadline.cancel()
-        cost, basis = _charge(result, price, worst, free=free)
+        cost, basis = _charge(result, price, worst, free=free,
+                              writes_1h=vetted.cache_1h and api != "messages")
         if reservation is not None:
             self.gw.budget.settle(reservation, cost, upper_bound=basis == "upper_bound")
         response, redactions = result.response, 0
@@ -731,13 +736,16 @@ class _Handler:
 
         size = len(sent) + len(response or b"")
         if size >= OFFLOAD_BYTES:
-            once = _Once(record)
+            # Large blobs: on the pool, before the reply. A failed write stops admission
+            # (as after a small call's reply), wherever it ran.
+            once = _Once(functools.partial(self.gw._record_after, record))
             try:
-                await self.gw.offload(self.b, size, once)  # large blobs: on the pool, first
+                await self.gw.offload(self.b, size, once)
             except asyncio.CancelledError:
                 # Stopped while the pool was busy: the call happened and was charged, so
-                # it is recorded here (once: the pool may have started it meanwhile).
-                self.gw._record_after(once)
+                # it is recorded here, unless the pool has started it (then it finishes
+                # there: the gateway's close waits for the pool before the log closes).
+                once()
                 raise
         else:
             # Small: written right after the reply, in the same step of the loop (no await
@@ -748,21 +756,22 @@ class _Handler:
 
 
 class _Once:
-    """Run ``fn`` at most once, from whichever thread comes first; a later caller waits
-    for the first to finish (a call's recording: on the pool, or on the loop when the
-    task awaiting the pool was cancelled)."""
+    """Run ``fn`` at most once, from whichever thread claims it first; a later caller
+    returns at once, never waiting for the first (a call's recording: on the pool, or
+    on the loop when the task awaiting the pool was cancelled). ``fn`` handles its own
+    failure (:meth:`Gateway._record_after` stops admission and says why)."""
 
-    __slots__ = ("_done", "_fn", "_lock")
+    __slots__ = ("_claimed", "_fn", "_lock")
 
     def __init__(self, fn: Callable[[], None]) -> None:
-        self._fn, self._lock, self._done = fn, threading.Lock(), False
+        self._fn, self._lock, self._claimed = fn, threading.Lock(), False
 
     def __call__(self) -> None:
-        with self._lock:
-            if self._done:
+        with self._lock:  # held for the claim only, never while fn runs
+            if self._claimed:
                 return
-            self._done = True
-            self._fn()
+            self._claimed = True
+        self._fn()
 
 
 class _Deadline:
@@ -792,7 +801,7 @@ class _Deadline:
 
 
 def _charge(result: ProviderResult, price: Price | None, worst: float | None, *,
-            free: bool) -> tuple[float | None, CostBasis | None]:
+            free: bool, writes_1h: bool = False) -> tuple[float | None, CostBasis | None]:
     """(cost, basis) of a finished call. Nothing reached: a known zero. Usage and a price:
     measured. Otherwise, when the call was admitted at a known worst case, that worst
     case (an upper bound: the upstream cannot have generated more). Else unknown."""
@@ -801,7 +810,7 @@ def _charge(result: ProviderResult, price: Price | None, worst: float | None, *,
     if free:
         return 0.0, "measured"
     if result.error is None and result.usage is not None:
-        measured = cost_usd(result.usage, price)
+        measured = cost_usd(result.usage, price, writes_1h=writes_1h)
         if measured is not None:
             return measured, "measured"
     if worst is not None:

@@ -23,7 +23,9 @@ included; completion = every output token, reasoning included):
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 from typing import Any
 
 from runner.errors import OutputRejected
@@ -42,13 +44,36 @@ def _count(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_TOKENS
 
 
+class _NoCount(Exception):
+    """A usage field is there but holds no token count: the usage is no measurement."""
+
+
 def _int(obj: Any, *path: str) -> int:
-    """A token count at ``path`` inside nested dicts; 0 when absent or not a count."""
+    """The token count at ``path`` inside nested dicts: 0 when absent or null, _NoCount
+    when present but not a count (read as 0, an uncountable cache read or write would
+    drop its tokens from the charge)."""
     for key in path:
-        if not isinstance(obj, dict):
+        if obj is None:
             return 0
+        if not isinstance(obj, dict):
+            raise _NoCount
         obj = obj.get(key)
-    return obj if _count(obj) else 0
+    if obj is None:
+        return 0
+    if _count(obj):
+        return int(obj)
+    raise _NoCount
+
+
+def _measured(read: Callable[[Any], Usage | None]) -> Callable[[Any], Usage | None]:
+    """None (no measurement: the call is charged its worst case) when a field is bad."""
+    @functools.wraps(read)
+    def wrapper(u: Any) -> Usage | None:
+        try:
+            return read(u)
+        except _NoCount:
+            return None
+    return wrapper
 
 
 def _has_int(obj: Any, key: str) -> bool:
@@ -64,6 +89,7 @@ def _make(prompt: int, completion: int, *, cached: int = 0, write: int = 0,
                  reasoning_tokens=min(reasoning, completion))
 
 
+@_measured
 def usage_chat(u: Any) -> Usage | None:
     if not (_has_int(u, "prompt_tokens") and _has_int(u, "completion_tokens")):
         return None
@@ -73,6 +99,7 @@ def usage_chat(u: Any) -> Usage | None:
                  reasoning=_int(u, "completion_tokens_details", "reasoning_tokens"))
 
 
+@_measured
 def usage_responses(u: Any) -> Usage | None:
     if not (_has_int(u, "input_tokens") and _has_int(u, "output_tokens")):
         return None
@@ -82,12 +109,14 @@ def usage_responses(u: Any) -> Usage | None:
                  reasoning=_int(u, "output_tokens_details", "reasoning_tokens"))
 
 
+@_measured
 def usage_embeddings(u: Any) -> Usage | None:
     if not _has_int(u, "prompt_tokens"):
         return None
     return _make(u["prompt_tokens"], 0)
 
 
+@_measured
 def usage_messages(u: Any) -> Usage | None:
     if not (_has_int(u, "input_tokens") and _has_int(u, "output_tokens")):
         return None

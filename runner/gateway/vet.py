@@ -59,7 +59,8 @@ class Vetted:
     documents: int = 0
     """Inline files read page by page (PDFs), each reserved at document_token_bound."""
     cache_1h: bool = False
-    """A ``cache_control`` asks for Anthropic's 1-hour cache (writes at its own price)."""
+    """A ``cache_control`` asks for Anthropic's 1-hour cache (writes at its own price), in
+    any family: an OpenAI-compatible router may pass it on to Anthropic."""
 
 
 @dataclass
@@ -467,7 +468,7 @@ def vet(body: dict[str, Any], *, rules: RequestRules, cap: int, api: Api = "chat
     per_choice = max([*caps, budget if isinstance(budget, int) else 0]) if fam.output else 0
     return Vetted(body=out, choices=max(n, best_of or 1), max_tokens=per_choice,
                   images=ctx.images, documents=ctx.documents,
-                  cache_1h=api == "messages" and _asks_1h_cache(out))
+                  cache_1h=fam.output and _asks_1h_cache(out))
 
 
 def _asks_1h_cache(body: object) -> bool:

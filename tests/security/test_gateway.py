@@ -729,6 +729,41 @@ def test_a_large_call_stopped_while_the_pool_is_busy_is_still_recorded(
         assert recs[0].cost_usd and recs[0].request_stored
 
 
+def test_a_large_calls_failed_record_stops_admission(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call of 64 KiB or more is recorded on the pool before its reply; when that write
+    fails (a full disk), admission stops with the reason named, as after a small call's
+    (it was a 500 recorded as a refusal, and admission went on)."""
+    monkeypatch.setenv("CBX_SEC_KEY", "sk-full")
+    with upstream() as (url, _srv):
+        up = parse_upstream({
+            "provider": "openai", "base_url": url, "credential": {"env": "CBX_SEC_KEY"},
+            "models": ["worst-a"],
+            "prices": {"worst-a": {"input_per_mtok": 1, "output_per_mtok": 1}}})
+        with Gateway(tmp_path, "sec", {"target": up}, {"analyst": "target"}) as gw, \
+                gw.bound("analyst", stage="s", uid=os.getuid()) as b:
+            real = gw._record
+
+            def full(*a: Any, status: str, **kw: Any) -> None:
+                if status == "ok":
+                    raise OSError(28, "No space left on device")
+                real(*a, status=status, **kw)
+
+            monkeypatch.setattr(gw, "_record", full)
+            with httpx2.Client(transport=httpx2.HTTPTransport(
+                    uds=str(b.directory / "gateway.sock")), timeout=30) as c:
+                def post() -> int:
+                    return c.post("http://gw/v1/chat/completions", json={
+                        "model": "worst-a", "max_tokens": 16,
+                        "messages": [{"role": "user", "content": "x" * 100_000}]},
+                        headers={"Authorization": f"Bearer {gw.token_for('analyst')}"}
+                    ).status_code
+                first, second = post(), post()
+            assert gw.budget.halted is not None
+            assert "call log write failed: OSError" in gw.budget.halted
+    assert (first, second) == (200, 429)
+
+
 def test_calls_read_once_a_case_ended_are_not_kept_in_memory(gw_factory: Any) -> None:
     """A long run's controller memory does not grow with its calls: the cycle reads a
     case's calls with forget=True once it ended, and the gateway drops them (the log on

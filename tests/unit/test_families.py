@@ -122,12 +122,22 @@ def test_a_token_count_beyond_any_call_is_no_measurement() -> None:
     body = json.dumps({"choices": [{}], "usage": {"prompt_tokens": huge,
                                                   "completion_tokens": 1}}).encode()
     assert inspect(body, stream=False) == (None, None)
+    # an optional count that is there but no count: no measurement either (read as 0,
+    # a cache read or write over the bound dropped its tokens from the charge)
+    for bad in (huge, 10**12 + 1, -1, "100", 1.5, [1]):
+        body = json.dumps({"type": "message", "content": [], "usage": {
+            "input_tokens": 5, "output_tokens": 1,
+            "cache_read_input_tokens": bad}}).encode()
+        assert inspect(body, stream=False, api="messages") == (None, None), bad
+        body = json.dumps({"choices": [{}], "usage": {
+            "prompt_tokens": 5, "completion_tokens": 1,
+            "prompt_tokens_details": {"cached_tokens": bad}}}).encode()
+        assert inspect(body, stream=False) == (None, None), bad
     body = json.dumps({"choices": [{}], "usage": {
-        "prompt_tokens": 5, "completion_tokens": 1,
-        "prompt_tokens_details": {"cached_tokens": huge}}}).encode()
-    got, _ = inspect(body, stream=False)
-    assert got is not None and got.cached_tokens == 0
-    assert cost_usd(got, Price(input_per_mtok=1, output_per_mtok=1)) is not None
+        "prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": None,
+        "completion_tokens_details": {"reasoning_tokens": None}}}).encode()
+    got, _ = inspect(body, stream=False)  # absent or null: none of them
+    assert got is not None and (got.cached_tokens, got.reasoning_tokens) == (0, 0)
 
 
 def test_embeddings_and_count_tokens() -> None:
@@ -171,6 +181,16 @@ def test_one_hour_cache_writes_are_priced_and_reserved_at_their_own_rate() -> No
     assert not five.cache_1h and hour.cache_1h
     assert worst_case_usd(100, five, p, rules) == pytest.approx(((100 + 64) * 1.25 + 10) / 1e6)
     assert worst_case_usd(100, hour, p, rules) == pytest.approx(((100 + 64) * 2 + 10) / 1e6)
+    # An OpenAI-compatible router passes cache_control on to Anthropic; its usage says
+    # cache_write_tokens, not which cache: every write is then priced at the 1-hour rate.
+    chat = vet({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "big", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}]},
+        rules=rules, cap=10, api="chat")
+    assert chat.cache_1h
+    w = Usage(prompt_tokens=1000, completion_tokens=0, total_tokens=1000,
+              cache_write_tokens=1000)
+    assert cost_usd(w, p) == pytest.approx(1000 * 1.25 / 1e6)
+    assert cost_usd(w, p, writes_1h=True) == pytest.approx(1000 * 2 / 1e6)
 
 
 def test_worst_case_uses_the_dearest_input_price_and_output_per_family() -> None:

@@ -68,6 +68,7 @@ def test_exact() -> None:
     huge = 10 ** 400  # valid JSON, past a float's range: False, never OverflowError
     assert not scoring.exact(huge, 42) and not scoring.exact(huge, 1.5)
     assert not scoring.json_field({"a": huge}, 1.5, path="a", match="exact")
+    assert scoring.exact(huge, huge) and not scoring.exact(2**53 + 1, 2**53)
 
 
 def test_normalized_is_equality_not_substring() -> None:
