@@ -244,6 +244,8 @@ def chat_request(req: object) -> tuple[list[Message], list[dict[str, Any]]]:
             raise _bad(f"{w}.role {_name(role)} unsupported")
         content = _chat_content(m.get("content"), f"{w}.content")
         if role == "assistant":
+            if m.get("content") is None and isinstance(m.get("refusal"), str):
+                content = m["refusal"]  # a refusal sent back: its text, as chat_reply reads it
             if m.get("function_call") is not None:
                 raise _bad(f"{w}.function_call (legacy functions) unsupported")
             calls = (_chat_tool_calls(m["tool_calls"], f"{w}.tool_calls")

@@ -443,22 +443,69 @@ def chat_messages(request: str) -> list[dict[str, Any]]:
         raise ValueError(exc.reason) from None
 
 
-Said = tuple[str, tuple[tuple[str, str, str], ...]]
+Call = tuple[str, str, str]
+Said = tuple[str, tuple[Call, ...]]
 
 
 def said(message: dict[str, Any]) -> Said:
     """What an assistant message says: its text and its tool calls (id, name, arguments;
     arguments that parse as JSON compared as canonical JSON, since SDKs re-serialize
-    them)."""
+    them, and no arguments as ``{}``)."""
     calls = []
     for c in message.get("tool_calls") or []:
         fn = c.get("function") or {}
-        args = str(fn.get("arguments", ""))
+        args = str(fn.get("arguments", "")).strip() or "{}"
         with contextlib.suppress(OutputRejected):  # not JSON: compared as the text
             args = json.dumps(loads_strict(args, source="arguments"), sort_keys=True,
                               separators=(",", ":"))
         calls.append((str(c.get("id", "")), str(fn.get("name", "")), args))
     return str(message.get("content") or ""), tuple(calls)
+
+
+def _key(m: dict[str, Any]) -> tuple[Any, ...]:
+    """A chat message as compared between requests of one trajectory."""
+    if m["role"] == "assistant":
+        return ("assistant", *said(m))
+    return (m["role"], m.get("content"), m.get("tool_call_id"))
+
+
+def history_from_model(turns: list[dict[str, Any]]) -> bool:
+    """Whether every assistant turn in the last request's history is what the model
+    answered there: it follows the request of an earlier turn (that request is a prefix
+    of the history) and, with the other assistant messages up to the next such request,
+    says that turn's reply (its text, split over the answer's items or not, and no call
+    the reply did not make). A reply said elsewhere (a side call made to be parroted),
+    moved, repeated or invented fails; so does a history the agent trimmed or rewrote."""
+    final = turns[-1]["messages"] or []
+    keys = [_key(m) for m in final]
+    spans: dict[int, list[Said]] = defaultdict(list)  # prefix length -> replies after it
+    for t in turns[:-1]:
+        prefix = [_key(m) for m in (t["messages"] or [])]
+        if t["reply_message"] and prefix and keys[:len(prefix)] == prefix:
+            spans[len(prefix)].append(said(t["reply_message"]))
+    starts = sorted(spans)
+    for k, m in enumerate(final):
+        if m["role"] == "assistant" and not any(s <= k for s in starts):
+            return False  # an assistant turn before any request the model answered
+    for i, start in enumerate(starts):
+        end = starts[i + 1] if i + 1 < len(starts) else len(final)
+        span = [said(m) for m in final[start:end] if m["role"] == "assistant"]
+        if not span:
+            continue
+        text = "".join(t for t, _ in span)
+        calls = [c for _, cs in span for c in cs]
+        if not any(text == rt and _within(calls, rc) for rt, rc in spans[start]):
+            return False
+    return True
+
+
+def _within(calls: list[Call], reply: tuple[Call, ...]) -> bool:
+    left = list(reply)
+    for c in calls:
+        if c not in left:
+            return False
+        left.remove(c)
+    return True
 
 
 def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReference], *,
@@ -468,9 +515,10 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReferenc
     A trajectory is left out of rl.parquet when its first or last request did not read
     as chat messages or its case has no frozen reference; out of sft.parquet also when it
     did not pass (``r_outcome != 1``), its last turn has no reply (neither text nor tool
-    calls), or its last request holds an assistant turn that is not a reply the gateway
-    recorded earlier in the same trajectory (``sft_history_not_from_model``: the history
-    is written by the container, and SFT trains on every assistant turn in it). Each
+    calls), or its last request holds an assistant turn that is not the reply the gateway
+    recorded at that point of the same trajectory (``sft_history_not_from_model``, see
+    :func:`history_from_model`: the history is written by the container, and SFT trains
+    on every assistant turn in it). Each
     reason is counted. Rows carry the request's ``tools`` (rl: the first turn's, sft: the
     last turn's)."""
     rl: list[dict[str, Any]] = []
@@ -500,12 +548,11 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReferenc
                        separators=(",", ":"))},
                    "extra_info": extra, "tools": first["tools"]})
         reply = last["reply_message"]
-        replies = {said(r["reply_message"]) for r in t["turns"][:-1] if r["reply_message"]}
         if t["r_outcome"] != 1.0:
             skipped["sft_not_passed"] += 1
         elif reply is None or not (reply["content"] or reply.get("tool_calls")):
             skipped["sft_no_reply"] += 1
-        elif any(m["role"] == "assistant" and said(m) not in replies for m in final):
+        elif not history_from_model(t["turns"]):
             skipped["sft_history_not_from_model"] += 1
         else:
             sft.append({"data_source": t["data_source"], "messages": [*final, reply],
