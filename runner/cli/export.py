@@ -28,7 +28,8 @@ def export_cmd(run: Annotated[Path, typer.Option("--run", help="A cycle run dire
 
     Writes trajectories.jsonl (byte-exact recorded requests), rl.parquet and sft.parquet
     (verl's layout: RLHFDataset and MultiTurnSFTDataset read them; sft.parquet holds the
-    trajectories that passed, whose history has no assistant turn the model did not say),
+    trajectories that passed, whose history has no assistant turn the model did not say
+    right there),
     summary.json and export-receipt.json. Refuse cases are
     rewarded on refusal correctness; r_outcome is null only where nothing was graded.
 
