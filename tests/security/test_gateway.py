@@ -660,6 +660,23 @@ def test_interrupt_from_a_signal_handler_cancels_and_records(
     assert [(r.status, r.error) for r in recs] == [("infra_error", "interrupted")]
 
 
+def worst_a(url: str) -> UpstreamPolicy:
+    """The fixture upstream answering model worst-a at once (key in CBX_SEC_KEY)."""
+    return parse_upstream({
+        "provider": "openai", "base_url": url, "credential": {"env": "CBX_SEC_KEY"},
+        "models": ["worst-a"], "prices": {"worst-a": {"input_per_mtok": 1, "output_per_mtok": 1}}})
+
+
+def post_large(gw: Gateway, b: Any) -> int:
+    """One chat call of 100 KB (parsed and recorded on the gateway's pool): its status."""
+    with httpx2.Client(transport=httpx2.HTTPTransport(
+            uds=str(b.directory / "gateway.sock")), timeout=30) as c:
+        return c.post("http://gw/v1/chat/completions", json={
+            "model": "worst-a", "max_tokens": 16,
+            "messages": [{"role": "user", "content": "x" * 100_000}]},
+            headers={"Authorization": f"Bearer {gw.token_for('analyst')}"}).status_code
+
+
 @pytest.mark.parametrize("busy_from", ["parse", "record"])
 def test_a_large_call_stopped_while_the_pool_is_busy_is_still_recorded(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, busy_from: str) -> None:
@@ -670,10 +687,7 @@ def test_a_large_call_stopped_while_the_pool_is_busy_is_still_recorded(
     Either way one record, never none (the cancel dropped both)."""
     monkeypatch.setenv("CBX_SEC_KEY", "sk-busy")
     with upstream() as (url, srv):
-        up = parse_upstream({
-            "provider": "openai", "base_url": url, "credential": {"env": "CBX_SEC_KEY"},
-            "models": ["worst-a"],
-            "prices": {"worst-a": {"input_per_mtok": 1, "output_per_mtok": 1}}})
+        up = worst_a(url)
         with Gateway(tmp_path, "sec", {"target": up}, {"analyst": "target"}) as gw, \
                 gw.bound("analyst", stage="s", uid=os.getuid()) as b:
             assert gw._pool is not None
@@ -700,16 +714,7 @@ def test_a_large_call_stopped_while_the_pool_is_busy_is_still_recorded(
                 monkeypatch.setattr(provider, "call", then_congest)
             statuses: list[int] = []
 
-            def call() -> None:
-                with httpx2.Client(transport=httpx2.HTTPTransport(
-                        uds=str(b.directory / "gateway.sock")), timeout=30) as c:
-                    statuses.append(c.post("http://gw/v1/chat/completions", json={
-                        "model": "worst-a", "max_tokens": 16,
-                        "messages": [{"role": "user", "content": "x" * 100_000}]},
-                        headers={"Authorization": f"Bearer {gw.token_for('analyst')}"}
-                    ).status_code)
-
-            caller = threading.Thread(target=call)
+            caller = threading.Thread(target=lambda: statuses.append(post_large(gw, b)))
             caller.start()
             assert busy.wait(10)
             time.sleep(0.3)  # the call's task now waits for a worker
@@ -736,10 +741,7 @@ def test_a_large_calls_failed_record_stops_admission(
     (it was a 500 recorded as a refusal, and admission went on)."""
     monkeypatch.setenv("CBX_SEC_KEY", "sk-full")
     with upstream() as (url, _srv):
-        up = parse_upstream({
-            "provider": "openai", "base_url": url, "credential": {"env": "CBX_SEC_KEY"},
-            "models": ["worst-a"],
-            "prices": {"worst-a": {"input_per_mtok": 1, "output_per_mtok": 1}}})
+        up = worst_a(url)
         with Gateway(tmp_path, "sec", {"target": up}, {"analyst": "target"}) as gw, \
                 gw.bound("analyst", stage="s", uid=os.getuid()) as b:
             real = gw._record
@@ -750,15 +752,7 @@ def test_a_large_calls_failed_record_stops_admission(
                 real(*a, status=status, **kw)
 
             monkeypatch.setattr(gw, "_record", full)
-            with httpx2.Client(transport=httpx2.HTTPTransport(
-                    uds=str(b.directory / "gateway.sock")), timeout=30) as c:
-                def post() -> int:
-                    return c.post("http://gw/v1/chat/completions", json={
-                        "model": "worst-a", "max_tokens": 16,
-                        "messages": [{"role": "user", "content": "x" * 100_000}]},
-                        headers={"Authorization": f"Bearer {gw.token_for('analyst')}"}
-                    ).status_code
-                first, second = post(), post()
+            first, second = post_large(gw, b), post_large(gw, b)
             assert gw.budget.halted is not None
             assert "call log write failed: OSError" in gw.budget.halted
     assert (first, second) == (200, 429)
