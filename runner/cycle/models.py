@@ -30,15 +30,18 @@ DEVELOPMENT = "development"
 TRAIN = "train"
 """The split of generated dream variants (never written by hand)."""
 SPLITS = (DEVELOPMENT, "acceptance", "reserved", TRAIN)
-MAX_ANSWER_BYTES = 256 * 1024
-"""Largest answer.json kept in a record (the scorers read 10 000 characters of it): one
-role output of 16 MiB stored whole made records.jsonl too large to review or export."""
-RECORDS_MAX_BYTES = 64 * 1024 * 1024
-"""What a records.jsonl may hold when read back: 256 answers of MAX_ANSWER_BYTES."""
 """The documented splits, the only names a manifest may use: development (run on the
 baseline; its failures are briefed to the worker), acceptance and reserved (held out:
 compared, never shown to the worker), train (dream variants, generated). Any other name
 is refused when the manifest is loaded, naming this set."""
+MAX_ANSWER_BYTES = 256 * 1024
+"""Largest answer kept in a record, both as answer.json read and as the record stores it
+(the scorers read 10 000 characters of it): one role output of 16 MiB stored whole made
+records.jsonl too large to review or export."""
+RECORDS_MAX_BYTES = 1024 * 1024 * 1024
+"""What a records.jsonl may hold when read back (review, export, report, ``compare``):
+4096 answers of MAX_ANSWER_BYTES, or 10 000 cases of 100 KB. Reading one takes about
+three times its size in memory."""
 
 
 def check_split(value: str) -> str:

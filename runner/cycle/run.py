@@ -23,6 +23,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import pydantic_core
+
 from runner import gitops, interrupts
 from runner.cycle.apply import apply_proposal, read_proposal
 from runner.cycle.brief import build_brief, failing_development, nothing_to_brief
@@ -565,6 +567,14 @@ class CycleRunner:
         if not isinstance(answer, dict):
             return Record(**common, status="infra_invalid",
                           reason=f"invalid_output: answer.json is not a JSON object{note}")
+        stored = len(pydantic_core.to_json(answer))
+        if stored > MAX_ANSWER_BYTES:
+            # Re-serialised, a number can grow (1E15 is 4 bytes read, 18 written): the bound
+            # holds for what the records keep, not only for the file read.
+            return Record(**common, status="infra_invalid",
+                          reason=f"invalid_output: answer.json is {stored} bytes as stored "
+                                 f"(over {MAX_ANSWER_BYTES}; numbers such as 1E15 are "
+                                 f"written out whole){note}")
         return Record(**common, status="ok", answer=answer)
 
     def _evaluate(self, side: str, records: list[Record]) -> list[Record]:

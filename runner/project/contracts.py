@@ -39,8 +39,9 @@ AGENT_MOUNTS: dict[str, str] = {
 
 
 class Answer(BaseModel):
-    """``/out/answer.json``, written by the agent for each case, at most 256 KiB; other
-    keys are kept in the record (e.g. the raw model reply, an error) but not graded."""
+    """``/out/answer.json``, written by the agent for each case, at most 256 KiB (as read
+    and as the records store it, written compactly); other keys are kept in the record
+    (e.g. the raw model reply, an error) but not graded."""
 
     model_config = ConfigDict(extra="allow", use_attribute_docstrings=True)
 

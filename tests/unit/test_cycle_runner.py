@@ -377,6 +377,32 @@ def test_an_answer_over_its_cap_invalidates_that_case_only(planned: Freeze) -> N
     assert sum(r["status"] == "ok" for r in base.values()) == POLICY_CASES - 1
 
 
+def test_an_answer_that_grows_when_stored_is_held_to_the_same_cap(planned: Freeze) -> None:
+    """Re-serialised, 1E15 (4 bytes) is written 1000000000000000.0 (18): an answer.json
+    under the cap grew about 3.8 times in the records, so some 70 cases made records.jsonl
+    too large to review. The cap holds for what the records keep."""
+    from runner.cycle.models import MAX_ANSWER_BYTES
+
+    plan = planned()
+    grows = "[" + ",".join(["1E15"] * (MAX_ANSWER_BYTES // 6)) + "]"
+
+    def numbers(call: Call) -> Result:
+        if call.case != "d01-revenue-march":
+            return analyst(call)
+        text = analyst(call).files["answer.json"]
+        body = text.decode() if isinstance(text, bytes) else text
+        return Result(files={"answer.json": body[:-1] + ', "n": ' + grows + "}"})
+
+    run(plan, fake(script(analyst=numbers)))
+    base = records(plan, "baseline")
+    assert base["d01-revenue-march"]["status"] == "infra_invalid"
+    assert re.match(rf"invalid_output: answer\.json is \d+ bytes as stored \(over "
+                    rf"{MAX_ANSWER_BYTES};", base["d01-revenue-march"]["reason"])
+    assert sum(r["status"] == "ok" for r in base.values()) == POLICY_CASES - 1
+    raw = (plan.parent / "stages" / "baseline" / "records.jsonl").read_bytes()
+    assert max(len(line) for line in raw.split(b"\n")) < MAX_ANSWER_BYTES
+
+
 def test_a_failed_evaluator_ends_the_cycle_with_its_stop_reason(planned: Freeze) -> None:
     plan = planned()
     box = fake(script(evaluator=lambda _c: Result(
