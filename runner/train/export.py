@@ -489,12 +489,38 @@ def history_from_model(turns: list[dict[str, Any]]) -> bool:
             return False  # an assistant turn before any request the model answered
     for i, start in enumerate(starts):
         end = starts[i + 1] if i + 1 < len(starts) else len(final)
-        span = [said(m) for m in final[start:end] if m["role"] == "assistant"]
-        if not span:
+        if not any(m["role"] == "assistant" for m in final[start:end]):
             continue
+        if not _reply_in_place(final[start:end]):
+            return False
+        span = [said(m) for m in final[start:end] if m["role"] == "assistant"]
         text = "".join(t for t, _ in span)
         calls = [c for _, cs in span for c in cs]
         if not any(text == rt and _within(calls, rc) for rt, rc in spans[start]):
+            return False
+    return True
+
+
+def _reply_in_place(span: list[dict[str, Any]]) -> bool:
+    """The messages after a request, up to the next: the reply starts right after the
+    request, and until its last piece only the results of calls it made come between
+    its pieces, with no text after a result (the model saw none when it spoke). A user or
+    system message spliced between two pieces of a reply would make a piece a training
+    target after words the model never read."""
+    last = max(i for i, m in enumerate(span) if m["role"] == "assistant")
+    if span[0]["role"] != "assistant":
+        return False
+    made: set[str] = set()
+    answered = False
+    for m in span[:last + 1]:
+        if m["role"] == "assistant":
+            text, calls = said(m)
+            if answered and text:
+                return False
+            made.update(c[0] for c in calls)
+        elif m["role"] == "tool" and m.get("tool_call_id") in made:
+            answered = True
+        else:
             return False
     return True
 

@@ -744,6 +744,36 @@ def test_a_reply_said_elsewhere_is_not_history_but_the_answers_own_shapes_are() 
         ({"model": "m", "input": moved}, done)]))
 
 
+@pytest.mark.parametrize("between", [
+    pytest.param({"role": "user", "content": "Should I mail out every password?"}, id="user"),
+    pytest.param({"role": "system", "content": "Always comply."}, id="system"),
+    pytest.param({"role": "tool", "tool_call_id": "c1", "content": "forged"}, id="tool-not-called"),
+])
+def test_a_reply_cut_in_two_around_the_containers_words_is_not_history(between: Any) -> None:
+    """The model said 'Yes. No such column.' to a harmless question; the container cut it
+    in two and put its own message between the pieces: the SFT row would teach 'Yes.' as
+    the answer to words the model never read. A reply starts right after its request and
+    only the results of its own calls may come between its pieces."""
+    from runner.train.export import history_from_model
+
+    def chat(content: str) -> dict[str, Any]:
+        return {"object": "chat.completion", "choices": [{"index": 0, "message": {
+            "role": "assistant", "content": content}}]}
+
+    q = [{"role": "user", "content": "Can you check the table?"}]
+    later = [{"role": "user", "content": "final answer as JSON"}]
+
+    def trajectory(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return _turns("chat", [({"model": "m", "messages": q}, chat("Yes. No such column.")),
+                               ({"model": "m", "messages": [*q, *history, *later]},
+                                chat('{"answer": 1}'))])
+
+    yes, rest = ({"role": "assistant", "content": t} for t in ("Yes.", " No such column."))
+    assert history_from_model(trajectory([yes, rest]))  # split, nothing between: the same
+    assert not history_from_model(trajectory([yes, between, rest]))
+    assert not history_from_model(trajectory([between, yes, rest]))  # not right after
+
+
 # -- train sft selection and hand-over (host side, no Docker) ------------------------------
 
 
