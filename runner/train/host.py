@@ -164,6 +164,7 @@ def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger
     given = {"persona.json": json.dumps(persona.model_dump(mode="json", exclude_unset=True),
                                         sort_keys=True),
              "config.json": json.dumps({"lr": lr, "seed": seed})}
+    history = _ledger_rows(ledger)
     if ledger.is_file():
         given["ledger.jsonl"] = ledger.read_text()
     inputs = _fresh_inputs(out, given)
@@ -178,6 +179,8 @@ def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger
         files = collect(out, Limits(max_file_bytes=1 << 30, max_total_bytes=2 << 30))
         report = _collected(files, "report.json", ProofReport)
         receipt = verify_receipt(out, ProofReceipt)
+        row = settle(persona, history, report, receipt,
+                     _collected(files, "ledger-row.json", LedgerRow), rec.exit_code)
         check = out.parent / f".{out.name}.verify"
         trainer.fresh_output(check)
         shutil.copyfile(out / "report.json", inputs / "report.json")
@@ -188,13 +191,13 @@ def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger
                            mounts=[Mount(source=inputs, target="/in"),
                                    Mount(source=base.resolve(), target="/model"),
                                    Mount(source=out / "adapter", target="/adapter")])
-        row = _collected(files, "ledger-row.json", LedgerRow)
         ledger.parent.mkdir(parents=True, exist_ok=True)
         with ledger.open("a", encoding="utf-8") as f:
             f.write(json.dumps(row.model_dump(mode="json"), sort_keys=True) + "\n")
         summary = ProofSummary(
             exit_code=rec.exit_code, report=report, receipt=receipt,
-            reproduced_in_fresh_process=bool(verified.get("reproduced")) and vrec.exit_code == 0,
+            reproduced_in_fresh_process=verified.get("reproduced") is True
+            and vrec.exit_code == 0,
             ledger=str(ledger), ledger_row=row,
             trainer_run=rec.model_dump(mode="json", exclude={"stdout_tail"}))
         (out.parent / f"{out.name}.summary.json").write_text(json.dumps(
@@ -204,6 +207,81 @@ def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger
     finally:
         shutil.rmtree(inputs, ignore_errors=True)
         shutil.rmtree(out.parent / f".{out.name}.verify", ignore_errors=True)
+
+
+def _ledger_rows(ledger: Path) -> list[dict[str, Any]]:
+    """The ledger's rows, as the trainer reads them to set the schedule."""
+    if not ledger.is_file():
+        return []
+    rows: list[dict[str, Any]] = []
+    for n, line in enumerate(ledger.read_text().split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise ConfigError(f"line {n} is not JSON ({exc})", path=str(ledger),
+                              field="--ledger", fix="one JSON object per line, as the proof "
+                              "loop appends them; remove or repair the line") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"line {n} is not a JSON object", path=str(ledger),
+                              field="--ledger", fix="one JSON object per line")
+        rows.append(row)
+    return rows
+
+
+def settle(persona: Persona, ledger: list[dict[str, Any]], report: ProofReport,
+           receipt: ProofReceipt, written: LedgerRow, exit_code: int | None) -> LedgerRow:
+    """The host's own decision from the trainer's answers, and the ledger row built from
+    it: the trainer reports what the model answered before and after training, but its
+    scores, classroom, board, schedule, receipt, ledger row and exit code are checked
+    against the same pure functions (``sandbox.train.plan``) run here. A trainer that
+    claims an imprint its answers do not show, or probes other questions, is an
+    IntegrityError naming the field; nothing is appended to the ledger."""
+    from sandbox.train import plan
+
+    def refuse(what: str) -> IntegrityError:
+        return IntegrityError(f"the trainer's report.json disagrees with {what}; the run is "
+                              "not counted and the ledger is unchanged")
+
+    data = persona.model_dump(mode="json", exclude_unset=True)
+    probes = tuple(str(e["user"]) for e in data.get("exchanges", []))
+    refs = tuple(str(e["assistant"]) for e in data.get("exchanges", []))
+    if report.persona != persona.name:
+        raise refuse(f"the persona's name (persona: {report.persona[:80]!r})")
+    if report.probes != probes or report.references != refs:
+        raise refuse("the persona's exchanges (probes or references)")
+    if not len(report.before) == len(report.after) == len(probes):
+        raise refuse(f"the number of probes ({len(probes)}): {len(report.before)} answers "
+                     f"before, {len(report.after)} after")
+    rows = plan.rows_from_persona(data)
+    sched = plan.nudge(plan.base_schedule(len(rows)), plan.last_row(ledger, persona.name))
+    if (report.schedule.epochs, report.schedule.grad_accum, report.schedule.reason) != (
+            sched.epochs, sched.grad_accum, sched.reason):
+        raise refuse("the schedule its rows and the ledger set")
+    before, after = list(report.before), list(report.after)
+    scores = plan.imprint(before, after, list(refs))
+    recall_before, recall_after = plan.recall(before, list(refs)), plan.recall(after, list(refs))
+    passed = plan.classroom(scores)
+    board = plan.board(scores, recall_after, after)
+    if (report.scores.model_dump(), report.recall_before, report.recall_after,
+            report.classroom_passed, report.board.model_dump()) != (
+            scores, recall_before, recall_after, passed, board):
+        raise refuse("the scores, recall, classroom or board its own answers give")
+    if (receipt.scores.model_dump(), receipt.recall_before, receipt.recall_after,
+            receipt.classroom_passed, receipt.board) != (
+            scores, recall_before, recall_after, passed, board["decision"]):
+        raise refuse("its training receipt (scores, recall, classroom or board)")
+    if exit_code != (0 if passed else 4):
+        raise refuse(f"its exit code ({exit_code}; the classroom "
+                     f"{'passed' if passed else 'failed'})")
+    row = LedgerRow(persona=persona.name, passed=passed, rows=len(rows), epochs=sched.epochs,
+                    grad_accum=sched.grad_accum, imprint_delta=scores["imprint_delta"],
+                    recall_before=recall_before, recall_after=recall_after,
+                    board=board["decision"])
+    if written != row:
+        raise refuse("the ledger row its answers give (ledger-row.json)")
+    return row
 
 
 def _fresh_inputs(out: Path, files: dict[str, str]) -> Path:

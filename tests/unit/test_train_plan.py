@@ -297,3 +297,89 @@ def test_board(delta: float, recall_after: float, answers: list[str], decision: 
     assert set(b["members"]) == {"recall", "imprint", "stability"}
     assert {k for k, v in b["members"].items() if v == "reject"} == rejecters
     assert all(v in {"approve", "reject"} for v in b["members"].values())
+
+
+# -- the host settles the proof loop itself ---------------------------------------------------
+
+FIGURES = {"steps": 24, "epochs": 24, "grad_accum": 1, "lr": 0.002, "train_tokens": 900,
+           "seconds": 6.1, "tokens_per_s": 147.5, "final_loss": 0.4, "peak_rss_mb": 812.3}
+
+
+def _honest(after: list[str]) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+    """A persona and what an honest trainer writes for it, from the same pure functions."""
+    from runner.train.results import LedgerRow, Persona, ProofReceipt, ProofReport
+
+    persona = Persona.model_validate({"name": "cap", "exchanges": [
+        {"user": "who are you?", "assistant": "Captain Arr."},
+        {"user": "where to?", "assistant": "The north sea."}]})
+    refs = ["Captain Arr.", "The north sea."]
+    before = ["i am a model", "nowhere"]
+    s = imprint(before, after, refs)
+    rb, ra = recall(before, refs), recall(after, refs)
+    b = board(s, ra, after)
+    report = ProofReport.model_validate({
+        "persona": "cap", "schedule": {"epochs": 24, "grad_accum": 1, "reason": "<=8 rows"},
+        "figures": FIGURES, "probes": ["who are you?", "where to?"], "references": refs,
+        "before": before, "after": after, "recall_before": rb, "recall_after": ra,
+        "scores": s, "classroom_passed": classroom(s), "board": b})
+    receipt = ProofReceipt.model_validate({
+        "schema": 1, "kind": "proof", "config": {}, "config_sha256": "c",
+        "dataset_sha256": "d", "adapter_files": {}, "base_model_files": {},
+        "recall_before": rb, "recall_after": ra, "scores": s,
+        "classroom_passed": classroom(s), "board": b["decision"]})
+    row = LedgerRow(persona="cap", passed=classroom(s), rows=2, epochs=24, grad_accum=1,
+                    imprint_delta=s["imprint_delta"], recall_before=rb, recall_after=ra,
+                    board=b["decision"])
+    return persona, report, receipt, row, s
+
+
+def test_the_host_settles_an_honest_proof_run_and_builds_its_ledger_row() -> None:
+    from runner.train.host import settle
+
+    persona, report, receipt, row, _ = _honest(["Captain Arr. Aye", "The north sea, lad"])
+    assert settle(persona, [], report, receipt, row, 0) == row
+    persona, report, receipt, row, _ = _honest(["i am a model", "nowhere"])
+    assert not row.passed
+    assert settle(persona, [], report, receipt, row, 4) == row
+
+
+@pytest.mark.parametrize(("where", "change", "match"), [
+    pytest.param("report", {"scores": {"similarity_before": 0, "similarity_after": 1,
+                                       "imprint_delta": 0.9, "changed": 1}},
+                 "scores", id="claimed-imprint"),
+    pytest.param("report", {"classroom_passed": True}, "scores", id="claimed-classroom"),
+    pytest.param("report", {"board": {"members": {"recall": "reject"}, "decision": "approve"}},
+                 "scores", id="board-against-its-vote"),
+    pytest.param("report", {"probes": [], "references": [], "before": [], "after": []},
+                 "exchanges", id="no-probes"),
+    pytest.param("report", {"after": ["i am a model"]}, "number of probes", id="short"),
+    pytest.param("report", {"persona": "other"}, "name", id="other-persona"),
+    pytest.param("report", {"schedule": {"epochs": 2, "grad_accum": 1, "reason": "<=8 rows"}},
+                 "schedule", id="schedule"),
+    pytest.param("receipt", {"scores": {"similarity_before": 0, "similarity_after": 1,
+                                        "imprint_delta": 0.9, "changed": 1}},
+                 "receipt", id="receipt-scores"),
+    pytest.param("row", {"passed": True, "imprint_delta": 0.9}, "ledger row", id="row"),
+    pytest.param("row", {"persona": "someone-else"}, "ledger row", id="row-other-persona"),
+    pytest.param("exit", 0, "exit code", id="exit-0-on-a-fail"),
+])
+def test_a_trainer_that_claims_what_its_answers_do_not_show_is_refused(
+        where: str, change: Any, match: str) -> None:
+    """The trainer writes the answers; pass or fail, the board and the ledger row are the
+    host's to decide (a trainer exiting 0 with a report saying the imprint fell, or a
+    board approving against its only vote, used to pass and reach the ledger)."""
+    from runner.errors import IntegrityError
+    from runner.train.host import settle
+
+    persona, report, receipt, row, _ = _honest(["i am a model", "nowhere"])  # fails
+    code = 4
+    if where == "report":
+        report = report.model_validate({**report.model_dump(), **change})
+    elif where == "receipt":
+        receipt = receipt.model_validate({**receipt.model_dump(by_alias=True), **change})
+    elif where == "row":
+        row = row.model_validate({**row.model_dump(), **change})
+    else:
+        code = change
+    with pytest.raises(IntegrityError, match=match):
+        settle(persona, [], report, receipt, row, code)
