@@ -34,8 +34,10 @@ def export_cmd(run: Annotated[Path, typer.Option("--run", help="A cycle run dire
     rewarded on refusal correctness; r_outcome is null only where nothing was graded.
 
     Exit codes: 0 exported; 3 refused, the reason named: calibration_missing,
-    calibration_incomplete, kappa_below_policy, calibration_unbound, run_has_no_receipt,
-    calibration_of_another_run, or --out exists; 8 a recorded blob or the frozen manifest
+    calibration_inconsistent, calibration_incomplete, kappa_below_policy,
+    calibration_unbound, run_has_no_receipt, calibration_of_another_run,
+    calibration_ratings_not_of_run (the ratings assessed are not what the run's records
+    give), or --out exists; 8 a recorded blob or the frozen manifest
     changed since the run."""
     from runner.train.export import export, load_export_policy
 

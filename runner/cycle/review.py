@@ -306,10 +306,9 @@ def make_packet(records: Sequence[Record], out_dir: Path, *, reviewer: str = "",
                             tool_calls or {}).encode("utf-8")
     packet = Packet(packet_id=pid, items=items, criteria=CRITERIA,
                     review_md_sha256=sha256_bytes(review), run=run)
+    ratings = ratings_bytes(ok, pid)  # a judge score outside 0..1 is refused here
     labels = {"schema": 1, "packet_id": pid, "reviewer": reviewer, "labeled_at": None,
               "labels": {i.item_id: dict.fromkeys(CRITERIA) for i in items}}
-    ratings = {"schema": 1, "packet_id": pid,
-               "ratings": {_item_id(r): _model_ratings(r) for r in ok}}
     try:
         out_dir.mkdir(parents=True)
     except FileExistsError:
@@ -320,8 +319,17 @@ def make_packet(records: Sequence[Record], out_dir: Path, *, reviewer: str = "",
     # A human edits this file, so it is indented; its hash is taken when it is assessed.
     _write_new(out_dir / LABELS_JSON, (json.dumps(labels, indent=2, sort_keys=True,
                                                   ensure_ascii=False) + "\n").encode("utf-8"))
-    _write_new(out_dir / RATINGS_JSON, canonical_bytes(ratings))
+    _write_new(out_dir / RATINGS_JSON, ratings)
     return out_dir
+
+
+def ratings_bytes(records: Sequence[Record], packet_id: str) -> bytes:
+    """``judge-ratings.json`` as :func:`make_packet` writes it for these records (the ok
+    ones): export rebuilds it from the run's records and checks the calibration assessed
+    exactly these ratings, so no other ratings file can stand in for the model's."""
+    ok = sorted((r for r in records if r.status == "ok"), key=lambda r: (r.case_id, r.trial))
+    return canonical_bytes({"schema": 1, "packet_id": packet_id,
+                            "ratings": {_item_id(r): _model_ratings(r) for r in ok}})
 
 
 def calibrate(packet_dir: Path, labels_path: Path, judges_path: Path) -> CalibrationResult:

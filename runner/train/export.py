@@ -39,7 +39,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from runner.cycle.models import RECORDS_MAX_BYTES, Manifest, Record, Reference
-from runner.cycle.review import OVERALL, CalibrationResult, load_calibration
+from runner.cycle.review import OVERALL, CalibrationResult, load_calibration, ratings_bytes
 from runner.errors import ConfigError, IntegrityError, OutputRejected
 from runner.gateway.calllog import CallLog, CallRecord
 from runner.gateway.transcript import NOT_TURNS, Unparsed, arguments_are_objects, transcript
@@ -131,8 +131,9 @@ def check_calibration(calibration: Path | None, run: Path,
     ``min_kappa`` and is of this run.
 
     Raises ConfigError naming the reason: ``calibration_missing``,
-    ``calibration_incomplete``, ``kappa_below_policy``, ``calibration_unbound``,
-    ``run_has_no_receipt`` or ``calibration_of_another_run``."""
+    ``calibration_inconsistent``, ``calibration_incomplete``, ``kappa_below_policy``,
+    ``calibration_unbound``, ``run_has_no_receipt`` or ``calibration_of_another_run``
+    (and, once the records are read, ``calibration_ratings_not_of_run``)."""
     if calibration is None or not calibration.is_file():
         raise ConfigError("calibration_missing: export needs human-model agreement first",
                           field="--calibration", fix="run `cyclebox review packet` on the run's "
@@ -141,6 +142,14 @@ def check_calibration(calibration: Path | None, run: Path,
     cal = load_calibration(calibration)
     cal_sha = sha256_file(calibration)
     kappa = cal.cohen_kappa.get(OVERALL)
+    pairs = cal.pairs.get(OVERALL, 0)
+    if (kappa is not None and (pairs < 2 or not -1.0 <= kappa <= 1.0)) or (
+            cal.complete and cal.coverage.get(OVERALL) != 1.0):
+        raise ConfigError(f"calibration_inconsistent: kappa {kappa} over {pairs} pairs, "
+                          f"complete {cal.complete} at coverage {cal.coverage.get(OVERALL)}; "
+                          "`cyclebox review calibrate` writes no such result",
+                          path=str(calibration), field="--calibration",
+                          fix="calibrate again with `cyclebox review calibrate`")
     if not cal.complete:
         raise ConfigError(f"calibration_incomplete: coverage {cal.coverage.get(OVERALL)} of "
                           "the applicable cells", path=str(calibration), field="--calibration",
@@ -284,8 +293,23 @@ class _ReceiptFiles(BaseModel):
     files: dict[str, str]
 
 
-def _grades(run: Path) -> dict[str, Record]:
-    """The graded records of both arms, joined by :func:`join_key`.
+def _check_ratings(cal: CalibrationResult, sides: dict[str, list[Record]],
+                   calibration: Path | None) -> None:
+    """The calibration assessed the model ratings of this run's records (of one arm),
+    byte for byte: a judge-ratings file written by hand (e.g. a copy of the human labels,
+    which makes kappa 1.0) is ``calibration_ratings_not_of_run``."""
+    if any(sha256_bytes(ratings_bytes(rs, cal.packet_id)) == cal.ratings_sha256
+           for rs in sides.values()):
+        return
+    raise ConfigError("calibration_ratings_not_of_run: the judge ratings the calibration "
+                      f"assessed (sha256 {cal.ratings_sha256[:16]}…) are not the ratings this "
+                      "run's records give", path=str(calibration), field="--calibration",
+                      fix="calibrate with the judge-ratings.json `cyclebox review packet` "
+                          "wrote, unchanged")
+
+
+def _grades(run: Path) -> tuple[dict[str, Record], dict[str, list[Record]]]:
+    """The graded records of both arms, joined by :func:`join_key`, and each arm's list.
 
     Each records file the run's receipt names must be there with the bytes the receipt
     hashed (IntegrityError naming the file otherwise: a missing file is not "nothing was
@@ -294,6 +318,7 @@ def _grades(run: Path) -> dict[str, Record]:
     receipt = load_model(run / "receipt.json", _ReceiptFiles, fmt="json", what="run receipt",
                          ref=(str(run), "--run"), fix=RUN_FIX)
     out = {}
+    sides: dict[str, list[Record]] = {}
     for side in SIDES:
         rel = f"stages/{side}/records.jsonl"
         f = run / rel
@@ -322,7 +347,8 @@ def _grades(run: Path) -> dict[str, Record]:
             where = f"{show(str(f))}:{n}"
             r = validate(Record, parse_json(line, path=where), path=where, fix=RUN_FIX)
             out[join_key(side, r.case_id, r.trial)] = r
-    return out
+            sides.setdefault(side, []).append(r)
+    return out, sides
 
 
 def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPolicy,
@@ -343,7 +369,8 @@ def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPoli
             not_turns[c.api or "chat"] += 1
             continue
         groups[(c.stage, c.case, c.trial)].append(c)
-    grades = _grades(run)
+    grades, sides = _grades(run)
+    _check_ratings(cal, sides, calibration)
     refs = frozen_references(run)
     dataset = _run_plan(run).dataset
     trajectories: list[dict[str, Any]] = []

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from runner.cycle.compare import load_records
 from runner.cycle.models import Grades, Identities, Record
 from runner.cycle.review import bind_run, calibrate, make_packet, write_calibration
 from runner.errors import ConfigError, IntegrityError
@@ -165,7 +166,7 @@ def _calibration(tmp_path: Path, name: str, relabel: Any, run: Path | None = Non
     unlabelled)."""
     run = run or tmp_path / "run"
     binding = bind_run(run, run / "stages" / "baseline" / "records.jsonl")
-    recs = [record(*r) for r in BASELINE] + [record("c5", 0, False)]
+    recs = load_records(run / "stages" / "baseline" / "records.jsonl")
     packet = make_packet(recs, tmp_path / f"packet-{name}", reviewer="rev", run=binding)
     ratings = json.loads((packet / "judge-ratings.json").read_text())["ratings"]
     doc = json.loads((packet / "human-labels.json").read_text())
@@ -483,6 +484,50 @@ def test_calibration_of_run_a_refused_for_run_b(run: Path, calibration: Path,
     assert export(run_b, out, calibration=cal_b, policy=POLICY).trajectories == 6
     receipt = json.loads((out / "export-receipt.json").read_text())
     assert receipt["run_receipt_sha256"] == sha256_file(run_b / "receipt.json")
+
+
+def test_a_calibration_of_ratings_the_run_does_not_give_is_refused(run: Path,
+                                                                    tmp_path: Path) -> None:
+    """judge-ratings.json was not pinned: a copy of the human labels in its shape turned
+    an honest disagreement into kappa 1.0. Export rebuilds the ratings from the run's
+    records and checks the calibration assessed exactly those."""
+    binding = bind_run(run, run / "stages" / "baseline" / "records.jsonl")
+    packet = make_packet(load_records(run / "stages" / "baseline" / "records.jsonl"),
+                         tmp_path / "packet", reviewer="rev", run=binding)
+    doc = json.loads((packet / "human-labels.json").read_text())
+    ratings = json.loads((packet / "judge-ratings.json").read_text())
+    for item, row in ratings["ratings"].items():  # the human says the opposite
+        doc["labels"][item] = {c: None if row[c] is None else 2 - row[c]
+                               for c in ("correctness", "evidence", "refusal")}
+    doc["labeled_at"] = "2025-01-02T03:04:05+00:00"
+    labels = tmp_path / "labels.json"
+    labels.write_text(json.dumps(doc))
+    honest = calibrate(packet, labels, packet / "judge-ratings.json")
+    assert honest.cohen_kappa["overall"] is not None and honest.cohen_kappa["overall"] < 0.6
+    forged = tmp_path / "forged-ratings.json"
+    forged.write_text(json.dumps({"schema": 1, "packet_id": doc["packet_id"], "ratings": {
+        i: {**row, "judge": None} for i, row in doc["labels"].items()}}))
+    result = calibrate(packet, labels, forged)
+    assert result.cohen_kappa["overall"] == 1.0
+    cal = write_calibration(result, tmp_path / "calibration.json")
+    with pytest.raises(ConfigError, match="calibration_ratings_not_of_run"):
+        export(run, tmp_path / "out", calibration=cal, policy=POLICY)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("edit", [
+    pytest.param({"pairs": {"overall": 0}}, id="kappa-over-no-pairs"),
+    pytest.param({"cohen_kappa": {"overall": 3.0}}, id="kappa-out-of-range"),
+    pytest.param({"coverage": {"overall": 0.5}}, id="complete-at-half-coverage"),
+])
+def test_a_calibration_result_no_calibration_writes_is_refused(
+        run: Path, calibration: Path, tmp_path: Path, edit: dict[str, Any]) -> None:
+    doc = json.loads(calibration.read_text())
+    for k, v in edit.items():
+        doc[k] = {**doc[k], **v}
+    calibration.write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match="calibration_inconsistent"):
+        export(run, tmp_path / "out", calibration=calibration, policy=POLICY)
 
 
 def test_calibration_of_a_changed_receipt_refused(run: Path, calibration: Path,
