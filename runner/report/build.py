@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,25 @@ def _changes(raw: Any) -> tuple[Change, ...]:
     return tuple(out)
 
 
+def _timing(timing: Any, problems: list[str]) -> dict[str, float]:
+    """The receipt's stage timings that are finite numbers of seconds; others noted."""
+    out: dict[str, float] = {}
+    if not isinstance(timing, dict):
+        return out
+    for k, t in timing.items():
+        if isinstance(t, bool) or not isinstance(t, int | float):
+            continue
+        try:
+            f = float(t)
+        except OverflowError:
+            f = math.inf
+        if not math.isfinite(f):
+            problems.append(cap(f"receipt.json: timing {str(k)!r} is not a finite number", 200))
+            continue
+        out[str(k)] = f
+    return out
+
+
 def build_report(run_dir: Path) -> Report:
     """The report of one run directory; raises OutputRejected when it is not one."""
     hint = "pass a directory written by `cyclebox cycle run --out DIR`"
@@ -180,7 +200,14 @@ def build_report(run_dir: Path) -> Report:
         raise OutputRejected(f"{run_dir}: no plan.json (a regular file); {hint}")
     rd = _Reader(run_dir)
     doc = rd.json_object("plan.json")
-    plan: dict[str, Any] = doc.get("plan", {}) if isinstance(doc, dict) else {}
+    raw_plan = doc.get("plan", {}) if isinstance(doc, dict) else {}
+    plan: dict[str, Any] = raw_plan if isinstance(raw_plan, dict) else {}
+    if not isinstance(raw_plan, dict):
+        rd.problems.append("plan.json: plan is not an object")
+    plan_hash = doc.get("plan_hash") if isinstance(doc, dict) else None
+    if plan_hash is not None and not isinstance(plan_hash, str):
+        rd.problems.append("plan.json: plan_hash is not a string")
+        plan_hash = None
     raw_policy = plan.get("policy")
     policy: dict[str, Any] = raw_policy if isinstance(raw_policy, dict) else {}
     criteria = tuple(str(c) for c in policy.get("criteria", ()) or ())
@@ -224,7 +251,7 @@ def build_report(run_dir: Path) -> Report:
     trials = plan.get("trials")
     return Report(
         run_dir=str(run_dir), name=str(plan["name"]) if "name" in plan else None,
-        plan_hash=doc.get("plan_hash") if isinstance(doc, dict) else None,
+        plan_hash=plan_hash,
         verdict=verdict, exit_code=EXIT.get(verdict, 2),
         reasons=tuple(cap(str(r)) for r in (reasons or [])),
         trials=trials if isinstance(trials, int) else None, criteria=criteria,
@@ -234,6 +261,5 @@ def build_report(run_dir: Path) -> Report:
         receipt_sha256=None if receipt is None else hashlib.sha256(receipt).hexdigest(),
         patch=None if patch is None else patch[:MAX_PATCH].decode("utf-8", "replace"),
         patch_truncated=patch is not None and len(patch) > MAX_PATCH,
-        timing={str(k): float(t) for k, t in timing.items() if isinstance(t, int | float)}
-        if isinstance(timing, dict) else {},
+        timing=_timing(timing, rd.problems),
         problems=tuple(rd.problems))

@@ -197,6 +197,24 @@ def test_symlinked_stage_directory_is_refused(run: Path, tmp_path: Path) -> None
     assert any("stages/baseline" in p for p in r.problems)
 
 
+@pytest.mark.parametrize(("name", "text", "problem"), [
+    pytest.param("receipt.json", '{"timing": {"baseline": 1' + "0" * 400 + "}}",
+                 "timing 'baseline' is not a finite number", id="timing-400-digits"),
+    pytest.param("plan.json", '{"plan": {"name": "syn"}, "plan_hash": {"x": 1}}',
+                 "plan_hash is not a string", id="plan-hash-object"),
+    pytest.param("plan.json", '{"plan": [1], "plan_hash": "p"}', "plan is not an object",
+                 id="plan-list"),
+])
+def test_odd_values_in_a_run_directory_are_noted_not_a_crash(
+        run: Path, name: str, text: str, problem: str) -> None:
+    """A report shows what it can and notes the rest: these raised OverflowError, a
+    ValidationError and AttributeError, and no report was written."""
+    (run / name).write_text(text)
+    r = build_report(run)
+    assert any(problem in p for p in r.problems), r.problems
+    render_html(r, run_dir=run, html_dir=run.parent), markdown(r), terminal_rows(r)
+
+
 def test_not_a_run_directory(tmp_path: Path) -> None:
     with pytest.raises(OutputRejected, match=r"plan\.json"):
         build_report(tmp_path)
