@@ -21,6 +21,10 @@ app = typer.Typer(no_args_is_help=True, help="CPU LoRA training in the trainer i
 BaseOpt = Annotated[Path, typer.Option("--base-model", help="Local model directory.")]
 
 
+MAX_STEPS = 10**9
+"""Most training steps a progress event may count."""
+
+
 class _Bar:
     """Shows trainer progress events as a bar."""
 
@@ -35,7 +39,11 @@ class _Bar:
                                       f"grad-accum {ev.get('grad_accum')}, threads "
                                       f"{ev.get('threads')}", 300), highlight=False)
         elif ev.get("event") == "progress":
-            self.p.update(self.task, completed=ev["step"], total=ev["total"],
+            step, total = ev.get("step"), ev.get("total")
+            if not all(type(v) is int for v in (step, total)) or not (
+                    0 <= step <= total <= MAX_STEPS):  # type: ignore[operator]
+                return  # a bad count is not drawn (it broke the bar at exit, code lost)
+            self.p.update(self.task, completed=step, total=total,
                           description=safe(f"loss {ev.get('loss')}", 40, newlines=False))
 
 

@@ -304,3 +304,30 @@ def test_gc_says_which_nodes_were_not_swept_and_exits_6(
     engine.reset()
     assert app(["gc", "--dry-run"], standalone_mode=False) == 0
     engine.reset()
+
+
+@pytest.mark.parametrize("ev", [
+    {"event": "progress", "step": "5", "total": None},
+    {"event": "progress", "step": 1e308, "total": None},
+    {"event": "progress", "step": 1, "total": 1e308},
+    {"event": "progress", "step": True, "total": 2},
+    {"event": "progress", "step": 3, "total": 2},
+    {"event": "progress"},
+])
+def test_a_trainer_progress_event_with_a_bad_count_is_not_drawn(ev: dict[str, Any]) -> None:
+    """A trainer's event is hostile: a count rich stored quietly broke the bar when it was
+    drawn at exit, after training, and the command's exit code was lost."""
+    import io
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from runner.cli.train import _Bar
+
+    con = Console(file=io.StringIO(), force_terminal=True, width=100)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  console=con, auto_refresh=False) as p:
+        bar = _Bar(p, "training")
+        bar(ev)
+        bar({"event": "progress", "step": 1, "total": 2, "loss": 0.5})
+    assert "1/2" in con.file.getvalue()  # type: ignore[attr-defined]
