@@ -9,6 +9,7 @@ to reproduce them; timings live apart in ``timing``.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import json
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic_core import to_jsonable_python
 
 from runner import fswalk
 from runner.cycle.dream import DreamSummary
@@ -219,9 +221,11 @@ class Receipt(Frozen):
 CONTAINERS_FIX = "containers.jsonl as the cycle runner writes it (one run record a line)"
 
 
-def build(outcome: Outcome) -> Receipt:
-    """Assemble and write ``receipt.json``; returns it."""
-    d = outcome.run_dir
+def _derived(d: Path) -> dict[str, Any]:
+    """The receipt's fields that follow from the run directory's own (bound) files: the
+    plan, the call log, the records, the container rows and the dream summary. One
+    function for :func:`build` and :func:`verify`, so a field edited in receipt.json
+    after the run no longer matches what its files give."""
     doc = read_plan_doc(d / "plan.json")
     plan = doc.plan
     calls = CallLog(d / "gateway").records()
@@ -229,56 +233,70 @@ def build(outcome: Outcome) -> Receipt:
     containers = (load_lines(d / "containers.jsonl", ContainerRow, what="container records",
                              fix=CONTAINERS_FIX)
                   if (d / "containers.jsonl").exists() else [])
+    summary = stages / "dream" / "summary.json"
+    return {
+        "inputs": doc.hashes,
+        "identities": ReceiptIdentities(reference_hash=plan.reference_hash,
+                                        data_hash=plan.data_hash, scorer=plan.scorer,
+                                        judge_id=plan.judge_id,
+                                        manifest_sha256=plan.manifest_sha256),
+        "base_tree": plan.project.base_tree,
+        "images": plan.images,
+        "upstreams": {n: ReceiptUpstream(provider=u.provider,
+                                         credential=(u.credential.env or u.credential.file)
+                                         if u.credential else None,
+                                         fixture=u.provider == "scripted",
+                                         id=plan.upstream_ids.get(n))
+                      for n, u in plan.upstreams.items()},
+        "containers": tuple(containers),
+        "usage": summarize(calls),
+        "fixture": any(c.fixture for c in calls),
+        "dream": load_model(summary, DreamSummary, fmt="json", what="dream summary",
+                            fix="the summary.json the dream stage wrote")
+        if summary.is_file() else None,
+        "external": {f"store:{sid}": ExternalFile(path=str(Path(plan.data_dir) / s.path),
+                                                  sha256=s.sha256)
+                     for sid, s in plan.stores.items()},
+        "outcome": {
+            "inputs": sha256_json(doc.hashes),
+            "baseline_records_sha256": _records_digest(stages / "baseline" / "records.jsonl"),
+            "candidate_records_sha256": _records_digest(
+                stages / "candidate" / "records.jsonl"),
+            "calls_sha256": sha256_json([
+                [c.role, c.stage, c.case, c.trial, c.turn, c.status,
+                 c.replay_of or c.request_sha256, c.response_sha256]
+                for c in sorted(calls, key=lambda c: (c.stage, c.case or "", c.trial or 0,
+                                                      c.turn, c.role))]),
+        },
+    }
+
+
+def build(outcome: Outcome) -> Receipt:
+    """Assemble and write ``receipt.json``; returns it."""
+    d = outcome.run_dir
+    got = _derived(d)
     verdict = outcome.result.model_dump(mode="json")
     verdict_core = {k: v for k, v in verdict.items() if k != "usage"}
     outcome_digests = ReceiptOutcome(
-        inputs=sha256_json(doc.hashes),
+        **got.pop("outcome"),
         proposal_sha256=outcome.proposal_sha256,
         patch_sha256=outcome.patch_sha256,
         candidate_tree=outcome.candidate_tree,
         verdict=outcome.result.verdict,
         verdict_sha256=sha256_json(verdict_core),
-        baseline_records_sha256=_records_digest(stages / "baseline" / "records.jsonl"),
-        candidate_records_sha256=_records_digest(stages / "candidate" / "records.jsonl"),
-        calls_sha256=sha256_json([[c.role, c.stage, c.case, c.trial, c.turn, c.status,
-                                   c.replay_of or c.request_sha256, c.response_sha256] for c in
-                                  sorted(calls, key=lambda c: (c.stage, c.case or "",
-                                                               c.trial or 0, c.turn, c.role))]),
     )
-    summary = stages / "dream" / "summary.json"
     files, files_not_utf8 = _files(d)
     receipt = Receipt(
         schema=SCHEMA,
         generated_at=datetime.now(UTC).isoformat(timespec="seconds"),
         plan_hash=outcome.plan_hash,
-        inputs=doc.hashes,
-        identities=ReceiptIdentities(reference_hash=plan.reference_hash,
-                                     data_hash=plan.data_hash, scorer=plan.scorer,
-                                     judge_id=plan.judge_id,
-                                     manifest_sha256=plan.manifest_sha256),
-        base_tree=plan.project.base_tree,
-        images=plan.images,
-        upstreams={n: ReceiptUpstream(provider=u.provider,
-                                      credential=(u.credential.env or u.credential.file)
-                                      if u.credential else None,
-                                      fixture=u.provider == "scripted",
-                                      id=plan.upstream_ids.get(n))
-                   for n, u in plan.upstreams.items()},
-        containers=tuple(containers),
-        usage=summarize(calls),
-        fixture=any(c.fixture for c in calls),
+        **got,
         proposal_sha256=outcome.proposal_sha256,
         patch_sha256=outcome.patch_sha256,
         verdict=outcome.result,
         leftovers=tuple(outcome.leftovers),
-        dream=load_model(summary, DreamSummary, fmt="json", what="dream summary",
-                         fix="the summary.json the dream stage wrote")
-        if summary.is_file() else None,
         timing=outcome.timings,
         outcome=outcome_digests,
-        external={f"store:{sid}": ExternalFile(path=str(Path(plan.data_dir) / s.path),
-                                               sha256=s.sha256)
-                  for sid, s in plan.stores.items()},
         files=files,
         files_not_utf8=files_not_utf8,
     )
@@ -549,6 +567,74 @@ def _verify_at(root_fd: int, run_dir: Path) -> list[str]:
         why = _external_problem(data_dir, ext)
         if why is not None:
             problems.append(f"{name} ({ext.path}): {why}")
+    problems += _envelope_problems(root_fd, raw)
+    if not problems:  # the files are the ones bound: what they give must be what it says
+        problems += _derived_problems(root_fd, run_dir, raw, files)
+    return problems
+
+
+def _envelope_problems(root_fd: int, raw: bytes) -> list[str]:
+    """A signature envelope beside the receipt must carry these exact bytes: a receipt
+    edited after it was signed fails here even without the public key (``--pubkey``
+    then checks who signed)."""
+    try:
+        env = loads_strict(_read_in(root_fd, ENVELOPE), source=ENVELOPE)
+    except _Unreadable as exc:
+        return [] if str(exc) == "missing" else [f"{ENVELOPE}: {exc}"]
+    except OutputRejected as exc:
+        return [f"{ENVELOPE}: not a signature envelope ({exc})"]
+    payload = env.get("payload") if isinstance(env, dict) else None
+    try:
+        signed = base64.b64decode(payload, validate=True) if isinstance(payload, str) else None
+    except ValueError:
+        signed = None
+    if signed != raw:
+        return [f"{ENVELOPE}: its payload is not this receipt.json (the receipt was changed "
+                "after it was signed)"]
+    return []
+
+
+_DERIVED = frozenset({"inputs", "identities", "base_tree", "images", "upstreams", "containers",
+                      "usage", "fixture", "dream", "external", "outcome", "verdict",
+                      "proposal_sha256", "patch_sha256"})
+
+
+def _derived_problems(root_fd: int, run_dir: Path, raw: bytes,
+                      files: dict[str, str]) -> list[str]:
+    """Every receipt field that follows from bound files, recomputed from them: the
+    verdict and its digest from stages/compare/verdict.json, usage, fixture and the calls
+    digest from the call log, the records digests, the plan's inputs, identities, images
+    and upstreams, the container rows, the dream summary, and the proposal and patch
+    hashes from their files. A field absent from the receipt (an older one) is skipped."""
+    doc = loads_strict(raw, source=RECEIPT)
+    if not isinstance(doc, dict) or not set(doc) & (_DERIVED - {"external", "outcome"}):
+        # a receipt of files alone (external and the candidate tree are checked on their
+        # own); attest and compare read only a whole receipt
+        return []
+    try:
+        got = _derived(run_dir)
+        verdict = loads_strict(_read_in(root_fd, "stages/compare/verdict.json"),
+                               source="stages/compare/verdict.json")
+    except (_Unreadable, OutputRejected, ConfigError, IntegrityError) as exc:
+        return [f"the files the receipt binds could not be read back ({exc})"]
+    outcome = got.pop("outcome")
+    want: dict[str, Any] = {k: json.loads(canonical_bytes(to_jsonable_python(v, by_alias=True)))
+                            for k, v in got.items()}
+    want["verdict"] = verdict
+    want["proposal_sha256"] = files.get("stages/propose/out/proposal.json")
+    want["patch_sha256"] = files.get("stages/apply/candidate.patch")
+    core = ({k: v for k, v in verdict.items() if k != "usage"}
+            if isinstance(verdict, dict) else verdict)
+    outcome |= {"verdict": verdict.get("verdict") if isinstance(verdict, dict) else None,
+                "verdict_sha256": sha256_json(core),
+                "proposal_sha256": want["proposal_sha256"],
+                "patch_sha256": want["patch_sha256"]}
+    problems = [f"{k}: differs from what the run's files give" for k, v in want.items()
+                if k in doc and doc[k] != v]
+    said_any = doc.get("outcome")
+    said: dict[str, Any] = said_any if isinstance(said_any, dict) else {}
+    problems += [f"outcome.{k}: differs from what the run's files give"
+                 for k, v in outcome.items() if k in said and said[k] != v]
     return problems
 
 

@@ -354,6 +354,54 @@ def test_line_separators_in_an_answer_are_kept_and_the_receipt_verifies(
     assert verify(plan.parent) == []
 
 
+@pytest.mark.parametrize(("path", "value", "problem"), [
+    pytest.param(("verdict", "verdict"), "reject", "verdict", id="verdict"),
+    pytest.param(("fixture",), True, "fixture", id="fixture"),
+    pytest.param(("usage", "total", "calls"), 10**6, "usage", id="usage"),
+    pytest.param(("outcome", "calls_sha256"), "0" * 64, "outcome.calls_sha256", id="calls"),
+    pytest.param(("outcome", "verdict"), "reject", "outcome.verdict", id="outcome-verdict"),
+    pytest.param(("patch_sha256",), "0" * 64, "patch_sha256", id="patch"),
+    pytest.param(("containers", 0, "exit_code"), 99, "containers", id="containers"),
+    pytest.param(("images", "analyst"), "sha256:" + "0" * 64, "images", id="images"),
+])
+def test_a_receipt_field_edited_after_the_run_does_not_verify(
+        planned: Freeze, path: tuple[Any, ...], value: Any, problem: str) -> None:
+    """verify re-hashed the files but took the receipt's own fields (verdict, fixture,
+    usage, outcome digests) on trust, and attest signed them: a receipt edited to say
+    reject, or not a fixture, still verified. Each is recomputed from the bound files."""
+    from runner.cycle.receipt import build, verify
+
+    plan = planned()
+    outcome = run(plan, fake(script()))
+    build(outcome)
+    assert verify(plan.parent) == []
+    receipt = plan.parent / "receipt.json"
+    doc = json.loads(receipt.read_text())
+    node = doc
+    for k in path[:-1]:
+        node = node[k]
+    assert node[path[-1]] != value
+    node[path[-1]] = value
+    receipt.write_text(json.dumps(doc, sort_keys=True, separators=(",", ":")))
+    assert verify(plan.parent) == [f"{problem}: differs from what the run's files give"]
+
+
+def test_a_receipt_changed_after_it_was_signed_fails_without_the_key(
+        planned: Freeze, tmp_path: Path) -> None:
+    from runner.cycle import signing
+    from runner.cycle.receipt import build, verify
+
+    plan = planned()
+    build(run(plan, fake(script())))
+    signing.keygen(tmp_path / "k")
+    signing.sign(plan.parent, tmp_path / "k")
+    assert verify(plan.parent) == []
+    receipt = plan.parent / "receipt.json"
+    receipt.write_bytes(receipt.read_bytes().replace(b'"schema":1', b'"schema":1 '))
+    assert verify(plan.parent) == ["receipt.dsse.json: its payload is not this receipt.json "
+                                   "(the receipt was changed after it was signed)"]
+
+
 def test_an_answer_over_its_cap_invalidates_that_case_only(planned: Freeze) -> None:
     """answer.json is kept whole in the records: one of 16 MiB (the role's output cap)
     made records.jsonl too large to review or export. Over MAX_ANSWER_BYTES it is
