@@ -61,6 +61,11 @@ FIXED_ENV = {
     "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+0000",
     "GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0",
     "GIT_NO_REPLACE_OBJECTS": "1",
+    # Neither the system's nor the operator's own git config or attributes: a filter
+    # driver defined there (git lfs install writes one to ~/.gitconfig) and selected by
+    # a committed .gitattributes would run on the host in archive, add or status, and
+    # diff.* settings would change the host's patch.
+    "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_ATTR_NOSYSTEM": "1", "HOME": "/nonexistent",
 }
 READER_CACHE = 4
 """Repositories whose two reader processes stay open (least recently used closed first)."""
@@ -75,9 +80,9 @@ ENV_REFUSED = ("GIT_COMMON_DIR", "GIT_OBJECT_DIRECTORY")
 
 
 def _env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("GIT_") and k != "XDG_CONFIG_HOME"}
     env.update(FIXED_ENV)
-    env["HOME"] = env.get("HOME", "/nonexistent")
     env.update(extra_env or {})
     return env
 

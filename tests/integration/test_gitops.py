@@ -182,6 +182,28 @@ def test_host_environment_cannot_redirect_reads(repo: Path, tmp_path: Path,
         gitops.resolve_tree(repo, "HEAD")
 
 
+@pytest.mark.parametrize("where", ["home", "xdg"])
+def test_the_operators_own_git_config_runs_no_driver_on_the_host(
+        repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """`git lfs install` writes a filter driver to ~/.gitconfig; a committed
+    .gitattributes selects it, and git archive (export) and git add (throwaway repo) ran
+    it on the host. The operator's global config and attributes are not read."""
+    home, marker = tmp_path / "home", tmp_path / "EXECUTED"
+    cfg = home / ".gitconfig" if where == "home" else home / "xdg" / "git" / "config"
+    cfg.parent.mkdir(parents=True)
+    cfg.write_text(f"[filter \"lfs\"]\n\tsmudge = \"sh -c 'echo s >> {marker}; cat'\"\n"
+                   f"\tclean = \"sh -c 'echo c >> {marker}; cat'\"\n"
+                   "[diff]\n\tnoprefix = true\n")
+    (repo / ".gitattributes").write_text("*.md filter=lfs\n")
+    commit(repo, "attributes")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / "xdg"))
+    tree = git(repo, "rev-parse", "HEAD^{tree}").strip()
+    gitops.export_tree(repo, tree, tmp_path / "export")
+    gitops.throwaway_repo(repo, tree, tmp_path / "throwaway")
+    assert not marker.exists()
+
+
 def test_replace_refs_are_ignored(repo: Path) -> None:
     blob = git(repo, "rev-parse", "HEAD:README.md").strip()
     fake = git(repo, "hash-object", "-w", "--stdin", data=b"replaced\n").strip()
