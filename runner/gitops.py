@@ -42,7 +42,7 @@ import subprocess
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -749,6 +749,52 @@ def init_fixed(repo: Path, message: str) -> str:
     _git(["add", "-A"], cwd=repo)
     _git(["commit", "-q", "--no-verify", "-m", message], cwd=repo)
     return rev(repo, "HEAD")
+
+
+_FILE_MODES = frozenset({b"100644", b"100755"})
+
+
+def commit_files(git_dir: Path, base: str, files: Sequence[tuple[str, bytes]], message: str,
+                 *, branch: str, env: dict[str, str]) -> str:
+    """Commit ``files`` (path, exact bytes) on top of ``base`` in the host's own bare
+    repository ``git_dir``, with git's plumbing and a private index: blobs as given (no
+    filter, no line-ending conversion), a file's mode kept from ``base`` (100644 for a
+    new one), the message cleaned as ``git commit -m`` cleans it, and ``env`` (identity
+    and dates) for the commit. Points ``branch`` at it and returns its id.
+
+    This is the commit the apply container makes from the same proposal, built without
+    reading anything the container wrote. ConfigError (git's stderr named) or
+    IntegrityError when a path is not a plain file in ``base`` (a link, a submodule or a
+    directory) or cannot be placed."""
+    index = git_dir / "cyclebox-candidate.index"
+    idx_env = {**env, "GIT_INDEX_FILE": str(index)}
+    index.unlink(missing_ok=True)
+    try:
+        _git(["read-tree", base], git_dir=git_dir, extra_env=idx_env)
+        paths = [p for p, _ in files]
+        listed = _git(["ls-tree", "-z", "--full-tree", base, "--", *paths], git_dir=git_dir)
+        modes: dict[str, bytes] = {}
+        for entry in listed.split(b"\0"):
+            if entry:
+                meta, _, name = entry.partition(b"\t")
+                modes[os.fsdecode(name)] = meta.split(b" ", 1)[0]
+        for path, data in files:
+            mode = modes.get(path, b"100644")
+            if mode not in _FILE_MODES:
+                raise IntegrityError(f"{path!r} is not a plain file in the base (mode "
+                                     f"{mode.decode(errors='replace')}); it is not replaced")
+            blob = _git(["hash-object", "-w", "--no-filters", "--stdin"], git_dir=git_dir,
+                        input_bytes=data).decode().strip()
+            _git(["update-index", "--add", "--cacheinfo", f"{mode.decode()},{blob},{path}"],
+                 git_dir=git_dir, extra_env=idx_env)
+        tree = _git(["write-tree"], git_dir=git_dir, extra_env=idx_env).decode().strip()
+        text = _git(["stripspace"], input_bytes=message.encode("utf-8"))
+        commit = _git(["commit-tree", tree, "-p", base, "-F", "-"], git_dir=git_dir,
+                      input_bytes=text, extra_env=env).decode().strip()
+        _git(["update-ref", f"refs/heads/{branch}", commit], git_dir=git_dir)
+        return commit
+    finally:
+        index.unlink(missing_ok=True)
 
 
 def clone_bare_untrusted(src: Path, dest: Path, *, branch: str) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from runner.cycle.models import (
     ProposalFile,
 )
 from runner.errors import ConfigError, EnvironmentFailure, IntegrityError, OutputRejected
+from runner.failures import one_line
 from runner.hashing import write_json
 from runner.isolation.collect import Collected, Limits, collect
 from runner.isolation.sandbox import Mount, RunRecord, Sandbox, StopReason
@@ -131,10 +133,30 @@ def read_claim(data: object, rec: RunRecord) -> Applied | ApplyRefusal:
         # checked first: the host runs git with this value
         return refused("result.json: commit is not a git object id")
     try:
-        return _RESULT.validate_python(data)
+        claim = _RESULT.validate_python(data)
     except ValidationError as exc:
         e = exc.errors(include_url=False)[0]
         return refused(f"result.json: {field_path(e['loc'])}: {show(e['msg'], 200)}")
+    if isinstance(claim, ApplyRefusal):
+        # the reason and message reach the verdict's reasons and the receipt: a rule the
+        # container applies, or output_refused; the message one bounded line
+        message = one_line(claim.message, MAX_REFUSAL_MESSAGE)
+        if claim.reason not in CONTAINER_REASONS:
+            return refused(f"result.json: reason {show(claim.reason, 80)} is not a rule the "
+                           f"apply container applies ({message})")
+        return claim.model_copy(update={"message": message})
+    return claim
+
+
+CONTAINER_REASONS = frozenset({
+    "absolute_path", "base_hash_mismatch", "duplicate_path", "git_path", "malformed_proposal",
+    "not_a_regular_file", "not_normalized", "not_utf8", "nul_in_path", "outside_allowlist",
+    "outside_invocation_set", "oversize_file", "path_through_file", "path_traversal",
+    "symlink_in_path"})
+"""The refusals the apply container names (``sandbox.proposal.Refused``); a unit test
+holds this set equal to the names in its source."""
+MAX_REFUSAL_MESSAGE = 2000
+"""Characters of a container's refusal message kept (one line, escaped)."""
 
 
 def apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
@@ -142,9 +164,11 @@ def apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
                    export_to: Path | None = None) -> Applied | ApplyRefusal:
     """Run the apply container on a throwaway repo, then re-verify on a host-made bare clone.
 
-    ``stage_dir/in`` holds proposal.json and invocation.json. The host never runs git
-    inside the directory the container wrote (its .git/config could carry commands):
-    it clones it with --no-local into ``candidate.git`` and checks that clone. With
+    ``stage_dir/in`` holds proposal.json and invocation.json. The host never runs git on
+    anything the container wrote: before the container starts it clones the base into
+    its own ``candidate.git``, and afterwards commits the proposal there itself
+    (:func:`runner.gitops.commit_files`); the container's claim must name that very
+    commit and its patch must equal the host's. With
     ``export_to``, the candidate tree is exported there and checked against its blobs.
     The git readers of the stage's own repositories are stopped when it ends (nothing
     reads them again in this process; cached, each held two processes and four pipes).
@@ -161,6 +185,27 @@ def _apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
     work = stage_dir / "work"
     work.mkdir(mode=0o700)
     base_commit = gitops.throwaway_repo(repo, tree, work / "repo")
+    # The host's own repository, cloned before the container sees the work repository:
+    # the candidate is rebuilt in it from the proposal, and nothing the container wrote
+    # into its repository (objects, config, alternates, modes) is ever read by git here.
+    bare = stage_dir / ".candidate.git"  # named candidate.git once the candidate is in it
+    gitops.clone_bare_untrusted(work / "repo", bare, branch="cyclebox/base")
+    try:
+        result = _run_and_check(stage_dir, work, bare, base_commit, run=run, uid=uid,
+                                export_to=export_to)
+        if isinstance(result, Applied):
+            gitops.close_readers_under(bare)
+            bare.rename(stage_dir / "candidate.git")
+        return result
+    finally:
+        if bare.exists():
+            gitops.close_readers_under(bare)
+            shutil.rmtree(bare, ignore_errors=True)
+
+
+def _run_and_check(stage_dir: Path, work: Path, bare: Path, base_commit: str, *,
+                   run: Callable[[Path], RunRecord], uid: int,
+                   export_to: Path | None) -> Applied | ApplyRefusal:
     (work / "out").mkdir()
     if os.getuid() == 0 and uid != 0:
         _give(work, uid)
@@ -184,16 +229,16 @@ def _apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
                           what="proposal", fix=fix)
     inv = load_model(stage_dir / "in" / "invocation.json", Invocation, fmt="json",
                      what="invocation", fix=fix)
-    bare = stage_dir / "candidate.git"
-    gitops.clone_bare_untrusted(work / "repo", bare, branch="cyclebox/candidate")
-    problems = _verify_candidate(bare, base_commit, claim.commit, proposal, inv)
-    if problems:
-        return _refuse(stage_dir, "host_verification_failed", problems)
-    patch = gitops.diff(bare, base_commit, claim.commit)
+    try:
+        result, patch = _rebuild(bare, base_commit, claim, proposal, inv)
+    except (ConfigError, IntegrityError) as exc:
+        return _refuse(stage_dir, "host_verification_failed",
+                       f"the host could not rebuild the candidate: {one_line(str(exc), 2000)}")
+    if isinstance(result, str):
+        return _refuse(stage_dir, "host_verification_failed", result)
     if got is None or patch != got.files.get("candidate.patch"):
         return _refuse(stage_dir, "host_verification_failed",
                        "candidate.patch differs from the host's diff")
-    result = claim.model_copy(update={"tree": gitops.head_tree(bare, claim.commit)})
     if export_to is not None:
         try:
             gitops.export_tree(bare, result.tree, export_to)
@@ -202,6 +247,49 @@ def _apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
     (stage_dir / "candidate.patch").write_bytes(patch)
     _write_result(stage_dir, result)
     return result
+
+
+def _rebuild(bare: Path, base: str, claim: Applied, proposal: Proposal,
+             inv: Invocation) -> tuple[Applied | str, bytes]:
+    """The candidate the proposal makes, committed by the host in its own repository as
+    the apply container commits it (same bytes, modes, identity, dates and message), and
+    its patch. The container's claim must name that very commit; every field of the
+    result is the host's own. A str is the refusal's message."""
+    changes = [Change(f.path, f.content) for f in proposal.files]
+    try:
+        check_changes(changes, paths=set(inv.paths), allowlist=list(inv.allowlist),
+                      max_bytes=inv.max_file_bytes)
+    except Refused as exc:
+        return str(exc), b""
+    for c in changes:  # the source the proposal was made against (check_tree's rule)
+        data = gitops.read_blob(bare, base, c.path)
+        actual = None if data is None else hashlib.sha256(data).hexdigest()
+        expected = inv.base.get(c.path, "missing")
+        if actual != expected:
+            return (f"base_hash_mismatch: {c.path}: source is {actual} but the proposal was "
+                    f"made against {expected}"), b""
+    commit = gitops.commit_files(
+        bare, base, [(c.path, c.content.encode("utf-8")) for c in changes],
+        "cyclebox candidate\n\n" + proposal.rationale[:2000], branch=CANDIDATE_BRANCH,
+        env=CANDIDATE_GIT_ENV)
+    if claim.commit != commit:
+        return (f"the container's commit {claim.commit} is not the commit the proposal makes "
+                f"({commit}): its tree, modes, parents or message differ"), b""
+    patch = gitops.diff(bare, base, commit)
+    return Applied(status="applied", base_commit=base, commit=commit,
+                   tree=gitops.head_tree(bare, commit), branch=CANDIDATE_BRANCH,
+                   changed=tuple(gitops.changed_paths(bare, base, commit))), patch
+
+
+CANDIDATE_BRANCH = "cyclebox/candidate"
+CANDIDATE_GIT_ENV = {
+    "GIT_AUTHOR_NAME": "cyclebox", "GIT_AUTHOR_EMAIL": "cyclebox@localhost",
+    "GIT_COMMITTER_NAME": "cyclebox", "GIT_COMMITTER_EMAIL": "cyclebox@localhost",
+    "GIT_AUTHOR_DATE": "2000-01-01T00:00:01+0000",
+    "GIT_COMMITTER_DATE": "2000-01-01T00:00:01+0000",
+}
+"""The apply container's commit identity and dates (``sandbox.apply.GIT_ENV``); a unit
+test holds the two equal."""
 
 
 def _give(work: Path, uid: int) -> None:
@@ -278,38 +366,6 @@ def _refuse(stage_dir: Path, reason: str, message: str) -> ApplyRefusal:
     refused = ApplyRefusal(status="refused", reason=reason, message=message)
     _write_result(stage_dir, refused)
     return refused
-
-
-def _verify_candidate(bare: Path, base: str, commit: str, proposal: Proposal,
-                      inv: Invocation) -> str:
-    if gitops.rev(bare, f"{commit}^") != base:
-        return "candidate commit is not a child of the frozen base"
-    changes = [Change(f.path, f.content) for f in proposal.files]
-    try:
-        check_changes(changes, paths=set(inv.paths), allowlist=list(inv.allowlist),
-                      max_bytes=inv.max_file_bytes)
-    except Refused as exc:
-        return str(exc)
-
-    def blob(rev: str, path: str) -> object:
-        """The blob, None when absent, or a marker equal to no content when larger than
-        any proposed file may be (the candidate is hostile: never read whole)."""
-        try:
-            return gitops.read_blob(bare, rev, path, max_bytes=inv.max_file_bytes)
-        except ConfigError:
-            return _TOO_BIG
-
-    changed = gitops.changed_paths(bare, base, commit)
-    if changed != sorted(c.path for c in changes if blob(base, c.path)
-                         != c.content.encode()):
-        return f"changed paths {changed} differ from the proposal"
-    for c in changes:
-        if blob(commit, c.path) != c.content.encode():
-            return f"{c.path}: committed content differs from the proposal"
-    return ""
-
-
-_TOO_BIG = object()
 
 
 PROPOSAL_FIX = "a proposal.json as the worker writes it: {files: [{path, content}], ...}"

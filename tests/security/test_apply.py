@@ -11,7 +11,7 @@ apply container, and whether the exported candidate is the commit that was verif
   the exported candidate differ from the verified commit: refused as export_mismatch.
 - A compromised apply container that renames a file onto the proposal's new path (a
   deletion that git's rename detection would fold into the addition) is refused: the
-  host's changed paths list both.
+  host commits the proposal itself, and the container's commit is not that one.
 """
 
 from __future__ import annotations
@@ -195,21 +195,23 @@ def test_result_commit_that_is_a_git_option_refused(repo: Path, tmp_path: Path) 
 
 RENAME_ONTO_NEW_PATH = """
 import json, subprocess
-env = {"GIT_AUTHOR_NAME": "x", "GIT_AUTHOR_EMAIL": "x@x", "GIT_COMMITTER_NAME": "x",
-       "GIT_COMMITTER_EMAIL": "x@x", "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/tmp",
-       "PATH": "/usr/bin:/bin"}
+env = {"GIT_AUTHOR_NAME": "cyclebox", "GIT_AUTHOR_EMAIL": "cyclebox@localhost",
+       "GIT_COMMITTER_NAME": "cyclebox", "GIT_COMMITTER_EMAIL": "cyclebox@localhost",
+       "GIT_AUTHOR_DATE": "2000-01-01T00:00:01+0000",
+       "GIT_COMMITTER_DATE": "2000-01-01T00:00:01+0000",
+       "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/tmp", "PATH": "/usr/bin:/bin"}
 def g(*args):
     return subprocess.run(["git", "-C", "/work/repo", *args], check=True,
                           capture_output=True, env=env).stdout
 base = g("rev-parse", "HEAD").decode().strip()
 g("checkout", "-q", "-b", "cyclebox/candidate")
 g("mv", "README.md", "prompts/extra.md")  # the proposal's new file, same content
-g("commit", "-q", "-m", "candidate")
+g("commit", "-q", "-m", "cyclebox candidate\\n\\ntest")  # the real identity, dates, message
 commit = g("rev-parse", "HEAD").decode().strip()
 open("/work/out/candidate.patch", "wb").write(
     g("diff", "--binary", "--no-color", "--no-ext-diff", base, commit))
-# a complete claim (as sandbox/apply.py writes it), so that only the host's re-check of the
-# changed paths stands between the lie and a candidate
+# a complete claim (as sandbox/apply.py writes it), so that only the host's own commit of
+# the proposal stands between the lie and a candidate
 json.dump({"status": "applied", "commit": commit, "base_commit": base,
            "branch": "cyclebox/candidate", "changed": ["prompts/extra.md"],
            "tree": g("rev-parse", "HEAD^{tree}").decode().strip()},
@@ -227,7 +229,7 @@ def test_a_deletion_folded_into_a_rename_is_refused(repo: Path, tmp_path: Path) 
     result = _hostile_apply(tmp_path, repo, RENAME_ONTO_NEW_PATH, proposal=proposal,
                             paths=("prompts/extra.md",))
     assert result["reason"] == "host_verification_failed", result
-    assert "changed paths ['README.md', 'prompts/extra.md'] differ" in result["message"]
+    assert "is not the commit the proposal makes" in result["message"]
 
 
 # -- .gitattributes inside the allowlist ---------------------------------------------------

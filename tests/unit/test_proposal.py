@@ -444,3 +444,42 @@ def test_directory_target_and_path_through_file_are_named_refusals(tmp_path: Pat
     with pytest.raises(Refused) as exc:
         check_path(".", paths={"."}, allowlist=["*"])
     assert exc.value.reason == "not_normalized"
+
+
+def test_the_hosts_copies_of_the_apply_containers_names_agree() -> None:
+    """The host rebuilds the container's commit (identity, dates, branch) and accepts
+    only the refusal reasons the container names: both are held equal to sandbox's."""
+    import inspect
+    import re as _re
+
+    import sandbox.apply
+    import sandbox.proposal
+    from runner.cycle.apply import CANDIDATE_BRANCH, CANDIDATE_GIT_ENV, CONTAINER_REASONS
+
+    assert sandbox.apply.BRANCH == CANDIDATE_BRANCH
+    assert {k: sandbox.apply.GIT_ENV[k] for k in CANDIDATE_GIT_ENV} == CANDIDATE_GIT_ENV
+    src = inspect.getsource(sandbox.proposal) + inspect.getsource(sandbox.apply)
+    assert set(_re.findall(r'Refused\("([a-z0-9_]+)"', src)) | {"malformed_proposal"} == \
+        CONTAINER_REASONS
+    assert '"cyclebox candidate\\n\\n" + str(proposal.get("rationale", ""))[:2000]' in \
+        inspect.getsource(sandbox.apply)
+
+
+@pytest.mark.parametrize(("reason", "want"), [
+    ("host_verification_failed", "output_refused"),  # a host reason, claimed by the container
+    ("x" * 100_000, "output_refused"),
+    ("oversize_file", "oversize_file"),
+])
+def test_a_container_refusal_keeps_only_a_named_rule_and_a_bounded_message(
+        reason: str, want: str) -> None:
+    from runner.cycle.apply import MAX_REFUSAL_MESSAGE, read_claim
+    from runner.isolation.sandbox import RunRecord, StopReason
+
+    rec = RunRecord(run_id="x", role="apply", image_id="i", container_name="c", exit_code=2,
+                    stop_reason=StopReason.PROCESS_FAILED, wall_s=0.1, stdout_bytes=0,
+                    stderr_bytes=0, stdout_tail="", stderr_tail="", cleanup_confirmed=True)
+    got = read_claim({"status": "refused", "reason": reason,
+                      "message": "m\x1b[2J" * 2_000_000}, rec)
+    assert got.status == "refused" and got.reason == want  # type: ignore[union-attr]
+    assert len(got.message) <= MAX_REFUSAL_MESSAGE + 200  # type: ignore[union-attr]
+    assert "\x1b" not in got.message  # type: ignore[union-attr]
