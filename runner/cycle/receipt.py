@@ -680,6 +680,32 @@ def _external_problem(data_dir: object, ext: ExternalFile) -> str | None:
     return None if h.hexdigest() == ext.sha256 else "sha256 differs from the receipt"
 
 
+_MAX_GIT_CONFIG = 64 * 1024
+_BORROWING = ("commondir", "objects/info/alternates", "objects/info/http-alternates")
+
+
+def _bare_repo_problem(root_fd: int) -> str | None:
+    """Why the run's candidate.git may not be opened by git, or None. The run directory
+    may have been changed since: its config is read first (no link, regular, bounded) and
+    may include no other file (an include of a FIFO blocked verify, /dev/zero grew it
+    without bound), and no file may send git to objects outside the run."""
+    try:
+        cfg = _read_in(root_fd, f"{CANDIDATE_GIT}/config", _MAX_GIT_CONFIG)
+    except _Unreadable as exc:
+        return f"config: {exc}"
+    if b"include" in cfg.lower():
+        return "its config includes another file; refused without running git"
+    for rel in _BORROWING:
+        try:
+            os.lstat(f"{CANDIDATE_GIT}/{rel}", dir_fd=root_fd)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            return f"{rel}: cannot stat ({exc.strerror})"
+        return f"{rel} sends git outside the run directory; refused without running git"
+    return None
+
+
 def _candidate_problems(root_fd: int, run_dir: Path, tree: str | None) -> list[str]:
     """The candidate tree recomputed from the apply stage's bare clone (left out of
     ``files``, bound by this id instead): the commit comes from the bound
@@ -703,6 +729,9 @@ def _candidate_problems(root_fd: int, run_dir: Path, tree: str | None) -> list[s
             return [f"{where}: {'/'.join(parts[:i + 1])}: {exc.strerror or 'missing'}"]
         if not stat.S_ISDIR(st.st_mode):
             return [f"{where}: {'/'.join(parts[:i + 1])} is not a directory (links refused)"]
+    why = _bare_repo_problem(root_fd)
+    if why is not None:
+        return [f"{where}: {why}"]
     try:
         from runner import gitops
 

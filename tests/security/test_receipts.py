@@ -263,6 +263,34 @@ def test_candidate_git_removed_or_edited_is_reported(applied: tuple[Path, str, s
         "stages/apply/candidate.git (outcome.candidate_tree): ")
 
 
+@pytest.mark.parametrize("attack", ["include-fifo", "include-dev-zero", "alternates",
+                                    "commondir"])
+def test_candidate_git_that_would_run_git_elsewhere_is_refused_unopened(
+        applied: tuple[Path, str, str], attack: str) -> None:
+    """The receipt binds candidate.git through its commit and tree ids, so verify opens
+    it with git: an [include] of a FIFO in its config blocked verify (SIGTERM did not stop
+    it), /dev/zero grew it without bound, and alternates or commondir sent git outside
+    the run directory. Refused by name, before git runs."""
+    run, _, _ = applied
+    bare = run / "stages" / "apply" / "candidate.git"
+    if attack.startswith("include"):
+        target = "fifo" if attack == "include-fifo" else "/dev/zero"
+        if target == "fifo":
+            os.mkfifo(bare / "fifo")
+        with (bare / "config").open("a") as f:
+            f.write(f"[include]\n\tpath = {target}\n")
+        want = "its config includes another file"
+    elif attack == "alternates":
+        (bare / "objects" / "info").mkdir(parents=True, exist_ok=True)
+        (bare / "objects" / "info" / "alternates").write_text("/tmp\n")
+        want = "objects/info/alternates sends git outside the run directory"
+    else:
+        (bare / "commondir").write_text("/tmp\n")
+        want = "commondir sends git outside the run directory"
+    problems = verify_in(run)
+    assert len(problems) == 1 and want in problems[0], problems
+
+
 def test_missing_not_utf8_file_is_reported(run: Path) -> None:
     odd = os.path.join(bytes(run / "stages" / "a"), b"caf\xe9.txt")
     with open(odd, "wb") as f:
