@@ -88,13 +88,27 @@ def _times(f: RunFacts) -> tuple[str, str]:
         raise ConfigError(f"generated_at {f.receipt.generated_at[:40]!r} is not an ISO time",
                           path=str(f.run_dir / RECEIPT), field="generated_at",
                           fix="attest a receipt cyclebox wrote") from None
-    spent = math.ceil(sum(v for v in f.receipt.timing.values() if v >= 0))
-    started = finished - timedelta(seconds=spent)
+    total = sum(v for v in f.receipt.timing.values() if v >= 0)
+    bad = ConfigError(f"timing sums to {total!r} seconds before {f.receipt.generated_at[:40]!r}; "
+                      "no start time follows from it", path=str(f.run_dir / RECEIPT),
+                      field="timing", fix="attest a receipt cyclebox wrote")
+    if not math.isfinite(total) or total > MAX_RUN_SECONDS:
+        raise bad
+    try:
+        started = finished - timedelta(seconds=math.ceil(total))
 
-    def z(t: datetime) -> str:
-        return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")  # RFC 3339, protobuf's JSON
+        def z(t: datetime) -> str:
+            return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")  # RFC 3339, protobuf's
 
-    return z(started), z(finished)
+        return z(started), z(finished)
+    except OverflowError:
+        raise ConfigError(f"generated_at {f.receipt.generated_at[:40]!r} less {total!r} "
+                          "seconds is not a representable time", path=str(f.run_dir / RECEIPT),
+                          field="generated_at", fix="attest a receipt cyclebox wrote") from None
+
+
+MAX_RUN_SECONDS = 10 * 366 * 86400
+"""Longest run a provenance statement dates (ten years)."""
 
 
 def provenance_statement(f: RunFacts) -> Statement | None:

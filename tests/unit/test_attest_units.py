@@ -179,3 +179,24 @@ def test_the_published_schema_names_exactly_the_predicate_models_fields() -> Non
             fields(inner, child, f"{where}.{name}")
 
     fields(EvaluationPredicate, schema, "predicate")
+
+
+@pytest.mark.parametrize(("timing", "generated_at", "field"), [
+    pytest.param({"x": 1e15}, "2026-01-01T00:00:00+00:00", "timing", id="1e15-seconds"),
+    pytest.param({"a": 1.7e308, "b": 1.7e308}, "2026-01-01T00:00:00+00:00", "timing",
+                 id="sum-is-infinite"),
+    pytest.param({"x": 46.0}, "0001-01-01T00:00:00+00:00", "generated_at", id="year-1"),
+])
+def test_provenance_times_that_cannot_be_dated_are_named(
+        timing: dict[str, float], generated_at: str, field: str) -> None:
+    """A receipt that verifies (timing and generated_at are not bound by a file) made
+    attest exit 10 with an OverflowError; now exit 3 naming the field."""
+    from types import SimpleNamespace
+
+    from runner.attest.provenance import _times
+    from runner.errors import ConfigError
+
+    f = SimpleNamespace(receipt=SimpleNamespace(timing=timing, generated_at=generated_at),
+                        run_dir=Path("/run"))
+    with pytest.raises(ConfigError, match=rf"{field}: "):
+        _times(f)  # type: ignore[arg-type]
