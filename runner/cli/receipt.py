@@ -74,9 +74,11 @@ def receipt_verify(run_dir: Annotated[Path, typer.Argument(help="A cycle run dir
     else:
         for p in problems:
             err.print(f"[red]mismatch:[/] {safe(p)}", highlight=False)
-        out.print("receipt verified: every named file matches and no other file is present"
-                  if not problems else f"receipt verification FAILED ({len(problems)} "
-                                       "problem(s))", highlight=False)
+        ok = ("receipt verified: every named file matches, no other regular file is "
+              "present, and every field its files give agrees (links and special files "
+              "are not bound)")
+        out.print(ok if not problems else
+                  f"receipt verification FAILED ({len(problems)} problem(s))", highlight=False)
     raise typer.Exit(EXIT_OK if not problems else EXIT_INTEGRITY)
 
 

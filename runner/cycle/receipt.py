@@ -549,7 +549,9 @@ def _verify_at(root_fd: int, run_dir: Path) -> list[str]:
             rel = shown
         problems.append(f"{rel}: present in the run directory but not named by the receipt")
     shown_present = {os.fsencode(n).decode("utf-8", "backslashreplace")
-                     for n in present}
+                     for n in present if not _is_utf8(n)}
+    # (a UTF-8 name spelt with a backslash, "x" "\\" "xff", is not the file named x\xff:
+    # it cannot stand in for one that was deleted)
     problems += [f"{shown}: missing" for shown in sorted(set(not_utf8) - shown_present)]
     problems += _candidate_problems(root_fd, run_dir, receipt.outcome.candidate_tree)
     plan: Any = None
@@ -636,6 +638,14 @@ def _derived_problems(root_fd: int, run_dir: Path, raw: bytes,
     problems += [f"outcome.{k}: differs from what the run's files give"
                  for k, v in outcome.items() if k in said and said[k] != v]
     return problems
+
+
+def _is_utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 _MAX_EXTERNAL_BYTES = 1 << 32

@@ -301,6 +301,10 @@ def test_missing_not_utf8_file_is_reported(run: Path) -> None:
     assert verify_in(run) == []
     os.unlink(odd)
     assert verify_in(run) == ["stages/a/caf\\xe9.txt: missing"]
+    # a UTF-8 file whose name is the escaped spelling does not stand in for it
+    (run / "stages" / "a" / "caf\\xe9.txt").write_bytes(b"latin-1 name\n")
+    problems = verify_in(run)
+    assert "stages/a/caf\\xe9.txt: missing" in problems, problems
 
 
 @pytest.fixture
