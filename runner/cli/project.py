@@ -66,8 +66,18 @@ def manifest_build(
 
     Exit 0 written; 3 bad input (the message names the file, the field and
     the fix)."""
-    from runner.project import manifest_tools as mt
+    import os
 
+    from runner.errors import ConfigError
+    from runner.project import manifest_tools as mt
+    from runner.report.files import check_output_file
+
+    check_output_file(out_file, field="--out", run_dir=data,
+                      why="the --data directory {dir}, whose stores the manifest hashes")
+    if os.path.realpath(out_file) == os.path.realpath(scenarios):
+        raise ConfigError(f"{out_file} is the --scenarios file; the manifest would replace "
+                          "it", field="--out", fix="write the manifest to its own file, e.g. "
+                          "manifest.json")
     built = mt.build(scenarios, data)
     mt.write_atomic(built.manifest, out_file)
     for w in built.warnings:

@@ -100,7 +100,7 @@ def receipt_attest(run_dir: Annotated[Path, typer.Argument(help="A cycle run dir
     from runner.attest.summary import summary_json, summary_markdown
     from runner.report.files import _write, check_targets
 
-    check_targets(markdown=markdown)
+    check_targets(run_dir, markdown=markdown)
     done = attest(run_dir, key, bundle)
     if markdown is not None:
         _write(markdown, summary_markdown(done).encode(), flag="markdown")

@@ -9,18 +9,58 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 from pathlib import Path
 
 from runner.errors import ConfigError
 from runner.failures import is_environment_error
 from runner.report.model import Report
 
+SYSTEM_DIRS = ("/dev", "/proc", "/sys")
+"""Where no output file is ever written: a report is a new file renamed into place, and a
+device node there (``--markdown /dev/null`` as root) was replaced by a regular file."""
 
-def check_targets(**targets: Path | None) -> None:
-    """Refuse an output path whose directory is missing, before any work starts."""
+
+def check_output_file(path: Path, *, field: str, run_dir: Path | None = None,
+                      why: str = "the run directory {dir}, whose receipt binds every file "
+                                 "in it") -> None:
+    """Refuse, before any work, an output file the host would replace by rename where it
+    must not: in a system directory, over an existing entry that is not a regular file or
+    a link (a device, FIFO or socket), or inside the run directory (``run_dir``), whose
+    receipt binds every file in it (``--html RUN/receipt.json`` overwrote the receipt)."""
+    where = Path(os.path.realpath(path.parent if str(path.parent) else Path(".")))
+    target = where / path.name
+    if any(str(where) == d or str(where).startswith(d + "/") for d in SYSTEM_DIRS):
+        raise ConfigError(f"{where} is a system directory; no file is written there",
+                          path=str(path), field=field, fix="write the file into a directory "
+                          "of your own (e.g. beside the run)")
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise ConfigError(f"cannot inspect {path}: {exc.strerror}", path=str(path),
+                          field=field, fix="pick another path") from None
+    if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)
+                               or stat.S_ISDIR(st.st_mode)):
+        raise ConfigError(f"{path} exists and is not a regular file (a device, FIFO or "
+                          "socket); the file is written whole and renamed into place",
+                          path=str(path), field=field, fix="give a regular file's path")
+    if run_dir is not None:
+        run = Path(os.path.realpath(run_dir))
+        if target == run or run in target.parents:
+            raise ConfigError(f"{path} is inside {why.format(dir=run_dir)}", path=str(path),
+                              field=field, fix="write the file beside that directory, not in "
+                              "it")
+
+
+def check_targets(run_dir: Path | None = None, **targets: Path | None) -> None:
+    """Refuse an output path whose directory is missing, that is a directory, or that
+    :func:`check_output_file` refuses, before any work starts."""
     for flag, path in targets.items():
         if path is None:
             continue
+        check_output_file(path, field=f"--{flag}", run_dir=run_dir)
         parent = path.parent if str(path.parent) else Path(".")
         if not parent.is_dir():
             raise ConfigError(f"{parent} is not a directory", path=str(path),
@@ -76,7 +116,7 @@ def write_outputs(run_dir: Path, *, junit: Path | None = None, markdown: Path | 
     from runner.report.render import junit as render_junit
     from runner.report.render import markdown as render_markdown
 
-    check_targets(junit=junit, markdown=markdown, html=html)
+    check_targets(run_dir, junit=junit, markdown=markdown, html=html)
     report = build_report(run_dir)
     if junit is not None:
         _write(junit, render_junit(report), flag="junit")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -354,3 +356,26 @@ def test_the_terminal_summary_wraps_the_reason_instead_of_cutting_it(run: Path) 
     assert capped.endswith(f"/{VERDICT_FILE})") and "whole reason in" in capped
     assert len(capped) < 5000
     assert "case-0089-failed;END" in markdown(report)
+
+
+def test_a_report_file_never_replaces_the_receipt_a_device_or_a_system_file(
+        run: Path, tmp_path: Path) -> None:
+    """A report is renamed into place: --html RUN/receipt.json replaced the receipt, and
+    --markdown at a device (as root, /dev/null) replaced the device with a regular file."""
+    from runner.errors import ConfigError
+    from runner.report.files import write_outputs
+
+    receipt = run / "receipt.json"
+    receipt.write_text("{}")
+    os.mkfifo(tmp_path / "fifo")
+    for kwargs, match in [({"html": receipt}, "inside the run directory"),
+                          ({"markdown": run / "summary.md"}, "inside the run directory"),
+                          ({"junit": tmp_path / "fifo"}, "not a regular file"),
+                          ({"markdown": Path("/dev/null")}, "system directory"),
+                          ({"markdown": Path("/proc/self/x")}, "system directory")]:
+        with pytest.raises(ConfigError, match=match):
+            write_outputs(run, **kwargs)  # type: ignore[arg-type]
+    assert receipt.read_text() == "{}" and not (run / "summary.md").exists()
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode)
+    write_outputs(run, markdown=tmp_path / "summary.md")  # beside the run: written
+    assert (tmp_path / "summary.md").is_file()
