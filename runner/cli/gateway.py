@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Annotated
 
@@ -10,13 +12,24 @@ from rich.table import Table
 
 from runner.cli.options import JsonOpt
 from runner.cli.output import out
-from runner.errors import ConfigError
+from runner.errors import ConfigError, IntegrityError
 from runner.termsafe import emit_json, safe
 
 RUN_MARKERS = ("plan.json", "receipt.json", "containers.jsonl")
 """Files only a run directory holds: such a directory without a call log made no call."""
 
 app = typer.Typer(no_args_is_help=True, help="Inspect the model gateway's call log.")
+
+
+def _receipt_files(run_dir: Path) -> dict[str, str] | None:
+    """The files the run's receipt binds; None when the run has no receipt."""
+    from runner.cycle.receipt import RECEIPT, RECEIPT_FIX, SCHEMA, ReceiptHead
+    from runner.loading import load_model
+
+    if not (run_dir / RECEIPT).exists():
+        return None
+    return load_model(run_dir / RECEIPT, ReceiptHead, fmt="json", what="receipt",
+                      schema=SCHEMA, fix=RECEIPT_FIX).files
 
 
 @app.command("calls")
@@ -27,11 +40,26 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
     from runner.gateway.report import summarize
 
     log_dir = run_dir / "gateway"
-    if not (log_dir / "calls.jsonl").is_file():
+    log = log_dir / "calls.jsonl"
+    try:
+        mode: int | None = os.lstat(log).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        raise IntegrityError(f"{log}: cannot inspect the call log ({exc.strerror})") from None
+    unconfirmed = False
+    if mode is not None and not stat.S_ISREG(mode):
+        raise IntegrityError(f"{log} is not a regular file (a link, directory or device); "
+                             "the run's call log cannot be read")
+    if mode is None:
         if not any((run_dir / marker).is_file() for marker in RUN_MARKERS):
-            raise ConfigError("calls.jsonl not found", path=str(log_dir / "calls.jsonl"),
-                              field="RUN_DIR",
+            raise ConfigError("calls.jsonl not found", path=str(log), field="RUN_DIR",
                               fix="pass a run directory (e.g. build/runs/<id>)")
+        named = _receipt_files(run_dir)
+        if named is not None and "gateway/calls.jsonl" in named:
+            raise IntegrityError(f"{log} is missing; the run's receipt recorded it, so the "
+                                 "run made calls that can no longer be listed")
+        unconfirmed = named is None
         records = []  # a run whose roles reached no model: no gateway log at all
     else:
         records = CallLog(log_dir).records()
@@ -41,7 +69,9 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
                    "totals": totals.model_dump(mode="json")})
         return
     if not records:
-        out.print(f"no model calls recorded in {safe(run_dir)}", highlight=False)
+        out.print(f"no model calls recorded in {safe(run_dir)}"
+                  + (" (the run has no receipt to confirm it made none)" if unconfirmed
+                     else ""), highlight=False)
         return
     table = Table(title=f"model calls: {safe(log_dir)}")
     for col in ("seq", "role", "stage", "case", "trial", "turn", "api", "model", "status",

@@ -145,9 +145,12 @@ def pass_rates(rows: Iterable[tuple[Arm, str, Attempt]]) -> tuple[PassRate, ...]
                      ARMS.index(kv[0][0]), kv[0][1])))
 
 
+CALL_LOG = "gateway/calls.jsonl"
+
+
 def _costs(rd: _Reader) -> tuple[tuple[RoleCost, ...], bool]:
     calls = []
-    for i, row in enumerate(rd.jsonl("gateway/calls.jsonl")):
+    for i, row in enumerate(rd.jsonl(CALL_LOG)):
         try:
             calls.append(CallRecord.model_validate(row))
         except ValidationError:
@@ -246,6 +249,13 @@ def build_report(run_dir: Path) -> Report:
     receipt = rd.raw("receipt.json", readfs.MAX_FILE)
     patch = rd.raw("stages/apply/candidate.patch", MAX_PATCH, head=True)
     receipt_doc = rd.json_object("receipt.json") if receipt is not None else None
+    bound = receipt_doc.get("files") if isinstance(receipt_doc, dict) else None
+    if isinstance(bound, dict) and CALL_LOG in bound and not rd.is_file(CALL_LOG):
+        # no log is "no calls" only when the receipt recorded none
+        rd.problems.append(f"{CALL_LOG}: missing; the run's receipt recorded it, so the "
+                           "costs shown are not the run's")
+        costs = tuple(c.model_copy(update={"complete": False, "cost_usd": None})
+                      for c in costs)
     timing = receipt_doc.get("timing") if isinstance(receipt_doc, dict) else None
     reasons = v.get("reasons") if isinstance(v.get("reasons"), list) else []
     trials = plan.get("trials")

@@ -31,7 +31,8 @@ def cost_text(c: RoleCost) -> str:
     if c.cost_usd is not None:
         usd = f"{c.cost_usd:.6f} USD"
     else:
-        usd = f"unknown (known part {c.cost_usd_known_part} USD)"
+        usd = ("unknown" if c.cost_usd_known_part is None
+               else f"unknown (known part {c.cost_usd_known_part} USD)")
     if c.bounded_calls:
         usd += (f", {c.bounded_calls} of {c.calls} calls bounded (no usage reported: charged "
                 "their worst case, not measured)")

@@ -1361,6 +1361,22 @@ def _(e: Env) -> list[str]:
     return ["gateway", "calls", str(e.root)]
 
 
+@case("gateway-calls-log-the-receipt-recorded-is-gone", 8, "calls.jsonl",
+      "the run's receipt recorded it")
+def _(e: Env) -> list[str]:
+    run = e.root / "run"
+    e.write("run/receipt.json", json.dumps({"schema": 1, "plan_hash": "p",
+                                            "files": {"gateway/calls.jsonl": "0" * 64}}))
+    return ["gateway", "calls", str(run)]
+
+
+@case("gateway-calls-log-is-a-directory", 8, "calls.jsonl", "not a regular file")
+def _(e: Env) -> list[str]:
+    e.write("run/plan.json", "{}")
+    (e.root / "run" / "gateway" / "calls.jsonl").mkdir(parents=True)
+    return ["gateway", "calls", str(e.root / "run")]
+
+
 # init and the manifest tools
 @case("init-under-read-only-dir", 3, "DIR", "ro/new", "Read-only")
 def _(e: Env) -> list[str]:

@@ -379,3 +379,17 @@ def test_a_report_file_never_replaces_the_receipt_a_device_or_a_system_file(
     assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode)
     write_outputs(run, markdown=tmp_path / "summary.md")  # beside the run: written
     assert (tmp_path / "summary.md").is_file()
+
+
+def test_a_call_log_the_receipt_recorded_is_not_read_as_no_calls(run: Path) -> None:
+    """With gateway/calls.jsonl gone, the report showed 0 calls, complete, and `gateway
+    calls` said "no model calls recorded": a silent zero. The receipt says a log existed."""
+    from runner.report.render import cost_text
+
+    (run / "receipt.json").write_text(json.dumps({"files": {"gateway/calls.jsonl": "0" * 64}}))
+    (run / "gateway" / "calls.jsonl").unlink()
+    r = build_report(run)
+    assert any("gateway/calls.jsonl: missing" in p for p in r.problems)
+    total = next(c for c in r.costs if c.role == "total")
+    assert not total.complete and total.cost_usd is None
+    assert cost_text(total).startswith("unknown, ") and "INCOMPLETE" in cost_text(total)
