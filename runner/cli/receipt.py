@@ -60,13 +60,14 @@ def receipt_verify(run_dir: Annotated[Path, typer.Argument(help="A cycle run dir
     """Re-hash every file the receipt names (and check its signature with --pubkey);
     exit 8 naming each mismatch."""
     from runner.cycle.receipt import verify
+    from runner.cycle.signing import load_public, verify_signature
 
+    # the key first: a mistyped --pubkey is bad input (exit 3), not a failed verification
+    pub = load_public(pubkey) if pubkey is not None else None
     problems = verify(run_dir)
-    if pubkey is not None:
-        from runner.cycle.signing import load_public, verify_signature
-
+    if pub is not None:
         try:
-            verify_signature(run_dir, load_public(pubkey))
+            verify_signature(run_dir, pub)
         except CycleboxError as exc:  # one more problem, listed with the hash mismatches
             problems.append(str(exc))
     if json_out:

@@ -120,10 +120,23 @@ def _check_supported(key: PrivateKey | PublicKey, path: Path, what: str) -> None
                       fix=KEYGEN_FIX)
 
 
+MAX_KEY_BYTES = 64 * 1024
+"""Largest key file read (a PEM key is a few hundred bytes)."""
+
+
+def _key_bytes(path: Path, what: str, fix: str) -> bytes:
+    """A key file's bytes: a regular file, bounded, opened without blocking (a FIFO or
+    /dev/zero given as --key hung or grew without bound)."""
+    from runner.loading import read_capped
+
+    return read_capped(path, max_bytes=MAX_KEY_BYTES, what=what, fix=fix)
+
+
 def load_private(path: Path) -> PrivateKey:
+    data = _key_bytes(path, "private key", KEYGEN_FIX)
     try:
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-    except (OSError, ValueError, TypeError) as exc:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as exc:
         raise ConfigError(f"cannot read private key: {exc}", path=str(path),
                           fix=KEYGEN_FIX) from None
     _check_supported(key, path, "private")  # type: ignore[arg-type]
@@ -131,9 +144,11 @@ def load_private(path: Path) -> PrivateKey:
 
 
 def load_public(path: Path) -> PublicKey:
+    data = _key_bytes(path, "public key", "pass the KEY.pub (PEM) that `cyclebox receipt "
+                      "keygen` wrote")
     try:
-        key = serialization.load_pem_public_key(path.read_bytes())
-    except (OSError, ValueError) as exc:
+        key = serialization.load_pem_public_key(data)
+    except ValueError as exc:
         raise ConfigError(f"cannot read public key: {exc}", path=str(path),
                           fix="pass the KEY.pub (PEM) that `cyclebox receipt keygen` wrote"
                           ) from None

@@ -331,7 +331,7 @@ def check_upstreams(upstreams: dict[str, UpstreamPolicy], *, path: str,
                 raise ConfigError(f"{show(str(log))} not found", path=path,
                                   field=f"upstreams.{name}.replay_from",
                                   fix="point at a finished run directory")
-        if check_credentials and up.provider == "openai" and up.credential is not None:
+        if check_credentials and up.credential is not None:  # openai and anthropic alike
             read_credential(name, up.credential)
 
 

@@ -36,9 +36,10 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from runner.cycle.models import CRITERIA, Criterion, Grades, Record
 from runner.errors import ConfigError, IntegrityError
+from runner.failures import is_environment_error
 from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_json
 from runner.isolation.sandbox import Frozen
-from runner.loading import load_with_bytes
+from runner.loading import load_with_bytes, show
 from runner.termsafe import DATA_NOTE, code_span, fence, plain
 
 REVIEW_MD = "review.md"
@@ -314,6 +315,12 @@ def make_packet(records: Sequence[Record], out_dir: Path, *, reviewer: str = "",
     except FileExistsError:
         raise ConfigError("already exists; review evidence is never overwritten",
                           path=str(out_dir), fix="choose a new packet directory") from None
+    except OSError as exc:
+        if is_environment_error(exc):
+            raise
+        raise ConfigError(f"cannot be created: {exc.strerror or exc}", path=str(out_dir),
+                          field="--out", fix="choose a packet directory under one you can "
+                          "write") from None
     _write_new(out_dir / REVIEW_MD, review)
     _write_new(out_dir / PACKET_JSON, canonical_bytes(packet))
     # A human edits this file, so it is indented; its hash is taken when it is assessed.
@@ -383,6 +390,12 @@ def write_calibration(result: CalibrationResult, out_file: Path) -> Path:
     except FileExistsError:
         raise ConfigError("already exists; a calibration result is never overwritten",
                           path=str(out_file), fix="write to a new file") from None
+    except OSError as exc:
+        if is_environment_error(exc):
+            raise
+        raise ConfigError(f"cannot be written: {exc.strerror or exc}", path=str(out_file),
+                          field="--out", fix="write into an existing directory you can "
+                          "write") from None
     return out_file
 
 
@@ -454,6 +467,9 @@ def _read_model(path: Path, model: type[M], what: str) -> tuple[M, str]:
 
 def _load_packet(packet_dir: Path) -> tuple[Packet, str]:
     pj, md = packet_dir / PACKET_JSON, packet_dir / REVIEW_MD
+    if not pj.exists() and not pj.is_symlink():  # a wrong path is bad input, not damage
+        raise ConfigError(f"{show(str(packet_dir))} holds no {PACKET_JSON}", field="--packet",
+                          fix="pass the directory `cyclebox review packet --out` wrote")
     try:
         packet, raw = load_with_bytes(pj, Packet, fmt="json", what="review packet",
                                       fix="make the packet again (cyclebox review packet)")

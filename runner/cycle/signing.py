@@ -21,9 +21,11 @@ from runner.cycle import keys
 from runner.cycle.keys import KeyType, PublicKey
 from runner.errors import ConfigError, IntegrityError
 from runner.isolation.sandbox import Frozen
-from runner.loading import load_model
+from runner.loading import load_model, read_capped
 
 PAYLOAD_TYPE = "application/vnd.cyclebox.receipt+json"
+MAX_RECEIPT_BYTES = 256 * 1024 * 1024
+"""Largest receipt.json signed or checked against its envelope."""
 ENVELOPE = "receipt.dsse.json"
 
 
@@ -44,7 +46,10 @@ load_public = keys.load_public
 def sign(run_dir: Path, key_path: Path) -> Path:
     """Write ``run_dir/receipt.dsse.json`` signing the exact bytes of receipt.json."""
     key = keys.load_private(key_path)
-    payload = (run_dir / "receipt.json").read_bytes()
+    payload = read_capped(run_dir / "receipt.json", max_bytes=MAX_RECEIPT_BYTES,
+                          what="receipt", fix="sign a finished run: `cyclebox cycle run` "
+                          "writes DIR/receipt.json when it ends (a --prepare-only or "
+                          "unfinished run has none)")
     sig = keys.sign_bytes(key, pae(PAYLOAD_TYPE, payload))
     env = {"payloadType": PAYLOAD_TYPE, "payload": base64.b64encode(payload).decode(),
            "signatures": [{"keyid": keys.keyid(key.public_key()),
@@ -86,7 +91,12 @@ def verify_signature(run_dir: Path, pub: PublicKey) -> None:
         raise IntegrityError(f"{run_dir / ENVELOPE}: missing or unreadable ({exc})") from None
     if env.payloadType != PAYLOAD_TYPE:
         raise IntegrityError(f"{ENVELOPE}: unexpected payloadType {env.payloadType!r}")
-    if payload != (run_dir / "receipt.json").read_bytes():
+    try:
+        current = read_capped(run_dir / "receipt.json", max_bytes=MAX_RECEIPT_BYTES,
+                              what="receipt")
+    except ConfigError as exc:
+        raise IntegrityError(f"receipt.json: {exc}") from None
+    if payload != current:
         raise IntegrityError(f"{ENVELOPE}: signed payload differs from receipt.json")
     ids = {keys.keyid(pub), keys.legacy_keyid(pub)}
     for s in env.signatures:

@@ -305,6 +305,10 @@ def parse_upstream(data: object) -> AnyUpstream:
     return _UPSTREAM.validate_python(data)
 
 
+MAX_CREDENTIAL_FILE_BYTES = 64 * 1024
+"""Largest credential file read (a key is its first line)."""
+
+
 def read_credential(name: str, src: CredentialSource) -> str:
     """The key's value, read on the host only; PrerequisiteError naming the source if absent."""
     if src.env is not None:
@@ -314,11 +318,27 @@ def read_credential(name: str, src: CredentialSource) -> str:
                                     f"Fix: export {src.env}=... on the host (never in a role).")
         return value
     assert src.file is not None  # noqa: S101 - guaranteed by the validator
+    from runner.errors import ConfigError
+    from runner.loading import read_capped
+
+    where = f"upstream {name}: credential file {src.file}"
+    try:  # a regular file, bounded, never blocking (a FIFO hung freeze, /dev/zero grew)
+        raw = read_capped(Path(src.file).expanduser(), max_bytes=MAX_CREDENTIAL_FILE_BYTES,
+                          what="credential file", ref=("", ""))
+    except ConfigError as exc:
+        raise PrerequisiteError(f"upstream {name}: {exc}. Fix: write the key on the first "
+                                "line of a regular file (the upstream's credential.file)."
+                                ) from None
     try:
-        value = Path(src.file).expanduser().read_text().splitlines()[0].strip()
-    except (OSError, IndexError):
-        raise PrerequisiteError(f"upstream {name}: credential file {src.file} is missing or "
-                                "empty. Fix: write the key on its first line.") from None
+        lines = raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise PrerequisiteError(f"{where} is not UTF-8 text. Fix: write the key on its first "
+                                "line as text.") from None
+    try:
+        value = lines[0].strip()
+    except IndexError:
+        raise PrerequisiteError(f"{where} is missing or empty. Fix: write the key on its "
+                                "first line.") from None
     if not value:
         raise PrerequisiteError(f"upstream {name}: credential file {src.file} is empty")
     return value

@@ -579,6 +579,45 @@ def _(e: Env) -> list[str]:
     return e.run_args()
 
 
+@case("credential-file-fifo", 5, "key.fifo", "not a regular file")
+def _(e: Env) -> list[str]:
+    """A FIFO hung freeze, /dev/zero grew until memory ran out, non-UTF-8 bytes were a
+    traceback (exit 10); an anthropic upstream's unset key froze with exit 0."""
+    fifo = e.root / "key.fifo"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    e.edit_cycle(lambda d: d["upstreams"].update(target={
+        "provider": "openai", "base_url": "https://example.invalid/v1",
+        "credential": {"file": str(fifo)}, "models": ["m"]}))
+    return e.run_args()
+
+
+@case("credential-file-dev-zero", 5, "/dev/zero", "not a regular file")
+def _(e: Env) -> list[str]:
+    e.edit_cycle(lambda d: d["upstreams"].update(target={
+        "provider": "openai", "base_url": "https://example.invalid/v1",
+        "credential": {"file": "/dev/zero"}, "models": ["m"]}))
+    return e.run_args()
+
+
+@case("credential-file-not-utf8", 5, "key.bin", "not UTF-8")
+def _(e: Env) -> list[str]:
+    key = e.write("key.bin", b"\xff\xfe\n")
+    e.edit_cycle(lambda d: d["upstreams"].update(target={
+        "provider": "openai", "base_url": "https://example.invalid/v1",
+        "credential": {"file": str(key)}, "models": ["m"]}))
+    return e.run_args()
+
+
+@case("credential-env-unset-anthropic", 5, "CYCLEBOX_TEST_UNSET_ANTHROPIC_KEY")
+def _(e: Env) -> list[str]:
+    e.vars["CYCLEBOX_TEST_UNSET_ANTHROPIC_KEY"] = ""
+    e.edit_cycle(lambda d: d["upstreams"].update(target={
+        "provider": "anthropic", "base_url": "https://example.invalid",
+        "credential": {"env": "CYCLEBOX_TEST_UNSET_ANTHROPIC_KEY"}, "models": ["m"]}))
+    return e.run_args()
+
+
 @case("images-not-built", 5, "cyclebox images build")
 def _(e: Env) -> list[str]:
     (e.root / "empty-state").mkdir()
@@ -1375,6 +1414,29 @@ def _(e: Env) -> list[str]:
     e.write("run/plan.json", "{}")
     (e.root / "run" / "gateway" / "calls.jsonl").mkdir(parents=True)
     return ["gateway", "calls", str(e.root / "run")]
+
+
+@case("receipt-sign-a-run-without-receipt", 3, "receipt.json", "does not exist",
+      "a finished run")
+def _(e: Env) -> list[str]:
+    from runner.cycle.keys import keygen
+
+    keygen(e.root / "k")
+    (e.root / "prepared").mkdir()
+    return ["receipt", "sign", str(e.root / "prepared"), "--key", str(e.root / "k")]
+
+
+@case("receipt-verify-pubkey-mistyped", 3, "k.pubb", "does not exist")
+def _(e: Env) -> list[str]:
+    e.write("run/receipt.json", "{}")
+    return ["receipt", "verify", str(e.root / "run"), "--pubkey", str(e.root / "k.pubb")]
+
+
+@case("review-calibrate-wrong-packet-dir", 3, "--packet", "holds no packet.json")
+def _(e: Env) -> list[str]:
+    labels = e.write("l.json", "{}")
+    return ["review", "calibrate", "--packet", str(e.root / "pkk"), "--labels", str(labels),
+            "--judges", str(labels), "--out", str(e.root / "c.json")]
 
 
 # init and the manifest tools
