@@ -159,14 +159,15 @@ def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger
     """Run the proof loop; verify the adapter in a fresh container; append the ledger row."""
     persona = load_persona(persona_path)
     _check_model_dir(base)
+    text = _ledger_text(ledger)  # every input is checked before --out is made
+    history = _ledger_rows(ledger, text)
     out = out.resolve()
     trainer.fresh_output(out)
     given = {"persona.json": json.dumps(persona.model_dump(mode="json", exclude_unset=True),
                                         sort_keys=True),
              "config.json": json.dumps({"lr": lr, "seed": seed})}
-    history = _ledger_rows(ledger)
-    if ledger.is_file():
-        given["ledger.jsonl"] = ledger.read_text()
+    if text is not None:
+        given["ledger.jsonl"] = text
     inputs = _fresh_inputs(out, given)
     try:
         rec = run_trainer(trainer, "sandbox.train.proof", out=out, run_id="train-proof",
@@ -209,12 +210,28 @@ def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger
         shutil.rmtree(out.parent / f".{out.name}.verify", ignore_errors=True)
 
 
-def _ledger_rows(ledger: Path) -> list[dict[str, Any]]:
+MAX_LEDGER_BYTES = 64 * 1024 * 1024
+"""Largest feedback ledger read (one short JSON line per proof run)."""
+
+
+def _ledger_text(ledger: Path) -> str | None:
+    """The ledger's text; None when there is none yet (the first run makes it)."""
+    from runner.loading import decode_utf8, read_capped
+
+    if not ledger.exists() and not ledger.is_symlink():
+        return None
+    fix = "the ledger the proof loop appends to (one JSON object per line)"
+    data = read_capped(ledger, max_bytes=MAX_LEDGER_BYTES, what="ledger", fix=fix,
+                       ref=(str(ledger), "--ledger"))
+    return decode_utf8(data, path=str(ledger))
+
+
+def _ledger_rows(ledger: Path, text: str | None) -> list[dict[str, Any]]:
     """The ledger's rows, as the trainer reads them to set the schedule."""
-    if not ledger.is_file():
+    if text is None:
         return []
     rows: list[dict[str, Any]] = []
-    for n, line in enumerate(ledger.read_text().split("\n"), start=1):
+    for n, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:

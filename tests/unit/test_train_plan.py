@@ -3,6 +3,7 @@ ledger nudge, recall, imprint, classroom and board. One parametrized row per SPE
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -383,3 +384,30 @@ def test_a_trainer_that_claims_what_its_answers_do_not_show_is_refused(
         code = change
     with pytest.raises(IntegrityError, match=match):
         settle(persona, [], report, receipt, row, code)
+
+
+@pytest.mark.parametrize(("ledger", "match"), [
+    pytest.param(b"\xff\xfe{}\n", "not UTF-8", id="not-utf8"),
+    pytest.param(b'{"persona": "cap"}\nnot json\n', "line 2 is not JSON", id="bad-line"),
+])
+def test_a_bad_ledger_is_named_before_the_output_directory_is_made(
+        tmp_path: Path, ledger: bytes, match: str) -> None:
+    """The ledger was read after --out was made: a non-UTF-8 one was exit 10 and left
+    --out behind, so the corrected rerun was refused as 'already exists'."""
+    from runner.errors import ConfigError
+    from runner.train import host
+
+    class NoTrainer:
+        def fresh_output(self, p: Path) -> Path:
+            raise AssertionError("--out made before the inputs were checked")
+
+    (tmp_path / "persona.yaml").write_text(
+        "name: cap\nexchanges:\n  - user: who?\n    assistant: Captain.\n")
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    (tmp_path / "ledger.jsonl").write_bytes(ledger)
+    with pytest.raises(ConfigError, match=match):
+        host.proof(NoTrainer(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
+                   ledger=tmp_path / "ledger.jsonl", lr=1e-3, seed=0, on_event=lambda e: None)
+    assert not (tmp_path / "out").exists()
