@@ -303,6 +303,22 @@ class ScriptToolCall(BaseModel):
     """The call's arguments (a JSON object)."""
 
 
+def _non_string_key(value: Any) -> object | None:
+    """The first mapping key in ``value`` that is not a string, or None."""
+    stack: list[Any] = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            for k, item in v.items():
+                if not isinstance(k, str):
+                    found: object = k
+                    return found
+                stack.append(item)
+        elif isinstance(v, list | tuple):
+            stack.extend(v)
+    return None
+
+
 class ScriptReply(BaseModel):
     """A reply: exactly one of ``reply`` (text), ``reply_json`` (sent as compact JSON) or
     ``tool_call`` (one function tool call, in the called family's own shape)."""
@@ -325,8 +341,14 @@ class ScriptReply(BaseModel):
             raise ValueError("give exactly one of reply, reply_json or tool_call")
         for value in (self.reply_json, self.tool_call.arguments if self.tool_call else None):
             if value is not None:
+                key = _non_string_key(value)
+                if key is not None:
+                    raise ValueError(
+                        f"a mapping key {key!r} is not a string (YAML reads unquoted on, "
+                        "off, yes, no, true, false and numbers as other types); quote it, "
+                        "e.g. 'on':")
                 try:
-                    json.dumps(value, allow_nan=False)
+                    json.dumps(value, allow_nan=False, sort_keys=True)
                 except (TypeError, ValueError) as exc:
                     raise ValueError(f"must be plain JSON data: {exc}") from None
         return self

@@ -106,6 +106,20 @@ def test_script_errors_name_field(tmp_path: Path) -> None:
         ScriptedProvider(_script(tmp_path, "rules: []\n"))
 
 
+@pytest.mark.parametrize(("reply", "key"), [
+    pytest.param("{answer: '08:00', on: weekdays}", "True", id="yaml-on-is-a-boolean"),
+    pytest.param("{unit: EUR, 2023: 700}", "2023", id="a-number-key"),
+    pytest.param("{on: weekdays}", "True", id="alone-sent-as-true"),
+    pytest.param("[{a: {1: x}}]", "1", id="nested"),
+])
+def test_a_reply_json_key_that_is_not_a_string_is_named(tmp_path: Path, reply: str,
+                                                        key: str) -> None:
+    """YAML reads an unquoted on: as True: mixed with string keys it was exit 10 (sorting
+    bool and str), alone it was sent as {"true": ...}. Refused, naming the key."""
+    with pytest.raises(ConfigError, match=rf"rules\[0\]: a mapping key {key} is not a string"):
+        ScriptedProvider(_script(tmp_path, f"schema: 1\nrules:\n  - reply_json: {reply}\n"))
+
+
 def _completion(text: str) -> bytes:
     return json.dumps({"id": text, "choices": [{"message": {"content": text}}],
                        "usage": {"prompt_tokens": 1, "completion_tokens": 1}}).encode()
