@@ -80,6 +80,8 @@ def sandbox_exec(
     run_dir = state_dir() / "runs" / run_id
     odir = out_dir or run_dir / "out"
     image = role_image(role)
+    # the upstreams are read before --out is made: a refusal leaves nothing behind
+    loaded = load_upstreams(upstreams) if policy.upstream else None
     output_dir(policy, odir.resolve())
 
     # The command's output is relayed live, but escaped: it is a container's bytes.
@@ -94,8 +96,8 @@ def sandbox_exec(
 
     with contextlib.ExitStack() as stack:
         gateway = stack.enter_context(Gateway(
-            run_dir, run_id, load_upstreams(upstreams), {role: policy.upstream})
-        ) if policy.upstream else None
+            run_dir, run_id, loaded, {role: policy.upstream})
+        ) if policy.upstream and loaded is not None else None
         record = launch(sandbox(), policy, role=role, run_id=run_id, image=image,
                         command=command, mounts=mounts, output_dir=odir.resolve(),
                         gateway=gateway, stage="exec", on_output=stream)

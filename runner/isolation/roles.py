@@ -10,6 +10,7 @@ from runner.errors import ConfigError
 from runner.isolation.policy import RolePolicy, mount_violation
 from runner.isolation.sandbox import Mount, Resources, RunSpec
 from runner.isolation.seccomp import load_profile
+from runner.loading import show
 
 
 def resolve_user(policy_user: str, *, host_uid: int, host_gid: int) -> str:
@@ -32,13 +33,20 @@ def parse_mount_flag(flag: str) -> Mount:
                           fix="e.g. --mount ./data:/data:ro")
     mode = parts[2] if len(parts) == 3 else "ro"
     if mode not in ("ro", "rw"):
-        raise ConfigError(f"mode must be ro or rw, got {mode!r}", field="--mount")
-    src = Path(parts[0]).expanduser().resolve()
-    if not src.exists():
+        raise ConfigError(f"mode must be ro or rw, got {show(mode)}", field="--mount",
+                          fix="end the flag with :ro (the default) or :rw")
+    try:
+        src = Path(parts[0]).expanduser().resolve()
+        exists = src.exists()
+    except (RuntimeError, OSError) as exc:  # ~nosuchuser, a name past NAME_MAX, a loop
+        raise ConfigError(f"{show(parts[0])} is not a usable host path ({exc})",
+                          field="--mount", fix="give an existing host directory") from None
+    if not exists:
         raise ConfigError(f"{src} does not exist", field="--mount",
                           fix="bind mounts never create host paths; create it first")
     if not parts[1].startswith("/"):
-        raise ConfigError(f"container path must be absolute, got {parts[1]!r}", field="--mount")
+        raise ConfigError(f"container path must be absolute, got {show(parts[1])}",
+                          field="--mount", fix="e.g. --mount ./data:/data:ro")
     read_only = mode == "ro"
     # A writable mount is allowed only onto an empty directory: each stage writes to
     # a fresh place, so nothing already recorded can be altered.

@@ -1439,6 +1439,19 @@ def _(e: Env) -> list[str]:
             "--judges", str(labels), "--out", str(e.root / "c.json")]
 
 
+@case("sandbox-exec-mount-unknown-user-home", 3, "--mount", "~nosuchuser/x",
+      "not a usable host path")
+def _(e: Env) -> list[str]:
+    return ["sandbox", "exec", "--role", "analyst", "--mount", "~nosuchuser/x:/x", "--",
+            "true"]
+
+
+@case("sandbox-exec-mount-name-too-long", 3, "--mount", "not a usable host path")
+def _(e: Env) -> list[str]:
+    return ["sandbox", "exec", "--role", "analyst", "--mount",
+            f"{e.root}/{'a' * 300}:/x", "--", "true"]
+
+
 # init and the manifest tools
 @case("init-under-read-only-dir", 3, "DIR", "ro/new", "Read-only")
 def _(e: Env) -> list[str]:
