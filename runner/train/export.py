@@ -134,6 +134,12 @@ def check_calibration(calibration: Path | None, run: Path,
     ``calibration_inconsistent``, ``calibration_incomplete``, ``kappa_below_policy``,
     ``calibration_unbound``, ``run_has_no_receipt`` or ``calibration_of_another_run``
     (and, once the records are read, ``calibration_ratings_not_of_run``)."""
+    if not run.is_dir():
+        raise ConfigError(f"{run} is not a directory", field="--run",
+                          fix="pass a finished cycle run directory (`cycle run --out`)")
+    if calibration is not None and calibration.exists() and not calibration.is_file():
+        raise ConfigError(f"{calibration} is not a regular file", field="--calibration",
+                          fix="pass the result file `cyclebox review calibrate --out` wrote")
     if calibration is None or not calibration.is_file():
         raise ConfigError("calibration_missing: export needs human-model agreement first",
                           field="--calibration", fix="run `cyclebox review packet` on the run's "

@@ -1452,6 +1452,11 @@ def _(e: Env) -> list[str]:
             f"{e.root}/{'a' * 300}:/x", "--", "true"]
 
 
+@case("export-run-missing-named-before-calibration", 3, "--run", "not a directory")
+def _(e: Env) -> list[str]:
+    return ["export", "--run", str(e.root / "no-such-run"), "--out", str(e.out)]
+
+
 # init and the manifest tools
 @case("init-under-read-only-dir", 3, "DIR", "ro/new", "Read-only")
 def _(e: Env) -> list[str]:
