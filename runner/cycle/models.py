@@ -303,8 +303,9 @@ class ComparisonPolicy(Frozen):
     """Trials per case; must equal the cycle file's trials."""
     mandatory: tuple[str, ...] = ()
     """Cases the candidate must pass (scenarios marked mandatory are added)."""
-    criteria: tuple[Criterion, ...] = CRITERIA
-    """Criteria compared; a case passes when none of them fails."""
+    criteria: tuple[Criterion, ...] = Field(default=CRITERIA, min_length=1)
+    """Criteria compared; a case passes when none of them fails (at least one: with none,
+    every case would pass)."""
     identities: Identities | None = None
     """Expected identities; filled in by freeze from the plan when absent."""
     require_judge: bool = False

@@ -554,6 +554,11 @@ def _policy(policy: ComparisonPolicy, manifest: Manifest, cycle: CycleFile,
     if policy.trials != cycle.trials:
         raise ConfigError(f"policy.trials {policy.trials} != cycle trials {cycle.trials}",
                           path=str(cycle_path), field="trials", fix="make them equal")
+    if policy.require_judge and cycle.judge is None:
+        raise ConfigError("the policy sets require_judge: true, but the cycle has no judge: "
+                          "every comparison would be invalid", path=str(cycle_path),
+                          field="judge", fix="add judge: to the cycle file, or set "
+                          "require_judge: false in the policy")
     mandatory = sorted(set(policy.mandatory) | {s.id for s in manifest.scenarios
                                                 if s.mandatory and s.id in policy.cases})
     return policy.model_copy(update={"mandatory": tuple(mandatory)})

@@ -181,6 +181,16 @@ class _Upstream(Frozen):
         return data
 
     @model_validator(mode="after")
+    def _priced_models_are_listed(self) -> Self:
+        stray = sorted(set(self.prices) - set(self.models))
+        if stray:
+            raise ValueError(f"prices names {', '.join(map(repr, stray))}, not in models "
+                             f"{list(self.models)}: a misspelt price leaves the model it meant "
+                             "unpriced (every call's cost unknown, refused under limit_usd); "
+                             "key prices by the names in models")
+        return self
+
+    @model_validator(mode="after")
     def _limits_fit(self) -> Self:
         if self.limits.body_bytes_burst < self.max_request_bytes:
             raise ValueError(f"limits.body_bytes_burst ({self.limits.body_bytes_burst}) "
@@ -204,7 +214,7 @@ class OpenAIUpstream(_Upstream):
 
     provider: Literal["openai"]
     """openai: any OpenAI-compatible server."""
-    base_url: str = Field(min_length=1)
+    base_url: str = Field(min_length=1, pattern=r"^https?://[^\s/?#]+")
     """The server's base URL, e.g. https://api.example.com/v1."""
     credential: CredentialSource
     """Where the host reads the key. The key is read only when a role of the cycle uses
@@ -228,7 +238,7 @@ class AnthropicUpstream(_Upstream):
 
     provider: Literal["anthropic"]
     """anthropic: the Messages API (``/v1/messages``, ``/v1/messages/count_tokens``)."""
-    base_url: str = Field(min_length=1)
+    base_url: str = Field(min_length=1, pattern=r"^https?://[^\s/?#]+")
     """The server's base URL as the Anthropic SDK takes it, e.g. https://api.anthropic.com
     (the gateway appends /v1/messages)."""
     credential: CredentialSource

@@ -1045,6 +1045,37 @@ def _(e: Env) -> list[str]:
     return e.run_args()
 
 
+@case("policy-require-judge-without-a-judge", 3, "cycle.yaml", "judge", "require_judge")
+def _(e: Env) -> list[str]:
+    p = e.ex / "policy.yaml"
+    p.write_text(p.read_text().replace("require_judge: false", "require_judge: true"))
+    e.edit_cycle(lambda d: d.pop("judge", None))
+    return e.run_args()
+
+
+@case("policy-no-criteria", 3, "policy.yaml", "criteria", "at least 1")
+def _(e: Env) -> list[str]:
+    p = e.ex / "policy.yaml"
+    p.write_text(p.read_text().replace("criteria: [correctness, evidence, refusal]",
+                                       "criteria: []"))
+    return e.run_args()
+
+
+@case("upstream-base-url-without-scheme", 3, "cycle.yaml", "base_url", "https?://")
+def _(e: Env) -> list[str]:
+    e.edit_cycle(lambda d: d["upstreams"].update(target={
+        "provider": "openai", "base_url": "api.example.com/v1",
+        "credential": {"env": "HOME"}, "models": ["m"]}))
+    return e.run_args()
+
+
+@case("upstream-price-for-a-model-not-listed", 3, "cycle.yaml", "prices", "gpt-4o-mini")
+def _(e: Env) -> list[str]:
+    e.edit_cycle(lambda d: d["upstreams"]["target"].update(
+        prices={"gpt-4o-mini": {"input_per_mtok": 0.15, "output_per_mtok": 0.6}}))
+    return e.run_args()
+
+
 @case("policy-unknown-case", 3, "cycle.yaml", "policy.cases", "zz-none")
 def _(e: Env) -> list[str]:
     p = e.ex / "policy.yaml"
