@@ -1338,7 +1338,7 @@ def _(e: Env) -> list[str]:
     return ["receipt", "attest", str(e.root / "no-run"), "--key", str(e.root / "k")]
 
 
-@case("attest-key-missing", 3, "no-key.pem", "cannot read private key")
+@case("attest-key-missing", 3, "no-key.pem", "does not exist")
 def _(e: Env) -> list[str]:
     e.write("run/receipt.json", "{}")
     return ["receipt", "attest", str(e.root / "run"), "--key", str(e.root / "no-key.pem")]
