@@ -377,7 +377,8 @@ def check_schema(data: Any, version: int, *, path: str) -> None:
                           fix=f"start the file with schema: {version}")
     got = data.get("schema")
     if type(got) is not int or got != version:
-        raise ConfigError(f"schema must be {version}, got {show(got)}", path=path,
+        raise ConfigError(f"schema must be {version} (a number), got "
+                          f"{show(repr(got) if isinstance(got, str) else got)}", path=path,
                           field="schema", fix=f"set schema: {version}")
 
 

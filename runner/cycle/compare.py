@@ -236,7 +236,7 @@ def load_records(path: Path) -> list[Record]:
 
 def load_policy(path: Path) -> ComparisonPolicy:
     """Read a comparison policy from .yaml/.yml or .json; ConfigError names file and field."""
-    fix = "see ComparisonPolicy in runner/cycle/models.py for the accepted keys"
+    fix = "`cyclebox schema policy` lists the accepted keys"
     if path.suffix not in (".yaml", ".yml", ".json"):
         raise ConfigError(f"unsupported suffix {show(path.suffix)}", path=show(str(path)),
                           fix="name the policy *.yaml, *.yml or *.json")

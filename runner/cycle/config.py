@@ -1,7 +1,7 @@
 """The cycle file (``cycle.yaml``): what to improve, on which scenarios, under which policy.
 
 Relative paths resolve against the cycle file's directory. Errors name the file, the
-field and the fix. ``cyclebox cycle schema`` prints the JSON schema.
+field and the fix. ``cyclebox schema cycle`` prints the JSON schema.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ class CycleFile(Frozen):
         return self
 
 
-CYCLE_FIX = "see `cyclebox cycle schema` for the accepted keys"
+CYCLE_FIX = "`cyclebox schema cycle` lists the accepted keys"
 
 
 def load_cycle(path: Path) -> tuple[CycleFile, Path]:
