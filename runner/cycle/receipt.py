@@ -24,7 +24,7 @@ from pydantic_core import to_jsonable_python
 
 from runner import fswalk
 from runner.cycle.dream import DreamSummary
-from runner.cycle.models import ComparisonResult
+from runner.cycle.models import RECORDS_MAX_BYTES, ComparisonResult
 from runner.cycle.plan import read_plan_doc
 from runner.cycle.signing import ENVELOPE
 from runner.errors import ConfigError, IntegrityError, OutputRejected
@@ -33,11 +33,15 @@ from runner.gateway.report import UsageReport, summarize
 from runner.hashing import canonical_bytes, sha256_json
 from runner.isolation.collect import loads_strict
 from runner.isolation.sandbox import Frozen, StopReason
-from runner.loading import MAX_BYTES, load_lines, load_model, parse_model, show
+from runner.loading import MAX_BYTES, load_lines, load_model, parse_model, read_capped, show
 
 SCHEMA = 1
 RECEIPT = "receipt.json"
+CALL_LOG = "gateway/calls.jsonl"
+PROPOSAL_FILE = "stages/propose/out/proposal.json"
+PATCH_FILE = "stages/apply/candidate.patch"
 CANDIDATE_GIT = "stages/apply/candidate.git"
+APPLY_RESULT = "stages/apply/result.json"
 """The host-made bare clone of the apply stage (runner.cycle.apply): bound through the
 commit and tree ids, which ``verify`` recomputes from it."""
 _UNBOUND_FILES = frozenset({RECEIPT, ENVELOPE})
@@ -94,7 +98,8 @@ def _records_digest(path: Path) -> str | None:
     rows = []
     # "\n" only: a record's strings may hold U+2028, U+2029 or U+0085 raw, which
     # str.splitlines() would also split on (JSON Lines ends a line at "\n" alone)
-    for line in path.read_text().split("\n"):
+    text = read_capped(path, max_bytes=RECORDS_MAX_BYTES, what="records file").decode()
+    for line in text.split("\n"):
         if not line:
             continue
         r = json.loads(line)
@@ -221,19 +226,28 @@ class Receipt(Frozen):
 CONTAINERS_FIX = "containers.jsonl as the cycle runner writes it (one run record a line)"
 
 
-def _derived(d: Path) -> dict[str, Any]:
+def _derived(d: Path, bound: dict[str, str] | None = None) -> dict[str, Any]:
     """The receipt's fields that follow from the run directory's own (bound) files: the
     plan, the call log, the records, the container rows and the dream summary. One
     function for :func:`build` and :func:`verify`, so a field edited in receipt.json
-    after the run no longer matches what its files give."""
+    after the run no longer matches what its files give.
+
+    ``bound`` (verify): the receipt's ``files``, each already re-hashed as a regular file
+    reached without a link; a file not among them is read as absent, never followed."""
+    def has(rel: str) -> bool:
+        return (d / rel).exists() if bound is None else rel in bound
+
     doc = read_plan_doc(d / "plan.json")
     plan = doc.plan
-    calls = CallLog(d / "gateway").records()
+    calls = CallLog.reader(d / "gateway").records() if has(CALL_LOG) else []
     stages = d / "stages"
     containers = (load_lines(d / "containers.jsonl", ContainerRow, what="container records",
                              fix=CONTAINERS_FIX)
-                  if (d / "containers.jsonl").exists() else [])
+                  if has("containers.jsonl") else [])
     summary = stages / "dream" / "summary.json"
+    records = {side: _records_digest(stages / side / "records.jsonl")
+               if has(f"stages/{side}/records.jsonl") else None
+               for side in ("baseline", "candidate")}
     return {
         "inputs": doc.hashes,
         "identities": ReceiptIdentities(reference_hash=plan.reference_hash,
@@ -253,15 +267,14 @@ def _derived(d: Path) -> dict[str, Any]:
         "fixture": any(c.fixture for c in calls),
         "dream": load_model(summary, DreamSummary, fmt="json", what="dream summary",
                             fix="the summary.json the dream stage wrote")
-        if summary.is_file() else None,
+        if has("stages/dream/summary.json") else None,
         "external": {f"store:{sid}": ExternalFile(path=str(Path(plan.data_dir) / s.path),
                                                   sha256=s.sha256)
                      for sid, s in plan.stores.items()},
         "outcome": {
             "inputs": sha256_json(doc.hashes),
-            "baseline_records_sha256": _records_digest(stages / "baseline" / "records.jsonl"),
-            "candidate_records_sha256": _records_digest(
-                stages / "candidate" / "records.jsonl"),
+            "baseline_records_sha256": records["baseline"],
+            "candidate_records_sha256": records["candidate"],
             "calls_sha256": sha256_json([
                 [c.role, c.stage, c.case, c.trial, c.turn, c.status,
                  c.replay_of or c.request_sha256, c.response_sha256]
@@ -275,24 +288,27 @@ def build(outcome: Outcome) -> Receipt:
     """Assemble and write ``receipt.json``; returns it."""
     d = outcome.run_dir
     got = _derived(d)
+    files, files_not_utf8 = _files(d)
+    # the hashes of the files as bound (verify recomputes them so): a proposal the host
+    # refused on its shape, or a stage that drifted after it, still has its file hashed
+    proposal_sha, patch_sha = files.get(PROPOSAL_FILE), files.get(PATCH_FILE)
     verdict = outcome.result.model_dump(mode="json")
     verdict_core = {k: v for k, v in verdict.items() if k != "usage"}
     outcome_digests = ReceiptOutcome(
         **got.pop("outcome"),
-        proposal_sha256=outcome.proposal_sha256,
-        patch_sha256=outcome.patch_sha256,
-        candidate_tree=outcome.candidate_tree,
+        proposal_sha256=proposal_sha,
+        patch_sha256=patch_sha,
+        candidate_tree=outcome.candidate_tree or _applied_tree(d),
         verdict=outcome.result.verdict,
         verdict_sha256=sha256_json(verdict_core),
     )
-    files, files_not_utf8 = _files(d)
     receipt = Receipt(
         schema=SCHEMA,
         generated_at=datetime.now(UTC).isoformat(timespec="seconds"),
         plan_hash=outcome.plan_hash,
         **got,
-        proposal_sha256=outcome.proposal_sha256,
-        patch_sha256=outcome.patch_sha256,
+        proposal_sha256=proposal_sha,
+        patch_sha256=patch_sha,
         verdict=outcome.result,
         leftovers=tuple(outcome.leftovers),
         timing=outcome.timings,
@@ -302,6 +318,24 @@ def build(outcome: Outcome) -> Receipt:
     )
     _write_atomic(d / RECEIPT, canonical_bytes(receipt))
     return receipt
+
+
+def _applied_tree(d: Path) -> str | None:
+    """The tree of the commit the apply stage recorded as applied, when the run stopped
+    before it took it (drift found after apply): verify requires it whenever
+    stages/apply/result.json says applied."""
+    try:
+        result = json.loads((d / APPLY_RESULT).read_text())
+        if result.get("status") != "applied":
+            return None
+        from runner import gitops
+
+        try:
+            return gitops.commit_tree(d / CANDIDATE_GIT, str(result["commit"]))
+        finally:
+            gitops.close_readers_under(d / CANDIDATE_GIT)
+    except (OSError, ValueError, KeyError, AttributeError, ConfigError, IntegrityError):
+        return None
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -614,29 +648,41 @@ def _derived_problems(root_fd: int, run_dir: Path, raw: bytes,
         # own); attest and compare read only a whole receipt
         return []
     try:
-        got = _derived(run_dir)
+        got = _derived(run_dir, files)
         verdict = loads_strict(_read_in(root_fd, "stages/compare/verdict.json"),
                                source="stages/compare/verdict.json")
-    except (_Unreadable, OutputRejected, ConfigError, IntegrityError) as exc:
-        return [f"the files the receipt binds could not be read back ({exc})"]
+        result = (loads_strict(_read_in(root_fd, APPLY_RESULT), source=APPLY_RESULT)
+                  if APPLY_RESULT in files else None)
+    except Exception as exc:  # whatever the files hold: a named problem, never a crash
+        return [f"the files the receipt binds could not be read back "
+                f"({type(exc).__name__}: {str(exc)[:300]})"]
     outcome = got.pop("outcome")
     want: dict[str, Any] = {k: json.loads(canonical_bytes(to_jsonable_python(v, by_alias=True)))
                             for k, v in got.items()}
     want["verdict"] = verdict
-    want["proposal_sha256"] = files.get("stages/propose/out/proposal.json")
-    want["patch_sha256"] = files.get("stages/apply/candidate.patch")
+    want["proposal_sha256"] = files.get(PROPOSAL_FILE)
+    want["patch_sha256"] = files.get(PATCH_FILE)
     core = ({k: v for k, v in verdict.items() if k != "usage"}
             if isinstance(verdict, dict) else verdict)
     outcome |= {"verdict": verdict.get("verdict") if isinstance(verdict, dict) else None,
                 "verdict_sha256": sha256_json(core),
                 "proposal_sha256": want["proposal_sha256"],
                 "patch_sha256": want["patch_sha256"]}
-    problems = [f"{k}: differs from what the run's files give" for k, v in want.items()
-                if k in doc and doc[k] != v]
     said_any = doc.get("outcome")
     said: dict[str, Any] = said_any if isinstance(said_any, dict) else {}
+    # a receipt written before build took these two from the files left them null when
+    # the stage's file existed but was refused or drifted: null is not a claim
+    older = {k for k in ("proposal_sha256", "patch_sha256")
+             if doc.get(k) is None and said.get(k) is None}
+    problems = [f"{k}: differs from what the run's files give" for k, v in want.items()
+                if k in doc and k not in older and doc[k] != v]
     problems += [f"outcome.{k}: differs from what the run's files give"
-                 for k, v in outcome.items() if k in said and said[k] != v]
+                 for k, v in outcome.items() if k in said and k not in older and said[k] != v]
+    applied = isinstance(result, dict) and result.get("status") == "applied"
+    if "candidate_tree" in said and applied != (said["candidate_tree"] is not None):
+        problems.append("outcome.candidate_tree: "
+                        + ("null, but stages/apply/result.json says applied" if applied
+                           else "set, but stages/apply/result.json says nothing was applied"))
     return problems
 
 

@@ -154,11 +154,12 @@ def _exists(path: str) -> bool:
 class CallLog:
     """Append-only writer/reader for one run's gateway directory."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, create: bool = True) -> None:
         self.root = root
         self.blobs = root / "blobs"
         self.index = root / "calls.jsonl"
-        self.blobs.mkdir(parents=True, exist_ok=True)
+        if create:
+            self.blobs.mkdir(parents=True, exist_ok=True)
         self._blob_dir = f"{self.blobs}{os.sep}"
         self._present: set[str] = set()
         self._lock = threading.Lock()
@@ -171,6 +172,12 @@ class CallLog:
             if stat.S_ISREG(os.lstat(self.index).st_mode):
                 with self.index.open("rb") as f:
                     self._seq = sum(1 for _ in f)
+
+    @classmethod
+    def reader(cls, root: Path) -> CallLog:
+        """The log of a finished run, to read only: nothing is created (``receipt verify``
+        made the gateway directory again on a copied or read-only run)."""
+        return cls(root, create=False)
 
     def put_blob(self, data: bytes) -> str:
         """Store ``data`` under its sha256 (once): written whole to a private temporary

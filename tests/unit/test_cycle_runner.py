@@ -386,6 +386,57 @@ def test_a_receipt_field_edited_after_the_run_does_not_verify(
     assert verify(plan.parent) == [f"{problem}: differs from what the run's files give"]
 
 
+@pytest.mark.parametrize("worker_out", [
+    pytest.param({"proposal.json": "{}"}, id="proposal-refused-on-shape"),
+    pytest.param({"proposal.json": json.dumps({"files": [{"path": "../evil", "content": "x"}],
+                                               "rationale": "r"})}, id="apply-refuses"),
+])
+def test_an_honest_run_that_stopped_after_propose_has_a_receipt_that_verifies(
+        planned: Freeze, worker_out: dict[str, str]) -> None:
+    """The proposal's file was written and bound while the outcome's digest stayed null:
+    once verify recomputed the digests from the files, such honest receipts failed."""
+    from runner.cycle.receipt import build, verify
+
+    plan = planned()
+    outcome = run(plan, fake(script(worker=lambda _c: Result(files=worker_out))))
+    assert outcome.result.verdict == "invalid_comparison"
+    build(outcome)
+    assert verify(plan.parent) == []
+
+
+def test_a_records_file_that_does_not_read_back_is_a_problem_not_a_crash(
+        planned: Freeze) -> None:
+    from runner.cycle.receipt import build, verify
+    from runner.hashing import sha256_bytes
+
+    plan = planned()
+    build(run(plan, fake(script())))
+    rec = plan.parent / "stages" / "baseline" / "records.jsonl"
+    rec.write_bytes(b"not json\n")
+    receipt = plan.parent / "receipt.json"
+    doc = json.loads(receipt.read_text())
+    doc["files"]["stages/baseline/records.jsonl"] = sha256_bytes(b"not json\n")
+    receipt.write_text(json.dumps(doc, sort_keys=True, separators=(",", ":")))
+    (problem,) = verify(plan.parent)
+    assert problem.startswith("the files the receipt binds could not be read back "
+                              "(JSONDecodeError: ")
+
+
+def test_a_null_candidate_tree_on_an_applied_run_does_not_verify(planned: Freeze) -> None:
+    """attest signed gitTree null beside the real commit."""
+    from runner.cycle.receipt import build, verify
+
+    plan = planned()
+    build(run(plan, fake(script())))
+    receipt = plan.parent / "receipt.json"
+    doc = json.loads(receipt.read_text())
+    assert doc["outcome"]["candidate_tree"] is not None
+    doc["outcome"]["candidate_tree"] = None
+    receipt.write_text(json.dumps(doc, sort_keys=True, separators=(",", ":")))
+    assert verify(plan.parent) == ["outcome.candidate_tree: null, but stages/apply/result.json "
+                                   "says applied"]
+
+
 def test_a_receipt_changed_after_it_was_signed_fails_without_the_key(
         planned: Freeze, tmp_path: Path) -> None:
     from runner.cycle import signing
