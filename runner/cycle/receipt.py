@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import stat
 from datetime import UTC, datetime
 from pathlib import Path
@@ -737,6 +738,11 @@ def _external_problem(data_dir: object, ext: ExternalFile) -> str | None:
 
 
 _MAX_GIT_CONFIG = 64 * 1024
+_MAX_GIT_ENTRIES = 1_000_000
+_GIT_INCLUDE = re.compile(rb"(?im)^[ \t]*\[[ \t]*include(if)?\b")
+"""A config section that makes git read another file (the section names, not a value:
+the remote's url holds the run directory's path, which may say "include")."""
+_GIT_ELSEWHERE = re.compile(rb"(?im)^[ \t]*(\[[ \t]*extensions\b|worktree[ \t]*=)")
 _BORROWING = ("commondir", "objects/info/alternates", "objects/info/http-alternates")
 
 
@@ -749,8 +755,28 @@ def _bare_repo_problem(root_fd: int) -> str | None:
         cfg = _read_in(root_fd, f"{CANDIDATE_GIT}/config", _MAX_GIT_CONFIG)
     except _Unreadable as exc:
         return f"config: {exc}"
-    if b"include" in cfg.lower():
+    if _GIT_INCLUDE.search(cfg):
         return "its config includes another file; refused without running git"
+    if _GIT_ELSEWHERE.search(cfg):
+        return ("its config sets extensions or a worktree (the host never does); refused "
+                "without running git")
+    # the host made every entry a plain file or directory: a FIFO (HEAD, an object) made
+    # git block, a link sent it elsewhere
+    try:
+        dfd = os.dup(root_fd)
+        try:
+            for part in CANDIDATE_GIT.split("/"):
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=dfd)
+                os.close(dfd)
+                dfd = nfd
+            for e in fswalk.walk(dfd, max_depth=16, max_entries=_MAX_GIT_ENTRIES):
+                if not (stat.S_ISREG(e.st.st_mode) or stat.S_ISDIR(e.st.st_mode)):
+                    return (f"{e.rel} is not a plain file or directory (a link, FIFO or "
+                            "device); refused without running git")
+        finally:
+            os.close(dfd)
+    except (OSError, fswalk.WalkError) as exc:
+        return f"cannot be checked ({exc}); refused without running git"
     for rel in _BORROWING:
         try:
             os.lstat(f"{CANDIDATE_GIT}/{rel}", dir_fd=root_fd)

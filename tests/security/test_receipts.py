@@ -264,7 +264,8 @@ def test_candidate_git_removed_or_edited_is_reported(applied: tuple[Path, str, s
 
 
 @pytest.mark.parametrize("attack", ["include-fifo", "include-dev-zero", "alternates",
-                                    "commondir"])
+                                    "commondir", "fifo-head", "objects-link",
+                                    "worktree-config"])
 def test_candidate_git_that_would_run_git_elsewhere_is_refused_unopened(
         applied: tuple[Path, str, str], attack: str) -> None:
     """The receipt binds candidate.git through its commit and tree ids, so verify opens
@@ -273,6 +274,7 @@ def test_candidate_git_that_would_run_git_elsewhere_is_refused_unopened(
     the run directory. Refused by name, before git runs."""
     run, _, _ = applied
     bare = run / "stages" / "apply" / "candidate.git"
+    elsewhere = run.parent / "elsewhere"  # outside the run directory
     if attack.startswith("include"):
         target = "fifo" if attack == "include-fifo" else "/dev/zero"
         if target == "fifo":
@@ -284,11 +286,34 @@ def test_candidate_git_that_would_run_git_elsewhere_is_refused_unopened(
         (bare / "objects" / "info").mkdir(parents=True, exist_ok=True)
         (bare / "objects" / "info" / "alternates").write_text("/tmp\n")
         want = "objects/info/alternates sends git outside the run directory"
-    else:
+    elif attack == "commondir":
         (bare / "commondir").write_text("/tmp\n")
         want = "commondir sends git outside the run directory"
+    elif attack == "fifo-head":
+        (bare / "HEAD").unlink()
+        os.mkfifo(bare / "HEAD")
+        want = "HEAD is not a plain file or directory"
+    elif attack == "objects-link":
+        shutil.move(str(bare / "objects"), str(elsewhere))
+        (bare / "objects").symlink_to(elsewhere)
+        want = "objects is not a plain file or directory"
+    else:
+        (bare / "config.worktree").write_text("[include]\n\tpath = /dev/zero\n")
+        with (bare / "config").open("a") as f:
+            f.write("[extensions]\n\tworktreeConfig = true\n")
+        want = "its config sets extensions or a worktree"
     problems = verify_in(run)
     assert len(problems) == 1 and want in problems[0], problems
+
+
+def test_a_remote_url_naming_include_or_worktree_is_not_a_refusal(
+        applied: tuple[Path, str, str]) -> None:
+    """The vetting reads section names and keys, not values: the clone's remote url holds
+    the run directory's path, which may say include or worktree."""
+    run, _, _ = applied
+    with (run / "stages" / "apply" / "candidate.git" / "config").open("a") as f:
+        f.write('[remote "x"]\n\turl = file:///srv/include/worktrees/run/repo\n')
+    assert verify_in(run) == []
 
 
 def test_missing_not_utf8_file_is_reported(run: Path) -> None:
