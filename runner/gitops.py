@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import hashlib
 import os
 import shutil
@@ -83,8 +84,32 @@ def _env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("GIT_") and k != "XDG_CONFIG_HOME"}
     env.update(FIXED_ENV)
+    # The operator's own safe.directory entries are kept (command scope, which git honours
+    # for that setting): CI runs as root on a checkout another uid owns, and its global
+    # config says so. Nothing else of that config is read.
+    safe = _operator_safe_directories()
+    env["GIT_CONFIG_COUNT"] = str(len(safe))
+    for i, value in enumerate(safe):
+        env[f"GIT_CONFIG_KEY_{i}"] = "safe.directory"
+        env[f"GIT_CONFIG_VALUE_{i}"] = value
     env.update(extra_env or {})
     return env
+
+
+@functools.cache
+def _operator_safe_directories() -> tuple[str, ...]:
+    """``safe.directory`` values of the operator's global git config, read once."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env["GIT_CONFIG_NOSYSTEM"] = "1"
+    try:
+        proc = subprocess.run(["git", "config", "--global", "--get-all", "safe.directory"],
+                              env=env, capture_output=True, timeout=10, check=False,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    if proc.returncode != 0:
+        return ()
+    return tuple(v for v in os.fsdecode(proc.stdout).split("\n")[:256] if v and "\0" not in v)
 
 
 EXPORT_LIMITS = untar.Limits(max_entries=MAX_TREE_ENTRIES, max_bytes=MAX_EXPORT_BYTES,

@@ -204,6 +204,25 @@ def test_the_operators_own_git_config_runs_no_driver_on_the_host(
     assert not marker.exists()
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give the repository away")
+def test_the_operators_safe_directory_still_reaches_git(
+        repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Root on a checkout another uid owns (CI): the operator's ~/.gitconfig grants it with
+    safe.directory, and that one setting still reaches git when the rest of the operator's
+    config is left out (without it git refused the repository as of dubious ownership)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".gitconfig").write_text("[safe]\n\tdirectory = *\n")
+    subprocess.run(["chown", "-R", "1234:1234", str(repo)], check=True)
+    monkeypatch.setenv("HOME", str(home))
+    gitops._operator_safe_directories.cache_clear()
+    try:
+        assert gitops.toplevel(repo) == repo.resolve()
+        assert gitops.resolve_tree(repo, "HEAD")
+    finally:
+        gitops._operator_safe_directories.cache_clear()
+
+
 def test_replace_refs_are_ignored(repo: Path) -> None:
     blob = git(repo, "rev-parse", "HEAD:README.md").strip()
     fake = git(repo, "hash-object", "-w", "--stdin", data=b"replaced\n").strip()
