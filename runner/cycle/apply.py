@@ -38,7 +38,7 @@ from runner.cycle.models import (
 from runner.errors import ConfigError, EnvironmentFailure, IntegrityError, OutputRejected
 from runner.failures import one_line
 from runner.hashing import write_json
-from runner.isolation.collect import Collected, Limits, collect
+from runner.isolation.collect import Limits, collect
 from runner.isolation.sandbox import Mount, RunRecord, Sandbox, StopReason
 from runner.loading import field_path, load_model, load_with_bytes, parse_model, show
 from sandbox.proposal import Change, Refused, check_changes
@@ -168,7 +168,7 @@ def apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
     anything the container wrote: before the container starts it clones the base into
     its own ``candidate.git``, and afterwards commits the proposal there itself
     (:func:`runner.gitops.commit_files`); the container's claim must name that very
-    commit and its patch must equal the host's. With
+    commit, and the patch kept is the host's diff. With
     ``export_to``, the candidate tree is exported there and checked against its blobs.
     The git readers of the stage's own repositories are stopped when it ends (nothing
     reads them again in this process; cached, each held two processes and four pipes).
@@ -210,10 +210,8 @@ def _run_and_check(stage_dir: Path, work: Path, bare: Path, base_commit: str, *,
     if os.getuid() == 0 and uid != 0:
         _give(work, uid)
     rec = run(work)
-    got: Collected | None = None
     try:
-        got = collect(work / "out", OUTPUT_LIMITS)
-        claim = read_claim(got.json("result.json"), rec)
+        claim = read_claim(collect(work / "out", OUTPUT_LIMITS).json("result.json"), rec)
     except OutputRejected as exc:
         # A planted symlink, FIFO, hard link or oversize file: recorded, never followed.
         claim = ApplyRefusal(status="refused", reason="output_refused",
@@ -236,9 +234,9 @@ def _run_and_check(stage_dir: Path, work: Path, bare: Path, base_commit: str, *,
                        f"the host could not rebuild the candidate: {one_line(str(exc), 2000)}")
     if isinstance(result, str):
         return _refuse(stage_dir, "host_verification_failed", result)
-    if got is None or patch != got.files.get("candidate.patch"):
-        return _refuse(stage_dir, "host_verification_failed",
-                       "candidate.patch differs from the host's diff")
+    # The commit is the host's own, so is the patch kept: the container's candidate.patch
+    # is not compared (its diff read the work tree's .gitattributes, e.g. diff=python
+    # hunk headers, which the host's bare repository does not, and refused honest edits).
     if export_to is not None:
         try:
             gitops.export_tree(bare, result.tree, export_to)

@@ -40,11 +40,14 @@ def _record() -> RunRecord:
 
 
 def _apply(tmp_path: Path, container: Callable[[Path, str], None],
-           content: str = NEW) -> tuple[Any, Path]:
+           content: str = NEW, attributes: str | None = None,
+           base: bytes = BASE) -> tuple[Any, Path]:
     repo = tmp_path / "op"
     (repo / "src").mkdir(parents=True)
-    (repo / "src" / "a.py").write_bytes(BASE)
+    (repo / "src" / "a.py").write_bytes(base)
     (repo / "README").write_text("r\n")
+    if attributes is not None:
+        (repo / ".gitattributes").write_text(attributes)
     g(repo, "init", "-q", "-b", "main")
     g(repo, "add", "-A")
     g(repo, "commit", "-q", "-m", "base")
@@ -54,7 +57,7 @@ def _apply(tmp_path: Path, container: Callable[[Path, str], None],
         {"files": [{"path": "src/a.py", "content": content}], "rationale": "why"}))
     (stage / "in" / "invocation.json").write_text(json.dumps(
         {"paths": ["src/a.py"], "allowlist": ["src/*"],
-         "base": {"src/a.py": hashlib.sha256(BASE).hexdigest()}, "max_file_bytes": 1024}))
+         "base": {"src/a.py": hashlib.sha256(base).hexdigest()}, "max_file_bytes": 1024}))
 
     def run(work: Path) -> RunRecord:
         r = work / "repo"
@@ -161,3 +164,21 @@ def test_a_candidate_other_than_the_proposals_is_refused_unread(
     assert not (stage / "candidate-src").exists()
     assert not list((stage / "candidate.git").rglob("alternates"))
     assert peak < 64 * 1024 * 1024
+
+
+def test_an_honest_edit_under_a_diff_driver_attribute_is_applied(tmp_path: Path) -> None:
+    """*.py diff=python changes the hunk headers of the container's diff (its work tree
+    reads .gitattributes) but not the host's (a bare repository): the container's patch
+    was compared with the host's and the honest edit refused. The host keeps its own."""
+    body = "class A:\n    def method(self):\n" + "".join(f"        x{i} = {i}\n"
+                                                       for i in range(12))
+    edited = body.replace("x10 = 10", "x10 = 11")
+
+    def honest(r: Path, _base: str) -> None:
+        (r / "src" / "a.py").write_text(edited)
+        g(r, "add", "-A")
+
+    result, stage = _apply(tmp_path, honest, content=edited, base=body.encode(),
+                           attributes="*.py diff=python\n")
+    assert result.status == "applied", result
+    assert b"+        x10 = 11" in (stage / "candidate.patch").read_bytes()
