@@ -87,8 +87,8 @@ def cycle_run(
     from runner.cycle.run import CycleRunner
     from runner.report.files import check_targets, write_outputs
 
-    check_targets(out_dir if plan is None else plan.parent, junit=junit, markdown=markdown,
-                  html=html)
+    check_targets(out_dir if plan is None else plan.resolve().parent, junit=junit,
+                  markdown=markdown, html=html)
     if cycle is not None and plan is None:
         from runner.cycle.config import load_cycle
 

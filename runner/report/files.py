@@ -48,10 +48,27 @@ def check_output_file(path: Path, *, field: str, run_dir: Path | None = None,
                           path=str(path), field=field, fix="give a regular file's path")
     if run_dir is not None:
         run = Path(os.path.realpath(run_dir))
-        if target == run or run in target.parents:
+        if target == run or run in target.parents or _same_dir_above(where, run):
             raise ConfigError(f"{path} is inside {why.format(dir=run_dir)}", path=str(path),
                               field=field, fix="write the file beside that directory, not in "
                               "it")
+
+
+def _same_dir_above(where: Path, run: Path) -> bool:
+    """Whether ``where`` or a directory above it is ``run`` itself (device and inode), as a
+    bind mount of the run directory elsewhere is: its path does not say so."""
+    try:
+        st = os.stat(run)
+    except OSError:
+        return False
+    for d in (where, *where.parents):
+        try:
+            sd = os.stat(d)
+        except OSError:
+            continue
+        if (sd.st_dev, sd.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
 
 
 def check_targets(run_dir: Path | None = None, **targets: Path | None) -> None:
