@@ -41,6 +41,7 @@ from runner.hashing import write_json
 from runner.isolation.collect import Limits, collect
 from runner.isolation.sandbox import Mount, RunRecord, Sandbox, StopReason
 from runner.loading import field_path, load_model, load_with_bytes, parse_model, show
+from sandbox.apply import BRANCH, GIT_ENV
 from sandbox.proposal import Change, Refused, check_changes
 
 OUTPUT_LIMITS = Limits(max_file_bytes=8 * 1024 * 1024, max_total_bytes=16 * 1024 * 1024,
@@ -279,15 +280,10 @@ def _rebuild(bare: Path, base: str, claim: Applied, proposal: Proposal,
                    changed=tuple(gitops.changed_paths(bare, base, commit))), patch
 
 
-CANDIDATE_BRANCH = "cyclebox/candidate"
-CANDIDATE_GIT_ENV = {
-    "GIT_AUTHOR_NAME": "cyclebox", "GIT_AUTHOR_EMAIL": "cyclebox@localhost",
-    "GIT_COMMITTER_NAME": "cyclebox", "GIT_COMMITTER_EMAIL": "cyclebox@localhost",
-    "GIT_AUTHOR_DATE": "2000-01-01T00:00:01+0000",
-    "GIT_COMMITTER_DATE": "2000-01-01T00:00:01+0000",
-}
-"""The apply container's commit identity and dates (``sandbox.apply.GIT_ENV``); a unit
-test holds the two equal."""
+CANDIDATE_BRANCH = BRANCH
+CANDIDATE_GIT_ENV = {k: v for k, v in GIT_ENV.items()
+                     if k.startswith(("GIT_AUTHOR_", "GIT_COMMITTER_"))}
+"""The apply container's own commit identity and dates (``sandbox.apply.GIT_ENV``)."""
 
 
 def _give(work: Path, uid: int) -> None:

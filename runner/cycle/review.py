@@ -316,10 +316,7 @@ def make_packet(records: Sequence[Record], out_dir: Path, *, reviewer: str = "",
         raise ConfigError("already exists; review evidence is never overwritten",
                           path=str(out_dir), fix="choose a new packet directory") from None
     except OSError as exc:
-        if is_environment_error(exc):
-            raise
-        raise ConfigError(f"cannot be created: {exc.strerror or exc}", path=str(out_dir),
-                          field="--out", fix="choose a packet directory under one you can "
+        raise _unwritable(exc, out_dir, "choose a packet directory under one you can "
                           "write") from None
     _write_new(out_dir / REVIEW_MD, review)
     _write_new(out_dir / PACKET_JSON, canonical_bytes(packet))
@@ -391,10 +388,7 @@ def write_calibration(result: CalibrationResult, out_file: Path) -> Path:
         raise ConfigError("already exists; a calibration result is never overwritten",
                           path=str(out_file), fix="write to a new file") from None
     except OSError as exc:
-        if is_environment_error(exc):
-            raise
-        raise ConfigError(f"cannot be written: {exc.strerror or exc}", path=str(out_file),
-                          field="--out", fix="write into an existing directory you can "
+        raise _unwritable(exc, out_file, "write into an existing directory you can "
                           "write") from None
     return out_file
 
@@ -451,6 +445,15 @@ def _model_ratings(r: Record) -> dict[str, Rating]:
     # round() is half-to-even: 0.25 -> 0, 0.75 -> 2; the score is recorded, not re-judged.
     out[JUDGE_KEY] = None if s is None else round(s * 2)
     return out
+
+
+def _unwritable(exc: OSError, path: Path, fix: str) -> Exception:
+    """--out that cannot be written: bad input naming it, unless the machine failed (a
+    full disk stays an environment failure)."""
+    if is_environment_error(exc):
+        return exc
+    return ConfigError(f"cannot be written: {exc.strerror or exc}", path=str(path),
+                       field="--out", fix=fix)
 
 
 def _write_new(path: Path, data: bytes) -> None:
