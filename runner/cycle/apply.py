@@ -163,7 +163,8 @@ MAX_REFUSAL_MESSAGE = 2000
 def apply_proposal(stage_dir: Path, repo: Path, tree: str, *,
                    run: Callable[[Path], RunRecord], uid: int,
                    export_to: Path | None = None) -> Applied | ApplyRefusal:
-    """Run the apply container on a throwaway repo, then re-verify on a host-made bare clone.
+    """Run the apply container on a throwaway repo, then check its claim against the host's
+    own commit of the proposal.
 
     ``stage_dir/in`` holds proposal.json and invocation.json. The host never runs git on
     anything the container wrote: before the container starts it clones the base into
