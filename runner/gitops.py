@@ -420,6 +420,14 @@ _SHADOW_CONFIG = ("[core]\n\tbare = false\n\tfsmonitor = false\n"
                   "\tuntrackedCache = false\n\thooksPath = /dev/null\n")
 
 
+RAW_ATTRIBUTES = ("* -text -eol -crlf -ident -filter -working-tree-encoding "
+                  "-export-ignore -export-subst\n")
+"""A repository's ``info/attributes`` (which outranks every ``.gitattributes``) that makes
+git move the committed bytes as they are: no end-of-line conversion, ``$Id$`` expansion,
+filter driver, re-encoding, or export rule. What runs, and what the apply container
+commits, is then the tree's blobs exactly, whatever the tree's own attributes say."""
+
+
 SHADOW_PREFIX = "cyclebox-git-"
 """Temporary git directories of :func:`_shadow`, named ``<prefix><pid>-<start>-*``."""
 
@@ -428,6 +436,8 @@ SHADOW_PREFIX = "cyclebox-git-"
 def _shadow(repo: Path, *, head: bool = False) -> Iterator[tuple[Path, dict[str, str]]]:
     """A git directory of our own over ``repo``'s objects (and, with ``head``, its HEAD
     commit, index and info/exclude): (its path, the environment that points git at it).
+    Without ``head`` (an export) its ``info/attributes`` is :data:`RAW_ATTRIBUTES`; with
+    it (``git status``) the tree's own conversions stay, so a checkout reads as git does.
 
     The repository's own config, hooks and info/attributes are never read: they can name
     commands (``core.fsmonitor``, a filter's ``clean``/``smudge``/``process``, a diff
@@ -450,6 +460,8 @@ def _shadow(repo: Path, *, head: bool = False) -> Iterator[tuple[Path, dict[str,
         (shadow / "config").write_text(_SHADOW_CONFIG)
         (shadow / "HEAD").write_text(f"{commit}\n" if commit else "ref: refs/heads/none\n")
         env = {"GIT_DIR": str(shadow), "GIT_OBJECT_DIRECTORY": str(common / "objects")}
+        if not head:
+            (shadow / "info" / "attributes").write_text(RAW_ATTRIBUTES)
         if head:
             exclude = common / "info" / "exclude"
             with contextlib.suppress(OSError):
@@ -506,9 +518,11 @@ def resolve_tree(repo: Path, ref: str, subdir: str | None = None) -> str:
 def export_tree(repo: Path, tree: str, dest: Path) -> None:
     """Write the files of ``tree`` into a new directory ``dest`` (read-only use of repo).
 
-    The export is then compared with the tree's blobs (:func:`check_export`), because
-    ``git archive`` applies the tree's own ``.gitattributes`` (export-ignore, export-subst,
-    ident, eol): IntegrityError naming the first path that differs."""
+    The files are the tree's blobs as committed: ``git archive`` runs under
+    :data:`RAW_ATTRIBUTES`, so the tree's own ``.gitattributes`` (eol, ident, a filter,
+    export-ignore, export-subst) change nothing. The export is then compared with the
+    blobs all the same (:func:`check_export`): IntegrityError naming the first path that
+    differs."""
     total = _tree_bytes(repo, tree)
     if total > MAX_EXPORT_BYTES:
         raise ConfigError(f"tree {tree[:12]} holds more than {MAX_EXPORT_BYTES} bytes of "
@@ -688,17 +702,23 @@ def tree_modes(repo: Path, tree: str) -> dict[str, str]:
 def throwaway_repo(source_repo: Path, tree: str, dest: Path) -> str:
     """A new repository at ``dest`` whose first commit has exactly ``tree``; returns it.
 
-    The operator's repository is only read (``git archive``). IntegrityError when the
-    re-created tree differs from the frozen one (e.g. export-ignore attributes).
+    The operator's repository is only read (``git archive``). Its ``info/attributes`` is
+    :data:`RAW_ATTRIBUTES`, so ``git add`` here (and the apply container's, which works in
+    this repository) stores a file's bytes as they are: a CRLF file under ``text=auto`` or
+    a ``$Id$`` under ``ident`` is the proposal's, not git's conversion of it.
+    IntegrityError when the re-created tree differs from the frozen one.
     """
     export_tree(source_repo, tree, dest)
     _git(["init", "-q", "-b", "cyclebox/base"], cwd=dest)
+    info = dest / ".git" / "info"
+    info.mkdir(exist_ok=True)
+    (info / "attributes").write_text(RAW_ATTRIBUTES)
     _git(["add", "-A", "-f"], cwd=dest)
     _git(["commit", "-q", "--no-verify", "--allow-empty", "-m", f"base tree {tree}"], cwd=dest)
     got = head_tree(dest)
     if got != tree:
         raise IntegrityError(f"throwaway repository tree {got} differs from the frozen base "
-                             f"tree {tree}; check .gitattributes export-ignore/subst rules")
+                             f"tree {tree}")
     return _git(["rev-parse", "HEAD"], cwd=dest).decode().strip()
 
 

@@ -63,7 +63,10 @@ def apply(proposal: dict[str, Any], inv: dict[str, Any], repo: Path) -> dict[str
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(c.content)
-    git(repo, "add", "--", *[c.path for c in changes])
+    # -f: a new file the tree's .gitignore matches is still the proposal's (the host's own
+    # commit of it has no ignore rules); the repository's info/attributes, the host's,
+    # keeps git from converting what it stores
+    git(repo, "add", "-f", "--", *[c.path for c in changes])
     git(repo, "commit", "-q", "--no-verify", "--allow-empty", "-m",
         "cyclebox candidate\n\n" + str(proposal.get("rationale", ""))[:2000])
     commit = git(repo, "rev-parse", "HEAD")

@@ -1,16 +1,21 @@
 """Apply stage (SPEC §5): the apply container edits a throwaway repository; the host then
-re-verifies the result on a bare clone it makes itself.
+commits the same proposal in a repository of its own and checks the container named it.
 
-Invariant: the host never runs git inside a directory a container wrote (its
-.git/config could carry commands); it clones it with ``--no-local`` into
-``candidate.git`` and checks that clone: parent is the frozen base, changed paths are
-exactly the proposal's, contents equal the proposal, the patch equals the host's diff.
+Invariant: the host never runs git on anything a container wrote (its objects,
+.git/config or alternates could carry commands or other repositories' data). Before the
+container starts, the host clones the base into its own ``candidate.git``; afterwards it
+commits the proposal there with git's plumbing (:func:`gitops.commit_files`) and the
+container's claim must name that very commit. Every field of the result and the patch are
+the host's.
 
-The container's ``result.json`` and patch are read through :func:`runner.isolation.collect.collect`
+The container's ``result.json`` is read through :func:`runner.isolation.collect.collect`
 (no symlink followed, no FIFO opened, sizes capped). The candidate tree is then exported
-and the export compared with the committed tree's blobs (:func:`gitops.export_tree`), so a
-``.gitattributes`` edit (export-ignore, export-subst, ident, eol) that would make the
-exported source differ from the reviewed commit is a named refusal, ``export_mismatch``.
+(:func:`gitops.export_tree`: the committed blobs exactly, whatever the tree's own
+``.gitattributes`` say) and the export compared with the blobs; a difference is a named
+refusal, ``export_mismatch``. The throwaway repository's ``info/attributes``
+(:data:`gitops.RAW_ATTRIBUTES`) keeps the container's ``git add`` from converting what it
+stores, so an honest edit of a CRLF file under ``text=auto`` or of a ``$Id$`` line under
+``ident`` commits the proposal's bytes, as the host does.
 The path set and allowlist always come from the operator (plan or flags), never from the
 proposal (:func:`invocation_for`).
 """

@@ -684,8 +684,8 @@ class CycleRunner:
         write_json(d / "in" / "invocation.json", invocation.model_dump(mode="json"))
         write_json(d / "in" / "proposal.json", proposal.model_dump(mode="json", by_alias=True))
         src = self.dir / "stages" / "candidate" / "src"
-        # apply_proposal exports the verified candidate tree to src and checks the export
-        # against the tree's blobs (a .gitattributes edit is refused as export_mismatch).
+        # apply_proposal exports the verified candidate tree to src, the committed blobs as
+        # they are, and checks the export against them.
         result = apply_proposal(d, Path(self.plan.project.repo), self.plan.project.base_tree,
                                 run=lambda work: self._run(
                                     "apply", ["python", "-m", "sandbox.apply_main"],

@@ -279,3 +279,94 @@ def test_commit_tree_reads_and_checks_the_commit_object(repo: Path) -> None:
     tree = git(repo, "rev-parse", "HEAD^{tree}").strip()
     with pytest.raises(ConfigError, match="cannot read commit"):
         gitops.commit_tree(repo / ".git", tree)  # a tree is not a commit
+
+
+# -- a tree's own attributes never change the bytes that run or the commit applied -------
+
+def _raw_repo(root: Path, files: dict[str, bytes]) -> tuple[Path, str]:
+    """A repository whose one commit holds ``files`` exactly as given (committed with
+    plumbing, no conversion), as a repository can after attributes change under it."""
+    root.mkdir(parents=True)
+    git(root, "init", "-q", "-b", "main")
+    for path, data in files.items():
+        blob = git(root, "hash-object", "-w", "--no-filters", "--stdin", data=data).strip()
+        git(root, "update-index", "--add", "--cacheinfo", f"100644,{blob},{path}")
+    tree = git(root, "write-tree").strip()
+    git(root, "update-ref", "refs/heads/main",
+        git(root, "commit-tree", tree, "-m", "base").strip())
+    return root, tree
+
+
+HONEST_REPOS = {
+    # a CRLF file committed before `text=auto` was (git add would normalise it)
+    "crlf-under-text-auto": ({".gitattributes": b"* text=auto\n", "a.txt": b"x\r\ny\r\n"},
+                             "a.txt", "x\r\nz\r\n"),
+    # archive would write run.bat with CRLF
+    "eol-crlf": ({".gitattributes": b"*.bat text eol=crlf\n", "run.bat": b"echo 1\n",
+                  "p.md": b"p\n"}, "run.bat", "echo 2\n"),
+    # archive would expand $Id$, git add would collapse an expanded one
+    "ident-in-a-subdirectory": ({"d/.gitattributes": b"*.md ident\n",
+                                 "d/p.md": b"$Id$\nhello\n"}, "d/p.md", "$Id: x $\nbye\n"),
+    # a macro that turns conversions on, set on everything
+    "macro": ({".gitattributes": b"[attr]conv text eol=crlf ident\n* conv\n",
+               "p.md": b"$Id$\np\n"}, "p.md", "$Id$\nq\n"),
+    # export-ignore would leave the file out of what runs
+    "export-ignore": ({".gitattributes": b"p.md export-ignore\n", "p.md": b"p\n"},
+                      "p.md", "q\n"),
+    # a new file its .gitignore matches (git add refuses it without -f)
+    "new-ignored-file": ({".gitignore": b"*.md\n", "x.txt": b"x\n"}, "new.md", "new\n"),
+    "new-crlf-file-under-text-auto": ({".gitattributes": b"* text=auto\n", "x.txt": b"x\n"},
+                                      "n.txt", "a\r\nb\r\n"),
+}
+
+
+@pytest.mark.parametrize("name", list(HONEST_REPOS))
+def test_a_trees_attributes_change_no_byte_that_runs(tmp_path: Path, name: str) -> None:
+    """export_tree writes the committed blobs as they are (it used to refuse these trees
+    as an export mismatch, so such a project could not run at all)."""
+    files, _, _ = HONEST_REPOS[name]
+    repo, tree = _raw_repo(tmp_path / "op", files)
+    gitops.export_tree(repo, tree, tmp_path / "src")
+    for path, data in files.items():
+        assert (tmp_path / "src" / path).read_bytes() == data, path
+
+
+@pytest.mark.parametrize("name", list(HONEST_REPOS))
+def test_an_honest_edit_under_the_trees_attributes_is_applied(tmp_path: Path,
+                                                              name: str) -> None:
+    """The whole apply, with the apply container's own code (sandbox.apply) run in this
+    process on the host-made work repository: the container commits the proposal's bytes
+    (no conversion, an ignored new file kept), so its commit is the host's and the
+    candidate is applied, byte for byte. Each once refused or crashed."""
+    import hashlib
+    import json
+
+    import sandbox.apply
+    from runner.cycle.apply import apply_proposal
+    from runner.isolation.sandbox import RunRecord, StopReason
+
+    files, path, content = HONEST_REPOS[name]
+    repo, tree = _raw_repo(tmp_path / "op", files)
+    stage = tmp_path / "stage"
+    (stage / "in").mkdir(parents=True)
+    old = files.get(path)
+    (stage / "in" / "proposal.json").write_text(json.dumps(
+        {"files": [{"path": path, "content": content}], "rationale": "why"}))
+    (stage / "in" / "invocation.json").write_text(json.dumps(
+        {"paths": [path], "allowlist": ["*"], "max_file_bytes": 4096,
+         "base": {path: None if old is None else hashlib.sha256(old).hexdigest()}}))
+
+    def run(work: Path) -> RunRecord:
+        code = sandbox.apply.main(in_dir=stage / "in", repo=work / "repo",
+                                  out_dir=work / "out")
+        return RunRecord(run_id="x", role="apply", image_id="sha256:" + "0" * 64,
+                         container_name="c", exit_code=code, stop_reason=StopReason.OK,
+                         wall_s=0.1, stdout_bytes=0, stderr_bytes=0, stdout_tail="",
+                         stderr_tail="", cleanup_confirmed=True)
+
+    result = apply_proposal(stage, repo, tree, run=run, uid=os.getuid(),
+                            export_to=stage / "candidate-src")
+    assert result.status == "applied", result
+    assert result.changed == (path,)
+    assert (stage / "candidate-src" / path).read_bytes() == content.encode()
+    assert gitops.read_blob(stage / "candidate.git", result.tree, path) == content.encode()

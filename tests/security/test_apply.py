@@ -7,8 +7,9 @@ apply container, and whether the exported candidate is the commit that was verif
   image, with the real hardening) plants result.json as a symlink to a host file, as a
   FIFO, as a huge file, or claims a commit id that is a git option: each is a recorded
   refusal, read without following, blocking or exhausting anything.
-- A `.gitattributes` edit inside the allowlist (export-ignore, ident) would make
-  the exported candidate differ from the verified commit: refused as export_mismatch.
+- A `.gitattributes` edit inside the allowlist (export-ignore, ident) changes nothing that
+  runs: the candidate is exported as its committed blobs, every file present, `$Id$` as
+  written.
 - A compromised apply container that renames a file onto the proposal's new path (a
   deletion that git's rename detection would fold into the addition) is refused: the
   host commits the proposal itself, and the container's commit is not that one.
@@ -235,14 +236,16 @@ def test_a_deletion_folded_into_a_rename_is_refused(repo: Path, tmp_path: Path) 
 # -- .gitattributes inside the allowlist ---------------------------------------------------
 
 @pytest.mark.docker
-@pytest.mark.parametrize(("attrs", "extra", "named"), [
-    ("prompts/system.md export-ignore\n", None, "prompts/system.md: missing from the export"),
-    # ident rewrites $Id$ on export (export-subst needs a commit; we export trees)
-    ("prompts/stamp.md ident\n", ("prompts/stamp.md", "stamp $Id$\n"),
-     "prompts/stamp.md: exported content differs from the committed blob"),
+@pytest.mark.parametrize(("attrs", "extra"), [
+    ("prompts/system.md export-ignore\n", None),
+    # ident would rewrite $Id$ on export (export-subst needs a commit; we export trees)
+    ("prompts/stamp.md ident\n", ("prompts/stamp.md", "stamp $Id$\n")),
 ], ids=["export-ignore", "ident"])
-def test_gitattributes_edit_caught(repo: Path, tmp_path: Path, attrs: str,
-                                   extra: tuple[str, str] | None, named: str) -> None:
+def test_a_gitattributes_edit_changes_no_exported_byte(
+        repo: Path, tmp_path: Path, attrs: str, extra: tuple[str, str] | None) -> None:
+    """The edit is applied (it is in the allowlist) and the candidate that runs is its
+    commit's blobs exactly: the file export-ignore names is there, $Id$ unexpanded. Once
+    refused as export_mismatch; before that, exported as git's conversion of it."""
     files = [{"path": "prompts/system.md", "content": "Be concise.\n"},
              {"path": ".gitattributes", "content": attrs}]
     base: dict[str, str | None] = {"prompts/system.md": _sha(SYSTEM), ".gitattributes": None}
@@ -253,14 +256,10 @@ def test_gitattributes_edit_caught(repo: Path, tmp_path: Path, attrs: str,
     flags = [f"--paths={f['path']}" for f in files] + ["--allowlist=prompts/*",
                                                        "--allowlist=.gitattributes"]
     res, out = _cli_apply(tmp_path, repo, proposal, *flags)
-    assert res.returncode == 2, res.stdout + res.stderr
-    assert "refused: export_mismatch" in res.stderr
-    assert named in res.stderr
-    result = json.loads((out / "result.json").read_text())
-    assert result["reason"] == "export_mismatch" and named in result["message"]
-    assert not (out / "candidate.patch").exists()
-    # the container's own claim is kept beside the host's refusal
-    assert json.loads((out / "work" / "out" / "result.json").read_text())["status"] == "applied"
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads((out / "result.json").read_text())["status"] == "applied"
+    for f in files:
+        assert (out / "candidate-src" / f["path"]).read_text() == f["content"], f["path"]
 
 
 @pytest.mark.docker
