@@ -183,10 +183,26 @@ def hold(root: str, gateway_socket: str | None = None) -> None:
         if info is None:
             continue
         if info.si_signo == signal.SIGUSR1:
-            break
+            if from_outside(info.si_pid, info.si_code):
+                break
+            continue  # a role process's kill(1, SIGUSR1): it ends nothing
         case.reap()
     sys.stdout.flush()
     os._exit(finish(root, dumpable=dumpable, case=case, egress=egress))
+
+
+SI_USER = 0
+
+
+def from_outside(si_pid: int, si_code: int) -> bool:
+    """A signal sent from outside the container's PID namespace (the host's ``docker
+    kill``, under runc and runsc alike): no sender pid in this namespace, and
+    ``kill()``'s code. A role process's ``kill``/``tgkill`` names its own pid,
+    ``rt_sigqueueinfo`` (which could claim pid 0) cannot claim ``SI_USER`` for another
+    process, nor can an ``F_SETSIG`` I/O signal (``POLL_*`` codes). Only such a signal
+    ends a case: a warm import's ``SIGUSR1`` to PID 1 once ended its own case before the
+    hand-over (the interpreter killed, its exit status recorded as the case's)."""
+    return si_pid == 0 and si_code == SI_USER
 
 
 def _undumpable() -> int:
@@ -222,19 +238,29 @@ def _kill_others() -> None:
         os.kill(-1, signal.SIGKILL)
 
 
-def _others() -> list[int]:
+def _other_states() -> list[tuple[int, bytes]]:
+    """(pid, state letter) of every process but this one and PID 1."""
     me = os.getpid()
-    pids = []
+    found = []
     for name in os.listdir("/proc"):
         if name.isdigit() and int(name) not in (1, me):
             try:
                 with open(f"/proc/{name}/stat", "rb") as f:
-                    state = f.read().rsplit(b")", 1)[1].split()[0]
+                    found.append((int(name), f.read().rsplit(b")", 1)[1].split()[0]))
             except (OSError, IndexError):
                 continue
-            if state not in (b"Z", b"X"):
-                pids.append(int(name))
-    return pids
+    return found
+
+
+def _others() -> list[int]:
+    return [pid for pid, state in _other_states() if state not in (b"Z", b"X")]
+
+
+def _running_others() -> list[str]:
+    """Every other process that is running or may run ("pid (state)"): not stopped
+    (``T``, ``t``), gone (``Z``, ``X``) or in uninterruptible sleep (``D``, no CPU)."""
+    return [f"{pid} ({state.decode(errors='replace')})" for pid, state in _other_states()
+            if state not in (b"T", b"t", b"Z", b"X", b"D")]
 
 
 def _oom_kills() -> int | None:
@@ -526,6 +552,11 @@ command's interpreter as its child with :data:`WARM_BOOT`, which imports those m
 says so, and waits for the case; the holder then stops every role process
 (``SIGSTOP``) until the hand-over, as it does :data:`WARM_LIMIT_S` after the warm frame
 whatever the imports do, and reads at most :data:`EARLY_BYTES` of their output before it."""
+FREEZE_SETTLE_S = 0.5
+"""After stopping a warm start's processes, how long before they must all be seen stopped
+(a signal stops a process only once it is scheduled)."""
+FREEZE_CHECK_S = 0.1
+"""How often the holder then checks that every role process stays stopped."""
 WARM_LIMIT_S = 60.0
 """How long a warm start's imports may run before the holder stops them (``SIGSTOP``,
 continued at the hand-over): the time before a case is outside its ``timeout``."""
@@ -818,6 +849,10 @@ class _Case:
         self.warm_at = 0.0
         self.frozen = False
         """Every role process stopped (``SIGSTOP``) until the hand-over."""
+        self.frozen_at = 0.0
+        self.next_check = 0.0
+        self.escaped = ""
+        """A role process found running while frozen (its pid and state): all killed."""
         self.early = 0
         """Bytes of the role's output read before the hand-over."""
         self.failed = b""
@@ -970,10 +1005,24 @@ class _Case:
 
     def tick(self) -> None:
         """A warm start's imports get :data:`WARM_LIMIT_S`, then every role process is
-        stopped until the hand-over."""
-        if (self.warm_key is not None and not self.handed and not self.frozen
-                and time.monotonic() - self.warm_at > WARM_LIMIT_S):
-            self._freeze()
+        stopped until the hand-over; one that runs all the same (a ``SIGCONT`` timer of
+        its own continues it) has every role process killed, and the case fails at the
+        hand-over, named."""
+        if self.warm_key is None or self.handed or self.escaped:
+            return
+        now = time.monotonic()
+        if not self.frozen:
+            if now - self.warm_at > WARM_LIMIT_S:
+                self._freeze()
+            return
+        if now - self.frozen_at < FREEZE_SETTLE_S or now < self.next_check:
+            return
+        self.next_check = now + FREEZE_CHECK_S
+        running = _running_others()
+        if running:
+            self.escaped = running[0]
+            _kill_others()
+
 
     def _freeze(self) -> None:
         """Stop every process but this one (the role's, before its case) until :meth:`_go`."""
@@ -983,6 +1032,7 @@ class _Case:
             self.ready = None
         if not self.handed and not self.frozen and os.getpid() == 1:
             self.frozen = True  # kill(-1) spares PID 1 (this holder) in its namespace only
+            self.frozen_at = time.monotonic()
             with _suppress(OSError):
                 os.kill(-1, signal.SIGSTOP)
 
@@ -990,6 +1040,13 @@ class _Case:
         """The hand-over of a warm start: its go token alone, then the go byte."""
         if not _same(payload, self.go_token):
             self._refuse("bad case frame: a warm start's hand-over is its go token alone")
+            return
+        if self.escaped:
+            why = (f"a role process ({self.escaped}) ran while its warm start was stopped "
+                   "before the hand-over (something continued it): every role process "
+                   "was killed")
+            _send(F_STDERR, f"cyclebox: {why}\n".encode())
+            self._refuse(why)
             return
         if self.ready is not None:
             self._unwatch(self.ready)
@@ -1073,7 +1130,7 @@ class _Case:
                     code = os.waitstatus_to_exitcode(status)
                     self.code = code if code >= 0 else 128 - code
         self.reap()
-        if not self.reported:
+        if not self.reported and self.handed:  # no case, no exit status to report
             self.reported = True
             _send(F_EXIT, _json({"code": self.code}).encode())
 

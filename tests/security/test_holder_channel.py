@@ -445,11 +445,13 @@ def test_an_entry_that_cannot_be_warmed_is_refused_by_name(
 
 TICKER = """
 import threading, time
+first = threading.Event()
 def tick():
     with open("/tmp/ticks", "a") as f:
         while True:
-            f.write(repr(time.time()) + "\\n"); f.flush(); time.sleep(0.01)
+            f.write(repr(time.time()) + "\\n"); f.flush(); first.set(); time.sleep(0.01)
 threading.Thread(target=tick, daemon=True).start()
+first.wait(10)  # ticking before the import returns (a loaded machine may not run it)
 """
 TICKS = """
 import json, time
@@ -519,3 +521,74 @@ def test_a_warm_import_that_reads_the_holders_stdin_gets_no_seal_key(
     if rec.exit_code == 3:
         return  # the holder read the hand-over first: the case ran as it should
     assert "failed authentication" in rec.detail, rec
+
+
+ENDS_EARLY = """
+import os, signal, time
+for _ in range(5):  # in the import, before it is done: PID 1, end the case now
+    os.kill(1, signal.SIGUSR1)
+    time.sleep(0.1)
+"""
+
+
+def test_a_warm_imports_sigusr1_to_the_holder_ends_nothing(
+        backend: Any, policies: RolePolicies, tmp_path: Path) -> None:
+    """Only a signal from outside the container's PID namespace (the host's) ends a case:
+    an import that signalled PID 1 once had its case end before the hand-over, the
+    entry never run (a record built from what the import left)."""
+    run = _warm(backend, policies, tmp_path,
+                {"agent.py": "print('entry ran')\nraise SystemExit(3)\n",
+                 "ender.py": ENDS_EARLY}, ["ender"])
+    time.sleep(1.5)
+    rec = run.run()
+    assert rec.exit_code == 3 and "entry ran" in rec.stdout_tail, rec
+
+
+CONTINUES = r"""
+import ctypes, os, signal, struct, time
+if os.fork() == 0:  # the import's child: POSIX timers that send it SIGCONT
+    signal.signal(signal.SIGCONT, lambda *_: None)  # handled, so the timer is not parked
+    libc = ctypes.CDLL(None, use_errno=True)
+    sev = bytearray(64)
+    struct.pack_into("=QiI", sev, 0, 0, signal.SIGCONT, 0)  # SIGEV_SIGNAL
+    for ns in (50_000_000, 77_000_000, 131_000_000, 173_000_000):
+        tid = ctypes.c_void_p()
+        assert libc.timer_create(1, (ctypes.c_char * 64).from_buffer(sev),
+                                 ctypes.byref(tid)) == 0
+        assert libc.timer_settime(tid, 0, ctypes.c_char_p(struct.pack("=qqqq", 0, ns, 0, ns)),
+                                  None) == 0
+    while True:
+        with open("/tmp/ticks", "a") as f:
+            f.write("t\n")
+        time.sleep(0.2)
+time.sleep(1)  # the import returns once the child runs: the holder then stops them all
+"""
+
+
+def test_a_warm_import_that_continues_itself_is_killed_and_fails_its_case(
+        backend: Any, policies: RolePolicies, tmp_path: Path) -> None:
+    """A process that continues itself after the holder stopped every role process (its
+    own SIGCONT timers) once ran with the case's inputs for as long as the case waited:
+    now every role process is killed and the case fails, named."""
+    run = _warm(backend, policies, tmp_path,
+                {"agent.py": "print(len(open('/tmp/ticks').read().split()), 'ticks')\n",
+                 "cont.py": CONTINUES}, ["cont"])
+    time.sleep(5.0)
+    rec = run.run()
+    assert rec.stop_reason is not StopReason.OK, rec
+    assert "ran while its warm start was stopped" in rec.stderr_tail, rec
+    assert "ticks" not in rec.stdout_tail, rec
+
+
+@pytest.mark.parametrize(("pid", "code", "outside"), [
+    (0, 0, True),        # kill() from the host's namespace (runc and runsc alike)
+    (0, 0x80, False),    # SI_KERNEL: nothing the host sends
+    (7, 0, False),       # kill() by a role process
+    (7, -6, False),      # tgkill()
+    (0, -1, False),      # rt_sigqueueinfo() claiming pid 0 (SI_QUEUE)
+    (0, 1, False),       # an F_SETSIG I/O signal (POLL_IN)
+])
+def test_only_a_signal_from_outside_ends_a_case(pid: int, code: int, outside: bool) -> None:
+    from sandbox.holder import from_outside
+
+    assert from_outside(pid, code) is outside

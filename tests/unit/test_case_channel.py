@@ -223,6 +223,49 @@ def test_frames_the_holder_never_writes_are_refused(data: bytes, why: str) -> No
     assert why in _refused([data], after_case=False)
 
 
+def _warm_pair() -> tuple[Holder, CaseChannel]:
+    """A warm start's channel: sealed from the warm frame on, the case not yet handed."""
+    h, ch, _ = _pair()
+    ch.warm(["python", "/src/a.py"], ["openai"])
+    head = h.box.recv(FRAME_HEADER, socket.MSG_WAITALL)
+    payload = h.box.recv(int.from_bytes(head[1:], "big"), socket.MSG_WAITALL)
+    h.seal = Seal(payload[:SEAL_KEY_BYTES])
+    return h, ch
+
+
+@pytest.mark.parametrize(("frames", "why"), [
+    ([(F_EXIT, b'{"code": 0}')], "an exit status before the command was started"),
+    ([(F_STARTED, b'{"pid": 7}'), (F_EXIT, b'{"code": 0}')],
+     "a start frame before the case was handed over"),
+    ([(F_TAR, bytes(1024))], "the output tar came before the case was handed over"),
+])
+def test_a_warm_start_cannot_end_its_case_before_the_hand_over(
+        frames: list[tuple[bytes, bytes]], why: str) -> None:
+    """Frames a warm start's holder would write had its case ended before the hand-over
+    (a warm import signalling PID 1), sealed with the warm key: refused, the case not
+    ended with an exit status; after the hand-over the same channel runs as usual."""
+    h, ch = _warm_pair()
+    _, t, errors = consume(ch)
+    h.send(READY + b"".join(h.frame(kind, payload) for kind, payload in frames))
+    h.box.close()
+    t.join(10)
+    assert errors and why in str(errors[0]), errors
+    assert not ch.exit_reported and ch.exit_code is None
+
+
+def test_a_warm_starts_frames_after_the_hand_over_pass() -> None:
+    h, ch = _warm_pair()
+    _, t, errors = consume(ch)
+    h.send(READY)
+    ch.hand_over(["python", "/src/a.py"])
+    h.box.recv(FRAME_HEADER + SEAL_KEY_BYTES, socket.MSG_WAITALL)  # the go token alone
+    h.send(h.frame(F_STARTED, b'{"pid": 7}') + h.frame(F_EXIT, b'{"code": 4}')
+           + h.frame(F_TAR, bytes(1024)))
+    h.box.close()
+    t.join(10)
+    assert not errors and ch.exit_code == 4
+
+
 def test_no_marker_is_passed_on_for_the_copy_out_to_name() -> None:
     h, ch, _ = _pair()
     got, t, errors = consume(ch)
@@ -250,8 +293,8 @@ def test_only_the_first_exit_frame_counts() -> None:
     _, t, errors = consume(ch)
     h.send(READY)
     _hand_over(h, ch)
-    h.send(h.frame(F_EXIT, b'{"code": 3}') + h.frame(F_EXIT, b'{"code": 0}')
-           + h.frame(F_EXIT, b'{"code": true}'))
+    h.send(h.frame(F_STARTED, b'{"pid": 7}') + h.frame(F_EXIT, b'{"code": 3}')
+           + h.frame(F_EXIT, b'{"code": 0}') + h.frame(F_EXIT, b'{"code": true}'))
     h.box.close()
     t.join(10)
     assert not errors and ch.exit_code == 3

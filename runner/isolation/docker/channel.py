@@ -130,9 +130,14 @@ class CaseChannel:
         than that before the hand-over)."""
         self.refused = ""
         """Why the channel was refused (a frame the holder cannot have written)."""
+        self.case_sent = False
+        """The hand-over was sent: no start, exit or output tar can come before it (a
+        warm import that ended its own container early must not pass for the case)."""
 
     def send(self, kind: bytes, payload: bytes) -> None:
         with self._lock:
+            if kind == F_CASE:
+                self.case_sent = True  # before the bytes: the reply may come at once
             self.raw.sendall(frame(kind, payload))
             if kind == F_CASE:
                 self.handed_at = time.monotonic()
@@ -225,6 +230,9 @@ class CaseChannel:
                                           "(bytes the holder did not write)")
                     del buf[:end]
                     if kind == F_TAR:
+                        if not self.case_sent:
+                            raise CopyRefused("case channel: the output tar came before the "
+                                              "case was handed over")
                         yield payload, None
                     elif kind == F_STATUS and len(payload) <= STATUS_CAP:
                         yield None, payload
@@ -261,6 +269,10 @@ class CaseChannel:
             raise CopyRefused(f"case channel: {exc}") from None
         if not isinstance(doc, dict):
             raise CopyRefused("case channel: a frame that is not a JSON object")
+        if kind == F_STARTED and not self.case_sent:
+            raise CopyRefused("case channel: a start frame before the case was handed over")
+        if kind == F_EXIT and self.started_at is None:
+            raise CopyRefused("case channel: an exit status before the command was started")
         if kind == F_STARTED:
             self.started_at = time.monotonic()
             self.start_error = str(doc.get("error") or "")[:500]
