@@ -92,3 +92,31 @@ def load_profile(path: Path | None = None, *, field: str = "seccomp") -> Seccomp
         raise ConfigError(f"cannot read the seccomp profile: {exc.strerror}", path=str(p),
                           field=field, fix=_FIX) from None
     return check_profile(data, path=str(p), field=field)
+
+
+GVISOR_RUNTIMES = frozenset({"runsc"})
+
+
+def for_runtime(text: str, runtime: str | None) -> str:
+    """The profile as the engine receives it for ``runtime``: ``text`` itself, except
+    under gVisor, where the rule that answers ``clone3`` with ``ENOSYS`` becomes an allow.
+
+    Why: runc's filter returns the rule's ``errnoRet`` (38, ENOSYS) and glibc then falls
+    back to ``clone``, whose flags the profile does check. gVisor applies the profile in
+    its own sentry, whose version here ignores a rule's ``errnoRet`` and answers EPERM, on
+    which glibc gives up: no thread could start (``pthread_create`` fails, Python's
+    "can't start new thread"). Allowed through, ``clone3`` reaches the sentry, which does
+    not implement it and says ENOSYS itself, so the fallback to the checked ``clone``
+    happens as under runc; no host kernel sees either call. Anything else, and a profile
+    without that rule, is passed unchanged."""
+    if runtime not in GVISOR_RUNTIMES:
+        return text
+    doc = json.loads(text)
+    changed = False
+    for rule in doc.get("syscalls", []):
+        if (isinstance(rule, dict) and rule.get("names") == ["clone3"]
+                and rule.get("action") == "SCMP_ACT_ERRNO" and rule.get("errnoRet") == 38):
+            rule["action"] = "SCMP_ACT_ALLOW"
+            del rule["errnoRet"]
+            changed = True
+    return json.dumps(doc, separators=(",", ":")) if changed else text

@@ -104,6 +104,27 @@ def test_seccomp_profile_applies_to_the_role_command(gv: RunFn) -> None:
     assert facts["syscalls"]["unshare_newuser"] == "EPERM"
 
 
+THREADS = """
+import ctypes, threading
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall(435, 0, 0)  # clone3: ENOSYS, from gVisor's sentry
+print(ctypes.get_errno())
+t = threading.Thread(target=print, args=("thread ran",))
+t.start()
+t.join()
+"""
+
+
+def test_a_role_command_can_start_threads(gv: RunFn) -> None:
+    """The profile answers clone3 with ENOSYS so glibc falls back to the clone whose
+    flags it checks; this runsc ignores a rule's errno and said EPERM, on which glibc
+    gives up: no Python thread could start under gVisor. Under runsc the rule is an
+    allow (runner.isolation.seccomp.for_runtime) and the sentry says ENOSYS itself."""
+    rec = gv(["python", "-c", THREADS])
+    assert rec.stop_reason is StopReason.OK, rec
+    assert rec.stdout_tail.split() == ["38", "thread", "ran"], rec
+
+
 def test_root_filesystem_read_only(gv: RunFn) -> None:
     # /var/tmp is world-writable in the image: only the read-only rootfs refuses this
     # (gVisor checks permissions first, so a root-owned path would say EACCES instead).

@@ -52,7 +52,7 @@ from runner.errors import PolicyViolation
 from runner.isolation.owner import Owner
 from runner.isolation.policy import mount_violation
 from runner.isolation.sandbox import GATEWAY_SOCKET, LABEL_PREFIX, MANAGED_LABEL, RunSpec
-from runner.isolation.seccomp import load_profile
+from runner.isolation.seccomp import for_runtime, load_profile
 from sandbox import holder
 
 SHM_BYTES = 16 * 1024 * 1024
@@ -133,7 +133,8 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str, *,
         "cap_drop": ["ALL"],
         # Never the engine default (it allows io_uring); see runner/isolation/seccomp.py.
         "security_opt": ["no-new-privileges:true",
-                         f"seccomp={spec.seccomp or load_profile().text}"],
+                         "seccomp=" + for_runtime(spec.seccomp or load_profile().text,
+                                                  spec.runtime)],
         "privileged": False,
         "ipc_mode": "private",
         "shm_size": SHM_BYTES,
