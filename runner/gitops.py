@@ -67,7 +67,16 @@ FIXED_ENV = {
     # a committed .gitattributes would run on the host in archive, add or status, and
     # diff.* settings would change the host's patch.
     "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_ATTR_NOSYSTEM": "1", "HOME": "/nonexistent",
+    # A path is a path: ":x" or ":(glob)x" in a proposal is not pathspec magic.
+    "GIT_LITERAL_PATHSPECS": "1",
 }
+COMMAND_CONFIG = (("gc.auto", "0"), ("gc.autoDetach", "false"), ("maintenance.auto", "false"),
+                  ("core.hooksPath", "/dev/null"))
+"""Config every host git call runs with (command scope): no automatic maintenance and no
+hook. A ``git commit`` in the apply stage's throwaway repository (thousands of loose
+objects) started a detached ``git gc --auto`` that went on, as the host's uid, after the
+repository was handed to the apply container, whose planted ``.git/worktrees`` link then
+had that gc's ``worktree prune`` delete host directories."""
 READER_CACHE = 4
 """Repositories whose two reader processes stay open (least recently used closed first)."""
 MAX_TREE_ENTRIES = 1_000_000
@@ -87,10 +96,10 @@ def _env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
     # The operator's own safe.directory entries are kept (command scope, which git honours
     # for that setting): CI runs as root on a checkout another uid owns, and its global
     # config says so. Nothing else of that config is read.
-    safe = _operator_safe_directories()
-    env["GIT_CONFIG_COUNT"] = str(len(safe))
-    for i, value in enumerate(safe):
-        env[f"GIT_CONFIG_KEY_{i}"] = "safe.directory"
+    pairs = [*COMMAND_CONFIG, *(("safe.directory", v) for v in _operator_safe_directories())]
+    env["GIT_CONFIG_COUNT"] = str(len(pairs))
+    for i, (key, value) in enumerate(pairs):
+        env[f"GIT_CONFIG_KEY_{i}"] = key
         env[f"GIT_CONFIG_VALUE_{i}"] = value
     env.update(extra_env or {})
     return env
@@ -709,10 +718,13 @@ def throwaway_repo(source_repo: Path, tree: str, dest: Path) -> str:
     IntegrityError when the re-created tree differs from the frozen one.
     """
     export_tree(source_repo, tree, dest)
-    _git(["init", "-q", "-b", "cyclebox/base"], cwd=dest)
+    _git(["init", "-q", "--template=", "-b", "cyclebox/base"], cwd=dest)
     info = dest / ".git" / "info"
-    info.mkdir(exist_ok=True)
-    (info / "attributes").write_text(RAW_ATTRIBUTES)
+    info.mkdir()
+    fd = os.open(info / "attributes", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(RAW_ATTRIBUTES)
     _git(["add", "-A", "-f"], cwd=dest)
     _git(["commit", "-q", "--no-verify", "--allow-empty", "-m", f"base tree {tree}"], cwd=dest)
     got = head_tree(dest)

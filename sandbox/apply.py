@@ -25,6 +25,7 @@ GIT_ENV = {
     "GIT_AUTHOR_DATE": "2000-01-01T00:00:01+0000",
     "GIT_COMMITTER_DATE": "2000-01-01T00:00:01+0000",
     "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/tmp",  # noqa: S108 - the role's tmpfs
+    "GIT_LITERAL_PATHSPECS": "1",  # a proposal's ":x.md" is that path, not pathspec magic
 }
 
 

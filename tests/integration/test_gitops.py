@@ -317,6 +317,9 @@ HONEST_REPOS = {
     "new-ignored-file": ({".gitignore": b"*.md\n", "x.txt": b"x\n"}, "new.md", "new\n"),
     "new-crlf-file-under-text-auto": ({".gitattributes": b"* text=auto\n", "x.txt": b"x\n"},
                                       "n.txt", "a\r\nb\r\n"),
+    # a name git would read as pathspec magic (":x.md" is x.md, ":(glob)*" everything)
+    "pathspec-magic-names": ({":x.md": b"a\n", "x.md": b"b\n", ":(glob)y": b"c\n"},
+                             ":x.md", "d\n"),
 }
 
 
@@ -370,3 +373,27 @@ def test_an_honest_edit_under_the_trees_attributes_is_applied(tmp_path: Path,
     assert result.changed == (path,)
     assert (stage / "candidate-src" / path).read_bytes() == content.encode()
     assert gitops.read_blob(stage / "candidate.git", result.tree, path) == content.encode()
+
+
+def test_the_throwaway_repository_starts_no_background_git(tmp_path: Path) -> None:
+    """Its commit of thousands of loose objects once started a detached ``git gc --auto``
+    that went on, as the host's uid, after the repository was handed to the apply
+    container (whose planted .git/worktrees link had that gc delete host directories).
+    No gc, no maintenance: nothing is packed, nothing runs after it returns."""
+    import time
+
+    repo = tmp_path / "op"
+    for i in range(7000):
+        d = repo / f"d{i % 50}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i}.txt").write_text(f"{i}\n")
+    git(repo, "init", "-q", "-b", "main")
+    tree = commit(repo, "base") and git(repo, "rev-parse", "HEAD^{tree}").strip()
+    dest = tmp_path / "work"
+    gitops.throwaway_repo(repo, tree, dest)
+    deadline = time.monotonic() + 4
+    while time.monotonic() < deadline:
+        assert not (dest / ".git" / "gc.pid").exists()
+        assert not list((dest / ".git" / "objects" / "pack").glob("*.pack"))
+        time.sleep(0.1)
+    assert not (dest / ".git" / "hooks").exists()  # no template either
