@@ -726,6 +726,13 @@ def throwaway_repo(source_repo: Path, tree: str, dest: Path) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(RAW_ATTRIBUTES)
     _git(["add", "-A", "-f"], cwd=dest)
+    # A submodule is an entry (a commit id), not files: git archive writes an empty
+    # directory for it, which git add skips. Put the entries back as the tree has them.
+    links = [f"160000 {sha.hex()}\t{path}" for path, mode, sha in _walked(source_repo, tree)
+             if mode == 0o160000]
+    if links:
+        _git(["update-index", "-z", "--index-info"], cwd=dest,
+             input_bytes="\0".join(links).encode("utf-8", "surrogateescape") + b"\0")
     _git(["commit", "-q", "--no-verify", "--allow-empty", "-m", f"base tree {tree}"], cwd=dest)
     got = head_tree(dest)
     if got != tree:

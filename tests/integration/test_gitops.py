@@ -283,12 +283,19 @@ def test_commit_tree_reads_and_checks_the_commit_object(repo: Path) -> None:
 
 # -- a tree's own attributes never change the bytes that run or the commit applied -------
 
+SUBMODULE = b"\0submodule"
+"""As a file's content in :func:`_raw_repo`: a submodule (gitlink) entry there instead."""
+
+
 def _raw_repo(root: Path, files: dict[str, bytes]) -> tuple[Path, str]:
     """A repository whose one commit holds ``files`` exactly as given (committed with
     plumbing, no conversion), as a repository can after attributes change under it."""
     root.mkdir(parents=True)
     git(root, "init", "-q", "-b", "main")
     for path, data in files.items():
+        if data == SUBMODULE:
+            git(root, "update-index", "--add", "--cacheinfo", f"160000,{'1' * 40},{path}")
+            continue
         blob = git(root, "hash-object", "-w", "--no-filters", "--stdin", data=data).strip()
         git(root, "update-index", "--add", "--cacheinfo", f"100644,{blob},{path}")
     tree = git(root, "write-tree").strip()
@@ -317,6 +324,11 @@ HONEST_REPOS = {
     "new-ignored-file": ({".gitignore": b"*.md\n", "x.txt": b"x\n"}, "new.md", "new\n"),
     "new-crlf-file-under-text-auto": ({".gitattributes": b"* text=auto\n", "x.txt": b"x\n"},
                                       "n.txt", "a\r\nb\r\n"),
+    # a submodule: git archive writes an empty directory for it, git add skips that, and
+    # the throwaway repository's tree differed from the base (no such project could apply)
+    "submodule": ({".gitmodules": b"[submodule \"vendor/sub\"]\n\tpath = vendor/sub\n"
+                                  b"\turl = https://example.invalid/sub\n",
+                   "vendor/sub": SUBMODULE, "p.md": b"p\n"}, "p.md", "q\n"),
     # a name git would read as pathspec magic (":x.md" is x.md, ":(glob)*" everything)
     "pathspec-magic-names": ({":x.md": b"a\n", "x.md": b"b\n", ":(glob)y": b"c\n"},
                              ":x.md", "d\n"),
@@ -331,6 +343,9 @@ def test_a_trees_attributes_change_no_byte_that_runs(tmp_path: Path, name: str) 
     repo, tree = _raw_repo(tmp_path / "op", files)
     gitops.export_tree(repo, tree, tmp_path / "src")
     for path, data in files.items():
+        if data == SUBMODULE:
+            assert not any((tmp_path / "src" / path).iterdir())
+            continue
         assert (tmp_path / "src" / path).read_bytes() == data, path
 
 
