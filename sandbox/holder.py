@@ -257,10 +257,28 @@ def _others() -> list[int]:
 
 
 def _running_others() -> list[str]:
-    """Every other process that is running or may run ("pid (state)"): not stopped
-    (``T``, ``t``), gone (``Z``, ``X``) or in uninterruptible sleep (``D``, no CPU)."""
-    return [f"{pid} ({state.decode(errors='replace')})" for pid, state in _other_states()
-            if state not in (b"T", b"t", b"Z", b"X", b"D")]
+    """Every thread of every other process that is running or may run ("pid/tid
+    (state)"): not stopped (``T``, ``t``), gone (``Z``, ``X``) or in uninterruptible sleep
+    (``D``, no CPU). Threads, not processes: a process whose leader thread exited shows
+    ``Z`` while its other threads run."""
+    found = []
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in (1, me):
+            continue
+        try:
+            tids = os.listdir(f"/proc/{name}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{name}/task/{tid}/stat", "rb") as f:
+                    state = f.read().rsplit(b")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state not in (b"T", b"t", b"Z", b"X", b"D"):
+                found.append(f"{name}/{tid} ({state.decode(errors='replace')})")
+    return found
 
 
 def _oom_kills() -> int | None:

@@ -560,22 +560,30 @@ if os.fork() == 0:  # the import's child: POSIX timers that send it SIGCONT
                                  ctypes.byref(tid)) == 0
         assert libc.timer_settime(tid, 0, ctypes.c_char_p(struct.pack("=qqqq", 0, ns, 0, ns)),
                                   None) == 0
-    while True:
-        with open("/tmp/ticks", "a") as f:
-            f.write("t\n")
-        time.sleep(0.2)
+    def ticking():
+        while True:
+            with open("/tmp/ticks", "a") as f:
+                f.write("t\n")
+            time.sleep(0.2)
+    if LEADER_EXITS:  # its leader thread shows Z while this one runs
+        import threading
+        threading.Thread(target=ticking).start()
+        libc.pthread_exit(None)
+    ticking()
 time.sleep(1)  # the import returns once the child runs: the holder then stops them all
 """
 
 
+@pytest.mark.parametrize("leader_exits", [False, True], ids=["process", "leader-exited"])
 def test_a_warm_import_that_continues_itself_is_killed_and_fails_its_case(
-        backend: Any, policies: RolePolicies, tmp_path: Path) -> None:
+        backend: Any, policies: RolePolicies, tmp_path: Path, leader_exits: bool) -> None:
     """A process that continues itself after the holder stopped every role process (its
     own SIGCONT timers) once ran with the case's inputs for as long as the case waited:
-    now every role process is killed and the case fails, named."""
+    now every role process is killed and the case fails, named. The holder looks at
+    every thread: a process whose leader thread exited reads Z while another runs."""
     run = _warm(backend, policies, tmp_path,
                 {"agent.py": "print(len(open('/tmp/ticks').read().split()), 'ticks')\n",
-                 "cont.py": CONTINUES}, ["cont"])
+                 "cont.py": f"LEADER_EXITS = {leader_exits}\n" + CONTINUES}, ["cont"])
     time.sleep(5.0)
     rec = run.run()
     assert rec.stop_reason is not StopReason.OK, rec
