@@ -281,6 +281,44 @@ def _running_others() -> list[str]:
     return found
 
 
+def _activity() -> dict[str, int]:
+    """A counter per role thread that grows only when it runs: its context switches
+    (``/proc/PID/task/TID/status``, Linux), or where those are not shown (gVisor) its
+    process's CPU clock ticks (``/proc/PID/stat``, every thread of it, exited ones too:
+    under gVisor a process whose leader thread exited lists no task while another runs).
+    A key that changes kind (its tasks no longer listed) is a new key: it ran."""
+    me = os.getpid()
+    found: dict[str, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in (1, me):
+            continue
+        try:
+            tids = os.listdir(f"/proc/{name}/task")
+        except OSError:
+            tids = []
+        counted = False
+        for tid in tids:
+            try:
+                with open(f"/proc/{name}/task/{tid}/status", "rb") as f:
+                    lines = f.read().splitlines()
+            except OSError:
+                continue
+            switches = [int(line.split()[1]) for line in lines
+                        if line.startswith((b"voluntary_ctxt_switches:",
+                                            b"nonvoluntary_ctxt_switches:"))]
+            if len(switches) == 2:
+                found[f"{name}/{tid}"] = sum(switches)
+                counted = True
+        if not counted:
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+                found[name] = int(fields[11]) + int(fields[12])
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
 def _oom_kills() -> int | None:
     for path, key in (("/sys/fs/cgroup/memory.events", "oom_kill"),
                       ("/sys/fs/cgroup/memory/memory.oom_control", "oom_kill")):
@@ -871,6 +909,8 @@ class _Case:
         self.next_check = 0.0
         self.escaped = ""
         """A role process found running while frozen (its pid and state): all killed."""
+        self.at_rest: dict[str, int] | None = None
+        """Each role thread's :func:`_activity` counter once all were stopped."""
         self.early = 0
         """Bytes of the role's output read before the hand-over."""
         self.failed = b""
@@ -1025,7 +1065,9 @@ class _Case:
         """A warm start's imports get :data:`WARM_LIMIT_S`, then every role process is
         stopped until the hand-over; one that runs all the same (a ``SIGCONT`` timer of
         its own continues it) has every role process killed, and the case fails at the
-        hand-over, named."""
+        hand-over, named. Seen by state (a thread running at a check) and by activity
+        since the first check (:func:`_activity`: a burst between two checks, a thread
+        ``/proc`` does not list)."""
         if self.warm_key is None or self.handed or self.escaped:
             return
         now = time.monotonic()
@@ -1037,6 +1079,13 @@ class _Case:
             return
         self.next_check = now + FREEZE_CHECK_S
         running = _running_others()
+        now_seen = _activity()
+        if self.at_rest is None:
+            self.at_rest = now_seen  # a stopped thread's counter stays as it is
+        else:  # it ran between two checks (a burst that stopped itself again), or is new
+            rest = self.at_rest
+            running += [f"{key} (ran since the check before{'' if key in rest else ', new'})"
+                        for key, n in now_seen.items() if n > rest.get(key, -1)]
         if running:
             self.escaped = running[0]
             _kill_others()

@@ -574,16 +574,46 @@ time.sleep(1)  # the import returns once the child runs: the holder then stops t
 """
 
 
-@pytest.mark.parametrize("leader_exits", [False, True], ids=["process", "leader-exited"])
+BURSTS = r"""
+import ctypes, os, signal, struct, time
+if os.fork() == 0:  # woken by its own timer, one tick, stopped again by itself at once
+    signal.signal(signal.SIGCONT, lambda *_: None)
+    libc = ctypes.CDLL(None, use_errno=True)
+    sev = bytearray(64)
+    struct.pack_into("=QiI", sev, 0, 0, signal.SIGCONT, 0)
+    tid = ctypes.c_void_p()
+    assert libc.timer_create(1, (ctypes.c_char * 64).from_buffer(sev), ctypes.byref(tid)) == 0
+    ns = 97_000_000
+    assert libc.timer_settime(tid, 0, ctypes.c_char_p(struct.pack("=qqqq", 0, ns, 0, ns)),
+                              None) == 0
+    fd = os.open("/tmp/ticks", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    while True:
+        os.write(fd, b"t\n")
+        os.kill(os.getpid(), signal.SIGSTOP)
+time.sleep(1)
+"""
+
+
+@pytest.mark.parametrize(("runtime", "how"), [
+    (None, "process"), (None, "leader-exited"), (None, "bursts"),
+    # runsc shows no context switches: CPU clock ticks stand in, so bursts are seen once
+    # they add up to one tick (10 ms) per process; not a certainty within this test's wait
+    ("runsc", "process"), ("runsc", "leader-exited"),
+])
 def test_a_warm_import_that_continues_itself_is_killed_and_fails_its_case(
-        backend: Any, policies: RolePolicies, tmp_path: Path, leader_exits: bool) -> None:
+        backend: Any, policies: RolePolicies, tmp_path: Path, runtime: str | None,
+        how: str) -> None:
     """A process that continues itself after the holder stopped every role process (its
     own SIGCONT timers) once ran with the case's inputs for as long as the case waited:
     now every role process is killed and the case fails, named. The holder looks at
-    every thread: a process whose leader thread exited reads Z while another runs."""
+    every thread's state (a process whose leader thread exited reads Z while another
+    runs; under gVisor its running thread is not even listed) and at CPU time (bursts
+    that stop themselves again between two checks)."""
+    code = BURSTS if how == "bursts" else (
+        f"LEADER_EXITS = {how == 'leader-exited'}\n" + CONTINUES)
     run = _warm(backend, policies, tmp_path,
                 {"agent.py": "print(len(open('/tmp/ticks').read().split()), 'ticks')\n",
-                 "cont.py": f"LEADER_EXITS = {leader_exits}\n" + CONTINUES}, ["cont"])
+                 "cont.py": code}, ["cont"], runtime=runtime)
     time.sleep(5.0)
     rec = run.run()
     assert rec.stop_reason is not StopReason.OK, rec
