@@ -66,6 +66,7 @@ def test_default_profile_protections_still_hold(run_role: RunFn) -> None:
     # moby's default: keyctl is not allowed at all; unshare needs CAP_SYS_ADMIN.
     assert calls["keyctl"] == "EPERM", calls
     assert calls["unshare_newuser"] == "EPERM", calls
+    assert calls["clone3_newuser"] == "ENOSYS", calls  # glibc falls back to clone
 
 
 @pytest.mark.docker
@@ -194,6 +195,12 @@ def test_probe_verdicts() -> None:
     assert seccomp_problems({"syscalls": {**good["syscalls"], "io_uring_setup": "allowed"}}) \
         == ["io_uring_setup allowed"]
     assert seccomp_problems({}) == ["probe reported no syscall results"]
+    # under runsc the profile lets clone3 through: gVisor must answer it (a runtime named
+    # runsc that is not gVisor would make the namespace)
+    assert seccomp_problems({"syscalls": {**good["syscalls"], "clone3_newuser": "ENOSYS"}}
+                            ) == []
+    assert seccomp_problems({"syscalls": {**good["syscalls"], "clone3_newuser": "allowed"}}
+                            ) == ["clone3_newuser allowed"]
 
 
 # -- bound into the plan ---------------------------------------------------------------
@@ -230,4 +237,5 @@ def test_doctor_reports_profile_and_probe() -> None:
     assert rows["seccomp profile"]["ok"] and "io_uring_setup" in rows["seccomp profile"]["detail"]
     probe = rows["seccomp enforced (default runtime)"]
     assert probe["ok"]
-    assert probe["detail"] == "io_uring_setup EPERM, keyctl EPERM, unshare_newuser EPERM"
+    assert probe["detail"] == ("clone3_newuser ENOSYS, io_uring_setup EPERM, keyctl EPERM, "
+                               "unshare_newuser EPERM")
