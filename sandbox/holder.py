@@ -238,18 +238,40 @@ def _kill_others() -> None:
         os.kill(-1, signal.SIGKILL)
 
 
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _stat_fields(path: str) -> list[bytes]:
+    """The fields of a ``/proc`` stat file after the command name (the state first); empty
+    when the process or thread is gone."""
+    data = _read(path)
+    return data.rsplit(b")", 1)[1].split() if data and b")" in data else []
+
+
+def _other_pids() -> list[str]:
+    """Every process but this one and PID 1, as its ``/proc`` name."""
+    me = os.getpid()
+    return [n for n in os.listdir("/proc") if n.isdigit() and int(n) not in (1, me)]
+
+
+def _tasks(pid: str) -> list[str]:
+    """Its threads' ids; none when ``/proc`` lists none (gone, or gVisor's process whose
+    leader thread exited)."""
+    try:
+        return os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+
+
 def _other_states() -> list[tuple[int, bytes]]:
     """(pid, state letter) of every process but this one and PID 1."""
-    me = os.getpid()
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) not in (1, me):
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    found.append((int(name), f.read().rsplit(b")", 1)[1].split()[0]))
-            except (OSError, IndexError):
-                continue
-    return found
+    return [(int(pid), fields[0]) for pid in _other_pids()
+            if (fields := _stat_fields(f"/proc/{pid}/stat"))]
 
 
 def _others() -> list[int]:
@@ -262,23 +284,19 @@ def _running_others() -> list[str]:
     (``D``, no CPU). Threads, not processes: a process whose leader thread exited shows
     ``Z`` while its other threads run."""
     found = []
-    me = os.getpid()
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) in (1, me):
-            continue
-        try:
-            tids = os.listdir(f"/proc/{name}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{name}/task/{tid}/stat", "rb") as f:
-                    state = f.read().rsplit(b")", 1)[1].split()[0]
-            except (OSError, IndexError):
-                continue
-            if state not in (b"T", b"t", b"Z", b"X", b"D"):
-                found.append(f"{name}/{tid} ({state.decode(errors='replace')})")
+    for pid in _other_pids():
+        for tid in _tasks(pid):
+            fields = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
+            if fields and fields[0] not in (b"T", b"t", b"Z", b"X", b"D"):
+                found.append(f"{pid}/{tid} ({fields[0].decode(errors='replace')})")
     return found
+
+
+def _switches(status: bytes) -> int | None:
+    """Voluntary plus involuntary context switches of a ``/proc`` status file, if shown."""
+    counts = [int(line.split()[1]) for line in status.splitlines()
+              if line.startswith((b"voluntary_ctxt_switches:", b"nonvoluntary_ctxt_switches:"))]
+    return sum(counts) if len(counts) == 2 else None
 
 
 def _activity() -> dict[str, int]:
@@ -287,35 +305,18 @@ def _activity() -> dict[str, int]:
     process's CPU clock ticks (``/proc/PID/stat``, every thread of it, exited ones too:
     under gVisor a process whose leader thread exited lists no task while another runs).
     A key that changes kind (its tasks no longer listed) is a new key: it ran."""
-    me = os.getpid()
     found: dict[str, int] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) in (1, me):
-            continue
-        try:
-            tids = os.listdir(f"/proc/{name}/task")
-        except OSError:
-            tids = []
+    for pid in _other_pids():
         counted = False
-        for tid in tids:
-            try:
-                with open(f"/proc/{name}/task/{tid}/status", "rb") as f:
-                    lines = f.read().splitlines()
-            except OSError:
-                continue
-            switches = [int(line.split()[1]) for line in lines
-                        if line.startswith((b"voluntary_ctxt_switches:",
-                                            b"nonvoluntary_ctxt_switches:"))]
-            if len(switches) == 2:
-                found[f"{name}/{tid}"] = sum(switches)
+        for tid in _tasks(pid):
+            n = _switches(_read(f"/proc/{pid}/task/{tid}/status") or b"")
+            if n is not None:
+                found[f"{pid}/{tid}"] = n
                 counted = True
         if not counted:
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
-                found[name] = int(fields[11]) + int(fields[12])
-            except (OSError, IndexError, ValueError):
-                continue
+            fields = _stat_fields(f"/proc/{pid}/stat")
+            if len(fields) > 12 and fields[11].isdigit() and fields[12].isdigit():
+                found[pid] = int(fields[11]) + int(fields[12])
     return found
 
 

@@ -16,6 +16,7 @@ import platform
 import socket
 import stat
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -115,8 +116,9 @@ def _io_uring_setup() -> str:
     return "allowed"
 
 
-def _in_child(name: str, *args: int) -> str:
-    """Run a syscall that would change this process (unshare) in a throwaway child."""
+def _in_child(attempt: Callable[[], str]) -> str:
+    """Run a syscall that would change this process (unshare, clone3) in a throwaway child;
+    what ``attempt`` says there."""
     r, w = os.pipe()
     try:
         pid = os.fork()
@@ -126,7 +128,7 @@ def _in_child(name: str, *args: int) -> str:
         return f"fork_failed:{errno.errorcode.get(exc.errno or 0, '?')}"
     if pid == 0:  # child: report and leave without running any cleanup handlers
         os.close(r)
-        os.write(w, _syscall(name, *args).encode())
+        os.write(w, attempt().encode())
         os._exit(0)
     os.close(w)
     with os.fdopen(r, "rb") as fh:
@@ -136,40 +138,29 @@ def _in_child(name: str, *args: int) -> str:
 
 
 def _clone3_newuser() -> str:
-    """clone3(CLONE_NEWUSER) in a throwaway child: ENOSYS is what the profile says under
+    """clone3(CLONE_NEWUSER), in the throwaway child: ENOSYS is what the profile says under
     runc and what gVisor's sentry says under runsc (where the profile lets clone3 through,
     runner.isolation.seccomp.for_runtime); "allowed" means a new user namespace was made."""
     nr = _SYSCALLS.get(platform.machine(), {}).get("clone3")
     if nr is None:
         return "unknown_arch"
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        args = ctypes.create_string_buffer(64)  # struct clone_args, CLONE_ARGS_SIZE_VER0
-        ctypes.memmove(args, CLONE_NEWUSER.to_bytes(8, "little"), 8)  # .flags
-        ctypes.memmove(ctypes.byref(args, 32), (17).to_bytes(8, "little"), 8)  # SIGCHLD
-        libc = ctypes.CDLL(None, use_errno=True)
-        ret = libc.syscall(nr, args, ctypes.c_long(64))
-        if ret == 0:  # the new process, in its own user namespace
-            os._exit(0)
-        said = "allowed" if ret > 0 else errno.errorcode.get(ctypes.get_errno(), "EUNKNOWN")
-        os.write(w, said.encode())
+    args = ctypes.create_string_buffer(64)  # struct clone_args, CLONE_ARGS_SIZE_VER0
+    ctypes.memmove(args, CLONE_NEWUSER.to_bytes(8, "little"), 8)  # .flags
+    ctypes.memmove(ctypes.byref(args, 32), (17).to_bytes(8, "little"), 8)  # SIGCHLD
+    libc = ctypes.CDLL(None, use_errno=True)
+    ret = libc.syscall(nr, args, ctypes.c_long(64))
+    if ret == 0:  # the new process, in its own user namespace
         os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as fh:
-        out = fh.read(64).decode(errors="replace")
-    os.waitpid(pid, 0)
-    return out
+    return "allowed" if ret > 0 else errno.errorcode.get(ctypes.get_errno(), "EUNKNOWN")
 
 
 def syscalls() -> dict[str, str]:
     """What the seccomp profile lets through: each entry "allowed" or the errno seen."""
     return {
         "io_uring_setup": _io_uring_setup(),
-        "unshare_newuser": _in_child("unshare", CLONE_NEWUSER),
+        "unshare_newuser": _in_child(lambda: _syscall("unshare", CLONE_NEWUSER)),
         "keyctl": _syscall("keyctl", 0, 0, 0, 0, 0),
-        "clone3_newuser": _clone3_newuser(),
+        "clone3_newuser": _in_child(_clone3_newuser),
     }
 
 
