@@ -352,7 +352,8 @@ class CycleRunner:
         run = prepare(self.backend, frozen_role(self.plan, self.dir, role), role=role,
                       run_id=self.run_id, image=self.plan.images[role], command=command,
                       mounts=mounts, output_dir=out, output_target=output_target, env=env,
-                      gateway=self.gw, stage=stage, case=case, trial=trial)
+                      gateway=self.gw, stage=stage, case=case, trial=trial,
+                      cancel=self._stopping)
         return self._record_run(run, stage=stage, out=out, case=case, trial=trial)
 
     def _record_run(self, run: PreparedRun, *, stage: str, out: Path,
@@ -520,7 +521,7 @@ class CycleRunner:
                       role="analyst", run_id=self.run_id, image=self.plan.images["analyst"],
                       command=list(self.plan.project.spec.entry), output_dir=out, env=env,
                       gateway=self.gw, stage=stage, case=sc.id, trial=trial,
-                      warm=self.plan.project.spec.warm,
+                      warm=self.plan.project.spec.warm, cancel=self._stopping,
                       mounts=[Mount(source=src, target="/src"),
                               Mount(source=case_dir / "input", target="/case"),
                               Mount(source=Path(self.plan.data_dir), target="/data")])

@@ -219,12 +219,15 @@ def prepare(sandbox: Sandbox, policy: RolePolicy, *, role: str, run_id: str, ima
             output_dir: Path | None = None, output_target: str = "/out",
             env: Mapping[str, str] | None = None, gateway: GatewayBinder | None = None,
             stage: str | None = None, case: str | None = None,
-            trial: int | None = None, warm: Sequence[str] = ()) -> PreparedRun:
+            trial: int | None = None, warm: Sequence[str] = (),
+            cancel: threading.Event | None = None) -> PreparedRun:
     """What :func:`launch` does up to the role command: the gateway bound, the spec built
     and ``sandbox.prepare(spec)`` called. The binding lives until the returned run has
     run or is discarded (whichever comes first); a failed prepare releases it at once.
     ``warm``: modules the command's interpreter imports ahead of the case (a warm start,
-    :attr:`RunSpec.warm`); the gateway refuses the binding's calls until the hand-over."""
+    :attr:`RunSpec.warm`); the gateway refuses the binding's calls until the hand-over.
+    ``cancel``: the run is stopping (see :meth:`Sandbox.prepare`); a prepare waiting on
+    the engine or the holder gives up and removes what it created."""
     why = warm_refusal(command, warm)
     if why is not None:
         raise ConfigError(why, field="project.warm",
@@ -237,7 +240,7 @@ def prepare(sandbox: Sandbox, policy: RolePolicy, *, role: str, run_id: str, ima
                                     stage=stage, case=case, trial=trial, armed=not warm)
         if warm:
             spec = spec.model_copy(update={"warm": tuple(warm)})
-        prepared = sandbox.prepare(spec)
+        prepared = sandbox.prepare(spec, cancel=cancel)
         return BoundRun(prepared, stack.pop_all(), binding)
 
 

@@ -354,9 +354,12 @@ class Sandbox(Protocol):
         """Run to completion (or limit), remove the container, return the record."""
         ...
 
-    def prepare(self, spec: RunSpec) -> PreparedRun:
+    def prepare(self, spec: RunSpec, *,
+                cancel: threading.Event | None = None) -> PreparedRun:
         """Create and start the container for ``spec`` up to the point where only the role
-        command is left to start; raise as ``run`` would (the caller records it)."""
+        command is left to start; raise as ``run`` would (the caller records it).
+        ``cancel`` set before or while it prepares (the run is stopping): whatever was
+        created is removed and SandboxError raised, without waiting for the holder."""
         ...
 
     def image_id(self, ref: str) -> str | None:

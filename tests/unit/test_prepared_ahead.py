@@ -189,6 +189,42 @@ def test_an_interrupt_mid_stage_discards_every_prepared_container(planned: Freez
     assert all(p.uses <= 1 for p in box.prepared)
 
 
+@pytest.mark.usefixtures("controller_signals")
+def test_a_prepare_in_flight_at_an_interrupt_gives_up_with_the_run(planned: Freeze) -> None:
+    """A container being prepared when the run stops (its prepare waiting on the engine or
+    the holder's READY) is told so: the prepare gives up and removes what it made before
+    the cycle returns, rather than finishing after the controller is gone (a container
+    only the next ``gc`` would remove)."""
+    plan = planned(concurrency=1)
+    blocking = threading.Event()
+
+    def slow(spec: Any, cancel: threading.Event | None) -> None:
+        if spec.role != "analyst" or len(analyst_runs(box)) < 2:
+            return
+        blocking.set()  # the third analyst container: stuck until the run stops
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            if cancel is not None and cancel.is_set():
+                raise SandboxError("analyst container not started: the run is stopping")
+            time.sleep(0.01)
+
+    sent: list[bool] = []
+
+    def interrupting(call: Call) -> Result:
+        if call.stage == "baseline" and not sent and blocking.wait(5):
+            sent.append(True)
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+            time.sleep(0.5)
+        return analyst(call)
+
+    box = fake(script(analyst=interrupting))
+    box.prepare_wait = slow
+    outcome = run(plan, box)
+    assert outcome.failure is not None and outcome.failure.reason == "interrupted"
+    assert box.in_prepare == 0, "a prepare goes on after the cycle returned"
+    assert box.live() == []
+
+
 def test_an_interrupt_while_jobs_are_submitted_stops_the_jobs_already_running(
         planned: Freeze, monkeypatch: pytest.MonkeyPatch) -> None:
     """A signal lands while the stage submits its jobs (each submit may start a thread

@@ -439,23 +439,25 @@ class RaySandbox:
         with self._lock:
             self._mail = None
 
-    def prepare(self, spec: RunSpec) -> RayPreparedRun:
+    def prepare(self, spec: RunSpec, *,
+                cancel: threading.Event | None = None) -> RayPreparedRun:
         """Ship ``spec``'s inputs and start a node task that prepares its container and
         holds it, ready, until :meth:`RayPreparedRun.run` hands the case over (or
         ``discard`` removes it unrun); see :func:`node_side.serve`. Mount rules are
         checked here, before anything ships; what the node refuses is raised by ``run``
         (as a run would raise it); a node lost meanwhile is that run's ``node_lost``
-        record."""
+        record. ``cancel`` set: nothing is shipped (the node task, once started,
+        is removed by ``discard`` or :meth:`leftovers`)."""
+        if cancel is not None and cancel.is_set():
+            check_mounts(spec)
+            raise SandboxError(f"{spec.role} container not started: the run is stopping")
         return RayPreparedRun(self, spec)
 
     def run(self, spec: RunSpec, *, on_output: OutputCallback | None = None,
             cancel: threading.Event | None = None) -> RunRecord:
         """Run ``spec`` on a cluster node; the record says which (``io.cyclebox.node``).
         One path: ``prepare(spec).run(...)``."""
-        if cancel is not None and cancel.is_set():
-            check_mounts(spec)
-            raise SandboxError(f"{spec.role} container not started: the run is stopping")
-        return self.prepare(spec).run(on_output=on_output, cancel=cancel)
+        return self.prepare(spec, cancel=cancel).run(on_output=on_output, cancel=cancel)
 
     def _submit(self, spec: RunSpec, key: str, owner: RayPreparedRun
                 ) -> tuple[str, Any, Ticket | None, dict[str, str]]:
