@@ -76,20 +76,23 @@ class RunBudget:
     last_refusal: str | None = None
     """The reason of the latest refused admission (what a run's headline names)."""
 
-    def admit(self, role: str, worst_case_usd: float | None = 0.0) -> Reservation:
+    def admit(self, role: str, worst_case_usd: float | None = 0.0, *,
+              free: bool = False) -> Reservation:
         """Reserve the call's worst case (at least ``reservation_usd``) or raise BudgetRefused.
 
         ``worst_case_usd`` None means the worst case is unknown (no price): refused
-        whenever a USD limit applies, since nothing would bound the charge.
+        whenever a USD limit applies, since nothing would bound the charge. ``free``: a
+        call no upstream bills (Anthropic's count_tokens) still reaches one, so it counts
+        against the call caps, and reserves nothing.
         """
         with self._lock:
             try:
-                return self._admit(role, worst_case_usd)
+                return self._admit(role, 0.0 if free else worst_case_usd, free=free)
             except BudgetRefused as exc:
                 self.last_refusal = exc.reason
                 raise
 
-    def _admit(self, role: str, worst_case_usd: float | None) -> Reservation:
+    def _admit(self, role: str, worst_case_usd: float | None, *, free: bool) -> Reservation:
         """Under self._lock (see admit)."""
         p = self.policy
         acct = self._roles.setdefault(role, _Account())
@@ -104,7 +107,7 @@ class RunBudget:
         if worst_case_usd is None and (p.limit_usd is not None or role_cap is not None):
             raise BudgetRefused("worst case unknown (no price for the model) under a "
                                 "USD limit; add the model to the upstream's prices")
-        amount = max(p.reservation_usd, worst_case_usd or 0.0)
+        amount = 0.0 if free else max(p.reservation_usd, worst_case_usd or 0.0)
         self._check(self._total, amount, p.limit_usd, "limit_usd")
         if role_cap is not None:
             self._check(acct, amount, role_cap, "per-role limit_usd", f" for {role}")

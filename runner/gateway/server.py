@@ -673,17 +673,11 @@ class _Handler:
         free = api == "count_tokens"  # answered without generating: never billed
         worst = 0.0 if free else (worst_case_usd(len(sent), vetted, price, up.rules)
                                   if price else None)
-        reservation = None
-        if not free:
-            try:
-                reservation = self.gw.budget.admit(self.b.role, worst)
-            except BudgetRefused as exc:
-                return self.refuse(head, 429, "budget", exc.reason, body, model=model,
-                                   stream=stream, t0=t0, turn=turn)
-        elif self.gw.budget.halted:  # free, but nothing reaches an upstream after a halt
-            return self.refuse(head, 429, "budget", f"admission halted: "
-                               f"{self.gw.budget.halted}", body, model=model, stream=stream,
-                               t0=t0, turn=turn)
+        try:  # a free call too: it reaches the upstream, so the call caps count it
+            reservation = self.gw.budget.admit(self.b.role, worst, free=free)
+        except BudgetRefused as exc:
+            return self.refuse(head, 429, "budget", exc.reason, body, model=model,
+                               stream=stream, t0=t0, turn=turn)
         provider = self.gw._providers[name]
         common: dict[str, Any] = {"upstream": name, "provider": provider.name, "model": model,
                                   "stream": stream, "sent": sent, "api": api,
@@ -708,8 +702,7 @@ class _Handler:
             deadline.cancel()
         cost, basis = _charge(result, price, worst, free=free,
                               writes_1h=vetted.cache_1h and api != "messages")
-        if reservation is not None:
-            self.gw.budget.settle(reservation, cost, upper_bound=basis == "upper_bound")
+        self.gw.budget.settle(reservation, cost, upper_bound=basis == "upper_bound")
         response, redactions = result.response, 0
         if response is not None:
             response, redactions = self.gw._redactor.redact(response)

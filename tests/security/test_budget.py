@@ -169,8 +169,9 @@ def test_gateways_sharing_a_budget_never_overshoot(tmp_path: Path, worst: tuple[
             with contextlib.suppress(threading.BrokenBarrierError):
                 boundary.wait()  # fits, but a second one would not: wait for a rival
 
-    def watched_admit(self: RunBudget, role: str, worst_case_usd: float | None = 0.0) -> Any:
-        res = admit(self, role, worst_case_usd)
+    def watched_admit(self: RunBudget, role: str, worst_case_usd: float | None = 0.0,
+                      **kw: Any) -> Any:
+        res = admit(self, role, worst_case_usd, **kw)
         committed.append(self._total.spent + self._total.reserved)
         return res
 

@@ -259,6 +259,28 @@ def test_a_free_count_tokens_call_is_refused_once_admission_halted(tmp_path: Pat
     assert [(x.status, x.error) for x in recs] == [("ok", None), ("refused", "budget")]
 
 
+def test_count_tokens_calls_count_against_the_call_caps_and_reserve_nothing(
+        tmp_path: Path) -> None:
+    """count_tokens is never billed, but it reaches the upstream: ``max_calls`` and
+    ``per_role_calls`` count it (otherwise a container past its call cap could go on
+    sending megabyte bodies upstream), while no money is held for it."""
+    budget = RunBudget(BudgetPolicy(limit_usd=0.01, reservation_usd=0.05, max_calls=3,
+                                    per_role_calls={"analyst": 2}))
+    with Gateway(tmp_path, "ct", {"target": scripted()}, {"analyst": "target"},
+                 budget) as gw, gw.bound("analyst", stage="s", uid=os.getuid()) as b:
+        body = {"model": "m", "messages": MSG}
+        codes = [post(gw, b, "/v1/messages/count_tokens", body).status_code
+                 for _ in range(3)]
+        last = post(gw, b, "/v1/messages/count_tokens", body)
+    assert codes == [200, 200, 429]
+    assert "per-role max_calls 2 reached for analyst" in last.text
+    totals = budget.totals()["total"]
+    assert totals["calls"] == 2 and totals["spent_usd"] == 0.0  # type: ignore[index]
+    recs = CallLog(tmp_path / "gateway").records()
+    assert [(x.status, x.error) for x in recs] == [
+        ("ok", None), ("ok", None), ("refused", "budget"), ("refused", "budget")]
+
+
 def test_a_100mb_tool_result_is_refused_from_its_length_without_being_held(
         tmp_path: Path) -> None:
     with Gateway(tmp_path, "big", {"target": scripted()}, {"analyst": "target"}) as gw, \
