@@ -7,6 +7,7 @@ only inside :class:`OpenAIProvider` on the host.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -40,8 +41,10 @@ class ProviderResult:
     response: bytes | None
     """Exact response bytes as received (None when nothing was received)."""
     error: str | None = None
-    """Named infra error; None when the response is a well-formed completion."""
+    """Named infra error; None when the response is a well-formed completion (a 200
+    answer: once :func:`inspected` parsed it)."""
     usage: Usage | None = None
+    """Set by :func:`inspected`."""
     fixture: bool = False
     upstream_reached: bool = True
     """False when no upstream was contacted (script miss, replay miss): nothing can have
@@ -81,6 +84,16 @@ def inspect(data: bytes, *, stream: bool, api: Api = "chat") -> tuple[Usage | No
     return _usage_mod.inspect(data, stream=stream, api=api)
 
 
+def inspected(result: ProviderResult, *, stream: bool, api: Api) -> ProviderResult:
+    """``result`` with the usage its answer reports and the error it shows (a cut stream,
+    a malformed body): providers return a 200 answer unparsed, and the gateway parses it
+    here, on its pool when it is large (pure; a 16 MB answer takes seconds)."""
+    if result.http_status != 200 or result.error is not None or result.response is None:
+        return result
+    usage, error = inspect(result.response, stream=stream, api=api)
+    return dataclasses.replace(result, usage=usage, error=error)
+
+
 # -- openai ----------------------------------------------------------------------
 class OpenAIProvider:
     """Forwards the exact request bytes to an OpenAI-compatible server with the real key.
@@ -116,8 +129,7 @@ class OpenAIProvider:
             return ProviderResult(None, None, kind)
         if status != 200:
             return ProviderResult(status, data, f"upstream_status_{status}")
-        usage, error = inspect(data, stream=stream, api=api)
-        return ProviderResult(status, data, error, usage)
+        return ProviderResult(status, data)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -454,8 +466,7 @@ class ScriptedProvider:
             return ProviderResult(None, None, "script_no_match", fixture=True,
                                   upstream_reached=False)
         data = scripted_body(request, body, answer, stream=stream, api=api)
-        usage, error = inspect(data, stream=stream, api=api)
-        return ProviderResult(200, data, error, usage, fixture=True)
+        return ProviderResult(200, data, fixture=True)
 
     async def aclose(self) -> None:
         return None
@@ -549,8 +560,7 @@ class ReplayProvider:
         if hit.http_status != 200:
             return ProviderResult(hit.http_status, data, f"upstream_status_{hit.http_status}",
                                   fixture=hit.fixture, replay_of=hit.request_sha256)
-        usage, error = inspect(data, stream=stream, api=api)
-        return ProviderResult(hit.http_status, data, error, usage, fixture=hit.fixture,
+        return ProviderResult(hit.http_status, data, fixture=hit.fixture,
                               replay_of=hit.request_sha256)
 
     async def aclose(self) -> None:

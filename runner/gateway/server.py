@@ -11,9 +11,9 @@ Every request is recorded (ok, refused with a named reason, infra error, interru
 internal error), except a successful model listing, which is not a model call. A
 call's record is written in the loop step that answers it: a small one right after its
 reply (the container reads its answer meanwhile; nothing can come between the two, and a
-failure to record stops admission), a large one before. Large bodies are parsed and
-large blobs written on a thread pool, a few at a time per socket, so one container's
-traffic does not stall another's. Socket limits are in
+failure to record stops admission), a large one before. Large bodies (requests and
+answers) are parsed and large blobs written on a thread pool, a few at a time per
+socket, so one container's traffic does not stall another's. Socket limits are in
 :mod:`runner.gateway.http`; request vetting and the worst case in :mod:`vet`.
 """
 
@@ -72,6 +72,7 @@ from runner.gateway.providers import (
     ProviderResult,
     ReplayProvider,
     ScriptedProvider,
+    inspected,
 )
 from runner.gateway.redact import Redactor
 from runner.gateway.vet import ROUTES, Refusal, Vetted, vet, worst_case_usd
@@ -700,12 +701,20 @@ class _Handler:
             result = ProviderResult(None, None, f"internal_error: {type(exc).__name__}")
         finally:
             deadline.cancel()
+        response, redactions = result.response, 0
+        if response is not None:
+            # parsed for its usage and redacted: on the pool when large (a 16 MB answer
+            # takes seconds), so other containers' calls are not held up meanwhile
+            try:
+                result, response, redactions = await self.gw.offload(
+                    self.b, len(response), functools.partial(
+                        _finish, result, self.gw._redactor, stream=stream, api=api))
+            except asyncio.CancelledError:
+                self._interrupted(turn, t0, reservation, worst, free=free, common=common)
+                raise
         cost, basis = _charge(result, price, worst, free=free,
                               writes_1h=vetted.cache_1h and api != "messages")
         self.gw.budget.settle(reservation, cost, upper_bound=basis == "upper_bound")
-        response, redactions = result.response, 0
-        if response is not None:
-            response, redactions = self.gw._redactor.redact(response)
         if result.error or response is None:
             reply = _error(502, result.error or "no_response",
                            f"upstream {name} failed: {result.error}; recorded, not retried",
@@ -791,6 +800,16 @@ class _Deadline:
 
     def cancel(self) -> None:
         self._handle.cancel()
+
+
+def _finish(result: ProviderResult, redactor: Redactor, *, stream: bool,
+            api: Api) -> tuple[ProviderResult, bytes | None, int]:
+    """(result with its usage, the answer redacted, how many redactions) of an answer."""
+    result = inspected(result, stream=stream, api=api)
+    if result.response is None:
+        return result, None, 0
+    response, redactions = redactor.redact(result.response)
+    return result, response, redactions
 
 
 def _charge(result: ProviderResult, price: Price | None, worst: float | None, *,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from runner.errors import OutputRejected
@@ -128,6 +128,7 @@ def usage_messages(u: Any) -> Usage | None:
 
 
 _SSE_LINE_END = re.compile(r"\r\n|\r|\n")
+_SSE_LINE = re.compile(r"([^\r\n]*)(?:\r\n|\r|\n|$)")
 
 
 def sse_lines(text: str) -> list[str]:
@@ -137,21 +138,26 @@ def sse_lines(text: str) -> list[str]:
     return _SSE_LINE_END.split(text)
 
 
-def sse_events(data: bytes) -> list[str]:
-    """The data payloads of an SSE body, in order (multi-line data joined by newlines)."""
-    events: list[str] = []
+def iter_sse_events(data: bytes) -> Iterator[str]:
+    """The data payloads of an SSE body, in order (multi-line data joined by newlines),
+    one at a time: a 16 MB stream of tiny events is never held as a list of them."""
     lines: list[str] = []
-    for line in sse_lines(data.decode("utf-8", errors="replace")):
+    for m in _SSE_LINE.finditer(data.decode("utf-8", errors="replace")):
+        line = m.group(1)
         if not line:
             if lines:
-                events.append("\n".join(lines))
+                yield "\n".join(lines)
                 lines = []
         elif line.startswith("data:"):
             value = line[5:]
             lines.append(value[1:] if value.startswith(" ") else value)
     if lines:
-        events.append("\n".join(lines))
-    return events
+        yield "\n".join(lines)
+
+
+def sse_events(data: bytes) -> list[str]:
+    """The data payloads of an SSE body, in order (multi-line data joined by newlines)."""
+    return list(iter_sse_events(data))
 
 
 def _json(data: bytes | str, what: str) -> Any:
@@ -182,43 +188,49 @@ def _body(api: Api, data: bytes) -> tuple[Usage | None, str | None]:
 
 
 def _stream(api: Api, data: bytes) -> tuple[Usage | None, str | None]:
-    events = sse_events(data)
-    if api == "chat":
-        if not events or events[-1].strip() != "[DONE]":
+    """One pass over the events, keeping only what the family's usage and completeness
+    need (never every parsed event: a stream may hold millions)."""
+    usage: Usage | None = None
+    kinds: set[object] = set()
+    terminal: dict[str, Any] | None = None
+    fields: dict[str, Any] = {}
+    done = False
+    for ev in iter_sse_events(data):
+        if done:  # chat: [DONE] is the last event or the stream is cut
             return None, "truncated_stream"
-        events = events[:-1]
-    objs = []
-    for ev in events:
+        if api == "chat" and ev.strip() == "[DONE]":
+            done = True
+            continue
         obj = _json(ev, "upstream stream event")
         if not isinstance(obj, dict):
             return None, "malformed_response"
-        objs.append(obj)
-    if api == "chat":
-        usage = None
-        for obj in objs:
+        if api == "chat":
             usage = usage_chat(obj.get("usage")) or usage
-        return usage, None
-    kinds = [o.get("type") for o in objs]
+            continue
+        kind = obj.get("type")
+        kinds.add(kind if isinstance(kind, str) else None)
+        if api == "responses":
+            if kind in RESPONSES_TERMINAL:
+                terminal = obj
+            continue
+        if kind == "message_start":
+            msg = obj.get("message")
+            u = msg.get("usage") if isinstance(msg, dict) else None
+        elif kind == "message_delta":
+            u = obj.get("usage")
+        else:
+            continue
+        if isinstance(u, dict):  # message_delta's values are cumulative: the latest wins
+            fields.update({k: v for k, v in u.items() if v is not None})
+    if api == "chat":
+        return (usage, None) if done else (None, "truncated_stream")
     if api == "responses":
-        terminal = next((o for o in reversed(objs) if o.get("type") in RESPONSES_TERMINAL),
-                        None)
         if terminal is None:
             return None, "upstream_stream_error" if "error" in kinds else "truncated_stream"
         resp = terminal.get("response")
         return usage_responses(resp.get("usage") if isinstance(resp, dict) else None), None
     if "message_stop" not in kinds:
         return None, "upstream_stream_error" if "error" in kinds else "truncated_stream"
-    fields: dict[str, Any] = {}
-    for obj in objs:
-        if obj.get("type") == "message_start":
-            msg = obj.get("message")
-            u = msg.get("usage") if isinstance(msg, dict) else None
-        elif obj.get("type") == "message_delta":
-            u = obj.get("usage")
-        else:
-            continue
-        if isinstance(u, dict):  # message_delta's values are cumulative: the latest wins
-            fields.update({k: v for k, v in u.items() if v is not None})
     return usage_messages(fields), None
 
 

@@ -426,3 +426,46 @@ def test_referenced_items_are_charged_to_the_sockets_byte_rate(
     assert "referenced items" in codes[2].json()["error"]["message"]
     assert len(srv.requests) == 3
     assert len(srv.requests[1]["input"][0]["content"][0]["text"]) == 200_000
+
+
+def test_a_large_answer_is_parsed_off_the_loop_other_containers_go_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One container's large answer (here 200 KB; up to max_response_bytes, 16 MB, whose
+    parse takes seconds) is parsed for its usage and redacted on the gateway's pool: the
+    parse of it below does not return until another container's call was answered,
+    which cannot happen while it holds the loop every binding is served on."""
+    import threading
+
+    from runner.gateway import usage as usage_mod
+
+    script = tmp_path / "big.yaml"
+    script.write_text("schema: 1\nrules:\n  - when: {contains: [BIG]}\n    reply: "
+                      + "x" * 200_000 + "\ndefault: {reply: small}\n")
+    up = parse_upstream({"provider": "scripted", "script": str(script), "models": ["m"],
+                         "prices": {"m": PRICE}, "max_tokens": 100})
+    parsing, answered = threading.Event(), threading.Event()
+    seen: list[bool] = []
+    real = usage_mod.inspect
+
+    def slow_inspect(data: bytes, **kw: Any) -> Any:
+        if len(data) > 100_000:
+            parsing.set()
+            seen.append(answered.wait(10))  # on the loop thread: never, until it times out
+        return real(data, **kw)
+
+    monkeypatch.setattr(usage_mod, "inspect", slow_inspect)
+    with Gateway(tmp_path, "big", {"target": up}, {"analyst": "target", "evaluator": "target"}
+                 ) as gw, gw.bound("analyst", stage="s", uid=os.getuid()) as big, \
+            gw.bound("evaluator", stage="e", uid=os.getuid()) as other:
+        results: list[int] = []
+        t = threading.Thread(target=lambda: results.append(post(
+            gw, big, "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "BIG"}]}).status_code))
+        t.start()
+        assert parsing.wait(10)
+        r = post(gw, other, "/v1/chat/completions", {"model": "m", "messages": MSG},
+                 role="evaluator")
+        answered.set()
+        t.join(30)
+    assert r.status_code == 200 and results == [200]
+    assert seen == [True], "the other container's call waited for the large answer's parse"

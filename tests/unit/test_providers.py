@@ -22,6 +22,7 @@ from runner.gateway.providers import (
     ReplayProvider,
     ScriptedProvider,
     inspect,
+    inspected,
 )
 from runner.gateway.server import cost_usd, make_provider
 from runner.isolation.sandbox import Frozen
@@ -143,7 +144,8 @@ def test_replay_answers_duplicate_requests_as_recorded(tmp_path: Path) -> None:
     log.close()
 
     def replay(prov: ReplayProvider, site: CallSite | None) -> str:
-        res = asyncio.run(prov.call(request, {}, role="x", stream=False, site=site))
+        res = inspected(asyncio.run(prov.call(request, {}, role="x", stream=False,
+                                              site=site)), stream=False, api="chat")
         assert res.error is None and res.usage is not None
         return str(json.loads(res.response or b"")["id"])
 
