@@ -135,6 +135,13 @@ class SftReceipt(_TrainReceipt):
 TrainReceipt = Annotated[ProofReceipt | SftReceipt, Field(discriminator="kind")]
 
 
+MAX_ANSWER_CHARS = 2048
+"""Longest probe answer the host scores: the trainer generates 48 new tokens (the host
+writes its config), and the similarity it recomputes grows with the cube of an answer's
+length in the worst case; a longer answer is refused, not scored for minutes."""
+Answer = Annotated[str, Field(max_length=MAX_ANSWER_CHARS)]
+
+
 class ProofReport(Frozen):
     """The proof loop's ``report.json``."""
 
@@ -143,9 +150,9 @@ class ProofReport(Frozen):
     figures: TrainFigures
     probes: tuple[str, ...]
     references: tuple[str, ...]
-    before: tuple[str, ...]
+    before: tuple[Answer, ...]
     """Answers to the probes before training."""
-    after: tuple[str, ...]
+    after: tuple[Answer, ...]
     recall_before: float
     recall_after: float
     scores: ImprintScores

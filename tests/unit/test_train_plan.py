@@ -3,6 +3,7 @@ ledger nudge, recall, imprint, classroom and board. One parametrized row per SPE
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -384,6 +385,29 @@ def test_a_trainer_that_claims_what_its_answers_do_not_show_is_refused(
         code = change
     with pytest.raises(IntegrityError, match=match):
         settle(persona, [], report, receipt, row, code)
+
+
+def test_an_answer_longer_than_the_trainer_can_generate_is_refused_before_scoring(
+        tmp_path: Path) -> None:
+    """The host recomputes the similarity of every answer (difflib: cubic in the worst
+    case); a trainer answering with 20 000 characters held the host's settle for minutes.
+    The report is refused as it is read, naming the answer, long before any scoring."""
+    from runner.errors import OutputRejected
+    from runner.isolation.collect import Limits, collect
+    from runner.train.host import _collected
+    from runner.train.results import MAX_ANSWER_CHARS, ProofReport
+
+    _, report, *_ = _honest(["Captain Arr. Aye", "The north sea, lad"])
+    ok = report.model_dump(mode="json")
+    long = {**ok, "after": [ok["after"][0], "x" * (MAX_ANSWER_CHARS + 1)]}
+    for name, doc in (("ok", ok), ("long", long)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text(json.dumps(doc))
+    files = collect(tmp_path / "ok", Limits(max_file_bytes=1 << 20, max_total_bytes=1 << 20))
+    assert _collected(files, "report.json", ProofReport) == report
+    files = collect(tmp_path / "long", Limits(max_file_bytes=1 << 20, max_total_bytes=1 << 20))
+    with pytest.raises(OutputRejected, match=r"after\[1\]: String should have at most 2048"):
+        _collected(files, "report.json", ProofReport)
 
 
 @pytest.mark.parametrize(("ledger", "match"), [
