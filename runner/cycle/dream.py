@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from runner.cycle.models import DEVELOPMENT, TRAIN, Scenario
 from runner.isolation.sandbox import Frozen
+from runner.loading import show
 from sandbox.proposal import strict_json, strip_fence
 
 TEMPLATES = (
@@ -249,7 +250,7 @@ def after_generation(dev: list[Scenario], factor: int, key: str, replies: dict[s
         texts = parse_generation(str(reply["text"]), factor) if reply.get("ok") else None
         for slot in (x for x in slots if x.parent == s.id):
             if not reply.get("ok"):
-                slot.outcome, slot.detail = "generation_error", str(reply.get("error"))
+                slot.outcome, slot.detail = "generation_error", show(reply.get("error"), 300)
             elif texts is None:
                 slot.outcome, slot.detail = "malformed_generation", "not one array of N strings"
             else:
@@ -280,7 +281,7 @@ def after_verification(slots: list[Slot], replies: dict[str, Reply]) -> None:
         for x in pending:
             x.outcome = outcomes[x.k]
             if x.outcome != "accept":
-                x.detail = str((reply or {}).get("error") or x.outcome)
+                x.detail = show((reply or {}).get("error") or x.outcome, 300)
 
 
 def finish(slots: list[Slot], parents: dict[str, Scenario], key: str,

@@ -67,6 +67,7 @@ from runner.isolation import image_use
 from runner.isolation.collect import Limits, collect
 from runner.isolation.launcher import output_dir, prepare
 from runner.isolation.sandbox import Mount, PreparedRun, RunRecord, Sandbox, StopReason
+from runner.loading import show
 
 STOP_GRACE_S = 6.0
 """How long, after a stop, the run's containers are swept while case threads return."""
@@ -661,10 +662,16 @@ class CycleRunner:
                         env=self._worker_env,
                         mounts=[Mount(source=d / "in", target="/in")])
         got = collect(out, self._limits("worker"))
-        if "proposal-error.json" in got.files:
+        # The worker's own account of a refusal (exit 3) stands only for a worker that
+        # ended by itself: a timeout or a kill is named as such, whatever it wrote.
+        if "proposal-error.json" in got.files and rec.stop_reason in (
+                StopReason.OK, StopReason.PROCESS_FAILED):
             err = got.json("proposal-error.json")
-            raise StageFailed(f"no candidate: proposal refused ({err.get('reason')}: "
-                              f"{err.get('message')})")
+            if not isinstance(err, dict):
+                raise StageFailed("no candidate: worker output refused (invalid_output: "
+                                  "proposal-error.json is not a JSON object)")
+            raise StageFailed(f"no candidate: proposal refused ({show(err.get('reason'), 80)}"
+                              f": {show(err.get('message'), 500)})")
         if rec.stop_reason is not StopReason.OK or "proposal.json" not in got.files:
             what = (f"{rec.stop_reason.value}: {rec.detail}" if rec.stop_reason is not
                     StopReason.OK else "exited without writing proposal.json")
@@ -740,8 +747,7 @@ class CycleRunner:
                         env=self._worker_env,
                         mounts=[Mount(source=d / "in", target="/in")])
         try:
-            replies: dict[str, dict[str, Any]] = collect(out, self._limits("worker")).json(
-                "replies.json")
+            replies = _replies(collect(out, self._limits("worker")).json("replies.json"))
         except OutputRejected as exc:
             replies = {c["id"]: {"ok": False, "error": f"relay output refused: {exc}"}
                        for c in calls}
@@ -770,6 +776,20 @@ def stderr_tail(text: str, *, lines: int = 3, limit: int = STDERR_TAIL_CHARS) ->
     kept = [ln.strip() for ln in text.splitlines() if ln.strip()][-lines:]
     flat = one_line(" / ".join(kept), limit=len(" / ".join(kept)) + 1)
     return flat if len(flat) <= limit else "..." + flat[-(limit - 3):]
+
+
+def _replies(obj: object) -> dict[str, dict[str, Any]]:
+    """The relay's ``replies.json`` with its shape checked (``{id: {"ok": true, "text":
+    STRING} | {"ok": false, "error": ...}}``); OutputRejected naming what is not: every
+    call then counts as a generation error, never a crash of the host."""
+    if not isinstance(obj, dict):
+        raise OutputRejected("replies.json is not a JSON object")
+    for key, reply in obj.items():
+        if not (isinstance(reply, dict) and isinstance(reply.get("ok"), bool)
+                and (not reply["ok"] or isinstance(reply.get("text"), str))):
+            raise OutputRejected(f"replies.json: the reply to {show(key, 80)} is not "
+                                 "{ok: true, text: STRING} or {ok: false, error: ...}")
+    return obj
 
 
 def _invalid(reason: str) -> ComparisonResult:
