@@ -16,6 +16,7 @@ import json
 import os
 import re
 import stat
+import zlib
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -329,13 +330,12 @@ def _applied_tree(d: Path) -> str | None:
         result = json.loads((d / APPLY_RESULT).read_text())
         if result.get("status") != "applied":
             return None
-        from runner import gitops
-
+        fd = os.open(d, _DIR_FLAGS)
         try:
-            return gitops.commit_tree(d / CANDIDATE_GIT, str(result["commit"]))
+            return _commit_tree_in(fd, str(result["commit"]))
         finally:
-            gitops.close_readers_under(d / CANDIDATE_GIT)
-    except (OSError, ValueError, KeyError, AttributeError, ConfigError, IntegrityError):
+            os.close(fd)
+    except (OSError, ValueError, KeyError, AttributeError, _Unreadable, IntegrityError):
         return None
 
 
@@ -588,7 +588,7 @@ def _verify_at(root_fd: int, run_dir: Path) -> list[str]:
     # (a UTF-8 name spelt with a backslash, "x" "\\" "xff", is not the file named x\xff:
     # it cannot stand in for one that was deleted)
     problems += [f"{shown}: missing" for shown in sorted(set(not_utf8) - shown_present)]
-    problems += _candidate_problems(root_fd, run_dir, receipt.outcome.candidate_tree)
+    problems += _candidate_problems(root_fd, receipt.outcome.candidate_tree)
     plan: Any = None
     try:
         plan = loads_strict(_read_in(root_fd, "plan.json"), source="plan.json")
@@ -737,61 +737,49 @@ def _external_problem(data_dir: object, ext: ExternalFile) -> str | None:
     return None if h.hexdigest() == ext.sha256 else "sha256 differs from the receipt"
 
 
-_MAX_GIT_CONFIG = 64 * 1024
-_MAX_GIT_ENTRIES = 1_000_000
-_GIT_INCLUDE = re.compile(rb"(?im)^[ \t]*\[[ \t]*include(if)?\b")
-"""A config section that makes git read another file (the section names, not a value:
-the remote's url holds the run directory's path, which may say "include")."""
-_GIT_ELSEWHERE = re.compile(rb"(?im)^[ \t]*(\[[ \t]*extensions\b|worktree[ \t]*=)")
-_BORROWING = ("commondir", "objects/info/alternates", "objects/info/http-alternates")
+_MAX_COMMIT_BYTES = 1 << 20
+"""Largest commit object read (the host's candidate commit: a tree, a parent, two
+identities and a message of at most 2000 characters)."""
+_OBJECT_ID = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
-def _bare_repo_problem(root_fd: int) -> str | None:
-    """Why the run's candidate.git may not be opened by git, or None. The run directory
-    may have been changed since: its config is read first (no link, regular, bounded) and
-    may include no other file (an include of a FIFO blocked verify, /dev/zero grew it
-    without bound), and no file may send git to objects outside the run."""
+def _commit_tree_in(root_fd: int, commit: str) -> str:
+    """The tree a commit of the run's ``candidate.git`` names, read without git: the
+    loose object file (the host writes its candidate commit loose), opened component by
+    component with no link followed, inflated to at most :data:`_MAX_COMMIT_BYTES`, and
+    its bytes hashed to ``commit``. git is never run on a run directory under verify: its
+    config is the directory's own, and one naming a promisor remote with an ``ext::``
+    url ran a command of the directory's author to fetch a missing object. _Unreadable
+    or IntegrityError naming why."""
+    if not _OBJECT_ID.fullmatch(commit):
+        raise IntegrityError(f"{show(commit, 80)} is not a git object id")
+    rel = f"{CANDIDATE_GIT}/objects/{commit[:2]}/{commit[2:]}"
+    packed = _read_in(root_fd, rel, _MAX_COMMIT_BYTES)
+    inflate = zlib.decompressobj()
     try:
-        cfg = _read_in(root_fd, f"{CANDIDATE_GIT}/config", _MAX_GIT_CONFIG)
-    except _Unreadable as exc:
-        return f"config: {exc}"
-    if _GIT_INCLUDE.search(cfg):
-        return "its config includes another file; refused without running git"
-    if _GIT_ELSEWHERE.search(cfg):
-        return ("its config sets extensions or a worktree (the host never does); refused "
-                "without running git")
-    # the host made every entry a plain file or directory: a FIFO (HEAD, an object) made
-    # git block, a link sent it elsewhere
-    try:
-        dfd = os.dup(root_fd)
-        try:
-            for part in CANDIDATE_GIT.split("/"):
-                nfd = os.open(part, _DIR_FLAGS, dir_fd=dfd)
-                os.close(dfd)
-                dfd = nfd
-            for e in fswalk.walk(dfd, max_depth=16, max_entries=_MAX_GIT_ENTRIES):
-                if not (stat.S_ISREG(e.st.st_mode) or stat.S_ISDIR(e.st.st_mode)):
-                    return (f"{e.rel} is not a plain file or directory (a link, FIFO or "
-                            "device); refused without running git")
-        finally:
-            os.close(dfd)
-    except (OSError, fswalk.WalkError) as exc:
-        return f"cannot be checked ({exc}); refused without running git"
-    for rel in _BORROWING:
-        try:
-            os.lstat(f"{CANDIDATE_GIT}/{rel}", dir_fd=root_fd)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            return f"{rel}: cannot stat ({exc.strerror})"
-        return f"{rel} sends git outside the run directory; refused without running git"
-    return None
+        raw = inflate.decompress(packed, _MAX_COMMIT_BYTES + 1)
+    except zlib.error as exc:
+        raise IntegrityError(f"commit {commit} is not a readable loose object ({exc})"
+                             ) from None
+    if len(raw) > _MAX_COMMIT_BYTES or inflate.unconsumed_tail:
+        raise IntegrityError(f"commit {commit} is larger than {_MAX_COMMIT_BYTES} bytes")
+    algo = hashlib.sha1 if len(commit) == 40 else hashlib.sha256
+    if algo(raw).hexdigest() != commit:
+        raise IntegrityError(f"commit {commit} does not hash to its id (edited object)")
+    header, _, body = raw.partition(b"\0")
+    if header != b"commit %d" % len(body):
+        raise IntegrityError(f"object {commit} is not a commit")
+    first = body.split(b"\n", 1)[0]
+    if not re.fullmatch(rb"tree [0-9a-f]{40}(?:[0-9a-f]{24})?", first):
+        raise IntegrityError(f"commit {commit} names no tree")
+    return first[5:].decode("ascii")
 
 
-def _candidate_problems(root_fd: int, run_dir: Path, tree: str | None) -> list[str]:
+def _candidate_problems(root_fd: int, tree: str | None) -> list[str]:
     """The candidate tree recomputed from the apply stage's bare clone (left out of
-    ``files``, bound by this id instead): the commit comes from the bound
-    stages/apply/result.json, its tree must equal the receipt's ``candidate_tree``."""
+    ``files``, bound by this id instead; read without git, :func:`_commit_tree_in`): the
+    commit comes from the bound stages/apply/result.json, its tree must equal the
+    receipt's ``candidate_tree``."""
     if tree is None:
         return []
     where = f"{CANDIDATE_GIT} (outcome.candidate_tree)"
@@ -811,17 +799,10 @@ def _candidate_problems(root_fd: int, run_dir: Path, tree: str | None) -> list[s
             return [f"{where}: {'/'.join(parts[:i + 1])}: {exc.strerror or 'missing'}"]
         if not stat.S_ISDIR(st.st_mode):
             return [f"{where}: {'/'.join(parts[:i + 1])} is not a directory (links refused)"]
-    why = _bare_repo_problem(root_fd)
-    if why is not None:
-        return [f"{where}: {why}"]
     try:
-        from runner import gitops
-
-        got = gitops.commit_tree(run_dir / CANDIDATE_GIT, commit)
-    except (ConfigError, IntegrityError) as exc:
-        return [f"{where}: cannot recompute the tree of {commit[:80]}: {exc}"]
-    finally:
-        gitops.close_readers_under(run_dir / CANDIDATE_GIT)  # read once per verify
+        got = _commit_tree_in(root_fd, commit)
+    except (_Unreadable, IntegrityError) as exc:
+        return [f"{where}: cannot recompute the tree of {show(commit, 80)}: {exc}"]
     if got != tree:
         return [f"{where}: tree of commit {commit} is {got}, the receipt says {tree}"]
     return []

@@ -264,46 +264,67 @@ def test_candidate_git_removed_or_edited_is_reported(applied: tuple[Path, str, s
 
 
 @pytest.mark.parametrize("attack", ["include-fifo", "include-dev-zero", "alternates",
-                                    "commondir", "fifo-head", "objects-link",
-                                    "worktree-config"])
-def test_candidate_git_that_would_run_git_elsewhere_is_refused_unopened(
+                                    "commondir", "fifo-head", "worktree-config"])
+def test_candidate_git_config_and_pointers_are_never_obeyed(
         applied: tuple[Path, str, str], attack: str) -> None:
-    """The receipt binds candidate.git through its commit and tree ids, so verify opens
-    it with git: an [include] of a FIFO in its config blocked verify (SIGTERM did not stop
-    it), /dev/zero grew it without bound, and alternates or commondir sent git outside
-    the run directory. Refused by name, before git runs."""
+    """The receipt binds candidate.git through its commit and tree ids; verify reads the
+    commit object itself and runs no git there, so nothing in the directory is obeyed:
+    an [include] of a FIFO (which blocked a git-based verify), of /dev/zero, alternates
+    or commondir sending git elsewhere, a FIFO HEAD. The candidate still recomputes."""
     run, _, _ = applied
     bare = run / "stages" / "apply" / "candidate.git"
-    elsewhere = run.parent / "elsewhere"  # outside the run directory
     if attack.startswith("include"):
         target = "fifo" if attack == "include-fifo" else "/dev/zero"
         if target == "fifo":
             os.mkfifo(bare / "fifo")
         with (bare / "config").open("a") as f:
             f.write(f"[include]\n\tpath = {target}\n")
-        want = "its config includes another file"
     elif attack == "alternates":
         (bare / "objects" / "info").mkdir(parents=True, exist_ok=True)
         (bare / "objects" / "info" / "alternates").write_text("/tmp\n")
-        want = "objects/info/alternates sends git outside the run directory"
     elif attack == "commondir":
         (bare / "commondir").write_text("/tmp\n")
-        want = "commondir sends git outside the run directory"
     elif attack == "fifo-head":
         (bare / "HEAD").unlink()
         os.mkfifo(bare / "HEAD")
-        want = "HEAD is not a plain file or directory"
-    elif attack == "objects-link":
-        shutil.move(str(bare / "objects"), str(elsewhere))
-        (bare / "objects").symlink_to(elsewhere)
-        want = "objects is not a plain file or directory"
     else:
         (bare / "config.worktree").write_text("[include]\n\tpath = /dev/zero\n")
         with (bare / "config").open("a") as f:
             f.write("[extensions]\n\tworktreeConfig = true\n")
-        want = "its config sets extensions or a worktree"
+    assert verify_in(run) == []
+
+
+def test_a_promisor_remote_in_candidate_git_runs_nothing(
+        applied: tuple[Path, str, str], tmp_path: Path) -> None:
+    """An attack review's reproducer: the commit object moved aside and a config naming a
+    promisor remote whose ``ext::`` url runs a script (which puts the object back), so
+    git fetching the missing object ran the directory author's command as the verifying
+    user, and verify then passed, signature and all. Verify reads the object file
+    itself: the missing object is named, and nothing runs."""
+    run, commit, _ = applied
+    bare = run / "stages" / "apply" / "candidate.git"
+    obj = bare / "objects" / commit[:2] / commit[2:]
+    marker = tmp_path / "ran"
+    saved = bare / "saved_obj"
+    shutil.move(str(obj), str(saved))
+    (bare / "payload.sh").write_text(f"#!/bin/sh\nid > {marker}\ncp {saved} {obj}\n")
+    with (bare / "config").open("a") as f:
+        f.write('[protocol "ext"]\n\tallow = always\n[remote "origin"]\n'
+                "\turl = ext::sh payload.sh\n\tpromisor = true\n")
     problems = verify_in(run)
-    assert len(problems) == 1 and want in problems[0], problems
+    assert not marker.exists(), "verify ran a command the run directory named"
+    assert len(problems) == 1 and "cannot recompute the tree" in problems[0], problems
+    assert "missing" in problems[0]
+
+
+def test_a_linked_objects_directory_is_refused(applied: tuple[Path, str, str]) -> None:
+    run, _, _ = applied
+    bare = run / "stages" / "apply" / "candidate.git"
+    elsewhere = run.parent / "elsewhere"  # outside the run directory
+    shutil.move(str(bare / "objects"), str(elsewhere))
+    (bare / "objects").symlink_to(elsewhere)
+    problems = verify_in(run)
+    assert len(problems) == 1 and "symlinked directory component" in problems[0], problems
 
 
 def test_a_remote_url_naming_include_or_worktree_is_not_a_refusal(
