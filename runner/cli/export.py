@@ -37,8 +37,9 @@ def export_cmd(run: Annotated[Path, typer.Option("--run", help="A cycle run dire
     calibration_inconsistent, calibration_incomplete, kappa_below_policy,
     calibration_unbound, run_has_no_receipt, calibration_of_another_run,
     calibration_ratings_not_of_run (the ratings assessed are not what the run's records
-    give), or --out exists; 8 a recorded blob or the frozen manifest
-    changed since the run."""
+    give), or --out exists; 8 run_altered: the run directory no longer matches its receipt
+    (a file changed, added, removed or replaced by a link since the run: `cyclebox
+    receipt verify` lists them)."""
     from runner.train.export import export, load_export_policy
 
     summary = export(run, out_dir, calibration=calibration, policy=load_export_policy(policy),

@@ -62,7 +62,7 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
         unconfirmed = named is None
         records = []  # a run whose roles reached no model: no gateway log at all
     else:
-        records = CallLog(log_dir).records()
+        records = CallLog.reader(log_dir).records()
     totals = summarize(records)
     if json_out:
         emit_json({"calls": [r.model_dump(mode="json") for r in records],

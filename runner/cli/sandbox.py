@@ -102,7 +102,7 @@ def sandbox_exec(
                         command=command, mounts=mounts, output_dir=odir.resolve(),
                         gateway=gateway, stage="exec", on_output=stream)
     if policy.upstream and not json_out:
-        n = len(CallLog(run_dir / "gateway").records())
+        n = len(CallLog.reader(run_dir / "gateway").records())
         err.print(f"[dim]gateway ({safe(policy.upstream)}): {n} call(s) recorded in "
                   f"{safe(run_dir / 'gateway')}[/]", highlight=False)
     if json_out:

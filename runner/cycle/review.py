@@ -256,7 +256,7 @@ def tool_calls_of_run(run: Path, binding: RunBinding,
 
     parts = binding.records.split("/")
     stage = parts[1] if len(parts) == 3 and parts[0] == "stages" else None
-    log = CallLog(run / "gateway")
+    log = CallLog.reader(run / "gateway")
     by_item: dict[str, list[Any]] = {}
     for c in sorted(log.records(), key=lambda c: (c.case or "", c.trial or 0, c.turn)):
         if (c.role != role or c.stage != stage or c.case is None or c.trial is None

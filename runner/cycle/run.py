@@ -139,7 +139,7 @@ def worker_api(optimizer: UpstreamPolicy | None) -> str:
 
         log = Path(optimizer.replay_from) / "gateway"
         if (log / "calls.jsonl").is_file():
-            apis = {r.api for r in CallLog(log).records() if r.role == "worker" and r.api}
+            apis = {r.api for r in CallLog.reader(log).records() if r.role == "worker" and r.api}
             if apis in ({"messages"}, {"responses"}):
                 return apis.pop()
     return "chat"

@@ -143,6 +143,24 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _lines_in(index: Path) -> int:
+    """Lines already in a log the gateway appends to: only a regular file is counted
+    (never followed, never opened blocking), in pieces (a hostile log may be one line
+    of gigabytes), up to :data:`MAX_INDEX_BYTES` (``records()`` refuses a larger one)."""
+    n = 0
+    with contextlib.suppress(OSError):
+        if stat.S_ISREG(os.lstat(index).st_mode):
+            fd = os.open(index, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                left = MAX_INDEX_BYTES
+                while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+                    n += chunk.count(b"\n")
+                    left -= len(chunk)
+            finally:
+                os.close(fd)
+    return n
+
+
 def _exists(path: str) -> bool:
     try:
         os.stat(path)
@@ -166,12 +184,8 @@ class CallLog:
         self._dirty = False
         self._fd: int | None = None
         self._seq = 0
-        # Only a regular file is counted (never followed, never opened blocking): a
-        # replayed run's log is hostile, and records() refuses anything else.
-        with contextlib.suppress(OSError):
-            if stat.S_ISREG(os.lstat(self.index).st_mode):
-                with self.index.open("rb") as f:
-                    self._seq = sum(1 for _ in f)
+        if create:  # a reader never appends: nothing to count
+            self._seq = _lines_in(self.index)
 
     @classmethod
     def reader(cls, root: Path) -> CallLog:

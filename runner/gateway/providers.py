@@ -504,7 +504,8 @@ class ReplayProvider:
     apis = ALL_APIS
 
     def __init__(self, run_dir: Path) -> None:
-        self.log = CallLog(run_dir / "gateway") if (run_dir / "gateway").is_dir() else None
+        self.log = CallLog.reader(run_dir / "gateway") if (run_dir / "gateway").is_dir() \
+            else None
         if self.log is None or not self.log.index.exists():
             raise ConfigError(f"no recorded call log under {run_dir}/gateway",
                               field="replay_from", fix="point to a finished run directory")

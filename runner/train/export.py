@@ -219,6 +219,21 @@ class FrozenReference(Frozen):
     """Scored by the refusal scorer (kind: refuse, or scorer: refusal): graded on refusal."""
 
 
+def _check_run(run: Path) -> None:
+    """The run directory is what its receipt binds (the receipt the calibration is bound
+    to): every file the export reads (plan, frozen manifest, call log and blobs, records)
+    re-hashed, none linked. IntegrityError naming the first problems: a changed reference,
+    a relabelled call or a file swapped for a link would otherwise be exported as data."""
+    from runner.cycle.receipt import verify
+
+    problems = verify(run)
+    if problems:
+        shown = "; ".join(show(p, 300) for p in problems[:3])
+        raise IntegrityError(f"run_altered: {run} no longer matches its receipt "
+                             f"({len(problems)} problem(s): {shown}); `cyclebox receipt "
+                             "verify` lists them all; export the run as its cycle wrote it")
+
+
 def frozen_references(run: Path) -> dict[str, FrozenReference]:
     """case id -> reference, split and mandatory from the run's frozen manifest (checked
     against the plan's hash before it is parsed)."""
@@ -366,7 +381,8 @@ def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPoli
     kappa = cal.cohen_kappa.get(OVERALL)
     if out.exists():
         raise ConfigError(f"{out} exists; evidence is never overwritten", field="--out")
-    log = CallLog(run / "gateway")
+    _check_run(run)
+    log = CallLog.reader(run / "gateway")
     calls = [c for c in log.records() if c.role in policy.roles and c.status != "refused"]
     groups: dict[tuple[str, str | None, int | None], list[CallRecord]] = defaultdict(list)
     not_turns: dict[str, int] = defaultdict(int)

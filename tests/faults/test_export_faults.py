@@ -117,7 +117,7 @@ def test_records_gone_are_refused_naming_the_file(side: str, run: Path, calibrat
     code, err = _export_cli(run, tmp_path / "out", calibration)
     assert code == EXIT_INTEGRITY, err
     first = err.splitlines()[0]
-    assert f"stages/{side}/records.jsonl is missing" in first and "receipt" in first, first
+    assert f"stages/{side}/records.jsonl: missing" in first and "receipt" in first, first
     assert not (tmp_path / "out").exists()
 
 
@@ -128,7 +128,8 @@ def test_records_added_after_the_run_are_refused(run: Path, tmp_path: Path) -> N
     seal(run)  # a run whose receipt names no candidate records
     f.write_bytes(data)
     cal = _calibration(tmp_path, "nocand", lambda v: v, run)
-    with pytest.raises(IntegrityError, match="does not name this records file"):
+    with pytest.raises(IntegrityError, match=r"run_altered: .*stages/candidate/records\.jsonl: "
+                       r"present in the run directory but not named by the receipt"):
         export(run, tmp_path / "out", calibration=cal, policy=POLICY)
 
 

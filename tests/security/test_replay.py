@@ -197,3 +197,31 @@ def test_a_recorded_log_is_hashed_streamed_and_only_as_a_regular_file(
         t.join(10)
         pytest.fail("the replay log was opened blocking (hung on a FIFO)")
     assert len(outcome) == 1 and isinstance(outcome[0], ConfigError), outcome
+
+
+def test_a_call_log_of_gigabytes_on_one_line_is_not_read_to_open_it(tmp_path: Path) -> None:
+    """Opening a copied run's call log counted its lines by iterating them: a sparse 3 GB
+    calls.jsonl of one line took 2.4 GB of memory (``gateway calls``, export, verify).
+    A reader counts nothing and creates nothing; ``records()`` refuses the file by its
+    size; the gateway's own writer counts newlines in bounded pieces."""
+    import resource
+
+    from runner.errors import IntegrityError
+    from runner.gateway.calllog import MAX_INDEX_BYTES, CallLog, _lines_in
+
+    gw = tmp_path / "gateway"
+    gw.mkdir()
+    with (gw / "calls.jsonl").open("wb") as f:
+        f.truncate(3 << 30)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    log = CallLog.reader(gw)
+    assert not (gw / "blobs").exists()
+    with pytest.raises(IntegrityError, match="limit"):
+        log.records()
+    with (tmp_path / "one.jsonl").open("wb") as f:  # under the cap, one line
+        f.truncate(MAX_INDEX_BYTES // 8)
+        f.seek(0, 2)
+        f.write(b"\n")
+    assert _lines_in(tmp_path / "one.jsonl") == 1
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 64 * 1024, f"opening the logs took {grown_kib} KiB"

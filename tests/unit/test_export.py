@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from runner.cycle.models import Grades, Identities, Record
 from runner.cycle.review import bind_run, calibrate, make_packet, write_calibration
 from runner.errors import ConfigError, IntegrityError
 from runner.gateway.calllog import CallLog, CallRecord, CallStatus
-from runner.hashing import sha256_bytes, sha256_file
+from runner.hashing import sha256_bytes, sha256_file, sha256_json
 from runner.train.export import ExportPolicy, export, join_key, reply_of
 
 IDS = Identities(data_hash="d" * 64, reference_hash="r" * 64, scorer="scorer-1")
@@ -125,10 +126,15 @@ def manifest_bytes() -> bytes:
 
 
 def seal(run: Path, plan_hash: str = "p" * 64) -> Path:
-    """Write the run's receipt.json naming its records files (what a finished run has)."""
-    files = {p.relative_to(run).as_posix(): sha256_file(p)
-             for p in sorted((run / "stages").rglob("records.jsonl"))}
-    (run / "receipt.json").write_text(json.dumps({"plan_hash": plan_hash, "files": files}))
+    """Write the run's receipt.json over every file of the run, as a finished run has
+    (``plan_hash`` goes into the plan, so another one makes another receipt)."""
+    doc = json.loads((run / "plan.json").read_text())
+    plan = {**doc["plan"], "sealed": plan_hash}
+    (run / "plan.json").write_text(json.dumps({"plan": plan, "plan_hash": sha256_json(plan)}))
+    files = {p.relative_to(run).as_posix(): sha256_file(p) for p in sorted(run.rglob("*"))
+             if p.is_file() and p.name != "receipt.json"}
+    (run / "receipt.json").write_text(json.dumps(
+        {"schema": 1, "plan_hash": sha256_json(plan), "files": files, "external": {}}))
     return run
 
 
@@ -325,8 +331,8 @@ def test_damaged_blob_fails_export_naming_the_call(run: Path, calibration: Path,
     else:
         blob.unlink()
     out = tmp_path / "out"
-    word = "corrupted" if damage == "flip" else "missing"
-    with pytest.raises(IntegrityError, match=rf"call seq {seq}\b.*{word}"):
+    word = "sha256 differs from the receipt" if damage == "flip" else "missing"
+    with pytest.raises(IntegrityError, match=rf"run_altered: .*gateway/blobs/{digest}: {word}"):
         export(run, out, calibration=calibration, policy=POLICY)
     assert not out.exists()
 
@@ -692,7 +698,8 @@ def test_changed_frozen_manifest_fails_export(run: Path, calibration: Path,
                                               tmp_path: Path) -> None:
     m = run / "inputs" / "manifest.json"
     m.write_bytes(m.read_bytes().replace(b'"value": 4.0', b'"value": 5.0'))
-    with pytest.raises(IntegrityError, match="references changed after freeze"):
+    with pytest.raises(IntegrityError, match=r"run_altered: .*inputs/manifest\.json: sha256 "
+                       r"differs from the receipt"):
         export(run, tmp_path / "out", calibration=calibration, policy=POLICY)
     assert not (tmp_path / "out").exists()
 
@@ -989,3 +996,36 @@ def test_review_packet_shows_tool_calls_and_results_escaped(tmp_path: Path) -> N
     assert "\\x1b" in md and "\\u202e" in md
     # a quoted fence is longer than any backtick run inside it, so nothing escapes it
     assert "````" in md
+
+
+@pytest.mark.parametrize("change", ["manifest-and-plan", "calls-relabelled", "linked-gateway"])
+def test_a_run_changed_after_its_receipt_is_not_exported(
+        run: Path, calibration: Path, tmp_path: Path, change: str) -> None:
+    """An attack review's cases: export read plan.json, the frozen manifest and the call
+    log without checking them against the receipt the calibration is bound to. A
+    reference changed with the plan's manifest hash to match, two calls' cases swapped,
+    or the gateway directory swapped for a link to a copy were exported as data (exit 0)."""
+    if change == "manifest-and-plan":
+        m = run / "inputs" / "manifest.json"
+        m.write_bytes(m.read_bytes().replace(b'"value": 4.0', b'"value": 666666.0'))
+        doc = json.loads((run / "plan.json").read_text())
+        doc["plan"]["manifest_sha256"] = sha256_file(m)
+        doc["plan_hash"] = sha256_json(doc["plan"])
+        (run / "plan.json").write_text(json.dumps(doc))
+        want = "plan.json"
+    elif change == "calls-relabelled":
+        log = run / "gateway" / "calls.jsonl"
+        lines = [json.loads(x) for x in log.read_text().splitlines()]
+        a, b = [i for i, x in enumerate(lines) if x["case"] in ("c1", "c3")][:2]
+        lines[a]["case"], lines[b]["case"] = lines[b]["case"], lines[a]["case"]
+        log.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        want = "gateway/calls.jsonl: sha256 differs"
+    else:
+        shutil.copytree(run / "gateway", tmp_path / "copy")
+        shutil.rmtree(run / "gateway")
+        (run / "gateway").symlink_to(tmp_path / "copy")
+        want = "symlinked directory component 'gateway' refused"
+    with pytest.raises(IntegrityError, match="run_altered") as exc:
+        export(run, tmp_path / "out", calibration=calibration, policy=POLICY)
+    assert want in str(exc.value)
+    assert not (tmp_path / "out").exists()
