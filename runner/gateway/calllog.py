@@ -36,6 +36,14 @@ MAX_INDEX_BYTES = 1 << 30
 """Largest calls.jsonl read back (about two million calls)."""
 MAX_BLOB_BYTES = 1 << 30
 """Largest blob read back (requests and responses are capped far below by policy)."""
+MAX_TOKENS = 10**12
+"""A token count above this is no measurement (the gateway never records one)."""
+MAX_COUNT = 2**53
+"""Bound of every other count of a record: a copied run's log is hostile, and sums of
+unbounded integers outgrew what a report can print (exit 10)."""
+MAX_SECONDS = 1e9
+MAX_COST_USD = 1e12
+"""More than any one call can cost: sums of such values stay finite."""
 KNOWN_BLOBS = 65536
 """Digests of stored blobs remembered by a writer (a few MiB at most)."""
 DIGEST = r"^[0-9a-f]{64}$"
@@ -55,26 +63,27 @@ CostBasis = Literal["measured", "upper_bound"]
 class Usage(Frozen):
     """Tokens of one call, normalised across API families."""
 
-    prompt_tokens: int = Field(ge=0)
+    prompt_tokens: int = Field(ge=0, le=MAX_TOKENS)
     """All input tokens, cache reads and cache writes included."""
-    completion_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0, le=MAX_TOKENS)
     """All output tokens, reasoning (thinking) included."""
-    total_tokens: int = Field(ge=0)
-    cached_tokens: int = Field(default=0, ge=0)
+    total_tokens: int = Field(ge=0, le=2 * MAX_TOKENS)
+    cached_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
     """Input tokens read from the provider's prompt cache."""
-    cache_write_tokens: int = Field(default=0, ge=0)
+    cache_write_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
     """Input tokens written to the prompt cache (Anthropic cache creation)."""
-    cache_write_1h_tokens: int = Field(default=0, ge=0, exclude_if=lambda v: v == 0)
+    cache_write_1h_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS,
+                                       exclude_if=lambda v: v == 0)
     """Of those, the ones written to Anthropic's 1-hour cache (``ttl: 1h``, billed at
     cache_write_1h_per_mtok)."""
-    reasoning_tokens: int = Field(default=0, ge=0)
+    reasoning_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
     """Output tokens spent on reasoning (priced as output)."""
 
 
 class CallRecord(Frozen):
     """One model call as the gateway saw it."""
 
-    seq: int
+    seq: int = Field(ge=0, le=MAX_COUNT)
     """Order of the call within the run's log."""
     ts: str
     """UTC time the call arrived (ISO 8601)."""
@@ -84,8 +93,8 @@ class CallRecord(Frozen):
     """Upstream name (target, optimizer, judge); None when refused before routing."""
     stage: str
     case: str | None = None
-    trial: int | None = None
-    turn: int
+    trial: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    turn: int = Field(ge=0, le=MAX_COUNT)
     """Zero-based call index on this container's socket."""
     provider: str | None
     model: str | None
@@ -99,11 +108,11 @@ class CallRecord(Frozen):
     error: str | None = None
     """Named reason for refused and infra_error (e.g. bad_token, model_not_allowed,
     budget, upstream_status_500, upstream_timeout, malformed_response, truncated_stream)."""
-    http_status: int | None = None
+    http_status: int | None = Field(default=None, ge=0, le=999)
     """Upstream HTTP status (None when no upstream was reached)."""
-    latency_s: float
+    latency_s: float = Field(ge=0, le=MAX_SECONDS)
     usage: Usage | None = None
-    cost_usd: float | None = None
+    cost_usd: float | None = Field(default=None, ge=0, le=MAX_COST_USD)
     """None means unknown (no usage or no price); never silently zero."""
     cost_basis: CostBasis | None = None
     """measured: cost from reported usage; upper_bound: the call was admitted at a known
@@ -116,25 +125,26 @@ class CallRecord(Frozen):
     request_stored: bool = True
     """False for refused calls: only hash, length and prefix are kept, never the body
     (a container must not be able to fill the disk with refused requests)."""
-    request_bytes: int | None = None
+    request_bytes: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     """Length of the request bytes the hash covers."""
     request_prefix: str | None = None
     """Refused calls: the first bytes of the body (UTF-8, invalid bytes escaped)."""
-    redactions: int = 0
+    redactions: int = Field(default=0, ge=0, le=MAX_COUNT)
     """Occurrences of an upstream credential replaced in the response before storing."""
-    not_itemized: int | None = None
+    not_itemized: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     """Set on the one ``refusals_not_itemized`` record: refusals of this socket that were
     counted, not recorded one by one, after ``limits.max_refusal_records``."""
     replay_of: str | None = Field(default=None, pattern=DIGEST, exclude_if=lambda v: v is None)
     """Replay only: sha256 of the recorded request whose response answered this call; it
     differs from ``request_sha256`` when the request matched by its stable key (a coding
     CLI's fresh ids, runner/gateway/replay_key.py)."""
-    resolved_references: int | None = Field(default=None, ge=1,
+    resolved_references: int | None = Field(default=None, ge=1, le=MAX_COUNT,
                                             exclude_if=lambda v: v is None)
     """Responses only: item references in the container's request that the gateway put
     the referenced output items of its own earlier answers in place of, so the request
     sent (and hashed, stored, replayed) differs from it there (runner/gateway/items.py)."""
-    dropped_ids: int | None = Field(default=None, ge=1, exclude_if=lambda v: v is None)
+    dropped_ids: int | None = Field(default=None, ge=1, le=MAX_COUNT,
+                                    exclude_if=lambda v: v is None)
     """Responses only: input items whose ``id`` was not one of this container's answers,
     sent without it (runner/gateway/items.py)."""
 

@@ -29,15 +29,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from runner.errors import OutputRejected
-from runner.gateway.calllog import Api, Usage
+from runner.gateway.calllog import MAX_TOKENS, Api, Usage
 from runner.isolation.collect import loads_strict
 
 RESPONSES_TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
-MAX_TOKENS = 10**12
-"""More tokens than any call can use: a count above it is no measurement (an upstream's
-401-digit integer overflowed the cost to an exception that left its reservation open)."""
+# More tokens than any call can use: a count above it is no measurement (an upstream's
+# 401-digit integer overflowed the cost to an exception that left its reservation open).
+
 
 
 def _count(v: object) -> bool:

@@ -225,3 +225,28 @@ def test_a_call_log_of_gigabytes_on_one_line_is_not_read_to_open_it(tmp_path: Pa
     assert _lines_in(tmp_path / "one.jsonl") == 1
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert grown_kib < 64 * 1024, f"opening the logs took {grown_kib} KiB"
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("usage", {"prompt_tokens": int("9" * 4000), "completion_tokens": 1,
+               "total_tokens": 1}),
+    ("cost_usd", 1.7e308), ("latency_s", 1.7e308), ("seq", int("9" * 4000)),
+])
+def test_a_copied_logs_unbounded_numbers_are_refused_by_name(
+        tmp_path: Path, field: str, value: object) -> None:
+    """An attack review: 4000-digit token counts summed past what Python prints (report,
+    gateway calls and verify ended exit 10) and costs of 1.7e308 summed to infinity
+    (reported as "inf USD, complete"). Every count and amount of a record is bounded."""
+    from runner.errors import IntegrityError
+    from runner.gateway.calllog import CallLog
+
+    gw = tmp_path / "gateway"
+    gw.mkdir()
+    rec = {"seq": 0, "ts": "2026-01-01T00:00:00.000+00:00", "run_id": "r", "role": "analyst",
+           "upstream": "u", "stage": "s", "turn": 0, "provider": "scripted", "model": "m",
+           "fixture": True, "status": "ok", "latency_s": 0.1, "request_sha256": "a" * 64}
+    (gw / "calls.jsonl").write_text(json.dumps({**rec, field: value}) + "\n")
+    with pytest.raises(IntegrityError, match=rf"calls\.jsonl:1: {field}"):
+        CallLog.reader(gw).records()
+    (gw / "calls.jsonl").write_text(json.dumps(rec) + "\n")
+    assert len(CallLog.reader(gw).records()) == 1
