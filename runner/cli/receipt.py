@@ -120,10 +120,23 @@ def receipt_attest(run_dir: Annotated[Path, typer.Argument(help="A cycle run dir
 @app.command("compare")
 def receipt_compare(recorded: Annotated[Path, typer.Argument(help="Recorded run dir.")],
                     replayed: Annotated[Path, typer.Argument(help="Replayed run dir.")]) -> None:
-    """Show that two runs' receipts have equal input and outcome hashes (timings aside)."""
-    from runner.cycle.receipt import compare_receipts, load_receipt
+    """Show that two runs' receipts have equal input and outcome hashes (timings aside).
 
-    rows = compare_receipts(load_receipt(recorded), load_receipt(replayed))
+    Each run is verified against its receipt first (as `receipt verify`): a receipt
+    whose run directory was changed is exit 8 and nothing is compared."""
+    from runner.cycle.receipt import compare_receipts, load_receipt, verify
+    from runner.errors import IntegrityError
+    from runner.loading import show
+
+    receipts = [load_receipt(recorded), load_receipt(replayed)]
+    for run_dir in (recorded, replayed):
+        problems = verify(run_dir)
+        if problems:
+            shown = "; ".join(show(p, 300) for p in problems[:3])
+            raise IntegrityError(f"{run_dir}: the run does not match its receipt "
+                                 f"({len(problems)} problem(s): {shown}); `cyclebox receipt "
+                                 "verify` lists them all; only verified runs are compared")
+    rows = compare_receipts(*receipts)
     t = Table(title="recorded vs replayed")
     for c in ("hash", "recorded", "replayed", "equal"):
         t.add_column(c, overflow="fold")

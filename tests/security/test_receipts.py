@@ -392,3 +392,4 @@ def test_external_changed_store_fails(stores: tuple[Path, Path]) -> None:
     run, data = stores
     (data / "s.csv").write_text("a,c\n")
     assert verify_in(run) == [f"store:s ({data}/s.csv): sha256 differs from the receipt"]
+

@@ -423,3 +423,30 @@ def test_the_next_case_starts_while_the_last_container_is_removed(
     outcome = run(plan, fake(script(analyst=behaviour)))
     assert outcome.failure is None, outcome.result.reasons
     assert overlapped == [True]
+
+
+def test_receipt_compare_verifies_both_runs_before_it_compares(planned: Freeze,
+                                                               tmp_path: Path) -> None:
+    """An attack review: compare read only what the two receipts claim, so a run whose
+    verdict and grades were edited after its receipt compared equal (exit 0), and
+    compare exit 0 is what the docs give as evidence that a run reproduced."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    plan = planned(concurrency=1)
+    build(run(plan, fake(script())))  # the receipt, as the CLI writes it after a run
+    one, other = plan.parent, tmp_path / "other"
+    shutil.copytree(one, other)
+    cmd = [str(Path(sys.executable).with_name("cyclebox")), "receipt", "compare", str(one),
+           str(other)]
+    env = {**os.environ, "COLUMNS": "300"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    verdict = other / "stages" / "compare" / "verdict.json"
+    verdict.write_text(verdict.read_text().replace("accept_for_review", "reject"))
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, env=env)
+    assert res.returncode == 8, res.stdout + res.stderr
+    assert "stages/compare/verdict.json: sha256 differs from the receipt" in res.stderr
+    assert "recorded vs replayed" not in res.stdout
