@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from runner.cycle.models import RECORDS_MAX_BYTES, Record
+from runner.cycle.models import RECORDS_MAX_BYTES, Grades, Record
 from runner.errors import CycleboxError, OutputRejected
 from runner.gateway.calllog import CallRecord
 from runner.gateway.report import summarize
@@ -96,6 +96,22 @@ def _answer_text(answer: dict[str, object] | None) -> str | None:
     if answer.get("refused") is True:
         text = "(refused)" if value is None else f"(refused) {text}"
     return cap(text)
+
+
+GRADE_FIELDS = frozenset(Grades.model_fields)
+"""What a policy's criteria may name (a grade of every record)."""
+
+
+def _names(policy: dict[str, Any], key: str, rd: _Reader) -> tuple[str, ...]:
+    """``policy[key]`` as a list of strings; anything else a problem (the run directory
+    may have been edited), read as empty rather than crashing the report."""
+    value = policy.get(key)
+    if value is None:
+        return ()
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    rd.problems.append(f"plan.json: policy.{key} is not a list of names")
+    return ()
 
 
 def _attempt(r: Record, criteria: tuple[str, ...], stage: str, rd: _Reader) -> Attempt:
@@ -213,9 +229,13 @@ def build_report(run_dir: Path) -> Report:
         plan_hash = None
     raw_policy = plan.get("policy")
     policy: dict[str, Any] = raw_policy if isinstance(raw_policy, dict) else {}
-    criteria = tuple(str(c) for c in policy.get("criteria", ()) or ())
-    compared = {str(c) for c in policy.get("cases", ()) or ()}
-    mandatory = {str(c) for c in policy.get("mandatory", ()) or ()}
+    named = _names(policy, "criteria", rd)
+    criteria = tuple(c for c in named if c in GRADE_FIELDS)
+    if len(criteria) != len(named):
+        rd.problems.append("plan.json: policy.criteria names what no grade has "
+                           f"(grades: {', '.join(sorted(GRADE_FIELDS))})")
+    compared = set(_names(policy, "cases", rd))
+    mandatory = set(_names(policy, "mandatory", rd))
 
     by_case: dict[str, dict[str, Any]] = {}
     flat: list[tuple[Arm, str, Attempt]] = []

@@ -393,3 +393,22 @@ def test_a_call_log_the_receipt_recorded_is_not_read_as_no_calls(run: Path) -> N
     total = next(c for c in r.costs if c.role == "total")
     assert not total.complete and total.cost_usd is None
     assert cost_text(total).startswith("unknown, ") and "INCOMPLETE" in cost_text(total)
+
+
+@pytest.mark.parametrize(("key", "value", "problem"), [
+    ("criteria", 5, "policy.criteria is not a list of names"),
+    ("criteria", True, "policy.criteria is not a list of names"),
+    ("criteria", ["bogus"], "policy.criteria names what no grade has"),
+    ("cases", 1.5, "policy.cases is not a list of names"),
+    ("mandatory", [1], "policy.mandatory is not a list of names"),
+])
+def test_an_edited_policy_in_plan_json_is_a_problem_not_a_crash(
+        run: Path, key: str, value: object, problem: str) -> None:
+    """An attack review: criteria 5 or true, cases 1.5 (TypeError) and criteria naming no
+    grade (AttributeError) ended ``cyclebox report`` with exit 10."""
+    doc = json.loads((run / "plan.json").read_text())
+    doc["plan"]["policy"][key] = value
+    (run / "plan.json").write_text(json.dumps(doc))
+    r = build_report(run)
+    assert any(problem in p for p in r.problems), r.problems
+    assert r.verdict == "reject"
