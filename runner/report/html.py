@@ -58,11 +58,11 @@ def _attempt_cell(a: Attempt | None, run_dir: Path, html_dir: Path) -> str:
 
 
 def _case_rows(c: CaseRow, run_dir: Path, html_dir: Path) -> str:
-    trials = sorted({a.trial for a in (*c.baseline, *c.candidate)})
+    base = {a.trial: a for a in reversed(c.baseline)}  # the first of a trial, as before
+    cand = {a.trial: a for a in reversed(c.candidate)}
     rows = []
-    for t in trials:
-        b = next((a for a in c.baseline if a.trial == t), None)
-        k = next((a for a in c.candidate if a.trial == t), None)
+    for t in sorted(base.keys() | cand.keys()):
+        b, k = base.get(t), cand.get(t)
         flags = (" mandatory" if c.mandatory else "") + ("" if c.compared else " (not compared)")
         rows.append(f"<tr><td><code>{h(c.case_id)}</code><br><span class=\"muted\">"
                     f"{h(c.split)}{h(flags)} t{t}</span></td>"

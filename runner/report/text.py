@@ -49,8 +49,11 @@ def md(text: str, limit: int = 300) -> str:
 
 
 def xml(text: str, limit: int = 4000) -> str:
-    """Text that is valid in XML 1.0 (ElementTree escapes markup itself)."""
-    s = _XML_BAD.sub("\ufffd", text)
+    """Text that is valid in XML 1.0 (ElementTree escapes markup itself) and shows what
+    it holds: controls and format characters as escapes (:func:`visible`: C1 controls,
+    bidi overrides, zero-width and line separators are legal XML, and a CI page renders
+    them), anything XML cannot hold replaced."""
+    s = _XML_BAD.sub("\ufffd", visible(text))
     return s if len(s) <= limit else s[:limit] + "…"
 
 

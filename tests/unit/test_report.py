@@ -20,7 +20,8 @@ from runner.report.render import VERDICT_FILE, junit, markdown, terminal_rows
 from runner.report.text import h, md, one_line, visible
 
 HOSTILE = ("<script>document.title='pwned'</script><img src=x onerror=alert(1)> "
-           "[click](javascript:alert(1)) @everyone | `x` \x1b[31mred\x1b[0m \u202eevil")
+           "[click](javascript:alert(1)) @everyone | `x` \x1b[31mred\x1b[0m \u202eevil"
+           "\x9b\u2028\u200b")
 IDS = {"data_hash": "d", "reference_hash": "r", "scorer": "s", "judge": None}
 
 
@@ -177,6 +178,10 @@ def test_junit_counts_read_by_junitparser(run: Path, tmp_path: Path) -> None:
     failed = {c.name: c.result[0].message for c in suites["candidate"] if c.result}
     assert failed["a1 t1"].startswith("infra_invalid: timeout: <script>")
     assert failed["a2 t0"] == "failed: correctness"
+    # legal in XML, but a CI page renders them: shown as escapes (an attack review)
+    text = path.read_text(encoding="utf-8")
+    assert all(c not in text for c in ("\x1b", "\u202e", "\x9b", "\u2028", "\u200b"))
+    assert "\\u202eevil" in text
 
 
 def test_symlinked_records_are_refused_not_followed(run: Path, tmp_path: Path) -> None:
