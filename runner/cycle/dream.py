@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -44,10 +45,25 @@ def intent_of(s: Scenario, key: str) -> str:
     return str(s.input.get(key, ""))
 
 
+def variant_id(parent: str, k: int) -> str:
+    return f"{parent}_dream{k}"
+
+
+def dream_clashes(spec: Any, scenarios: Iterable[Scenario]) -> list[str]:
+    """Ids of ``scenarios`` that a variant of one of their development cases would take
+    (``spec``: a DreamSpec; none when dream is off)."""
+    if spec.mode == "off":
+        return []
+    cases = list(scenarios)
+    ids = {s.id for s in cases}
+    return sorted(v for s in cases if s.split == DEVELOPMENT
+                  for v in (variant_id(s.id, k) for k in range(spec.factor)) if v in ids)
+
+
 def variant(parent: Scenario, k: int, text: str, key: str) -> Scenario:
     """Variant k of a task: same reference/judge, train split, origin dream."""
     return parent.model_copy(update={
-        "id": f"{parent.id}_dream{k}", "split": TRAIN, "origin": "dream",
+        "id": variant_id(parent.id, k), "split": TRAIN, "origin": "dream",
         "derived_from": parent.id, "mandatory": False,
         "input": {**parent.input, key: text}})
 

@@ -42,6 +42,7 @@ from runner.cycle.config import (
     resolve,
     uncommitted_warning,
 )
+from runner.cycle.dream import dream_clashes
 from runner.cycle.manifest import load_manifest, verify_stores
 from runner.cycle.models import (
     DEVELOPMENT,
@@ -242,6 +243,7 @@ def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy
                           "shorter paths (or remove it)") from None
     policy = _policy(load_policy(inputs.policy), manifest, cycle, cycle_path)
     _check_briefable(cycle, manifest, show(str(inputs.manifest)))
+    _check_dream_ids(cycle.dream, manifest, show(str(inputs.manifest)))
     pols = load_policies(inputs.roles, ref=(where, "roles"))
     missing_roles = [r for r in CYCLE_ROLES if r not in pols.roles]
     if missing_roles:
@@ -579,6 +581,17 @@ def _check_briefable(cycle: CycleFile, manifest: Manifest, where: str) -> None:
                           fix=f"mark the cases the worker may learn from split: {DEVELOPMENT} "
                           f"(the splits are {', '.join(SPLITS)}), or give a fixed brief "
                           "(brief: {mode: file, file: BRIEF.md}) with dream off")
+
+
+def _check_dream_ids(dream: DreamSpec, manifest: Manifest, where: str) -> None:
+    """A dream variant is named ``<development case>_dream<k>``: a case of the manifest
+    with such an id would be replaced by a model-written variant."""
+    clash = dream_clashes(dream, manifest.scenarios)
+    if clash:
+        raise ConfigError(f"scenario ids {clash[:5]} are the names dream.mode "
+                          f"{dream.mode} gives its variants of development cases; a "
+                          "variant would replace the case", path=where, field="scenarios[].id",
+                          fix="rename those cases, or set dream.mode: off")
 
 
 def _check_edit(edit: EditSpec, cycle_path: Path) -> None:

@@ -308,6 +308,10 @@ class CycleRunner:
         src = self._stage("export", self._export_base)
         if self.plan.dream.mode != "off":
             variants = self._stage("dream", self._dream)
+            clash = sorted(v.id for v in variants if v.id in self.scenarios)
+            if clash:  # refused at freeze; a dream override reaches here
+                raise StageFailed(f"dream: variant ids {clash[:5]} are ids of the manifest's "
+                                  "own cases (a variant would replace them)")
             self.scenarios.update({v.id: v for v in variants})
             base_cases += [v.id for v in variants]
         baseline = self._stage("baseline", lambda: self._analyst("baseline", src, base_cases))

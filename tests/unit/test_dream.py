@@ -165,3 +165,21 @@ def test_only_development_tasks_are_sent() -> None:
     calls = dream.generation_calls([SIGNUP, acc], 2, KEY)
     assert [c["id"] for c in calls] == ["t1"]
     assert "Held-out" not in json.dumps(calls)
+
+
+def test_a_case_named_like_a_variant_is_a_clash_refused_at_freeze() -> None:
+    """A variant is named ``<case>_dream<k>``: an acceptance case ``t1_dream1`` in the
+    manifest was replaced by the model-written variant of development case t1 (an
+    attack review). Freeze refuses it, naming the ids and the field."""
+    from runner.cycle.config import DreamSpec
+    from runner.cycle.manifest import Manifest
+    from runner.cycle.plan import _check_dream_ids
+    from runner.errors import ConfigError
+
+    cases = [SIGNUP, task("t1_dream1", "Real acceptance case.", "acceptance"), REVENUE]
+    assert dream.dream_clashes(DreamSpec(mode="template", factor=2), cases) == ["t1_dream1"]
+    assert dream.dream_clashes(DreamSpec(mode="template", factor=1), cases) == []
+    assert dream.dream_clashes(DreamSpec(mode="off", factor=2), cases) == []
+    manifest = Manifest.model_construct(scenarios=cases)
+    with pytest.raises(ConfigError, match=r"scenarios\[\]\.id: scenario ids \['t1_dream1'\]"):
+        _check_dream_ids(DreamSpec(mode="model", factor=3), manifest, "manifest.json")
