@@ -95,6 +95,10 @@ class Resolution:
     extra: int = 0
     dropped: tuple[int, ...] = ()
     """Places of items whose id is not this binding's: sent without it."""
+    stored_tokens: int = 0
+    """Most input tokens the upstream may read by the ids sent (its own stored content
+    of them: a reasoning item's hidden reasoning): the output tokens of every earlier
+    answer one of them came from, each answer once. The worst case reserves them."""
 
     def apply(self, body: dict[str, Any]) -> int:
         """Put the items in place in ``body["input"]`` and drop the ids not this
@@ -118,23 +122,28 @@ class ResponseItems:
     def __init__(self) -> None:
         self._items: OrderedDict[str, bytes] = OrderedDict()
         self._bytes = 0
-        self._own: OrderedDict[str, None] = OrderedDict()
+        self._own: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        """Own id -> (its answer's serial, that answer's output tokens at most)."""
         self._own_bytes = 0
+        self._answers = 0
         self._lock = threading.Lock()
 
-    def _know(self, iid: str) -> None:
+    def _know(self, iid: str, answer: tuple[int, int]) -> None:
         if iid in self._own:
             self._own.move_to_end(iid)
+            self._own[iid] = answer
             return
-        self._own[iid] = None
+        self._own[iid] = answer
         self._own_bytes += len(iid)
         while self._own_bytes > MAX_ID_BYTES:
             old, _ = self._own.popitem(last=False)
             self._own_bytes -= len(old)
 
-    def remember(self, response: bytes, *, stream: bool) -> int:
+    def remember(self, response: bytes, *, stream: bool, tokens: int) -> int:
         """Keep the output items of a successful answer; returns how many. A malformed
-        answer keeps nothing (it was already recorded as what it is)."""
+        answer keeps nothing (it was already recorded as what it is). ``tokens``: most
+        output tokens the answer holds (its usage, else the call's cap): what the
+        upstream may read again by its items' ids."""
         try:
             items = _outputs(response, stream)
         except (ValueError, RecursionError):
@@ -150,8 +159,10 @@ class ResponseItems:
                 continue  # e.g. a lone surrogate: not an item to send again
             kept.append((iid, one if len(one) <= MAX_BYTES else None))
         with self._lock:  # only to insert and evict: measure never waits on a scan
+            self._answers += 1
+            answer = (self._answers, max(0, tokens))
             for iid, data in kept:
-                self._know(iid)
+                self._know(iid, answer)
                 old = self._items.pop(iid, None)
                 if old is not None:
                     self._bytes -= len(old)
@@ -176,6 +187,7 @@ class ResponseItems:
         seen: set[str] = set()
         places: list[tuple[int, bytes]] = []
         dropped: list[int] = []
+        answers: dict[int, int] = {}  # serial -> output tokens, of every own id sent
         added = 0
         own, kept = self._own, self._items
         # No lock: remember() changes these under its lock, and a lookup in a dict is
@@ -191,8 +203,11 @@ class ResponseItems:
             if type(iid) is not str or not 0 < len(iid) <= MAX_ID:
                 raise Refusal(400, "bad_request", f"input[{i}].id: an item id is a string "
                               f"of 1 to {MAX_ID} characters", f"input[{i}].id")
+            mine = own.get(iid)
+            if mine is not None:  # sent with its id (as is, or the item put in place)
+                answers[mine[0]] = mine[1]
             if not reference:
-                if iid not in own:
+                if mine is None:
                     dropped.append(i)
                 continue
             where = f"input[{i}]"
@@ -220,8 +235,8 @@ class ResponseItems:
                               f"items in place the request exceeds max_request_bytes "
                               f"({max_bytes}); send fewer or smaller items", where)
             places.append((i, data))
-        return Resolution(tuple(places), added, tuple(dropped)) if places or dropped \
-            else NOTHING
+        return Resolution(tuple(places), added, tuple(dropped), sum(answers.values())) \
+            if places or dropped or answers else NOTHING
 
     def resolve(self, body: dict[str, Any], *, body_bytes: int, max_bytes: int) -> int:
         """:meth:`measure`, then the items put in place (in ``body``); how many."""

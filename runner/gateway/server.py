@@ -672,7 +672,8 @@ class _Handler:
             raise
         price = up.prices.get(model)
         free = api == "count_tokens"  # answered without generating: never billed
-        worst = 0.0 if free else (worst_case_usd(len(sent), vetted, price, up.rules)
+        worst = 0.0 if free else (worst_case_usd(len(sent), vetted, price, up.rules,
+                                                 stored_tokens=found.stored_tokens)
                                   if price else None)
         try:  # a free call too: it reaches the upstream, so the call caps count it
             reservation = self.gw.budget.admit(self.b.role, worst, free=free)
@@ -729,7 +730,9 @@ class _Handler:
                 assert response is not None  # noqa: S101 - remember says so
                 # The redacted answer, parsed again: the items inspect() parsed are the
                 # upstream's unredacted ones, and a resolved reference is sent and recorded.
-                self.b.items.remember(response, stream=stream)
+                self.b.items.remember(response, stream=stream, tokens=(
+                    result.usage.completion_tokens if result.usage is not None
+                    else vetted.choices * vetted.max_tokens))
             self.gw._record(
                 self.b, turn, t0, status="infra_error" if result.error else "ok",
                 error=result.error, fixture=result.fixture, http_status=result.http_status,

@@ -487,12 +487,14 @@ def _asks_1h_cache(body: object) -> bool:
     return False
 
 
-def worst_case_usd(request_bytes: int, v: Vetted, price: Price, rules: RequestRules) -> float:
+def worst_case_usd(request_bytes: int, v: Vetted, price: Price, rules: RequestRules, *,
+                   stored_tokens: int = 0) -> float:
     """Most a call can cost: every byte an input token at the dearest input price (cache
     writes can cost more than plain input), each inline image and document at its token
-    bound, every choice at max_tokens."""
+    bound, what the upstream may read by the item ids sent (``stored_tokens``,
+    :class:`runner.gateway.items.Resolution`), every choice at max_tokens."""
     tokens_in = (request_bytes + TEMPLATE_MARGIN_TOKENS + v.images * rules.image_token_bound
-                 + v.documents * rules.document_token_bound)
+                 + v.documents * rules.document_token_bound + stored_tokens)
     tokens_out = v.choices * v.max_tokens
     return (tokens_in * price.max_input_per_mtok(cache_1h=v.cache_1h)
             + tokens_out * price.output_per_mtok) / 1e6

@@ -469,3 +469,34 @@ def test_a_large_answer_is_parsed_off_the_loop_other_containers_go_on(
         t.join(30)
     assert r.status_code == 200 and results == [200]
     assert seen == [True], "the other container's call waited for the large answer's parse"
+
+
+def test_own_reasoning_ids_sent_again_are_reserved_at_what_the_upstream_reads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An attack review: a container's own reasoning items, sent again by id (as agents
+    do), make the upstream read its stored hidden reasoning as input tokens, but the
+    worst case priced only the ~50 bytes each item takes: 60 of them cost $2.52 on a
+    $0.07 reservation and spending passed the limit. Each answer an id sent came from
+    now adds its output tokens to the worst case, so the limit holds."""
+    monkeypatch.setenv("CBX_ITEMS_KEY", "sk-items")
+    cap, price = 4096, {"input_per_mtok": 10, "output_per_mtok": 10}
+    k = 12
+    with upstream() as (url, srv):
+        up = parse_upstream({
+            "provider": "openai", "base_url": url, "credential": {"env": "CBX_ITEMS_KEY"},
+            "models": ["items-hidden"], "max_tokens": cap, "prices": {"items-hidden": price}})
+        one_call = (cap + 200) * 10 / 1e6  # a first call: its cap and a small body
+        budget = RunBudget(BudgetPolicy(limit_usd=k * one_call + 0.1, reservation_usd=0.0))
+        with Gateway(tmp_path, "rs", {"target": up}, {"analyst": "target"}, budget) as gw, \
+                gw.bound("analyst", stage="s", case="a", uid=os.getuid()) as a:
+            for _ in range(k):
+                r = post(gw, a, "/v1/responses", {"model": "items-hidden", "input": "think"})
+                assert r.status_code == 200, r.text
+            ids = [{"type": "reasoning", "id": f"rs_{n}", "summary": []} for n in range(k)]
+            last = post(gw, a, "/v1/responses", {"model": "items-hidden", "input": [
+                *ids, {"role": "user", "content": "go"}]})
+    total = budget.totals()["total"]
+    assert last.status_code == 429 and "would be exceeded" in last.text, last.text
+    assert total["spent_usd"] <= budget.policy.limit_usd  # type: ignore[index,operator]
+    assert budget.halted is None
+    assert len(srv.requests) == k  # the last call never reached the upstream
