@@ -123,8 +123,11 @@ class RequestRules(Frozen):
     allow_images: bool = False
     """Inline ``data:`` image parts (each reserved at image_token_bound input tokens);
     remote image URLs are always refused (the upstream would fetch them)."""
-    image_token_bound: int = Field(default=6000, gt=0)
-    """Worst-case input tokens charged for one image part."""
+    image_token_bound: int = Field(default=50_000, gt=0)
+    """Worst-case input tokens charged for one image part. The default covers the
+    dearest published rule: gpt-4o-mini at high detail, 2,833 + 5,667 per 512 px tile,
+    8 tiles for a 768 x 2048 image = 48,169 tokens (6,000 did not: such a call cost more
+    than its reservation). Set it to your model's bound."""
     allow_documents: bool = False
     """Inline files the upstream reads page by page (Anthropic ``document`` blocks with a
     base64 source, Responses ``input_file`` with ``file_data``: PDFs), each reserved at

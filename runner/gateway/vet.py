@@ -32,6 +32,10 @@ ROUTES: dict[str, Api] = {
 """POST routes -> API family."""
 TEMPLATE_MARGIN_TOKENS = 64
 """Priming tokens a chat template may add beyond the request's bytes."""
+TOOL_PROMPT_TOKENS = 600
+"""Input tokens a provider adds to a request that offers tools, beyond their bytes:
+Anthropic's tool-use system prompt is 346 tokens (Claude 4, tool_choice auto) and was up
+to 530 (Claude 3 Opus)."""
 SERVER_STATE = ("previous_response_id", "conversation", "prompt")
 """Responses fields that make the upstream read state the gateway cannot bound or replay."""
 
@@ -61,6 +65,8 @@ class Vetted:
     cache_1h: bool = False
     """A ``cache_control`` asks for Anthropic's 1-hour cache (writes at its own price), in
     any family: an OpenAI-compatible router may pass it on to Anthropic."""
+    tools: bool = False
+    """The request offers tools (reserved with :data:`TOOL_PROMPT_TOKENS` more input)."""
 
 
 @dataclass
@@ -468,7 +474,7 @@ def vet(body: dict[str, Any], *, rules: RequestRules, cap: int, api: Api = "chat
     per_choice = max([*caps, budget if isinstance(budget, int) else 0]) if fam.output else 0
     return Vetted(body=out, choices=max(n, best_of or 1), max_tokens=per_choice,
                   images=ctx.images, documents=ctx.documents,
-                  cache_1h=fam.output and _asks_1h_cache(out))
+                  cache_1h=fam.output and _asks_1h_cache(out), tools=bool(out.get("tools")))
 
 
 def _asks_1h_cache(body: object) -> bool:
@@ -493,7 +499,8 @@ def worst_case_usd(request_bytes: int, v: Vetted, price: Price, rules: RequestRu
     writes can cost more than plain input), each inline image and document at its token
     bound, what the upstream may read by the item ids sent (``stored_tokens``,
     :class:`runner.gateway.items.Resolution`), every choice at max_tokens."""
-    tokens_in = (request_bytes + TEMPLATE_MARGIN_TOKENS + v.images * rules.image_token_bound
+    tokens_in = (request_bytes + TEMPLATE_MARGIN_TOKENS + TOOL_PROMPT_TOKENS * v.tools
+                 + v.images * rules.image_token_bound
                  + v.documents * rules.document_token_bound + stored_tokens)
     tokens_out = v.choices * v.max_tokens
     return (tokens_in * price.max_input_per_mtok(cache_1h=v.cache_1h)

@@ -4,6 +4,7 @@ and old call records (pure parts of the gateway)."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -249,3 +250,21 @@ def test_old_call_records_load_with_defaults() -> None:
     rec = CallRecord.model_validate(old)
     assert rec.api == "chat" and rec.cost_basis is None
     assert rec.usage is not None and rec.usage.cached_tokens == 0
+
+
+def test_a_request_offering_tools_is_reserved_with_the_providers_tool_prompt() -> None:
+    """Anthropic adds a tool-use system prompt (346 tokens for Claude 4) to a request
+    with tools, beyond its bytes: a small request with one tool cost more than the 64
+    tokens of margin covered (an attack review)."""
+    from runner.gateway.vet import TOOL_PROMPT_TOKENS
+
+    rules = RequestRules(allow_tools=True)
+    p = Price(input_per_mtok=1, output_per_mtok=1)
+    body: dict[str, Any] = {"model": "m", "max_tokens": 10,
+                            "messages": [{"role": "user", "content": "x"}]}
+    plain = vet(json.loads(json.dumps(body)), rules=rules, cap=10, api="messages")
+    body["tools"] = [{"name": "f", "input_schema": {"type": "object"}}]
+    tools = vet(json.loads(json.dumps(body)), rules=rules, cap=10, api="messages")
+    assert not plain.tools and tools.tools and TOOL_PROMPT_TOKENS >= 530
+    assert worst_case_usd(100, tools, p, rules) - worst_case_usd(100, plain, p, rules) \
+        == pytest.approx(TOOL_PROMPT_TOKENS / 1e6)
