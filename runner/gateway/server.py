@@ -703,9 +703,12 @@ class _Handler:
         finally:
             deadline.cancel()
         response, redactions = result.response, 0
-        if response is not None:
-            # parsed for its usage and redacted: on the pool when large (a 16 MB answer
-            # takes seconds), so other containers' calls are not held up meanwhile
+        if response is not None and len(response) < OFFLOAD_BYTES:
+            result, response, redactions = _finish(result, self.gw._redactor, stream=stream,
+                                                   api=api)
+        elif response is not None:
+            # parsed for its usage and redacted on the pool (a 16 MB answer takes
+            # seconds), so other containers' calls are not held up meanwhile
             try:
                 result, response, redactions = await self.gw.offload(
                     self.b, len(response), functools.partial(
