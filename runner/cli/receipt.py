@@ -122,15 +122,16 @@ def receipt_compare(recorded: Annotated[Path, typer.Argument(help="Recorded run 
                     replayed: Annotated[Path, typer.Argument(help="Replayed run dir.")]) -> None:
     """Show that two runs' receipts have equal input and outcome hashes (timings aside).
 
-    Each run is verified against its receipt first (as `receipt verify`): a receipt
-    whose run directory was changed is exit 8 and nothing is compared."""
+    Each run directory is verified against its receipt first (as `receipt verify`, the
+    data stores aside: their hashes are compared as inputs): a run changed since its
+    receipt is exit 8 and nothing is compared."""
     from runner.cycle.receipt import compare_receipts, load_receipt, verify
     from runner.errors import IntegrityError
     from runner.loading import show
 
     receipts = [load_receipt(recorded), load_receipt(replayed)]
     for run_dir in (recorded, replayed):
-        problems = verify(run_dir)
+        problems = verify(run_dir, external=False)  # stores: compared as inputs
         if problems:
             shown = "; ".join(show(p, 300) for p in problems[:3])
             raise IntegrityError(f"{run_dir}: the run does not match its receipt "

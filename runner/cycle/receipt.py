@@ -519,8 +519,10 @@ def _present(root_fd: int) -> tuple[set[str], list[str]]:
     return found, []
 
 
-def verify(run_dir: Path) -> list[str]:
+def verify(run_dir: Path, *, external: bool = True) -> list[str]:
     """Problems found re-hashing everything the receipt names; empty when all match.
+    ``external=False``: the run directory only, not the data stores the receipt binds
+    under the plan's ``data_dir`` (a reader of the run alone: export, compare).
 
     Names must be plain relative paths (no ``..``, not absolute); each is opened relative
     to the run directory with ``O_NOFOLLOW`` on every component; and the run directory's
@@ -534,12 +536,12 @@ def verify(run_dir: Path) -> list[str]:
         raise IntegrityError(f"{run_dir}: cannot open the run directory ({exc.strerror})"
                              ) from None
     try:
-        return _verify_at(root_fd, run_dir)
+        return _verify_at(root_fd, run_dir, external=external)
     finally:
         os.close(root_fd)
 
 
-def _verify_at(root_fd: int, run_dir: Path) -> list[str]:
+def _verify_at(root_fd: int, run_dir: Path, *, external: bool) -> list[str]:
     path = run_dir / RECEIPT
     try:
         raw = _read_in(root_fd, RECEIPT)
@@ -600,7 +602,7 @@ def _verify_at(root_fd: int, run_dir: Path) -> list[str]:
         problems.append("plan.json: plan_hash differs from the receipt")
     data_dir = plan.get("plan", {}).get("data_dir") if isinstance(plan, dict) and isinstance(
         plan.get("plan"), dict) else None
-    for name, ext in sorted(receipt.external.items()):
+    for name, ext in sorted(receipt.external.items()) if external else ():
         why = _external_problem(data_dir, ext)
         if why is not None:
             problems.append(f"{name} ({ext.path}): {why}")

@@ -703,19 +703,21 @@ class _Handler:
         finally:
             deadline.cancel()
         response, redactions = result.response, 0
-        if response is not None and len(response) < OFFLOAD_BYTES:
-            result, response, redactions = _finish(result, self.gw._redactor, stream=stream,
-                                                   api=api)
-        elif response is not None:
-            # parsed for its usage and redacted on the pool (a 16 MB answer takes
-            # seconds), so other containers' calls are not held up meanwhile
+        if response is not None:
+            # parsed for its usage and redacted; on the pool when large (a 16 MB answer
+            # takes seconds), so other containers' calls are not held up meanwhile
+            finish = functools.partial(_finish, result, self.gw._redactor, stream=stream,
+                                       api=api)
             try:
-                result, response, redactions = await self.gw.offload(
-                    self.b, len(response), functools.partial(
-                        _finish, result, self.gw._redactor, stream=stream, api=api))
+                result, response, redactions = (
+                    finish() if len(response) < OFFLOAD_BYTES
+                    else await self.gw.offload(self.b, len(response), finish))
             except asyncio.CancelledError:
                 self._interrupted(turn, t0, reservation, worst, free=free, common=common)
                 raise
+            except Exception as exc:  # the call reached the upstream: charged, recorded
+                result = ProviderResult(None, None, f"internal_error: {type(exc).__name__}")
+                response = None
         cost, basis = _charge(result, price, worst, free=free,
                               writes_1h=vetted.cache_1h and api != "messages")
         self.gw.budget.settle(reservation, cost, upper_bound=basis == "upper_bound")

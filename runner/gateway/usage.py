@@ -82,6 +82,8 @@ def _has_int(obj: Any, key: str) -> bool:
 
 def _make(prompt: int, completion: int, *, cached: int = 0, write: int = 0,
           write_1h: int = 0, reasoning: int = 0) -> Usage:
+    if prompt > MAX_TOKENS:  # a sum of counts (Anthropic's input, cache read and write)
+        raise _NoCount
     write = min(write, prompt)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
                  total_tokens=prompt + completion, cached_tokens=min(cached, prompt),
@@ -208,7 +210,9 @@ def _stream(api: Api, data: bytes) -> tuple[Usage | None, str | None]:
             usage = usage_chat(obj.get("usage")) or usage
             continue
         kind = obj.get("type")
-        kinds.add(kind if isinstance(kind, str) else None)
+        if not isinstance(kind, str):
+            kind = None  # a list or object is no event type (and cannot be looked up)
+        kinds.add(kind)
         if api == "responses":
             if kind in RESPONSES_TERMINAL:
                 terminal = obj

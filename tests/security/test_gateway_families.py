@@ -500,3 +500,28 @@ def test_own_reasoning_ids_sent_again_are_reserved_at_what_the_upstream_reads(
     assert total["spent_usd"] <= budget.policy.limit_usd  # type: ignore[index,operator]
     assert budget.halted is None
     assert len(srv.requests) == k  # the last call never reached the upstream
+
+
+def test_an_answer_whose_parse_fails_is_charged_and_recorded_not_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The answer is parsed (for usage) and redacted after the upstream call; an
+    exception there (an attack review found two) escaped the call's error handling: the
+    call that reached the upstream was recorded as refused at no cost, its reservation
+    never settled, the container got a 500. It is an internal_error charged its worst
+    case, like any call whose usage is unknown."""
+    from runner.gateway import usage as usage_mod
+
+    def broken(data: bytes, **kw: Any) -> Any:
+        raise TypeError("unhashable type: 'list'")
+
+    monkeypatch.setattr(usage_mod, "inspect", broken)
+    budget = RunBudget(BudgetPolicy(limit_usd=1.0))
+    with Gateway(tmp_path, "pf", {"target": scripted()}, {"analyst": "target"}, budget
+                 ) as gw, gw.bound("analyst", stage="s", uid=os.getuid()) as b:
+        r = post(gw, b, "/v1/chat/completions", {"model": "m", "messages": MSG})
+    assert r.status_code == 502 and "internal_error: TypeError" in r.text, r.text
+    (rec,) = CallLog(tmp_path / "gateway").records()
+    assert (rec.status, rec.error, rec.cost_basis) == (
+        "infra_error", "internal_error: TypeError", "upper_bound")
+    total = budget.totals()["total"]
+    assert total["complete"] and total["bounded_calls"] == 1  # type: ignore[index]

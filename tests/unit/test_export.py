@@ -1029,3 +1029,29 @@ def test_a_run_changed_after_its_receipt_is_not_exported(
         export(run, tmp_path / "out", calibration=calibration, policy=POLICY)
     assert want in str(exc.value)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("what", ["changed", "absent"])
+def test_a_data_store_outside_the_run_does_not_stop_its_export(
+        run: Path, tmp_path: Path, what: str) -> None:
+    """Export checks the run directory against its receipt, not the data stores the
+    receipt also binds (export never reads them): exporting after the dataset moved on,
+    or on a machine without it, works (an attack review of the check)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "s.csv").write_text("a,b\n")
+    doc = json.loads((run / "plan.json").read_text())
+    (run / "plan.json").write_text(json.dumps({"plan": {**doc["plan"],
+                                                        "data_dir": str(data)}}))
+    seal(run)
+    receipt = json.loads((run / "receipt.json").read_text())
+    receipt["external"] = {"store:s": {"path": str(data / "s.csv"),
+                                       "sha256": sha256_bytes(b"a,b\n")}}
+    (run / "receipt.json").write_text(json.dumps(receipt))
+    cal = _calibration(tmp_path, "agree", lambda v: v)
+    if what == "changed":
+        (data / "s.csv").write_text("a,b\nnew,row\n")
+    else:
+        (data / "s.csv").unlink()
+    export(run, tmp_path / "out", calibration=cal, policy=POLICY)
+    assert (tmp_path / "out" / "export-receipt.json").is_file()

@@ -268,3 +268,20 @@ def test_a_request_offering_tools_is_reserved_with_the_providers_tool_prompt() -
     assert not plain.tools and tools.tools and TOOL_PROMPT_TOKENS >= 530
     assert worst_case_usd(100, tools, p, rules) - worst_case_usd(100, plain, p, rules) \
         == pytest.approx(TOOL_PROMPT_TOKENS / 1e6)
+
+
+def test_an_odd_event_type_or_a_usage_sum_past_the_bound_never_raises() -> None:
+    """An attack review: a Responses event with ``"type": []`` raised TypeError
+    (unhashable) in the parse; Anthropic's input + cache read + cache write summed past
+    the record's token bound raised on the record. Neither raises: the stream is still
+    measured; the implausible usage is no measurement (charged its worst case)."""
+    done = {"type": "response.completed", "response": {"usage": {
+        "input_tokens": 3, "output_tokens": 2, "total_tokens": 5}}}
+    data = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n"
+                    for e in ({"type": ["x"]}, {"type": {"a": 1}}, done))
+    got, err = inspect(data, stream=True, api="responses")
+    assert err is None and got is not None and got.prompt_tokens == 3
+    u = {"input_tokens": 10**12, "cache_read_input_tokens": 1, "output_tokens": 1}
+    got, err = inspect(json.dumps({"type": "message", "content": [], "usage": u}).encode(),
+                       stream=False, api="messages")
+    assert got is None and err is None
