@@ -39,6 +39,11 @@ from typing import IO, Any, cast
 from runner.fswalk import shown
 
 MAX_META_BYTES = 4 * 1024 * 1024
+MAX_META_TOTAL = 64 * 1024 * 1024
+"""Metadata records read over a whole archive (each is parsed whole: a few KB of gzip
+expand to gigabytes of repeated PAX records)."""
+MAX_META_CHAIN = 8
+"""Metadata records in a row before an entry (tarfile reads a chain recursively)."""
 """Largest PAX or GNU long-name record read (a 4,096-deep path of 255-byte parts fits)."""
 MAX_PART = 255
 """Longest name of one path part (``NAME_MAX``)."""
@@ -103,9 +108,19 @@ class _CheckedInfo(tarfile.TarInfo):
     whole into memory."""
 
     def _proc_member(self, tf: tarfile.TarFile) -> tarfile.TarInfo:
-        if self.type in _META_TYPES and self.size > MAX_META_BYTES:
-            raise UntarError("", f"a tar metadata record of {self.size} bytes (at most "
-                             f"{MAX_META_BYTES}); refused", limit=True)
+        seen = tf.__dict__.setdefault("_cbx_meta", [0, 0])  # [bytes, in a row]
+        if self.type in _META_TYPES:
+            if self.size > MAX_META_BYTES:
+                raise UntarError("", f"a tar metadata record of {self.size} bytes (at most "
+                                 f"{MAX_META_BYTES}); refused", limit=True)
+            seen[0] += self.size
+            seen[1] += 1
+            if seen[0] > MAX_META_TOTAL or seen[1] > MAX_META_CHAIN:
+                raise UntarError("", f"more than {MAX_META_TOTAL} bytes of tar metadata "
+                                 f"records, or {MAX_META_CHAIN} in a row; refused",
+                                 limit=True)
+        else:
+            seen[1] = 0
         return cast(tarfile.TarInfo, cast(Any, super())._proc_member(tf))
 
 
@@ -139,11 +154,12 @@ def extract(fileobj: IO[bytes], dest: int, limits: Limits) -> Untarred:
             while True:
                 try:
                     m = tf.next()
-                except tarfile.TarError as exc:
+                except (tarfile.TarError, RecursionError) as exc:
                     raise UntarError("", f"not a readable tar ({exc})") from None
                 if m is None:
                     break
                 _one(tf, m, dirs, limits, got)
+                forget_read(tf)
         for parts, mode in got._modes:
             fd = dirs.open_parent([*parts, ""], "/".join(parts), create=None)
             try:
@@ -153,6 +169,12 @@ def extract(fileobj: IO[bytes], dest: int, limits: Limits) -> Untarred:
     finally:
         dirs.close()
     return got
+
+
+def forget_read(tf: tarfile.TarFile) -> None:
+    """Drop the headers a stream-mode TarFile keeps of every member read (a stream is
+    read once; kept, thousands of 4 MB PAX records filled the host's memory)."""
+    cast(Any, tf).members.clear()
 
 
 def _open(fileobj: IO[bytes]) -> tarfile.TarFile:
@@ -275,8 +297,17 @@ def _write(tf: tarfile.TarFile, m: tarfile.TarInfo, pfd: int, leaf: str, name: s
 
 def _times(m: tarfile.TarInfo) -> tuple[int, int]:
     """The entry's mtime as (atime, mtime), clamped to what any filesystem takes."""
-    t = min(max(int(m.mtime), 0), 2**32 - 1)
+    t = mtime_of(m)
     return t, t
+
+
+def mtime_of(m: tarfile.TarInfo) -> int:
+    """An entry's mtime clamped to what any filesystem takes (a PAX record may say
+    ``inf`` or ``nan``: 0)."""
+    try:
+        return min(max(int(m.mtime), 0), 2**32 - 1)
+    except (OverflowError, ValueError, TypeError):
+        return 0
 
 
 class _Dirs:

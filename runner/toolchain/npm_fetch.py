@@ -32,11 +32,14 @@ from typing import IO, NamedTuple
 
 from runner.errors import PrerequisiteError
 from runner.toolchain.npm_lock import NpmPackage, NpmPlan, NpmRefused
-from runner.untar import Limits, UntarError, _CheckedInfo, extract
+from runner.untar import Limits, UntarError, _CheckedInfo, extract, forget_read, mtime_of
 
 MAX_TARBALL_BYTES = 256 * 1024 * 1024
 """Largest tarball fetched (the biggest CLI bundles are ~100 MB)."""
 MAX_UNPACKED_BYTES = 1024 * 1024 * 1024
+MAX_LAYOUT_BYTES = 4 * 1024 * 1024 * 1024
+"""All packages of a layout together, unpacked (one small tarball installed under many
+keys, or many gzip bombs of 1 GiB each, filled the host's disk)."""
 FETCH_TIMEOUT_S = 120.0
 LAYOUT_VERSION = "2"
 """Changes when :func:`lay_out` lays a tree out differently (part of the image's hash)."""
@@ -124,12 +127,13 @@ def tarball_filename(pkg: NpmPackage) -> str:
     return urllib.parse.unquote(name) or f"{pkg.name.rsplit('/', 1)[-1]}-{pkg.version}.tgz"
 
 
-def _strip_first(tgz: Path) -> IO[bytes]:
+def _strip_first(tgz: Path, limits: Limits = LIMITS) -> IO[bytes]:
     """The tar stream with every name's first part removed (npm's ``strip: 1``); an entry
     that is only the top directory is dropped. Names are checked again by untar. Bounded
     as untar bounds (entries, bytes, metadata records: a gzip bomb stops at the bound),
     spilled to disk past 16 MB."""
-    out = tempfile.SpooledTemporaryFile(max_size=16 << 20)  # noqa: SIM115 - returned
+    # spilled beside the tarball (the cache), never to a system /tmp that may be RAM
+    out = tempfile.SpooledTemporaryFile(max_size=16 << 20, dir=str(tgz.parent))  # noqa: SIM115
     entries = size = 0
     # untar's header class: PAX / GNU long-name records are bounded before they are read
     with gzip.open(tgz, "rb") as raw, tarfile.open(fileobj=raw, mode="r|",
@@ -137,9 +141,9 @@ def _strip_first(tgz: Path) -> IO[bytes]:
             tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as dst:
         for m in src:
             entries, size = entries + 1, size + max(m.size, 0)
-            if entries > LIMITS.max_entries or size > LIMITS.max_bytes:
-                raise UntarError("", f"more than {LIMITS.max_entries} entries or "
-                                 f"{LIMITS.max_bytes} bytes unpacked; refused", limit=True)
+            if entries > limits.max_entries or size > limits.max_bytes:
+                raise UntarError("", f"more than {limits.max_entries} entries or "
+                                 f"{limits.max_bytes} bytes unpacked; refused", limit=True)
             name = m.name
             rest = name.split("/", 1)[1] if "/" in name.lstrip("/") else ""
             if name.startswith("/"):
@@ -149,14 +153,23 @@ def _strip_first(tgz: Path) -> IO[bytes]:
                     continue  # the package's own top directory
                 raise UntarError(name, "an entry outside the package's top directory "
                                  "refused")
-            m.name = rest
-            dst.addfile(m, src.extractfile(m) if m.isfile() else None)
+            # a fresh header: only what untar uses, none of the source's PAX records
+            # (an mtime of inf or nan in one raised when written again)
+            n = tarfile.TarInfo(rest)
+            n.type, n.size, n.mode, n.linkname = m.type, m.size, m.mode, m.linkname
+            n.mtime = mtime_of(m)
+            dst.addfile(n, src.extractfile(m) if m.isfile() else None)
+            forget_read(src)
     out.seek(0)
     return out
 
 
 def _extract(pkg: NpmPackage, tgz: Path, into: Path, *, source: str, field: str,
-             path: str) -> None:
+             path: str, left: int = MAX_LAYOUT_BYTES) -> int:
+    """Unpack one package into ``into`` (at most ``left`` bytes, what the layout has
+    left); the bytes written."""
+    limits = Limits(max_entries=LIMITS.max_entries, max_bytes=min(LIMITS.max_bytes, left),
+                    max_depth=LIMITS.max_depth)
     try:  # a parent's tarball may already hold this key's place (or a file there)
         into.mkdir(parents=True)
         fd = os.open(into, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -166,12 +179,16 @@ def _extract(pkg: NpmPackage, tgz: Path, into: Path, *, source: str, field: str,
                          fix="regenerate the lockfile; a tarball that ships the "
                          "node_modules its lockfile installs is not installed") from None
     try:
-        extract(_strip_first(tgz), fd, LIMITS)
+        got = extract(_strip_first(tgz, limits), fd, limits)
     except UntarError as exc:
+        if exc.limit and limits.max_bytes < LIMITS.max_bytes:
+            raise NpmRefused(f"{source}: the packages unpack to more than {MAX_LAYOUT_BYTES} "
+                             f"bytes together (at {pkg.key})", path=path, field=field,
+                             fix="depend on fewer or smaller packages") from None
         raise NpmRefused(f"{source}: {pkg.key}: {pkg.name}@{pkg.version}'s tarball was "
                          f"refused: {exc}", path=path, field=field,
                          fix="depend on another release of the package") from None
-    except (tarfile.TarError, OSError, EOFError) as exc:
+    except (tarfile.TarError, OSError, EOFError, RecursionError) as exc:
         raise NpmRefused(f"{source}: {pkg.key}: {pkg.name}@{pkg.version}'s tarball is not a "
                          f"readable .tgz ({exc})", path=path, field=field,
                          fix="depend on another release of the package") from None
@@ -184,6 +201,7 @@ def _extract(pkg: NpmPackage, tgz: Path, into: Path, *, source: str, field: str,
             p = os.path.join(d, n)
             mode = os.lstat(p).st_mode
             os.chmod(p, 0o755 if mode & 0o111 else 0o644, follow_symlinks=False)
+    return got.bytes
 
 
 def _link_bins(pkg: NpmPackage, root: Path) -> None:
@@ -217,11 +235,13 @@ def lay_out(plan: NpmPlan, dest: Path, cache: Path, log: Log, *, source: str, fi
                 "(project.npm_ignore_scripts)")
     tmp = Path(tempfile.mkdtemp(prefix=".npm-", dir=dest.parent))
     sha256: dict[str, str] = {}
+    used = 0
     try:
         for p in plan.packages:
             tgz = cached_tarball(p, cache, source=source, field=field, path=path)
             sha256[p.key] = tgz.sha256
-            _extract(p, tgz.path, tmp / p.key, source=source, field=field, path=path)
+            used += _extract(p, tgz.path, tmp / p.key, source=source, field=field,
+                             path=path, left=MAX_LAYOUT_BYTES - used)
         for p in plan.packages:
             _link_bins(p, tmp)
         (tmp / "node_modules").mkdir(exist_ok=True)

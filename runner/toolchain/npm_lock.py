@@ -107,7 +107,7 @@ def _json(data: bytes, limit: int, source: str, *, path: str, field: str) -> dic
                          field=field, fix=LOCK_FIX)
     try:
         doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise NpmRefused(f"{source} is not JSON ({exc})", path=path, field=field,
                          fix=LOCK_FIX) from None
     if not isinstance(doc, dict):
@@ -147,10 +147,16 @@ def registry_problem(url: str, registry: str) -> str | None:
     only for a loopback registry (a local mirror); everything else must be https."""
     if _NOT_REGISTRY.match(url):
         return f"resolved {url!r} is a {url.split(':', 1)[0]}: dependency, not a registry tarball"
-    u, r = urlsplit(url), urlsplit(registry)
+    if not url.isascii() or not url.isprintable() or " " in url:
+        return f"resolved {url!r} holds a space, a control or a non-ASCII character"
+    try:
+        u, r = urlsplit(url), urlsplit(registry)
+        ports = (u.port, r.port)
+    except ValueError as exc:  # a port out of range, an unclosed [IPv6 literal
+        return f"resolved {url!r} is not a URL ({exc})"
     if u.scheme not in ("https", "http") or not u.hostname:
         return f"resolved {url!r} is not a registry URL"
-    if (u.scheme, u.hostname, u.port) != (r.scheme, r.hostname, r.port):
+    if (u.scheme, u.hostname, ports[0]) != (r.scheme, r.hostname, ports[1]):
         return f"resolved {url!r} is not on the npm registry {registry}"
     if u.scheme == "http" and r.hostname not in ("127.0.0.1", "localhost", "::1"):
         return f"registry {registry} is plain http (only a loopback mirror may be)"

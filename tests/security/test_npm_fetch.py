@@ -322,3 +322,96 @@ def test_the_tarball_sha256_is_of_the_bytes_fetched_and_of_the_checked_cache(
                            field="project.npm", path="cycle.yaml")
     assert third.sha256 == hashlib.sha256(body).hexdigest()
     assert len(registry.requests) == 2
+
+
+def _pax_tgz(n: int, *, chain: int = 1, pax: dict[str, str] | None = None,
+             comment: int = 0) -> bytes:
+    """``n`` one-byte files, each after ``chain`` PAX records (a comment of ``comment``
+    bytes, plus ``pax``)."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
+        for i in range(n):
+            for _ in range(chain - 1):  # bare extended headers in a row
+                extra = tarfile.TarInfo("PaxHeader")
+                extra.type = tarfile.XHDTYPE
+                data = b"11 path=x\n"
+                extra.size = len(data)
+                tar.addfile(extra, io.BytesIO(data))
+            info = tarfile.TarInfo(f"package/f{i}")
+            info.size = 1
+            info.pax_headers = {**({"comment": "c" * comment} if comment else {}),
+                                **(pax or {})}
+            tar.addfile(info, io.BytesIO(b"x"))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(("case", "body", "match"), [
+    ("metadata-total", lambda: _pax_tgz(20, comment=(4 << 20) - 64),
+     "more than 67108864 bytes of tar metadata records"),
+    ("metadata-chain", lambda: _pax_tgz(1, chain=400), "or 8 in a row"),
+])
+def test_tar_metadata_is_bounded_over_the_whole_archive(
+        tmp_path: Path, registry: Registry, case: str, body: Any, match: str) -> None:
+    """An attack review: every PAX record was capped at 4 MB, but tarfile kept each one
+    (with its member) for the whole archive: 400 one-byte files after 4 MB comments, a
+    1.7 MB tarball, took 1.7 GB of host memory. A chain of 400 records raised
+    RecursionError (exit 10). Both are refused by name."""
+    data = body()
+    url = registry.publish("meta", "1.0.0", data)
+    with pytest.raises(NpmRefused, match=match):
+        install(tmp_path, registry, {"node_modules/meta": {
+            "version": "1.0.0", "resolved": url, "integrity": sri(data)}})
+    assert list((tmp_path / "context").iterdir()) == []
+
+
+@pytest.mark.parametrize("mtime", ["inf", "nan", "1e999", "-5"])
+def test_an_odd_pax_mtime_is_clamped_not_a_crash(tmp_path: Path, registry: Registry,
+                                                  mtime: str) -> None:
+    data = _pax_tgz(1, pax={"mtime": mtime})
+    url = registry.publish("odd", "1.0.0", data)
+    nm = install(tmp_path, registry, {"node_modules/odd": {
+        "version": "1.0.0", "resolved": url, "integrity": sri(data)}})
+    assert (nm / "odd" / "f0").read_bytes() == b"x"
+
+
+def test_the_packages_of_a_layout_are_bounded_together(
+        tmp_path: Path, registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One small tarball installed under many keys (each unpacked on its own, each under
+    the per-package bound) filled the disk: 16 KB fetched gave 513 MB (attack review)."""
+    from runner.toolchain import npm_fetch
+
+    monkeypatch.setattr(npm_fetch, "MAX_LAYOUT_BYTES", 3 << 20)
+    body = tgz({"package/zeros.bin": b"\0" * (1 << 20)})
+    url = registry.publish("blob", "1.0.0", body)
+    packages = {f"node_modules/a{i}": {"name": "blob", "version": "1.0.0", "resolved": url,
+                                       "integrity": sri(body)} for i in range(5)}
+    with pytest.raises(NpmRefused, match=r"the packages unpack to more than 3145728 bytes "
+                       r"together \(at node_modules/a3\)"):
+        install(tmp_path, registry, packages)
+    assert list((tmp_path / "context").iterdir()) == []
+
+
+@pytest.mark.parametrize(("resolved", "why"), [
+    ("https://registry.npmjs.org:99999/a/-/a-1.0.0.tgz", "is not a URL"),
+    ("https://[registry.npmjs.org/a/-/a-1.0.0.tgz", "is not a URL"),
+    ("https://registry.npmjs.org/a/-/a\x1b]0;x\x07 -1.0.0.tgz", "holds a space, a control"),
+])
+def test_a_malformed_resolved_url_is_bad_input(tmp_path: Path, resolved: str,
+                                               why: str) -> None:
+    lock, pkg = lockfile({"node_modules/a": {"version": "1.0.0", "resolved": resolved,
+                                             "integrity": sri(b"x")}})
+    with pytest.raises(NpmRefused, match=why):
+        parse_lockfile(lock, pkg, source="package-lock.json", pkg_source="package.json",
+                       registry="https://registry.npmjs.org/", ignore_scripts=(),
+                       path="cycle.yaml", field="project.npm")
+
+
+@pytest.mark.parametrize("which", ["lockfile", "package.json"])
+def test_a_deeply_nested_lockfile_is_bad_input(which: str) -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    lock, pkg = lockfile({})
+    lock, pkg = (deep, pkg) if which == "lockfile" else (lock, deep)
+    with pytest.raises(NpmRefused, match="is not JSON"):
+        parse_lockfile(lock, pkg, source="package-lock.json", pkg_source="package.json",
+                       registry="https://registry.npmjs.org/", ignore_scripts=(),
+                       path="cycle.yaml", field="project.npm")
