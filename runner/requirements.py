@@ -100,7 +100,7 @@ def requires_dist_urls(wheel: Path) -> list[str]:
                 return [f"<{len(metas)} METADATA files or one too large>"]
             with z.open(metas[0]) as f:
                 text = f.read(MAX_METADATA_BYTES + 1).decode("utf-8", "replace")
-    except (OSError, zipfile.BadZipFile, ValueError) as exc:
+    except (OSError, zipfile.BadZipFile, ValueError, NotImplementedError, EOFError) as exc:
         return [f"<unreadable wheel: {type(exc).__name__}>"]
     headers = HeaderParser().parsestr(text, headersonly=True)
     return [str(v) for v in headers.get_all("Requires-Dist") or []
