@@ -882,25 +882,3 @@ def clone_bare_untrusted(src: Path, dest: Path, *, branch: str) -> None:
               str(dest)], extra_env={"GIT_CONFIG_GLOBAL": str(cfg)})
     finally:
         cfg.unlink(missing_ok=True)
-
-
-def commit_tree(git_dir: Path, commit: str) -> str:
-    """The tree id of ``commit`` in the bare repository ``git_dir``, read from the commit
-    object itself and checked: the object's bytes must hash to ``commit`` (sha1 or sha256
-    by its length), so an edited commit object cannot name another tree. IntegrityError
-    when it does not; ConfigError when git cannot read it."""
-    if len(commit) not in (40, 64) or any(c not in "0123456789abcdef" for c in commit):
-        raise IntegrityError(f"{commit[:80]!r} is not a git object id")
-    with _reading(git_dir) as r:
-        try:
-            body = _object(r, bytes.fromhex(commit), b"commit")
-        except _LOOKUP_ERRORS as exc:
-            raise ConfigError(f"cannot read commit {commit}: {_why(exc)}", path=str(git_dir)
-                              ) from None
-    algo = hashlib.sha1 if len(commit) == 40 else hashlib.sha256
-    if algo(b"commit %d\0" % len(body) + body).hexdigest() != commit:
-        raise IntegrityError(f"commit {commit} does not hash to its id (edited object)")
-    first = body.split(b"\n", 1)[0]
-    if not first.startswith(b"tree "):
-        raise IntegrityError(f"commit {commit} names no tree")
-    return first[5:].decode("ascii", "replace").strip()

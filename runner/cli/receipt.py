@@ -125,18 +125,11 @@ def receipt_compare(recorded: Annotated[Path, typer.Argument(help="Recorded run 
     Each run directory is verified against its receipt first (as `receipt verify`, the
     data stores aside: their hashes are compared as inputs): a run changed since its
     receipt is exit 8 and nothing is compared."""
-    from runner.cycle.receipt import compare_receipts, load_receipt, verify
-    from runner.errors import IntegrityError
-    from runner.loading import show
+    from runner.cycle.receipt import compare_receipts, load_receipt, require_unaltered
 
     receipts = [load_receipt(recorded), load_receipt(replayed)]
     for run_dir in (recorded, replayed):
-        problems = verify(run_dir, external=False)  # stores: compared as inputs
-        if problems:
-            shown = "; ".join(show(p, 300) for p in problems[:3])
-            raise IntegrityError(f"{run_dir}: the run does not match its receipt "
-                                 f"({len(problems)} problem(s): {shown}); `cyclebox receipt "
-                                 "verify` lists them all; only verified runs are compared")
+        require_unaltered(run_dir, what="only runs that verify are compared")
     rows = compare_receipts(*receipts)
     t = Table(title="recorded vs replayed")
     for c in ("hash", "recorded", "replayed", "equal"):

@@ -541,6 +541,18 @@ def verify(run_dir: Path, *, external: bool = True) -> list[str]:
         os.close(root_fd)
 
 
+def require_unaltered(run_dir: Path, *, what: str) -> None:
+    """The run directory is what its receipt binds (:func:`verify`, the data stores
+    outside it aside): for a reader that trusts what it reads there (``what`` it does).
+    IntegrityError ``run_altered`` naming the first problems otherwise."""
+    problems = verify(run_dir, external=False)
+    if problems:
+        shown = "; ".join(show(p, 300) for p in problems[:3])
+        raise IntegrityError(f"run_altered: {run_dir} no longer matches its receipt "
+                             f"({len(problems)} problem(s): {shown}); `cyclebox receipt "
+                             f"verify` lists them all; {what}")
+
+
 def _verify_at(root_fd: int, run_dir: Path, *, external: bool) -> list[str]:
     path = run_dir / RECEIPT
     try:

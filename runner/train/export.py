@@ -224,14 +224,9 @@ def _check_run(run: Path) -> None:
     to): every file the export reads (plan, frozen manifest, call log and blobs, records)
     re-hashed, none linked. IntegrityError naming the first problems: a changed reference,
     a relabelled call or a file swapped for a link would otherwise be exported as data."""
-    from runner.cycle.receipt import verify
+    from runner.cycle.receipt import require_unaltered
 
-    problems = verify(run, external=False)  # the stores it binds are not read here
-    if problems:
-        shown = "; ".join(show(p, 300) for p in problems[:3])
-        raise IntegrityError(f"run_altered: {run} no longer matches its receipt "
-                             f"({len(problems)} problem(s): {shown}); `cyclebox receipt "
-                             "verify` lists them all; export the run as its cycle wrote it")
+    require_unaltered(run, what="export the run as its cycle wrote it")
 
 
 def frozen_references(run: Path) -> dict[str, FrozenReference]:

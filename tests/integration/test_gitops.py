@@ -270,17 +270,6 @@ def test_not_a_repository_and_sha256_are_config_errors(tmp_path: Path) -> None:
         gitops.resolve_tree(s256, "HEAD")
 
 
-def test_commit_tree_reads_and_checks_the_commit_object(repo: Path) -> None:
-    head = git(repo, "rev-parse", "HEAD").strip()
-    assert gitops.commit_tree(repo / ".git", head) == git(repo, "rev-parse",
-                                                          "HEAD^{tree}").strip()
-    with pytest.raises(ConfigError, match="cannot read commit"):
-        gitops.commit_tree(repo / ".git", "0" * 40)
-    tree = git(repo, "rev-parse", "HEAD^{tree}").strip()
-    with pytest.raises(ConfigError, match="cannot read commit"):
-        gitops.commit_tree(repo / ".git", tree)  # a tree is not a commit
-
-
 # -- a tree's own attributes never change the bytes that run or the commit applied -------
 
 SUBMODULE = b"\0submodule"
