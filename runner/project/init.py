@@ -56,6 +56,9 @@ def project_name(dest: Path, name: str | None) -> str:
 
 def check_target(dest: Path) -> None:
     """DIR must be absent or an empty directory; ConfigError with the fix otherwise."""
+    if ".." in dest.parts:  # X/new/.. is absent now and the existing X once new is made
+        raise ConfigError(f"{show(str(dest))} has a '..' part", field="DIR",
+                          fix="give the directory's own path, without '..'")
     try:
         if dest.is_symlink():
             raise ConfigError(f"{show(str(dest))} is a symbolic link", field="DIR",
@@ -90,10 +93,12 @@ def scaffold(dest: Path, *, name: str | None = None) -> Scaffold:
     """Create the project in ``dest`` (absent or empty); see the module docstring."""
     check_target(dest)
     pname = project_name(dest, name)
-    created_root = not dest.exists()
+    created_root = False
     written: list[str] = []
     try:
-        dest.mkdir(parents=True, exist_ok=True)
+        if not dest.exists():
+            dest.mkdir(parents=True)  # a racer's directory: FileExistsError, nothing undone
+            created_root = True
         for rel, src in _walk(template_root()):
             parts = rel.split("/")
             parts[-1] = RENAMES.get(parts[-1], parts[-1])

@@ -167,3 +167,38 @@ def test_a_name_with_a_newline_is_refused(tmp_path: Path, name: str) -> None:
     with pytest.raises(ConfigError, match="--name"):
         scaffold(tmp_path / "p", name=name)
     assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("clash", [False, True])
+def test_a_dir_with_dotdot_never_writes_into_or_empties_an_existing_directory(
+        tmp_path: Path, clash: bool) -> None:
+    """An attack review: ``init X/new/..`` passed the absent-or-empty check (the path
+    did not exist while ``new`` was missing), wrote the template into the non-empty X,
+    and on a clash with one of X's files its rollback removed X's own files too."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("mine\n")
+    if clash:
+        (victim / "README.md").write_text("also mine\n")
+    before = sorted(p.name for p in victim.iterdir())
+    with pytest.raises(ConfigError, match=r"'\.\.' part"):
+        scaffold(victim / "new" / "..")
+    assert sorted(p.name for p in victim.iterdir()) == before
+    assert (victim / "precious.txt").read_text() == "mine\n"
+
+
+def test_a_failed_init_into_an_existing_empty_directory_leaves_the_directory(
+        tmp_path: Path) -> None:
+    """Only what the call wrote is undone: a directory it did not make stays."""
+    dest = tmp_path / "empty"
+    dest.mkdir()
+    from runner.project import init as init_mod
+
+    def boom(*_a: object, **_k: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    import unittest.mock as um
+    with um.patch.object(init_mod.manifest_tools, "build", boom), \
+            pytest.raises(OSError):
+        scaffold(dest)
+    assert dest.is_dir() and list(dest.iterdir()) == []
