@@ -82,7 +82,9 @@ def sandbox_exec(
     image = role_image(role)
     # the upstreams are read before --out is made: a refusal leaves nothing behind
     loaded = load_upstreams(upstreams) if policy.upstream else None
-    output_dir(policy, odir.resolve())
+    # made as given (a link at --out, dangling or not, is refused, never followed)
+    output_dir(policy, odir.resolve() if odir.name in ("", ".", "..")
+               else odir.parent.resolve() / odir.name)
 
     # The command's output is relayed live, but escaped: it is a container's bytes.
     decoders = {"stdout": StreamSanitizer(), "stderr": StreamSanitizer()}

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from runner.errors import ConfigError
+from runner.failures import is_environment_error
 from runner.isolation.policy import RolePolicy, mount_violation
 from runner.isolation.sandbox import Mount, Resources, RunSpec
 from runner.isolation.seccomp import load_profile
@@ -94,8 +95,18 @@ def fresh_output_dir(path: Path, *, uid: int | None = None) -> Path:
     copies here (see :mod:`runner.isolation.copyout`), so it stays the operator's and ``uid`` (the
     role user, kept for callers) is not given it."""
     del uid
-    if path.exists():
+    if path.is_symlink() or path.exists():  # a dangling link too: never made through
         raise ConfigError(f"{path} already exists; evidence is never overwritten",
                           field="output directory", fix="choose a new directory")
-    path.mkdir(parents=True, mode=0o700)
+    try:
+        path.mkdir(parents=True, mode=0o700)
+    except FileExistsError:
+        raise ConfigError(f"{path} already exists; evidence is never overwritten",
+                          field="output directory", fix="choose a new directory") from None
+    except OSError as exc:
+        if is_environment_error(exc):
+            raise
+        raise ConfigError(f"cannot make {path}: {exc.strerror or exc}",
+                          field="output directory",
+                          fix="choose a new directory in a place you can write") from None
     return path

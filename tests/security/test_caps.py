@@ -468,6 +468,31 @@ def test_holder_limit_report_ends_output_limit(tmp_path: Path) -> None:
     assert "huge" in fin.detail
 
 
+def test_the_hosts_full_disk_during_copy_out_is_an_environment_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An attack review: with the host's output directory on a full disk, the copy-out's
+    ENOSPC was charged to the container (invalid_output, exit 7; at times named "stopped
+    before its output could be copied out"), where the Ray backend ended the run as an
+    environment failure. Both raise the host's error now (exit 9)."""
+    import errno
+
+    from runner.isolation.docker import channel
+    from runner.isolation.docker.backend import _CopyOut
+
+    def full(*_a: object, **_k: object) -> object:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(channel, "extract", full)
+    pre = {"phase": "pre", "others_left": 0, "oom_kill": 0, "dumpable": 0}
+    copy = _CopyOut(_spec(tmp_path), {}, iter([(READY, None), (bytes(1024), None)]))  # type: ignore[arg-type]
+    copy.errs.add((json.dumps(pre) + "\n").encode())
+    copy.start()
+    assert copy.done.wait(10)
+    with pytest.raises(OSError) as exc:
+        copy.result()
+    assert exc.value.errno == errno.ENOSPC
+
+
 def _spec(tmp_path: Path) -> object:
     from runner.isolation.sandbox import Resources, RunSpec
 

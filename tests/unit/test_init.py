@@ -202,3 +202,4 @@ def test_a_failed_init_into_an_existing_empty_directory_leaves_the_directory(
             pytest.raises(OSError):
         scaffold(dest)
     assert dest.is_dir() and list(dest.iterdir()) == []
+

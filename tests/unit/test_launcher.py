@@ -209,3 +209,28 @@ def test_a_cycle_file_warm_that_cannot_be_warmed_is_refused_naming_the_field(
     del doc["project"]["warm"]
     path.write_text(yaml.safe_dump(doc))
     assert "warm" not in load_cycle(path)[0].project.model_dump()
+
+
+def test_an_output_directory_is_made_fresh_never_through_a_link_and_named_when_it_cannot(
+        tmp_path: Path) -> None:
+    """An attack review of ``sandbox exec --out``: a dangling link was followed and its
+    target made (with every missing parent); an unwritable place was exit 10."""
+    import os
+
+    from runner.isolation.roles import fresh_output_dir
+
+    made = fresh_output_dir(tmp_path / "new")
+    assert made.is_dir() and oct(made.stat().st_mode & 0o777) == "0o700"
+    link = tmp_path / "dangling"
+    link.symlink_to(tmp_path / "elsewhere" / "deep" / "target")
+    with pytest.raises(ConfigError, match="already exists"):
+        fresh_output_dir(link)
+    assert not (tmp_path / "elsewhere").exists()
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.getuid() != 0:  # root writes anyway; a file as parent fails for everyone
+        with pytest.raises(ConfigError, match="cannot make"):
+            fresh_output_dir(locked / "out")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match="cannot make"):
+        fresh_output_dir(tmp_path / "afile" / "out")

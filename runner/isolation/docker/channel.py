@@ -29,6 +29,7 @@ from typing import Any
 import requests.exceptions
 
 from runner.errors import OutputRejected
+from runner.failures import is_environment_error
 from runner.isolation.collect import loads_strict
 from runner.isolation.copyout import CopyLimits, CopyRefused, Extracted, extract
 from runner.isolation.sandbox import RunSpec
@@ -410,6 +411,10 @@ class _CopyOut:
             fin.invalid, fin.detail = True, "copy-out did not finish in time"
             return fin
         got = self.got
+        if isinstance(got, BaseException) and is_environment_error(got):
+            # the host's own disk, quota or descriptors ran out while it wrote the output:
+            # not the container's doing (an environment failure, as on the Ray backend)
+            raise got
         if isinstance(got, CopyRefused):
             # decided before the end of the stream: the status line, written before
             # the tar but on the other pipe, may still be on its way
