@@ -1564,7 +1564,7 @@ def _export(e: Env, damage: Callable[[Path], object]) -> list[str]:
     return ["export", "--run", str(run), "--out", str(e.out), "--calibration", str(cal)]
 
 
-@case("export-records-gone", 8, "stages/candidate/records.jsonl is missing", "receipt")
+@case("export-records-gone", 8, "stages/candidate/records.jsonl: missing", "receipt")
 def _(e: Env) -> list[str]:
     return _export(e, lambda run: (run / "stages/candidate/records.jsonl").unlink())
 
