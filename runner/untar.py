@@ -55,6 +55,7 @@ _CACHED_LEVELS = 128
 """Directory descriptors kept open along the current path (deeper ones are reopened)."""
 _META_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
                tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
+_REFUSED_EARLY = {tarfile.XGLTYPE: "global header", tarfile.GNUTYPE_SPARSE: "sparse file"}
 _REFUSED = {tarfile.LNKTYPE: "hard link", tarfile.CHRTYPE: "character device",
             tarfile.BLKTYPE: "block device", tarfile.FIFOTYPE: "fifo",
             tarfile.GNUTYPE_SPARSE: "sparse file", tarfile.CONTTYPE: "contiguous file"}
@@ -109,6 +110,13 @@ class _CheckedInfo(tarfile.TarInfo):
 
     def _proc_member(self, tf: tarfile.TarFile) -> tarfile.TarInfo:
         seen = tf.__dict__.setdefault("_cbx_meta", [0, 0])  # [bytes, in a row]
+        if self.size < 0:  # read as nothing, so it would cost nothing against the bounds
+            raise UntarError("", f"a tar header with a negative size ({self.size}); refused")
+        if self.type in _REFUSED_EARLY:
+            # refused before tarfile reads what follows: a global header is kept and
+            # applied to every later member (seconds each with millions of keys), an
+            # old GNU sparse header reads its extension blocks without bound
+            raise UntarError("", f"a tar {_REFUSED_EARLY[self.type]} refused")
         if self.type in _META_TYPES:
             if self.size > MAX_META_BYTES:
                 raise UntarError("", f"a tar metadata record of {self.size} bytes (at most "
@@ -122,6 +130,13 @@ class _CheckedInfo(tarfile.TarInfo):
         else:
             seen[1] = 0
         return cast(tarfile.TarInfo, cast(Any, super())._proc_member(tf))
+
+    # PAX GNU.sparse.* keys: tarfile reads a sparse map (of any size) and int()s it
+    def _proc_gnusparse_00(self, *_args: object) -> None:
+        raise UntarError("", "a PAX sparse file (GNU.sparse) refused")
+
+    _proc_gnusparse_01 = _proc_gnusparse_00
+    _proc_gnusparse_10 = _proc_gnusparse_00
 
 
 def name_problem(name: str) -> str | None:
@@ -154,7 +169,7 @@ def extract(fileobj: IO[bytes], dest: int, limits: Limits) -> Untarred:
             while True:
                 try:
                     m = tf.next()
-                except (tarfile.TarError, RecursionError) as exc:
+                except (tarfile.TarError, RecursionError, ValueError) as exc:
                     raise UntarError("", f"not a readable tar ({exc})") from None
                 if m is None:
                     break

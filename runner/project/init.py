@@ -60,6 +60,7 @@ def check_target(dest: Path) -> None:
         raise ConfigError(f"{show(str(dest))} has a '..' part", field="DIR",
                           fix="give the directory's own path, without '..'")
     try:
+        dest.resolve()  # a loop of links among its parents: RuntimeError, named here
         if dest.is_symlink():
             raise ConfigError(f"{show(str(dest))} is a symbolic link", field="DIR",
                               fix="give a new directory path")
@@ -71,8 +72,9 @@ def check_target(dest: Path) -> None:
         if any(dest.iterdir()):
             raise ConfigError(f"{show(str(dest))} is not empty; init never overwrites files",
                               field="DIR", fix="give a new or empty directory")
-    except OSError as exc:
-        raise ConfigError(f"{show(str(dest))} cannot be used: {exc.strerror}", field="DIR",
+    except (OSError, RuntimeError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise ConfigError(f"{show(str(dest))} cannot be used: {why}", field="DIR",
                           fix="give a new directory you can write") from None
 
 

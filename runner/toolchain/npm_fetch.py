@@ -188,7 +188,7 @@ def _extract(pkg: NpmPackage, tgz: Path, into: Path, *, source: str, field: str,
         raise NpmRefused(f"{source}: {pkg.key}: {pkg.name}@{pkg.version}'s tarball was "
                          f"refused: {exc}", path=path, field=field,
                          fix="depend on another release of the package") from None
-    except (tarfile.TarError, OSError, EOFError, RecursionError) as exc:
+    except (tarfile.TarError, OSError, EOFError, RecursionError, ValueError) as exc:
         raise NpmRefused(f"{source}: {pkg.key}: {pkg.name}@{pkg.version}'s tarball is not a "
                          f"readable .tgz ({exc})", path=path, field=field,
                          fix="depend on another release of the package") from None

@@ -367,3 +367,61 @@ def test_cycle_with_a_committed_path_that_fits_under_src_runs_and_verifies(
     assert read_at(out / "stages" / "baseline" / "src", rel)[0] == b"deep\n"
     ver = run_cli("receipt", "verify", str(out), env=env)
     assert ver.returncode == 0, ver.stdout + ver.stderr
+
+
+def _raw_header(name: str, kind: bytes, size: int) -> bytes:
+    """A ustar header block written by hand (tarfile would not write a negative size)."""
+    b = bytearray(512)
+    b[0:len(name)] = name.encode()
+    b[100:108] = tarfile.itn(0o644, 8)
+    b[108:116] = tarfile.itn(0, 8)
+    b[116:124] = tarfile.itn(0, 8)
+    b[124:136] = (bytes([0o377]) + (256 ** 11 + size).to_bytes(11, "big") if size < 0
+                  else tarfile.itn(size, 12, tarfile.GNU_FORMAT))
+    b[136:148] = tarfile.itn(0, 12)
+    b[156:157] = kind
+    b[257:265] = b"ustar\x0000"
+    b[148:156] = b" " * 8
+    b[148:156] = b"%06o\x00 " % sum(b)
+    return bytes(b)
+
+
+def _padded(data: bytes) -> bytes:
+    return data + b"\0" * (-len(data) % 512)
+
+
+def _pax(key: str, value: str) -> bytes:
+    body = f" {key}={value}\n".encode()
+    n = len(body) + len(str(len(body)))
+    n = len(body) + len(str(n))
+    return str(n).encode() + body
+
+
+_END = b"\0" * 1024
+_FILE = _raw_header("a", tarfile.REGTYPE, 2) + _padded(b"hi")
+
+
+@pytest.mark.parametrize(("case", "data", "why"), [
+    ("negative-size", _raw_header("neg", b"x", -(2 ** 80)) + _FILE + _END, "negative size"),
+    ("global-header", _raw_header("g", tarfile.XGLTYPE, len(_pax("k", "v")))
+     + _padded(_pax("k", "v")) + _FILE + _END, "global header refused"),
+    ("gnu-sparse", _raw_header("s", tarfile.GNUTYPE_SPARSE, 0) + _END, "a tar sparse file"),
+    ("pax-sparse-size", _raw_header("p", tarfile.XHDTYPE, len(_pax("GNU.sparse.size", "zz")))
+     + _padded(_pax("GNU.sparse.size", "zz")) + _FILE + _END, "PAX sparse file"),
+    ("pax-sparse-map", _raw_header("p", tarfile.XHDTYPE, len(_pax("GNU.sparse.map", "a,b")))
+     + _padded(_pax("GNU.sparse.map", "a,b")) + _FILE + _END, "PAX sparse file"),
+])
+def test_headers_that_cost_without_bound_are_refused_before_tarfile_reads_on(
+        tmp_path: Path, case: str, data: bytes, why: str) -> None:
+    """A review of the metadata bounds: a negative size subtracted from the archive's
+    metadata total (160 MB read against 64 MB), global PAX headers are applied to every
+    later member (0.7 s each, 800 MB), old GNU sparse extension blocks were all read
+    before the sparse member was refused (1.1 GB from an 893 KB gzip), and PAX sparse
+    keys raised ValueError (exit 10). Each is refused by name before any of that."""
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(untar.UntarError, match=why):
+            untar.extract(io.BytesIO(data), fd, untar.Limits(100, 1 << 20, 8))
+    finally:
+        os.close(fd)
+    assert list(tmp_path.iterdir()) == []

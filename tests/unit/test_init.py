@@ -203,3 +203,9 @@ def test_a_failed_init_into_an_existing_empty_directory_leaves_the_directory(
         scaffold(dest)
     assert dest.is_dir() and list(dest.iterdir()) == []
 
+
+
+def test_a_dir_under_a_loop_of_links_is_bad_input(tmp_path: Path) -> None:
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(ConfigError, match="cannot be used"):
+        scaffold(tmp_path / "loop" / "new")
