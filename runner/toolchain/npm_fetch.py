@@ -26,6 +26,7 @@ import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, NamedTuple
@@ -188,7 +189,8 @@ def _extract(pkg: NpmPackage, tgz: Path, into: Path, *, source: str, field: str,
         raise NpmRefused(f"{source}: {pkg.key}: {pkg.name}@{pkg.version}'s tarball was "
                          f"refused: {exc}", path=path, field=field,
                          fix="depend on another release of the package") from None
-    except (tarfile.TarError, OSError, EOFError, RecursionError, ValueError) as exc:
+    except (tarfile.TarError, OSError, EOFError, RecursionError, ValueError,
+            zlib.error) as exc:  # a deflate error past the headers comes through as is
         raise NpmRefused(f"{source}: {pkg.key}: {pkg.name}@{pkg.version}'s tarball is not a "
                          f"readable .tgz ({exc})", path=path, field=field,
                          fix="depend on another release of the package") from None

@@ -334,7 +334,7 @@ def _pax_tgz(n: int, *, chain: int = 1, pax: dict[str, str] | None = None,
             for _ in range(chain - 1):  # bare extended headers in a row
                 extra = tarfile.TarInfo("PaxHeader")
                 extra.type = tarfile.XHDTYPE
-                data = b"11 path=x\n"
+                data = b"10 path=x\n"
                 extra.size = len(data)
                 tar.addfile(extra, io.BytesIO(data))
             info = tarfile.TarInfo(f"package/f{i}")

@@ -425,3 +425,51 @@ def test_headers_that_cost_without_bound_are_refused_before_tarfile_reads_on(
     finally:
         os.close(fd)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("case", "record"), [
+    ("hdrcharset-digits", b"9" * 20_000),  # 3.11.7's hdrcharset search: quadratic time
+    ("keyword-to-a-far-equals", b"3 a" * 7_000 + b"=\n"),  # its keyword regex: memory
+])
+def test_a_pax_record_is_parsed_in_one_linear_pass(tmp_path: Path, case: str,
+                                                   record: bytes) -> None:
+    """CVE-2024-6232 in this Python's tarfile: one PAX record under the 4 MB cap took
+    time or memory growing with its square (a 4 KB .tgz ran for hours; a 372-byte one
+    ended in MemoryError). untar parses the records itself: a malformed one is refused
+    at once, an honest one (tested across this file) reads as before."""
+    data = (_raw_header("p", tarfile.XHDTYPE, len(record)) + _padded(record) + _FILE + _END)
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(untar.UntarError, match="invalid PAX record"):
+            untar.extract(io.BytesIO(data), fd, untar.Limits(100, 1 << 20, 8))
+    finally:
+        os.close(fd)
+
+
+def test_a_negative_pax_size_is_refused(tmp_path: Path) -> None:
+    rec = _pax("size", "-600")
+    data = _raw_header("p", tarfile.XHDTYPE, len(rec)) + _padded(rec) + _FILE + _END
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(untar.UntarError, match="PAX size of -600"):
+            untar.extract(io.BytesIO(data), fd, untar.Limits(100, 1 << 20, 8))
+    finally:
+        os.close(fd)
+
+
+def test_honest_pax_records_still_read(tmp_path: Path) -> None:
+    """Long names, a path with '=' and spaces, a mtime and a uname through PAX."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in ("d/" + "x" * 150, "a b=c/é.txt"):
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.uname = 2, 1_700_000_000.5, "ü" * 40
+            tar.addfile(info, io.BytesIO(b"ok"))
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        got = untar.extract(io.BytesIO(out.getvalue()), fd, untar.Limits(100, 1 << 20, 8))
+    finally:
+        os.close(fd)
+    assert got.files == 2
+    assert (tmp_path / "d" / ("x" * 150)).read_bytes() == b"ok"
+    assert (tmp_path / "a b=c" / "é.txt").read_bytes() == b"ok"
