@@ -20,6 +20,7 @@ import subprocess
 import tarfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -369,16 +370,19 @@ def test_cycle_with_a_committed_path_that_fits_under_src_runs_and_verifies(
     assert ver.returncode == 0, ver.stdout + ver.stderr
 
 
+_ITN: Any = getattr(tarfile, "itn")  # noqa: B009 - untyped in the stubs
+
+
 def _raw_header(name: str, kind: bytes, size: int) -> bytes:
     """A ustar header block written by hand (tarfile would not write a negative size)."""
     b = bytearray(512)
     b[0:len(name)] = name.encode()
-    b[100:108] = tarfile.itn(0o644, 8)
-    b[108:116] = tarfile.itn(0, 8)
-    b[116:124] = tarfile.itn(0, 8)
+    b[100:108] = _ITN(0o644, 8)
+    b[108:116] = _ITN(0, 8)
+    b[116:124] = _ITN(0, 8)
     b[124:136] = (bytes([0o377]) + (256 ** 11 + size).to_bytes(11, "big") if size < 0
-                  else tarfile.itn(size, 12, tarfile.GNU_FORMAT))
-    b[136:148] = tarfile.itn(0, 12)
+                  else _ITN(size, 12, tarfile.GNU_FORMAT))
+    b[136:148] = _ITN(0, 12)
     b[156:157] = kind
     b[257:265] = b"ustar\x0000"
     b[148:156] = b" " * 8
@@ -395,6 +399,18 @@ def _pax(key: str, value: str) -> bytes:
     n = len(body) + len(str(len(body)))
     n = len(body) + len(str(n))
     return str(n).encode() + body
+
+
+def _refused(dest: Path, data: bytes, match: str) -> None:
+    """``data`` extracted into ``dest`` is refused (UntarError matching ``match``), and
+    nothing is written."""
+    fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(untar.UntarError, match=match):
+            untar.extract(io.BytesIO(data), fd, untar.Limits(100, 1 << 20, 8))
+    finally:
+        os.close(fd)
+    assert list(dest.iterdir()) == []
 
 
 _END = b"\0" * 1024
@@ -418,13 +434,7 @@ def test_headers_that_cost_without_bound_are_refused_before_tarfile_reads_on(
     later member (0.7 s each, 800 MB), old GNU sparse extension blocks were all read
     before the sparse member was refused (1.1 GB from an 893 KB gzip), and PAX sparse
     keys raised ValueError (exit 10). Each is refused by name before any of that."""
-    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        with pytest.raises(untar.UntarError, match=why):
-            untar.extract(io.BytesIO(data), fd, untar.Limits(100, 1 << 20, 8))
-    finally:
-        os.close(fd)
-    assert list(tmp_path.iterdir()) == []
+    _refused(tmp_path, data, why)
 
 
 @pytest.mark.parametrize(("case", "record"), [
@@ -438,23 +448,13 @@ def test_a_pax_record_is_parsed_in_one_linear_pass(tmp_path: Path, case: str,
     ended in MemoryError). untar parses the records itself: a malformed one is refused
     at once, an honest one (tested across this file) reads as before."""
     data = (_raw_header("p", tarfile.XHDTYPE, len(record)) + _padded(record) + _FILE + _END)
-    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        with pytest.raises(untar.UntarError, match="invalid PAX record"):
-            untar.extract(io.BytesIO(data), fd, untar.Limits(100, 1 << 20, 8))
-    finally:
-        os.close(fd)
+    _refused(tmp_path, data, "invalid PAX record")
 
 
 def test_a_negative_pax_size_is_refused(tmp_path: Path) -> None:
     rec = _pax("size", "-600")
     data = _raw_header("p", tarfile.XHDTYPE, len(rec)) + _padded(rec) + _FILE + _END
-    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        with pytest.raises(untar.UntarError, match="PAX size of -600"):
-            untar.extract(io.BytesIO(data), fd, untar.Limits(100, 1 << 20, 8))
-    finally:
-        os.close(fd)
+    _refused(tmp_path, data, "PAX size of -600")
 
 
 def test_honest_pax_records_still_read(tmp_path: Path) -> None:
