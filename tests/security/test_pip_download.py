@@ -187,6 +187,16 @@ def test_the_metadata_check_refuses_what_pip_would_let_through(tmp_path: Path) -
     assert requires_dist_urls(_wheel(tmp_path, "fine", "1.0", ("a==1", "b[x]>=2"))) == []
     (tmp_path / "junk-1.0-py3-none-any.whl").write_bytes(b"not a zip")
     assert requires_dist_urls(tmp_path / "junk-1.0-py3-none-any.whl")
+    # METADATA under a compression zipfile cannot read (9, deflate64): refused, not a crash
+    odd = bytearray(_wheel(tmp_path, "odd", "1.0", ("a==1",)).read_bytes())
+    for sig, at in ((b"PK\x03\x04", 8), (b"PK\x01\x02", 10)):
+        i = odd.find(sig)
+        while i >= 0:
+            odd[i + at:i + at + 2] = (9).to_bytes(2, "little")
+            i = odd.find(sig, i + 4)
+    (tmp_path / "odd2-1.0-py3-none-any.whl").write_bytes(bytes(odd))
+    assert requires_dist_urls(tmp_path / "odd2-1.0-py3-none-any.whl") == [
+        "<unreadable wheel: NotImplementedError>"]
 
 
 def test_a_cached_wheel_set_is_checked_too(tmp_path: Path,

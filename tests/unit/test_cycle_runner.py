@@ -300,6 +300,35 @@ def test_a_refused_proposal_names_the_workers_reason(planned: Freeze) -> None:
     assert box.roles()[-1] == "worker"
 
 
+@pytest.mark.parametrize(("written", "reason"), [
+    ("[1]", "no candidate: worker output refused (invalid_output: proposal-error.json is "
+            "not a JSON object)"),
+    (json.dumps({"reason": "\x1b]0;pwned\x07", "message": "A" * 100_000}),
+     "no candidate: proposal refused (\\x1b]0;pwned\\x07: " + "A" * 500 + "…)"),
+])
+def test_a_hostile_proposal_error_is_named_bounded_and_escaped(
+        planned: Freeze, written: str, reason: str) -> None:
+    """An attack review: a proposal-error.json that is a list ended the run as an
+    unexpected error (AttributeError), and its reason and message went into the verdict
+    whole (7 MB, raw escape sequences)."""
+    plan = planned()
+    box = fake(script(worker=lambda _c: Result(files={"proposal-error.json": written},
+                                               exit_code=3)))
+    outcome = run(plan, box)
+    assert outcome.result.reasons == (reason,)
+
+
+def test_relay_replies_of_the_wrong_shape_are_refused_by_name() -> None:
+    from runner.cycle.run import _replies
+    from runner.errors import OutputRejected
+
+    ok = {"t1": {"ok": True, "text": "x"}, "t2": {"ok": False, "error": "e"}}
+    assert _replies(ok) == ok
+    for bad in ([], {"t1": 1}, {"t1": {"ok": True}}, {"t1": {"ok": "yes", "text": "x"}}):
+        with pytest.raises(OutputRejected, match="replies.json"):
+            _replies(bad)
+
+
 def test_hostile_or_failed_analyst_output_invalidates_that_case_only(planned: Freeze) -> None:
     plan = planned()
     victims = {"d01-revenue-march": "symlink", "d02-revenue-books": "timeout",
