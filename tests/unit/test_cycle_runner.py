@@ -325,7 +325,7 @@ def test_relay_replies_of_the_wrong_shape_are_refused_by_name() -> None:
     ok = {"t1": {"ok": True, "text": "x"}, "t2": {"ok": False, "error": "e"}}
     assert _replies(ok) == ok
     for bad in ([], {"t1": 1}, {"t1": {"ok": True}}, {"t1": {"ok": "yes", "text": "x"}}):
-        with pytest.raises(OutputRejected, match="replies.json"):
+        with pytest.raises(OutputRejected, match=r"replies\.json"):
             _replies(bad)
 
 
