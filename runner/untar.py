@@ -374,21 +374,31 @@ def mtime_of(m: tarfile.TarInfo) -> int:
 class _Dirs:
     """Descriptors along the current path, reused while entries share a prefix (a tar
     lists a directory's entries together); deeper than :data:`_CACHED_LEVELS` they are
-    opened for one entry and closed."""
+    opened for one entry and closed, but for the last such parent, kept for the entries
+    after it in the same directory (so many files deep down cost one walk, not one each)."""
 
     def __init__(self, root: int) -> None:
         self.root = root
         self.stack: list[tuple[str, int]] = []
+        self.deep: tuple[list[str], int] | None = None
 
     def close(self) -> None:
         while self.stack:
             os.close(self.stack.pop()[1])
+        self._forget_deep()
+
+    def _forget_deep(self) -> None:
+        if self.deep is not None:
+            os.close(self.deep[1])
+            self.deep = None
 
     def open_parent(self, parts: list[str], name: str,
                     create: tuple[Untarred, Limits] | None) -> int:
         """A new descriptor of the directory holding ``parts[-1]``; a missing parent is
         made (counted as an entry) when ``create`` is given, else an error."""
         want = parts[:-1]
+        if self.deep is not None and self.deep[0] == want:
+            return os.dup(self.deep[1])
         keep = 0
         while keep < min(len(self.stack), len(want)) and self.stack[keep][0] == want[keep]:
             keep += 1
@@ -407,7 +417,11 @@ class _Dirs:
                 else:
                     owned = True
                 fd = nfd
-            return fd if owned else os.dup(fd)
+            if not owned:
+                return os.dup(fd)
+            self._forget_deep()
+            self.deep = (want, os.dup(fd))
+            return fd
         except BaseException:
             if owned:
                 os.close(fd)
@@ -417,13 +431,14 @@ class _Dirs:
     def _enter(fd: int, want: list[str], i: int, name: str,
                create: tuple[Untarred, Limits] | None) -> int:
         part = want[i]
-        rel = "/".join(want[:i + 1])
         try:
             return os.open(part, _DIR_FLAGS, dir_fd=fd)
         except FileNotFoundError:
+            rel = "/".join(want[:i + 1])  # joined only when needed: O(depth) per level
             if create is None:
                 raise UntarError(rel, "directory vanished during extraction") from None
         except OSError as exc:
+            rel = "/".join(want[:i + 1])
             why = ("is not a directory (a file or symlink made by an earlier entry); "
                    "nothing is written through it" if exc.errno in (errno.ENOTDIR, errno.ELOOP)
                    else exc.strerror)

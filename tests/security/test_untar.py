@@ -319,6 +319,44 @@ def test_extract_modes_without_high_bits_and_late_for_closed_directories(
     os.chmod(tmp_path / "ro", 0o755)  # so pytest can remove it
 
 
+def test_entries_below_the_cached_levels_land_in_their_own_directories(
+        tmp_path: Path) -> None:
+    """Past ``_CACHED_LEVELS`` the last deep parent is kept for the entries after it
+    (files deep down cost one walk each directory, not one each, so depth x files is
+    no longer quadratic): entries that go back and forth between two deep directories,
+    and one deep directory refused as a file, still land where their names say."""
+    deep = ["d"] * (untar._CACHED_LEVELS + 5)
+    a, b = "/".join([*deep, "a"]), "/".join([*deep, "b"])
+    rows = [(_ti(f"{a}/f{i}"), b"a") for i in range(3)] + [(_ti(f"{b}/g"), b"b"),
+                                                          (_ti(f"{a}/f3"), b"A"),
+                                                          (_ti(f"{b}/h"), b"B")]
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        got = untar.extract(io.BytesIO(_tar(*rows)), fd,
+                            untar.Limits(max_entries=1000, max_bytes=100, max_depth=200))
+        assert (got.files, got.dirs) == (6, len(deep) + 2)
+        deep_fd = os.open(tmp_path / "/".join(deep), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            assert sorted(os.listdir(deep_fd)) == ["a", "b"]
+        finally:
+            os.close(deep_fd)
+        (tmp_path / "x").mkdir()
+        xfd = os.open(tmp_path / "x", os.O_RDONLY | os.O_DIRECTORY)
+        try:  # a deep directory made a file by an earlier entry is refused, not entered
+            bad = [(_ti(f"{a}/f"), b"1"), (_ti(f"{a}/f/g"), b"2")]
+            with pytest.raises(untar.UntarError, match="is not a directory"):
+                untar.extract(io.BytesIO(_tar(*bad)), xfd,
+                              untar.Limits(max_entries=1000, max_bytes=100, max_depth=200))
+        finally:
+            os.close(xfd)
+    finally:
+        os.close(fd)
+    where = tmp_path / "/".join(deep)
+    assert {p.name: p.read_bytes() for p in (where / "a").iterdir()} == {
+        "f0": b"a", "f1": b"a", "f2": b"a", "f3": b"A"}
+    assert {p.name: p.read_bytes() for p in (where / "b").iterdir()} == {"g": b"b", "h": b"B"}
+
+
 def test_pack_input_refuses_a_name_the_node_would_refuse(tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
