@@ -48,6 +48,9 @@ APPLY_RESULT = "stages/apply/result.json"
 commit and tree ids, which ``verify`` recomputes from it."""
 _UNBOUND_FILES = frozenset({RECEIPT, ENVELOPE})
 _UNBOUND_DIRS = (CANDIDATE_GIT + "/", "stages/apply/work/repo/.git/")
+# The second: the apply container's repository, which copy-out no longer writes
+# (runner.isolation.copyout.SCRATCH); still there in runs made before, and the host's
+# own seed of it when the container never ran.
 BUNDLE_SUFFIX = ".intoto.jsonl"
 """Attestation bundles (runner.attest) written beside the receipt after it: a top-level
 file with this suffix is made from the receipt, so the receipt cannot bind it."""

@@ -50,6 +50,28 @@ _REFUSED_TYPES = {b"1": "hard link", b"2": "symlink", b"3": "character device",
                   b"S": "sparse file", b"V": "volume header", b"M": "multi-volume part"}
 
 
+SCRATCH: dict[str, tuple[str, ...]] = {"apply": ("repo/.git",)}
+"""Per role, the ``.git`` directories of its output that are its own scratch: the apply
+container commits in ``/work/repo`` (:mod:`runner.cycle.apply`), and the host, which
+rebuilds the candidate in its own repository, never keeps that one. Any other path
+part named ``.git`` (in any case, with trailing dots or spaces) is refused: a git
+repository a container wrote, kept in a run directory the operator owns, would run its
+``core.fsmonitor`` or hooks as the operator at the first ``git status`` there (a shell
+prompt or an editor opening the run does one)."""
+
+
+def limits_for(role: str, *, max_bytes: int, max_entries: int) -> CopyLimits:
+    """The copy-out caps of one role's output: its tmpfs, and its scratch."""
+    return CopyLimits(max_bytes=max_bytes, max_entries=max_entries,
+                      scratch=SCRATCH.get(role, ()))
+
+
+def _git_part(parts: list[str]) -> int | None:
+    """Index of the first path part git (on any filesystem) would take for ``.git``."""
+    return next((i for i, p in enumerate(parts) if p.rstrip(". ").casefold() == ".git"),
+                None)
+
+
 class CopyRefused(OutputRejected):
     """The output stream broke a rule; ``limit`` says whether a size/count cap was hit."""
 
@@ -69,6 +91,10 @@ class CopyLimits:
     max_depth: int = 32
     max_name: int = 4096
     max_part: int = 255
+    scratch: tuple[str, ...] = ()
+    """Output paths that are the container's own scratch (:data:`SCRATCH`): their
+    entries are read off the stream and counted (:attr:`Extracted.scratch`), never
+    written to the host."""
 
     @property
     def stream_cap(self) -> int:
@@ -88,6 +114,8 @@ class Extracted:
     pages: int = 0
     """File bytes rounded up to 4 KiB pages per file (tmpfs usage, sparse files aside)."""
     stream_bytes: int = 0
+    scratch: int = 0
+    """Entries of the role's scratch (:attr:`CopyLimits.scratch`): read, not written."""
 
 
 class _Stream:
@@ -290,6 +318,16 @@ def _extract(st: _Stream, root_fd: int, lim: CopyLimits, got: Extracted,
         long_name, pax = None, {}
         parts = _parts(raw, lim)
         shown = "/".join(parts)
+        git = _git_part(parts)
+        if git is not None:
+            if "/".join(parts[:git + 1]) not in lim.scratch:
+                raise CopyRefused(
+                    f"output entry {shown!r}: a {parts[git]!r} path part refused (a git "
+                    "repository a container wrote is never kept on the host, where git "
+                    "would obey its config and hooks; write a bundle or a patch instead)")
+            got.scratch += 1
+            st.read(size + (-size % BLOCK), what="scratch data")
+            continue
         if kind == b"2" and shown in seed_links and \
                 link == seed_links[shown].encode("utf-8", "surrogateescape"):
             if got.files + got.dirs + 1 > lim.max_entries:

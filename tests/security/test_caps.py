@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.isolation.copyout import CopyLimits, CopyRefused, extract
+from runner.isolation.copyout import CopyLimits, CopyRefused, extract, limits_for
 from runner.isolation.sandbox import RunRecord, StopReason
 from sandbox.holder import READY
 from tests.conftest import RunFn
@@ -234,6 +234,42 @@ def test_stream_refusals(tmp_path: Path, member: tuple[tarfile.TarInfo, bytes | 
         extract(_chunks(_tar(_member("ok", data=b"fine"), member)), dest, LIM)
     assert sorted(p.name for p in dest.iterdir()) == ["ok"]
     assert not (tmp_path / "escape").exists()
+
+
+@pytest.mark.parametrize("name", [".git/config", "sub/.git/hooks/pre-commit", ".git",
+                                  ".GIT/config", ".Git./HEAD", "repo/.git /config",
+                                  "out/.git"])
+@pytest.mark.parametrize("role", ["analyst", "apply"])
+def test_stream_a_git_directory_is_never_written_to_the_host(tmp_path: Path, name: str,
+                                                             role: str) -> None:
+    """A repository a container wrote, kept in the operator's run directory, would run
+    its ``core.fsmonitor`` at the first ``git status`` there (a shell prompt, an editor):
+    a ``.git`` path part is refused in every spelling a filesystem takes for it, but for
+    the apply container's own work repository (``repo/.git``), read and not written."""
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    lim = limits_for(role, max_bytes=CAP, max_entries=ENTRIES)
+    with pytest.raises(CopyRefused, match=r"path part refused \(a git repository"):
+        extract(_chunks(_tar(_member("ok", data=b"fine"),
+                             _member(name, data=b"[core]\n\tfsmonitor = id\n"))), dest, lim)
+    assert sorted(p.name for p in dest.iterdir()) == ["ok"]
+
+
+def test_stream_the_apply_containers_repository_is_read_not_written(tmp_path: Path) -> None:
+    data = _tar(_member("repo/", tarfile.DIRTYPE), _member("repo/f.py", data=b"x = 1\n"),
+                _member("repo/.git/", tarfile.DIRTYPE),
+                _member("repo/.git/config", data=b"[core]\n\tfsmonitor = id\n"),
+                _member("repo/.git/hooks/x", tarfile.SYMTYPE, link="/etc/passwd"),
+                _member("out/result.json", data=b"{}"))
+    got = extract(_chunks(data), tmp_path, limits_for("apply", max_bytes=CAP,
+                                                      max_entries=ENTRIES))
+    assert (got.files, got.scratch) == (2, 3)
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["f.py"]
+    assert (tmp_path / "out" / "result.json").read_bytes() == b"{}"
+    (tmp_path / "x").mkdir()
+    with pytest.raises(CopyRefused, match="path part refused"):  # the analyst has none
+        extract(_chunks(data), tmp_path / "x", limits_for("analyst", max_bytes=CAP,
+                                                          max_entries=ENTRIES))
 
 
 def test_stream_duplicate_name_refused(tmp_path: Path) -> None:

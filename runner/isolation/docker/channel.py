@@ -31,7 +31,7 @@ import requests.exceptions
 from runner.errors import OutputRejected
 from runner.failures import is_environment_error
 from runner.isolation.collect import loads_strict
-from runner.isolation.copyout import CopyLimits, CopyRefused, Extracted, extract
+from runner.isolation.copyout import CopyRefused, Extracted, extract, limits_for
 from runner.isolation.sandbox import RunSpec
 from sandbox.holder import (
     EARLY_BYTES,
@@ -381,7 +381,7 @@ class _CopyOut:
         chunks = self._chunks()
         try:
             if spec.output_dir is not None:
-                lim = CopyLimits(max_bytes=spec.output_cap_bytes,
+                lim = limits_for(spec.role, max_bytes=spec.output_cap_bytes,
                                  max_entries=spec.output_max_entries)
                 self.got = extract(chunks, spec.output_dir, lim, seed_links=self.seed_links)
                 self._extracted = True

@@ -56,7 +56,7 @@ from runner.errors import (
     SandboxError,
 )
 from runner.failures import one_line
-from runner.isolation.copyout import CopyLimits, CopyRefused, extract
+from runner.isolation.copyout import CopyRefused, extract, limits_for
 from runner.isolation.docker.backend import TAIL_BYTES, DockerSandbox, check_mount_sources
 from runner.isolation.ray import node as node_side
 from runner.isolation.ray import ship
@@ -218,7 +218,8 @@ def read_output(spec: RunSpec, rec: RunRecord, data: bytes,
     refusal turns an ``ok`` record into ``invalid_output`` / ``output_limit``."""
     assert spec.output_dir is not None  # noqa: S101 - for mypy
     _clear(spec.output_dir)
-    lim = CopyLimits(max_bytes=spec.output_cap_bytes, max_entries=spec.output_max_entries)
+    lim = limits_for(spec.role, max_bytes=spec.output_cap_bytes,
+                     max_entries=spec.output_max_entries)
     try:
         extract([data], spec.output_dir, lim, seed_links=seed_links)
     except CopyRefused as exc:
