@@ -417,15 +417,14 @@ class _Dirs:
                 else:
                     owned = True
                 fd = nfd
-            if not owned:
-                return os.dup(fd)
-            self._forget_deep()
-            self.deep = (want, os.dup(fd))
-            return fd
+            if owned:
+                self._forget_deep()
+                self.deep = (want, os.dup(fd))
         except BaseException:
             if owned:
                 os.close(fd)
             raise
+        return fd if owned else os.dup(fd)
 
     @staticmethod
     def _enter(fd: int, want: list[str], i: int, name: str,
