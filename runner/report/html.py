@@ -72,11 +72,23 @@ def _case_rows(c: CaseRow, run_dir: Path, html_dir: Path) -> str:
 
 
 def _diff(patch: str) -> str:
+    """A git patch, lines styled as git means them. Split on ``\n`` only, as git splits
+    (``str.splitlines`` also breaks on CR, FF, U+2028 and more, so an added line with a
+    CR in it showed its second half as unchanged context): such characters stay in their
+    line and show escaped. A line's kind is read from the diff's structure: inside a
+    hunk its first character says it (so added content starting ``++`` is an addition),
+    and ``---``/``+++`` are file headers only before a file's first ``@@``."""
     out = []
-    for line in patch.splitlines():
-        cls = ("add" if line.startswith("+") and not line.startswith("+++") else
-               "del" if line.startswith("-") and not line.startswith("---") else
-               "hunk" if line.startswith("@@") else "")
+    in_hunk = False
+    for line in patch.split("\n"):
+        if line.startswith("diff --git "):
+            in_hunk, cls = False, ""
+        elif line.startswith("@@"):
+            in_hunk, cls = True, "hunk"
+        elif in_hunk:
+            cls = {"+": "add", "-": "del"}.get(line[:1], "")
+        else:
+            cls = ""
         out.append(f'<span class="{cls}">{h(line)}</span>' if cls else h(line))
     return "\n".join(out)
 

@@ -125,6 +125,30 @@ def test_receipt_hash_is_of_the_receipt_bytes(run: Path) -> None:
     assert build_report(run).receipt_sha256 is None
 
 
+def test_html_patch_lines_are_git_lines_styled_by_the_diffs_structure() -> None:
+    """An added line holding a CR (or FF, U+2028, ...) is one line, shown escaped: split
+    there, its second half read as unchanged context. Added content starting ``++`` is
+    an addition, removed content starting ``--`` a removal; ``---``/``+++`` before a
+    file's first hunk are its headers."""
+    from runner.report.html import _diff
+
+    patch = ("diff --git a/x.py b/x.py\n--- a/x.py\n+++ b/x.py\n@@ -1,2 +1,2 @@\n"
+             "-        1,\n+        1,\r         __import__('os').system('x'),\n"
+             "+\u2028hidden\x0c form\n+++counter\n---gone\n context\n"
+             "diff --git a/y b/y\n--- a/y\n+++ b/y\n@@ -0,0 +1 @@\n+new")
+    lines = _diff(patch).split("\n")
+    assert len(lines) == patch.count("\n") + 1
+    assert lines[5] == ('<span class="add">+        1,\\u000d         __import__'
+                        "(&#x27;os&#x27;).system(&#x27;x&#x27;),</span>")
+    assert lines[6] == '<span class="add">+\\u2028hidden\\u000c form</span>'
+    assert lines[7] == '<span class="add">+++counter</span>'
+    assert lines[8] == '<span class="del">---gone</span>'
+    assert lines[9] == " context"
+    assert lines[1:3] == ["--- a/x.py", "+++ b/x.py"]
+    assert lines[11:13] == ["--- a/y", "+++ b/y"]
+    assert lines[14] == '<span class="add">+new</span>'
+
+
 def test_html_escapes_every_hostile_string(run: Path) -> None:
     page = render_html(build_report(run), run_dir=run, html_dir=run.parent)
     assert "<script" not in page.lower()
