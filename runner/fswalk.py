@@ -189,10 +189,12 @@ def walk(root: Path | str | int, *, descend: Callable[[Entry], bool] | None = No
 PATH_MAX = 4096
 
 
-def check_mountable(root: Path, target: str) -> None:
+def check_mountable(root: Path, target: str,
+                    refuse: Callable[[Entry], str | None] | None = None) -> None:
     """Raise :class:`WalkError` on the first entry of the input tree ``root`` that cannot
     be read, or whose path would be ``PATH_MAX`` or longer once ``root`` is mounted at
-    ``target`` (no program in the container could open it by name)."""
+    ``target`` (no program in the container could open it by name), or that ``refuse``
+    gives a reason for."""
     base = len(os.fsencode(target.rstrip("/"))) + 1
     for e in walk(root, max_depth=4096):
         inside = base + len(os.fsencode(e.rel))
@@ -200,6 +202,9 @@ def check_mountable(root: Path, target: str) -> None:
             raise WalkError(e.rel, f"path of {inside} bytes once mounted at {target}, past "
                             f"PATH_MAX ({PATH_MAX}); no program in the container could "
                             "open it")
+        why = refuse(e) if refuse is not None else None
+        if why is not None:
+            raise WalkError(e.rel, why)
 
 
 @contextlib.contextmanager

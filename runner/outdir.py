@@ -22,7 +22,63 @@ from pathlib import Path
 from runner.errors import ConfigError
 from runner.failures import is_environment_error
 
-__all__ = ["make_fresh_dir", "refuse_existing", "remove_created", "staged"]
+__all__ = ["make_fresh_dir", "refuse_existing", "refuse_inside_run", "remove_created",
+           "run_holding", "staged", "within"]
+
+
+def run_holding(path: Path) -> Path | None:
+    """The cyclebox run directory ``path`` lies in (a directory above it holding
+    ``receipt.json``, or a frozen ``plan.json`` beside its ``inputs/``), judged on the
+    path with its links resolved (a missing tail as given); None when there is none.
+    ``path`` itself is not looked at: one that exists is refused as taken."""
+    try:
+        p = Path(os.path.realpath(path))
+    except (OSError, ValueError):
+        return None
+    for d in p.parents:
+        try:
+            if (d / "receipt.json").is_file() or (
+                    (d / "plan.json").is_file() and (d / "inputs").is_dir()):
+                return d
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def within(path: Path, root: Path) -> bool:
+    """``path`` is ``root`` or lies under it: by the path with links resolved (a missing
+    tail as given), or by device and inode of ``root`` met among ``path``'s existing
+    directories (a bind mount of ``root`` elsewhere; its path does not say so)."""
+    try:
+        p, r = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    except (OSError, ValueError):
+        return False
+    if p == r or r in p.parents:
+        return True
+    try:
+        st = os.stat(r)
+    except OSError:
+        return False
+    for d in (p, *p.parents):
+        try:
+            sd = os.stat(d)
+        except OSError:
+            continue
+        if (sd.st_dev, sd.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
+
+
+def refuse_inside_run(path: Path, *, field: str = "--out") -> None:
+    """ConfigError when ``path`` lies in a cyclebox run directory: its receipt binds every
+    file in it (a corpus, packet, comparison or plan written there made ``receipt
+    verify`` of that run fail, and every later export of it with it)."""
+    run = run_holding(path)
+    if run is not None:
+        raise ConfigError(f"{path} is inside the cyclebox run {run}, whose receipt binds "
+                          "every file in it (anything written there makes `cyclebox receipt "
+                          "verify` of that run fail)", field=field,
+                          fix="write it beside the run directory, not in it")
 
 
 def make_parents(out: Path, created: list[Path]) -> None:
@@ -42,6 +98,7 @@ def make_fresh_dir(out: Path) -> list[Path]:
 
     Missing parents are created and, on a refusal, left in place: removing them could pull
     a directory from under a racer that is about to create its own ``out`` there."""
+    refuse_inside_run(out)
     created: list[Path] = []
     try:
         make_parents(out, created)
@@ -58,7 +115,8 @@ def make_fresh_dir(out: Path) -> list[Path]:
 
 def refuse_existing(out: Path) -> None:
     """ConfigError when ``out`` exists (or cannot even be looked at): checked first, so a
-    rerun into used evidence fails before any work; :func:`make_fresh_dir` decides races."""
+    rerun into used evidence fails before any work; :func:`make_fresh_dir` decides races.
+    So is an ``out`` inside a run directory (:func:`refuse_inside_run`)."""
     try:
         taken = out.exists() or out.is_symlink()
     except (OSError, ValueError) as exc:
@@ -67,6 +125,7 @@ def refuse_existing(out: Path) -> None:
     if taken:
         raise ConfigError(f"{out} already exists; prior evidence is never overwritten",
                           field="--out", fix="choose a new output directory")
+    refuse_inside_run(out)
 
 
 def remove_created(created: list[Path]) -> None:

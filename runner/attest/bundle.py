@@ -36,6 +36,7 @@ from runner.cycle.receipt import (
 from runner.errors import ConfigError, IntegrityError
 from runner.failures import is_environment_error
 from runner.loading import MAX_BYTES, load_data, parse_model, read_capped, show
+from runner.outdir import run_holding
 
 BUNDLE = "receipt" + BUNDLE_SUFFIX
 """Default bundle name, beside receipt.json (in-toto's ``.intoto.jsonl`` convention)."""
@@ -62,6 +63,13 @@ def _target(run_dir: Path, out: Path | None) -> Path:
         raise ConfigError(f"{show(str(path))} exists; an attestation bundle is never "
                           "overwritten", field="--out", fix="give a new --out path (or keep "
                           "the bundle you have)")
+    inside = run_holding(path)
+    if inside is not None and inside != Path(os.path.realpath(parent)):
+        raise ConfigError(f"{show(str(path))} is inside the run {show(str(inside))}, whose "
+                          "receipt binds every file below its top level (receipt verify "
+                          "would fail)", field="--out",
+                          fix=f"write it at the run's top level (a name ending "
+                              f"{BUNDLE_SUFFIX}) or outside the run")
     if parent.resolve() == run_dir.resolve() and not path.name.endswith(BUNDLE_SUFFIX):
         raise ConfigError(f"{path.name} in the run directory would be a file the receipt "
                           "does not name (receipt verify would fail)", field="--out",

@@ -87,6 +87,16 @@ def cycle_run(
     from runner.cycle.run import CycleRunner
     from runner.report.files import check_targets, write_outputs
 
+    if plan is not None:  # the plan says all of it: a flag that would change it is refused
+        given = [name for name, value in (("CYCLE", cycle), ("--out", out_dir),
+                                          ("--prepare-only", prepare_only),
+                                          ("--replay", replay)) if value]
+        if given:
+            raise ConfigError(f"{', '.join(given)} cannot be given with --plan: the plan "
+                              "was frozen with its inputs, its directory and its upstreams "
+                              "(a --replay given here would not replace a live upstream)",
+                              field=given[0], fix="run the plan alone (`cyclebox cycle run "
+                              "--plan DIR/plan.json`), or freeze again with these flags")
     check_targets(out_dir if plan is None else plan.resolve().parent, junit=junit,
                   markdown=markdown, html=html)
     if cycle is not None and plan is None:

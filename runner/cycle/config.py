@@ -265,8 +265,47 @@ def check_inputs(cycle: CycleFile, path: Path, base: Path) -> CycleInputs:
         if up.replay_from:
             file_at(f"upstreams.{name}.replay_from", str(Path(up.replay_from) / "gateway" /
                     "calls.jsonl"), "point at a finished run directory")
+    _refuse_frozen_inputs_in_data(data_dir, where, [
+        ("scenarios", manifest), ("policy", policy), ("roles", roles),
+        *([("brief.file", brief)] if brief is not None else []),
+        *[(f"upstreams.{n}.script", resolve(base, up.script))
+          for n, up in sorted(cycle.upstreams.items()) if up.script],
+        *[(f"upstreams.{n}.replay_from", resolve(base, up.replay_from))
+          for n, up in sorted(cycle.upstreams.items()) if up.replay_from]])
     return CycleInputs(manifest=manifest, data_dir=data_dir, policy=policy, roles=roles,
                        repo=repo, brief=brief)
+
+
+DATA_DIR_FIX = ("keep data_dir a directory of the data stores alone: the scenario manifest "
+                "(its references), the policies, the scripts and every run directory "
+                "outside it")
+
+
+def _refuse_frozen_inputs_in_data(data_dir: Path, where: str,
+                                  named: list[tuple[str, Path]]) -> None:
+    """The whole of ``data_dir`` is mounted into the agent under test at /data: a frozen
+    input inside it (the manifest holds the held-out references) would be read by the
+    agent it grades."""
+    from runner.outdir import within
+
+    for field, p in named:
+        if within(p, data_dir):
+            raise ConfigError(f"{field} ({show(str(p))}) is inside data_dir "
+                              f"({show(str(data_dir))}), which the agent under test reads "
+                              "at /data", path=where, field=field, fix=DATA_DIR_FIX)
+
+
+def refuse_out_in_data(out: Path, data_dir: Path, *, path: str | None,
+                       field: str = "--out") -> None:
+    """A run directory inside ``data_dir`` is mounted into its own agent at /data, with the
+    frozen manifest (the references) in it: refused."""
+    from runner.outdir import within
+
+    if within(out, data_dir):
+        raise ConfigError(f"{show(str(out))} is inside data_dir ({show(str(data_dir))}), "
+                          "which the agent under test reads at /data: it would read the "
+                          "run's frozen manifest, references included", path=path,
+                          field=field, fix="put the run directory outside data_dir")
 
 
 GIT_INIT = "git init && git add -A && git commit -m init"

@@ -28,6 +28,7 @@ from runner import fswalk
 from runner.cycle.artifacts import AGENT_ARTIFACTS, artifact_record
 from runner.cycle.compare import load_policy
 from runner.cycle.config import (
+    DATA_DIR_FIX,
     BriefSpec,
     CycleFile,
     CycleInputs,
@@ -39,6 +40,7 @@ from runner.cycle.config import (
     check_inputs,
     check_repo,
     load_cycle,
+    refuse_out_in_data,
     resolve,
     uncommitted_warning,
 )
@@ -227,6 +229,32 @@ def _check_src_paths(repo: Path, tree: str, cycle: CycleFile, where: str) -> Non
                       "without that file) and point project.base_ref at that commit")
 
 
+def _not_data(inputs: CycleInputs) -> Callable[[fswalk.Entry], str | None]:
+    """What the agent under test must not find at /data: a frozen input (the same file,
+    e.g. hard-linked: the manifest holds the references) or a cyclebox run directory
+    (its ``inputs/manifest.json`` is that manifest's copy)."""
+    frozen: dict[tuple[int, int], str] = {}
+    for name, p in (("scenario manifest", inputs.manifest), ("policy", inputs.policy),
+                    ("roles", inputs.roles), ("brief", inputs.brief)):
+        if p is not None:
+            with contextlib.suppress(OSError):
+                st = os.stat(p)
+                frozen[(st.st_dev, st.st_ino)] = name
+
+    def refuse(e: fswalk.Entry) -> str | None:
+        if e.is_file and (e.st.st_dev, e.st.st_ino) in frozen:
+            return (f"is the {frozen[(e.st.st_dev, e.st.st_ino)]} (the same file), which "
+                    "the agent under test would read at /data")
+        if e.is_file and e.name == "plan.json":
+            with contextlib.suppress(OSError):
+                if stat.S_ISDIR(os.lstat("inputs", dir_fd=e.parent_fd).st_mode):
+                    return ("is a cyclebox run's plan: its inputs/manifest.json holds the "
+                            "references the agent under test would read at /data")
+        return None
+
+    return refuse
+
+
 def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy] | None = None,
                 check_credentials: bool = True) -> _Checked:
     """Every check freeze makes on its inputs; reads only, writes nothing."""
@@ -235,12 +263,12 @@ def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy
     inputs = check_inputs(cycle, cycle_path, base)
     manifest = load_manifest(inputs.manifest, inputs.data_dir, ref=(where, "scenarios"))
     try:  # the whole tree is mounted at /data: every entry must be readable and openable
-        fswalk.check_mountable(inputs.data_dir, "/data")
+        fswalk.check_mountable(inputs.data_dir, "/data", refuse=_not_data(inputs))
     except fswalk.WalkError as exc:
         raise ConfigError(f"{show(str(inputs.data_dir))}/{fswalk.shown(exc.rel)}: "
                           f"{exc.reason}", path=where, field="data_dir",
                           fix="make every entry of the data directory readable, with "
-                          "shorter paths (or remove it)") from None
+                          "shorter paths (or remove it); " + DATA_DIR_FIX) from None
     policy = _policy(load_policy(inputs.policy), manifest, cycle, cycle_path)
     _check_briefable(cycle, manifest, show(str(inputs.manifest)))
     _check_dream_ids(cycle.dream, manifest, show(str(inputs.manifest)))
@@ -358,6 +386,7 @@ def freeze(cycle_path: Path, out: Path, *, images: ImagesArg,
     refuse_existing(out)
     c = check_cycle(cycle_path, upstream_override=upstream_override,
                     check_credentials=check_credentials)
+    refuse_out_in_data(out, c.inputs.data_dir, path=show(str(cycle_path)))
     if warn is not None:
         for w in c.warnings:
             warn(w)

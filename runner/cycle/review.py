@@ -40,6 +40,7 @@ from runner.failures import is_environment_error
 from runner.hashing import canonical_bytes, sha256_bytes, sha256_file, sha256_json
 from runner.isolation.sandbox import Frozen
 from runner.loading import load_with_bytes, show
+from runner.outdir import refuse_inside_run
 from runner.termsafe import DATA_NOTE, code_span, fence, plain
 
 REVIEW_MD = "review.md"
@@ -292,6 +293,7 @@ def make_packet(records: Sequence[Record], out_dir: Path, *, reviewer: str = "",
     ``run`` (from :func:`bind_run`) binds the packet, and so its calibration, to a run.
     ``tool_calls`` (item id -> calls, from :func:`tool_calls_of_run`) are shown under
     each item, quoted as data like every other model string."""
+    refuse_inside_run(out_dir)
     ok = sorted((r for r in records if r.status == "ok"), key=lambda r: (r.case_id, r.trial))
     if not ok:
         raise ConfigError("no record with status ok to review", path=str(out_dir),
@@ -381,7 +383,9 @@ def _ratio(n: int, d: int) -> float:
 
 
 def write_calibration(result: CalibrationResult, out_file: Path) -> Path:
-    """Write the result as canonical JSON to a file that must not exist yet."""
+    """Write the result as canonical JSON to a file that must not exist yet (nor be in a
+    run directory)."""
+    refuse_inside_run(out_file)
     try:
         _write_new(out_file, canonical_bytes(result))
     except FileExistsError:

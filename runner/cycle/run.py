@@ -30,6 +30,7 @@ from runner.cycle.apply import apply_proposal, read_proposal
 from runner.cycle.brief import build_brief, failing_development, nothing_to_brief
 from runner.cycle.compare import compare
 from runner.cycle.concurrency import Control
+from runner.cycle.config import refuse_out_in_data
 from runner.cycle.models import (
     DEVELOPMENT,
     MAX_ANSWER_BYTES,
@@ -181,6 +182,8 @@ class CycleRunner:
                               "attempt is kept", field="--plan",
                               fix="freeze again into a new directory")
         check_upstreams(dict(self.plan.upstreams), path=str(self.plan_path))
+        refuse_out_in_data(self.dir, Path(self.plan.data_dir), path=str(self.plan_path),
+                           field="--plan")
         image_use.hold(self.plan.images.values())  # `images gc` leaves them alone
         for role, image in self.plan.images.items():
             if self.backend.image_id(image) is None:

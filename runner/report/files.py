@@ -14,6 +14,7 @@ from pathlib import Path
 
 from runner.errors import ConfigError
 from runner.failures import is_environment_error
+from runner.outdir import refuse_inside_run
 from runner.report.model import Report
 
 SYSTEM_DIRS = ("/dev", "/proc", "/sys")
@@ -28,6 +29,7 @@ def check_output_file(path: Path, *, field: str, run_dir: Path | None = None,
     must not: in a system directory, over an existing entry that is not a regular file or
     a link (a device, FIFO or socket), or inside the run directory (``run_dir``), whose
     receipt binds every file in it (``--html RUN/receipt.json`` overwrote the receipt)."""
+    refuse_inside_run(path, field=field)
     where = Path(os.path.realpath(path.parent if str(path.parent) else Path(".")))
     target = where / path.name
     if any(str(where) == d or str(where).startswith(d + "/") for d in SYSTEM_DIRS):

@@ -55,7 +55,7 @@ from runner.loading import (
     show,
     validate,
 )
-from runner.outdir import staged
+from runner.outdir import refuse_inside_run, staged
 
 SIDES = {"baseline": "baseline", "candidate": "candidate"}
 
@@ -372,6 +372,7 @@ def export(run: Path, out: Path, *, calibration: Path | None, policy: ExportPoli
     """Write trajectories.jsonl, summary.json and export-receipt.json into a new ``out``."""
     if fmt != "verl":
         raise ConfigError(f"unknown format {fmt!r}", field="--format", fix="use verl")
+    refuse_inside_run(out)  # before any reading: a corpus in the run broke its receipt
     cal, cal_sha = check_calibration(calibration, run, policy)
     kappa = cal.cohen_kappa.get(OVERALL)
     if out.exists():

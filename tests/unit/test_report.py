@@ -397,8 +397,8 @@ def test_a_report_file_never_replaces_the_receipt_a_device_or_a_system_file(
     receipt = run / "receipt.json"
     receipt.write_text("{}")
     os.mkfifo(tmp_path / "fifo")
-    for kwargs, match in [({"html": receipt}, "inside the run directory"),
-                          ({"markdown": run / "summary.md"}, "inside the run directory"),
+    for kwargs, match in [({"html": receipt}, r"inside the (cyclebox )?run"),
+                          ({"markdown": run / "summary.md"}, r"inside the (cyclebox )?run"),
                           ({"junit": tmp_path / "fifo"}, "not a regular file"),
                           ({"markdown": Path("/dev/null")}, "system directory"),
                           ({"markdown": Path("/proc/self/x")}, "system directory")]:

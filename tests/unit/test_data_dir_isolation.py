@@ -1,0 +1,149 @@
+"""The agent under test reads the whole ``data_dir`` at /data. Nothing that grades it may
+be there: the scenario manifest holds the held-out references, and a run directory holds
+a copy of it (``inputs/manifest.json``). A reviewer's agent globbed
+``/data/**/inputs/manifest.json`` and answered from the reference of its own case when
+``--out`` was inside ``data_dir``, and ``data_dir: .`` beside the manifest froze too.
+
+Also here: every ``--out`` is refused inside a run directory (its receipt binds every
+file in it: an export, a packet or a comparison written there made ``receipt verify``
+of that run fail), and flags that ``--plan`` would ignore are refused with it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from runner.cycle.plan import freeze
+from runner.cycle.run import CycleRunner
+from runner.errors import ConfigError
+from runner.outdir import refuse_inside_run, run_holding, within
+from tests.fixtures.cycle_project import example_agent, project_with_agent, run_cli
+from tests.fixtures.fake_sandbox import FakeSandbox
+
+ROLES = ("analyst", "worker", "evaluator", "apply")
+IMAGES = {r: "sha256:" + hashlib.sha256(r.encode()).hexdigest() for r in ROLES}
+
+
+def _cycle(tmp_path: Path, **changes: object) -> Path:
+    return project_with_agent(tmp_path / "project", example_agent(), **changes)
+
+
+def test_a_run_directory_inside_data_dir_is_refused_at_freeze(tmp_path: Path) -> None:
+    cycle = _cycle(tmp_path)
+    out = cycle.parent / "data" / "run"
+    with pytest.raises(ConfigError, match=r"inside data_dir .* would read the run's frozen "
+                                          r"manifest") as info:
+        freeze(cycle, out, images=IMAGES)
+    assert info.value.field == "--out"
+    assert not out.exists()
+    # the same directory reached through a link is the same directory
+    (tmp_path / "via").symlink_to(cycle.parent / "data")
+    with pytest.raises(ConfigError, match="inside data_dir"):
+        freeze(cycle, tmp_path / "via" / "run", images=IMAGES)
+
+
+@pytest.mark.parametrize("field", ["scenarios", "policy"])
+def test_a_frozen_input_inside_data_dir_is_refused(tmp_path: Path, field: str) -> None:
+    cycle = _cycle(tmp_path)
+    doc = yaml.safe_load(cycle.read_text())
+    src = cycle.parent / doc[field]
+    moved = cycle.parent / "data" / src.name
+    shutil.copy(src, moved)
+    doc[field] = str(moved)
+    cycle.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=rf"{field} \(.*\) is inside data_dir") as info:
+        freeze(cycle, tmp_path / "run", images=IMAGES)
+    assert info.value.field == field
+
+
+def test_data_dir_holding_the_manifest_or_a_run_is_refused(tmp_path: Path) -> None:
+    cycle = _cycle(tmp_path)
+    data = cycle.parent / "data"
+    os.link(cycle.parent / "manifest.json", data / "copy.json")  # the same file, linked
+    with pytest.raises(ConfigError, match=r"copy.json: is the scenario manifest \(the same "
+                                          r"file\)") as info:
+        freeze(cycle, tmp_path / "run1", images=IMAGES)
+    assert info.value.field == "data_dir"
+    (data / "copy.json").unlink()
+    old = data / "old-run"
+    (old / "inputs").mkdir(parents=True)
+    (old / "plan.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"old-run/plan.json: is a cyclebox run's plan"):
+        freeze(cycle, tmp_path / "run2", images=IMAGES)
+    shutil.rmtree(old)
+    freeze(cycle, tmp_path / "run3", images=IMAGES)  # the positive control
+
+
+def test_a_plan_whose_directory_is_inside_its_data_dir_is_refused_before_it_runs(
+        tmp_path: Path) -> None:
+    """Checked again where the plan runs (a data_dir that came to hold the run later, a
+    bind mount): here the plan's data_dir is made the directory above the run."""
+    cycle = _cycle(tmp_path)
+    freeze(cycle, tmp_path / "run", images=IMAGES)
+    runner = CycleRunner(tmp_path / "run" / "plan.json",
+                         sandbox=FakeSandbox({}, images=IMAGES.values()))
+    runner.plan = runner.plan.model_copy(update={"data_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="inside data_dir") as info:
+        runner.run()
+    assert info.value.field == "--plan"
+    assert not (tmp_path / "run" / "stages").exists()
+
+
+def test_within_and_run_holding(tmp_path: Path) -> None:
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    assert within(tmp_path / "a" / "b" / "missing", tmp_path / "a")
+    assert not within(tmp_path / "ab", tmp_path / "a")
+    run = tmp_path / "run"
+    (run / "stages").mkdir(parents=True)
+    assert run_holding(run / "stages" / "x") is None
+    (run / "receipt.json").write_text("{}")
+    assert run_holding(run / "stages" / "x") == run
+    with pytest.raises(ConfigError, match=r"inside the cyclebox run .*receipt binds every "
+                                          r"file"):
+        refuse_inside_run(run / "stages" / "corpus")
+    refuse_inside_run(tmp_path / "beside")
+
+
+def test_outputs_inside_a_run_are_refused_by_every_command(tmp_path: Path) -> None:
+    """``export``, ``review packet``, ``review calibrate``, ``compare``, ``freeze`` and
+    ``receipt attest`` each once, through the CLI: exit 3 naming --out, nothing written."""
+    run = tmp_path / "run"
+    (run / "inputs").mkdir(parents=True)
+    (run / "stages").mkdir()
+    (run / "plan.json").write_text("{}")
+    (run / "receipt.json").write_text("{}")
+    cases = [
+        ["export", "--run", str(run), "--calibration", str(tmp_path / "c.json"),
+         "--out", str(run / "corpus")],
+        ["freeze", str(tmp_path / "cycle.yaml"), "--out", str(run / "again")],
+        ["compare", "--policy", str(tmp_path / "p.yaml"), "--baseline", str(tmp_path / "b"),
+         "--candidate", str(tmp_path / "k"), "--out", str(run / "cmp")],
+        ["receipt", "attest", str(run), "--key", str(tmp_path / "k.pem"),
+         "--out", str(run / "stages" / "x.intoto.jsonl")],
+    ]
+    assert run_cli("receipt", "keygen", "--out", str(tmp_path / "k.pem")).returncode == 0
+    for args in cases:
+        res = run_cli(*args)
+        assert res.returncode == 3, (args, res.stdout, res.stderr)
+        assert "--out" in res.stderr and "inside the" in res.stderr, (args, res.stderr)
+    assert sorted(p.name for p in run.iterdir()) == ["inputs", "plan.json", "receipt.json",
+                                                     "stages"]
+    assert not any((run / "stages").iterdir())
+
+
+def test_flags_a_plan_would_ignore_are_refused_with_it(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    for extra, named in ((["--out", str(tmp_path / "o")], "--out"),
+                         (["--prepare-only"], "--prepare-only"),
+                         (["--replay", str(tmp_path)], "--replay"),
+                         ([str(tmp_path / "cycle.yaml")], "CYCLE")):
+        res = run_cli("cycle", "run", "--plan", str(plan), *extra)
+        assert res.returncode == 3, (extra, res.stdout, res.stderr)
+        assert f"{named} cannot be given with --plan" in res.stderr, res.stderr
+    assert not (tmp_path / "o").exists()
