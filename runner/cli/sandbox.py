@@ -64,7 +64,7 @@ def sandbox_exec(
     from runner.gateway.server import Gateway
     from runner.isolation.launcher import launch, output_dir
     from runner.isolation.policy import load_policies
-    from runner.isolation.roles import parse_mount_flag
+    from runner.isolation.roles import check_mount_flags, parse_mount_flag
 
     command = list(ctx.args)
     if not command:
@@ -76,6 +76,7 @@ def sandbox_exec(
                           field="--role", fix=f"one of {sorted(pols.roles)}")
     policy = pols.roles[role]
     mounts = [parse_mount_flag(m) for m in (mount or [])]
+    check_mount_flags(policy, mounts, output_target="/out")
     run_id = f"exec-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     run_dir = state_dir() / "runs" / run_id
     odir = out_dir or run_dir / "out"

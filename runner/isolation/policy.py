@@ -2,19 +2,23 @@
 
 Loading refuses, naming the field and the reason, anything the isolation contract
 (SPEC §2) forbids: privileged, any network but none, added capabilities, host
-namespaces, devices, the Docker socket or host system directories as mounts, and
-writable input mounts. The checks are pure functions over values.
+namespaces, devices, the Docker socket or host system directories as mounts,
+writable input mounts, a mount or tmpfs at, under or above a container path the
+controller or the engine mounts itself (:data:`CONTROLLER_TARGETS`), and limits outside
+what the engine can set (:data:`NOFILE_MAX`, :data:`ROLE_SIZE_MAX`). The checks are pure
+functions over values.
 """
 
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 import stat
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from runner.errors import ConfigError, PolicyViolation
 from runner.isolation.sandbox import Frozen
@@ -43,6 +47,23 @@ _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
 MAX_SIZE = 1 << 50
 """Largest size accepted (1 PiB): anything above is a typo, not a limit."""
+
+ROLE_SIZE_MAX = 1 << 40
+"""Largest size a role policy may give (1 TiB) to ``memory``, ``file_size``,
+``stdout_cap``, ``output_cap`` and each tmpfs: generous for any host, small enough that
+a typo is refused when the file loads rather than by the engine at run time."""
+NOFILE_MAX = 1 << 20
+"""Largest ``nofile`` (1048576, the kernel's default ``fs.nr_open``): above it the
+runtime cannot set the rlimit and every container fails to start."""
+ID_MAX = 2**32 - 2
+"""Largest uid/gid (``(uid_t)-1`` is "no id")."""
+
+
+def _size_range(field: str, n: int) -> int:
+    if n > ROLE_SIZE_MAX:
+        raise ValueError(f"{field} {n} bytes is above the 1 TiB cap; allowed range: "
+                         f"1 byte to 1t ({ROLE_SIZE_MAX} bytes)")
+    return n
 
 
 def parse_size(value: object) -> int:
@@ -102,7 +123,7 @@ class RolePolicy(Frozen):
     pids: int = Field(gt=0, le=32768)
     """Process/thread limit."""
     nofile: int = Field(default=1024, gt=0)
-    """Open-file limit."""
+    """Open-file limit (at most :data:`NOFILE_MAX`)."""
     file_size: int = 256 * 1024 * 1024
     """Largest single file a process may write."""
     tmpfs: dict[str, int] = Field(default_factory=lambda: {"/tmp": 64 * 1024 * 1024})  # noqa: S108
@@ -157,8 +178,17 @@ class RolePolicy(Frozen):
 
     @field_validator("memory", "file_size", "stdout_cap", "output_cap", mode="before")
     @classmethod
-    def _size(cls, v: Any) -> int:
-        return parse_size(v)
+    def _size(cls, v: Any, info: ValidationInfo) -> int:
+        return _size_range(str(info.field_name), parse_size(v))
+
+    @field_validator("nofile")
+    @classmethod
+    def _nofile(cls, v: int) -> int:
+        if v > NOFILE_MAX:
+            raise ValueError(f"nofile {v} is above {NOFILE_MAX} (the kernel's default "
+                             "fs.nr_open: the runtime cannot set more); allowed range: "
+                             f"1 to {NOFILE_MAX}")
+        return v
 
     @field_validator("tmpfs", mode="before")
     @classmethod
@@ -170,7 +200,7 @@ class RolePolicy(Frozen):
             if not isinstance(k, str) or not k.startswith("/"):
                 raise ValueError(f"tmpfs path {str(k)[:60]!r} must be an absolute container "
                                  "path")
-        return {k: parse_size(s) for k, s in v.items()}
+        return {k: _size_range(f"tmpfs {k}", parse_size(s)) for k, s in v.items()}
 
 
 class RolePolicies(Frozen):
@@ -184,6 +214,107 @@ class RolePolicies(Frozen):
 
 def _is_within(path: PurePosixPath, parent: PurePosixPath) -> bool:
     return path == parent or parent in path.parents
+
+
+HOLDER_MOUNT = "/.cyclebox-holder"
+"""Where a container finds the holder's code (:mod:`runner.isolation.docker.hardening`)."""
+GATEWAY_ROOT = "/run/cyclebox"
+"""Parent of the gateway socket's directory (``runner.gateway.server.CONTAINER_DIR``)."""
+
+ENGINE_TARGETS: dict[str, str] = {
+    "/": "the container's root filesystem",
+    "/proc": "the container's proc filesystem",
+    "/sys": "the container's sysfs",
+    "/dev": "the container's devices and /dev/shm",
+    GATEWAY_ROOT: "where the gateway socket is mounted (/run/cyclebox/gateway)",
+    HOLDER_MOUNT: "the holder's code",
+}
+"""Container paths every role container has, whatever runs it (a cycle stage,
+``sandbox exec``, training): no extra mount may be at, under or above one."""
+STAGE_TARGETS: dict[str, str] = {
+    "/src": "the frozen project tree (analyst)",
+    "/case": "the case input (analyst)",
+    "/data": "the frozen data directory (analyst)",
+    "/in": "the stage's inputs",
+    "/ref": "the reference answers (evaluator)",
+    "/cfg": "the evaluator's configuration",
+    "/scorer": "the project's frozen scorer (evaluator)",
+    "/out": "the role's output",
+    "/work": "the apply stage's output",
+    "/model": "the base model (trainer)",
+    "/adapter": "the trained adapter (trainer)",
+    "/corpus": "the training corpus (trainer)",
+}
+"""Container paths the controller mounts itself in the stages of a cycle
+(``runner/cycle/run.py``, ``runner/cycle/apply.py``, ``runner/train/host.py``; each
+output target is a tmpfs). A role policy's ``mounts`` apply in every stage its role runs
+in, so none may be at, under or above any of these either: it would shadow frozen input
+with an unhashed host directory, or collide with the controller's own mount."""
+CONTROLLER_TARGETS: dict[str, str] = {**ENGINE_TARGETS, **STAGE_TARGETS}
+"""Every container path no role policy mount or tmpfs may touch."""
+TARGET_FIX = "mount it elsewhere, e.g. under /mnt (/mnt/NAME)"
+
+
+def normal_target(target: str) -> str:
+    """A container path as the engine resolves it (``//``, ``/./``, ``..``, a trailing
+    slash)."""
+    return "/" + posixpath.normpath("/" + target).lstrip("/")
+
+
+def target_within(target: str, root: str) -> bool:
+    """``target`` is ``root`` or lies under it, however spelled: the engine resolves the
+    path the same way (``root`` is normal already)."""
+    p = normal_target(target)
+    return p == root or p.startswith(root.rstrip("/") + "/")
+
+
+def target_clash(target: str, reserved: dict[str, str]) -> str | None:
+    """Why container path ``target`` may not be mounted, given ``reserved`` (normal
+    path -> what is there): it is, lies under or contains one of them; None if free."""
+    p = normal_target(target)
+    for root, what in reserved.items():
+        if p == root:
+            return f"target {target} is {root}, {what}"
+        if root != "/" and target_within(p, root):
+            return f"target {target} lies under {root}, {what}"
+        if target_within(root, p):
+            return f"target {target} contains {root}, {what}, and would hide it"
+    return None
+
+
+def target_problems(role: str, p: RolePolicy) -> list[tuple[str, str, str]]:
+    """(field, reason, fix) for every policy mount or tmpfs at, under or above a path
+    the controller or the engine mounts itself (:data:`CONTROLLER_TARGETS`), every extra
+    mount at, under or above one of the role's tmpfs paths, and any two at one path.
+    Pure: it reads nothing on the host."""
+    out: list[tuple[str, str, str]] = []
+    f = f"roles.{role}"
+    tmpfs: dict[str, str] = {}
+    for path in p.tmpfs:
+        norm = normal_target(path)
+        why = target_clash(path, CONTROLLER_TARGETS)
+        if why:
+            out.append((f"{f}.tmpfs", f"tmpfs {why}", "use a scratch path such as /tmp"))
+        elif norm in tmpfs:
+            out.append((f"{f}.tmpfs", f"tmpfs {path} and {tmpfs[norm]} are the same path",
+                        "list each tmpfs path once"))
+        tmpfs.setdefault(norm, path)
+    reserved = {**CONTROLLER_TARGETS,
+                **{norm: f"the role's tmpfs {path}" for norm, path in tmpfs.items()}}
+    seen: dict[str, int] = {}
+    for i, m in enumerate(p.mounts):
+        if not m.target.startswith("/"):
+            continue  # refused by policy_violations
+        field = f"{f}.mounts[{i}].target"
+        why = target_clash(m.target, reserved)
+        if why:
+            out.append((field, why, TARGET_FIX))
+        norm = normal_target(m.target)
+        if norm in seen:
+            out.append((field, f"target {m.target} is also the target of "
+                        f"{f}.mounts[{seen[norm]}]", "give each mount its own target"))
+        seen.setdefault(norm, i)
+    return out
 
 
 def find_socket(root: str, limit: int = SOCKET_SCAN_LIMIT) -> str | None:
@@ -265,6 +396,9 @@ def policy_violations(role: str, p: RolePolicy) -> list[tuple[str, str, str]]:
     if not re.fullmatch(r"[1-9][0-9]*:[1-9][0-9]*", p.user):
         out.append((f"{f}.user", f"user must be a non-root numeric uid:gid, got {p.user!r}",
                     "use e.g. 10001:10001"))
+    elif max(_id_pair(p.user)) > ID_MAX:
+        out.append((f"{f}.user", f"uid and gid must be between 1 and {ID_MAX}, got "
+                    f"{p.user[:40]!r}", "use e.g. 10001:10001"))
     for i, m in enumerate(p.mounts):
         if m.mode not in ("ro", "rw"):
             out.append((f"{f}.mounts[{i}].mode", f"mode must be ro, got {m.mode!r}", "use ro"))
@@ -273,10 +407,12 @@ def policy_violations(role: str, p: RolePolicy) -> list[tuple[str, str, str]]:
         if why:
             out.append((f"{f}.mounts[{i}]", why, "mount only data directories, read-only"))
         if not m.target.startswith("/"):
-            out.append((f"{f}.mounts[{i}].target", "target must be absolute", "e.g. /data"))
+            out.append((f"{f}.mounts[{i}].target", "target must be absolute",
+                        "e.g. /mnt/data"))
     for path in p.tmpfs:
         if not path.startswith("/"):
             out.append((f"{f}.tmpfs", f"tmpfs path {path!r} must be absolute", "e.g. /tmp"))
+    out.extend(target_problems(role, p))
     need = memory_needed(p)
     if p.memory < need:
         out.append((f"{f}.memory", f"memory {p.memory} leaves no room for the tmpfs mounts: "

@@ -8,7 +8,14 @@ from pathlib import Path
 
 from runner.errors import ConfigError
 from runner.failures import is_environment_error
-from runner.isolation.policy import RolePolicy, mount_violation
+from runner.isolation.policy import (
+    ENGINE_TARGETS,
+    RolePolicy,
+    mount_violation,
+    normal_target,
+    target_clash,
+    target_problems,
+)
 from runner.isolation.sandbox import Mount, Resources, RunSpec
 from runner.isolation.seccomp import load_profile
 from runner.loading import show
@@ -48,6 +55,9 @@ def parse_mount_flag(flag: str) -> Mount:
     if not parts[1].startswith("/"):
         raise ConfigError(f"container path must be absolute, got {show(parts[1])}",
                           field="--mount", fix="e.g. --mount ./data:/data:ro")
+    why = target_clash(parts[1], ENGINE_TARGETS)
+    if why:
+        raise ConfigError(show(why, 300), field="--mount", fix=MOUNT_FLAG_FIX)
     read_only = mode == "ro"
     # A writable mount is allowed only onto an empty directory: each stage writes to
     # a fresh place, so nothing already recorded can be altered.
@@ -60,6 +70,32 @@ def parse_mount_flag(flag: str) -> Mount:
     return Mount(source=src, target=parts[1], read_only=read_only)
 
 
+MOUNT_FLAG_FIX = "mount it elsewhere, e.g. --mount ./data:/data:ro or SRC:/mnt/NAME"
+
+
+def check_mount_flags(policy: RolePolicy, mounts: Sequence[Mount], *,
+                      output_target: str = "/out") -> None:
+    """Refuse (ConfigError naming ``--mount``) a ``--mount`` whose container path is at,
+    under or above the output target or one of the role's tmpfs paths, or the same as
+    another ``--mount``'s or a policy mount's (:func:`parse_mount_flag` has refused the
+    paths every container has already). Before any container exists: the engine would
+    refuse a duplicate (rc 6), and a tmpfs would silently hide a bind under it."""
+    reserved = {normal_target(output_target): "the role's output directory"}
+    reserved.update({normal_target(t): f"the role's tmpfs {t}" for t in policy.tmpfs})
+    taken = {normal_target(m.target): f"the policy's mount of {m.source}"
+             for m in policy.mounts}
+    for m in mounts:
+        why = target_clash(m.target, reserved)
+        if why:
+            raise ConfigError(show(why, 300), field="--mount", fix=MOUNT_FLAG_FIX)
+        norm = normal_target(m.target)
+        if norm in taken:
+            raise ConfigError(f"target {show(m.target)} is already the target of "
+                              f"{show(taken[norm])}", field="--mount",
+                              fix="give each mount its own container path")
+        taken[norm] = f"--mount {m.source}:{m.target}"
+
+
 def role_spec(policy: RolePolicy, *, role: str, run_id: str, image: str,
               command: Sequence[str], mounts: Sequence[Mount] = (),
               output_dir: Path | None = None, env: dict[str, str] | None = None,
@@ -68,8 +104,20 @@ def role_spec(policy: RolePolicy, *, role: str, run_id: str, image: str,
 
     The role's seccomp profile is read and checked here (ConfigError naming
     ``roles.<role>.seccomp`` when it is missing, corrupt or allows io_uring)."""
+    problems = target_problems(role, policy)
+    if problems:  # a policy frozen before these checks existed
+        field, reason, fix = problems[0]
+        raise ConfigError(reason, field=field, fix=fix)
     all_mounts = [Mount(source=Path(m.source), target=m.target, read_only=True)
                   for m in policy.mounts] + list(mounts)
+    seen = {normal_target(t): f"tmpfs {t}" for t in policy.tmpfs}
+    for m in all_mounts:
+        norm = normal_target(m.target)
+        if norm in seen:
+            raise ConfigError(f"two mounts at {m.target}: {seen[norm]} and "
+                              f"{m.source}", field=f"roles.{role}.mounts",
+                              fix="give each mount its own container path")
+        seen[norm] = str(m.source)
     merged_env = dict(policy.env)
     merged_env.update(env or {})
     return RunSpec(

@@ -44,13 +44,13 @@ from __future__ import annotations
 
 import functools
 import os
-import posixpath
 from pathlib import Path
 from typing import Any
 
 from runner.errors import PolicyViolation
 from runner.isolation.owner import Owner
-from runner.isolation.policy import mount_violation
+from runner.isolation.policy import HOLDER_MOUNT, mount_violation
+from runner.isolation.policy import target_within as _within
 from runner.isolation.sandbox import GATEWAY_SOCKET, LABEL_PREFIX, MANAGED_LABEL, RunSpec
 from runner.isolation.seccomp import for_runtime, load_profile
 from sandbox import holder
@@ -163,13 +163,6 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str, *,
     return kwargs
 
 
-def _within(target: str, root: str) -> bool:
-    """``target`` is ``root`` or lies under it, however spelled (``//``, ``/./``, ``..``,
-    a trailing slash): the engine resolves the path the same way."""
-    p = "/" + posixpath.normpath("/" + target).lstrip("/")
-    return p == root or p.startswith(root + "/")
-
-
 def hold_args(spec: RunSpec) -> list[str]:
     """The holder's arguments: the output directory (``-``: none) and, for a container
     given a gateway socket, that socket's path inside, to relay loopback TCP to it."""
@@ -190,9 +183,10 @@ def output_tmpfs_opts(spec: RunSpec) -> str:
             f"nr_inodes={spec.output_max_entries + 1},mode=0700,uid={spec.uid},gid={spec.gid}")
 
 
-HOLDER_MOUNT = "/.cyclebox-holder"
-"""Where a container finds the holder's code: a read-only bind of a directory the host
-wrote for that one container (:func:`write_holder_files`, in its staging copy)."""
+# HOLDER_MOUNT (defined in runner.isolation.policy, with every other container path the
+# controller owns, so that a role policy's mount there is refused when the file loads):
+# where a container finds the holder's code, a read-only bind of a directory the host
+# wrote for that one container (:func:`write_holder_files`, in its staging copy).
 
 
 @functools.cache
