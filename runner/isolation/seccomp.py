@@ -84,13 +84,13 @@ def check_profile(data: bytes, *, path: str, field: str = "seccomp") -> SeccompP
 
 def load_profile(path: Path | None = None, *, field: str = "seccomp") -> SeccompProfile:
     """Read and check a profile (the shipped one when ``path`` is None)."""
+    from runner.loading import read_capped
+
     p = path or PROFILE_PATH
-    try:
-        with p.open("rb") as fh:
-            data = fh.read(MAX_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"cannot read the seccomp profile: {exc.strerror}", path=str(p),
-                          field=field, fix=_FIX) from None
+    # a regular file, opened non-blocking: a FIFO or a device is refused unread (a FIFO
+    # named here held freeze, doctor and sandbox exec forever)
+    data = read_capped(p, max_bytes=MAX_BYTES, what="seccomp profile", fix=_FIX,
+                       ref=(str(p), field))
     return check_profile(data, path=str(p), field=field)
 
 

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
-from runner.isolation.seccomp import for_runtime, load_profile
+import pytest
+
+from runner.errors import ConfigError
+from runner.isolation.seccomp import MAX_BYTES, for_runtime, load_profile
 
 
 def test_under_gvisor_only_clone3_is_passed_to_the_sentry() -> None:
@@ -22,3 +27,19 @@ def test_under_gvisor_only_clone3_is_passed_to_the_sentry() -> None:
     assert new["action"] == "SCMP_ACT_ALLOW" and "errnoRet" not in new
     assert {k: v for k, v in before.items() if k != "syscalls"} == {
         k: v for k, v in after.items() if k != "syscalls"}
+
+
+def test_a_profile_that_is_a_fifo_or_a_device_is_refused_unread(tmp_path: Path) -> None:
+    """A FIFO named as a role's seccomp profile held freeze, doctor and sandbox exec
+    forever (a blocking open); /dev/zero read to the cap and was called a big profile."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for p, why in ((fifo, "is not a regular file"), (Path("/dev/zero"), "is not a regular"),
+                   (tmp_path, "is a directory")):
+        with pytest.raises(ConfigError, match=why) as info:
+            load_profile(p, field="roles.worker.seccomp")
+        assert info.value.field == "roles.worker.seccomp"
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * (MAX_BYTES + 1))
+    with pytest.raises(ConfigError, match=f"the limit is {MAX_BYTES}"):
+        load_profile(big)
