@@ -285,9 +285,14 @@ def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy
 
     upstreams: dict[str, UpstreamPolicy] = {}
     for name, up in cycle.upstreams.items():
+        cred = up.credential
         upstreams[name] = up.model_copy(update={
             "script": str(resolve(base, up.script)) if up.script else None,
-            "replay_from": str(resolve(base, up.replay_from)) if up.replay_from else None})
+            "replay_from": str(resolve(base, up.replay_from)) if up.replay_from else None,
+            # like every path of the cycle file: against its directory, frozen absolute
+            # (read against the working directory, a plan run from elsewhere read another)
+            **({"credential": cred.model_copy(update={"file": str(resolve(base, cred.file))})}
+               if cred is not None and cred.file else {})})
     upstreams.update(upstream_override or {})
     role_upstream = used_upstreams(cycle, pols, path=where, roles_path=show(str(inputs.roles)))
     frozen: dict[str, UpstreamPolicy] = {}

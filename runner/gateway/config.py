@@ -339,9 +339,10 @@ def read_credential(name: str, src: CredentialSource) -> str:
         raw = read_capped(Path(src.file).expanduser(), max_bytes=MAX_CREDENTIAL_FILE_BYTES,
                           what="credential file", ref=("", ""))
     except ConfigError as exc:
-        raise PrerequisiteError(f"upstream {name}: {exc}. Fix: write the key on the first "
-                                "line of a regular file (the upstream's credential.file)."
-                                ) from None
+        raise PrerequisiteError(f"upstream {name} (upstreams.{name}.credential.file): {exc}. "
+                                "Fix: write the key on the first line of a regular file "
+                                "(a relative path is read against the cycle file's "
+                                "directory).") from None
     try:
         lines = raw.decode("utf-8").splitlines()
     except UnicodeDecodeError:
