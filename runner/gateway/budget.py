@@ -15,7 +15,7 @@ import itertools
 import threading
 from dataclasses import dataclass, field
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from runner.isolation.sandbox import Frozen
 
@@ -32,9 +32,27 @@ class BudgetPolicy(Frozen):
     call's worst case when that is larger. A call costing more than its reservation
     halts admission."""
     per_role_usd: dict[str, float] = Field(default_factory=dict)
-    """Optional per-role spend caps."""
+    """Optional per-role spend caps (keys: :data:`MODEL_ROLES`)."""
     per_role_calls: dict[str, int] = Field(default_factory=dict)
-    """Optional per-role call caps."""
+    """Optional per-role call caps (keys: :data:`MODEL_ROLES`)."""
+
+    @field_validator("per_role_usd", "per_role_calls")
+    @classmethod
+    def _roles(cls, v: dict[str, float]) -> dict[str, float]:
+        # a misspelt role's cap was kept and never applied (admission looks it up by name)
+        stray = sorted(k for k in v if k not in MODEL_ROLES)
+        if stray:
+            raise ValueError(f"names {', '.join(map(repr, stray))}, not a role that calls a "
+                             f"model; the roles are {', '.join(MODEL_ROLES)}")
+        bad = sorted(k for k, n in v.items() if not (0 <= n < float("inf")))
+        if bad:
+            raise ValueError(f"caps must be 0 or more, and finite: {', '.join(bad)}")
+        return v
+
+
+MODEL_ROLES = ("analyst", "worker", "evaluator")
+"""The roles that reach a model through the gateway: the agent under test, the coding
+worker (and the dream relay it answers for), the judge."""
 
 
 @dataclass(frozen=True)

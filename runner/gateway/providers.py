@@ -274,7 +274,7 @@ class ScriptWhen(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
-    role: str | None = None
+    role: Literal["analyst", "worker", "evaluator"] | None = None
     """The calling role: analyst, worker or evaluator."""
     model: str | None = None
     """The requested model name."""

@@ -34,7 +34,7 @@ import contextlib
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -64,7 +64,9 @@ class ExportPolicy(Frozen):
     schema_: int = Field(alias="schema")
     min_kappa: float = Field(ge=-1, le=1)
     """Overall Cohen's kappa a calibration must reach before any export."""
-    roles: tuple[str, ...] = ("analyst",)
+    roles: tuple[Literal["analyst", "worker", "evaluator"], ...] = Field(
+        default=("analyst",), min_length=1)
+    """The roles whose calls are exported (a misspelt one exported nothing, exit 0)."""
 
 
 def load_export_policy(path: Path) -> ExportPolicy:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +139,36 @@ def test_worst_case_reservation_and_unknown_price() -> None:
     with pytest.raises(BudgetRefused, match="no price"):
         b.admit("a", None)
     assert RunBudget(BudgetPolicy()).admit("a", None).amount == 0.05  # no limit: counted only
+
+
+@pytest.mark.parametrize(("field", "value", "why"), [
+    ("per_role_usd", {"analist": 0.0001}, "'analist', not a role that calls a model"),
+    ("per_role_calls", {"wrker": 1}, "'wrker', not a role that calls a model"),
+    ("per_role_calls", {"analyst": -5}, "caps must be 0 or more"),
+    ("per_role_usd", {"worker": float("nan")}, "caps must be 0 or more, and finite"),
+])
+def test_a_per_role_cap_names_a_real_role_and_a_real_cap(field: str, value: object,
+                                                         why: str) -> None:
+    """A misspelt role's cap was frozen as written and never applied (admission looks
+    caps up by the calling role's name); a negative count was accepted."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=why):
+        BudgetPolicy(**{field: value})
+    BudgetPolicy(per_role_usd={"analyst": 0.5}, per_role_calls={"worker": 1, "evaluator": 0})
+
+
+def test_export_policy_and_script_rules_name_real_roles(tmp_path: Path) -> None:
+    from runner.errors import ConfigError
+    from runner.gateway.providers import load_script
+    from runner.train.export import load_export_policy
+
+    p = tmp_path / "export.yaml"
+    p.write_text("schema: 1\nmin_kappa: 0.4\nroles: [analist]\n")
+    with pytest.raises(ConfigError, match="roles"):
+        load_export_policy(p)
+    s = tmp_path / "script.yaml"
+    s.write_text("schema: 1\nrules: [{when: {role: analist}, reply: x}]\n"
+                 "default: {reply: y}\n")
+    with pytest.raises(ConfigError, match="role"):
+        load_script(s)
