@@ -272,6 +272,7 @@ def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy
     policy = _policy(load_policy(inputs.policy), manifest, cycle, cycle_path)
     _check_briefable(cycle, manifest, show(str(inputs.manifest)))
     _check_dream_ids(cycle.dream, manifest, show(str(inputs.manifest)))
+    _check_dream_intent(cycle.dream, manifest, where)
     pols = load_policies(inputs.roles, ref=(where, "roles"))
     missing_roles = [r for r in CYCLE_ROLES if r not in pols.roles]
     if missing_roles:
@@ -317,6 +318,17 @@ def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy
                               f"allowlist {list(allowed)}", path=where, field=field,
                               fix=f"use one of {list(allowed)} or add it to "
                               f"upstreams.{up_name}.models")
+    wup = frozen.get(role_upstream.get("worker") or "")
+    if wup is not None and cycle.worker.max_tokens > wup.max_tokens:
+        raise ConfigError(f"worker.max_tokens {cycle.worker.max_tokens} is above the cap of "
+                          f"the worker's upstream ({wup.max_tokens}): the worker's one call "
+                          "would be refused after the whole baseline ran", path=where,
+                          field="worker.max_tokens",
+                          fix=f"set worker.max_tokens to at most {wup.max_tokens}, or raise "
+                          f"upstreams.{role_upstream.get('worker')}.max_tokens")
+    _check_edit_texts(inputs.repo, tree, cycle.edit, where)
+    if inputs.brief is not None:
+        _check_brief(inputs.brief, where)
     roles = {r: pols.roles[r].model_copy(update={"upstream": role_upstream.get(r)})
              for r in CYCLE_ROLES}
     requirements = _agent_requirements(cycle, inputs.repo, tree, where)
@@ -617,6 +629,21 @@ def _check_briefable(cycle: CycleFile, manifest: Manifest, where: str) -> None:
                           "(brief: {mode: file, file: BRIEF.md}) with dream off")
 
 
+def _check_dream_intent(dream: DreamSpec, manifest: Manifest, where: str) -> None:
+    """Dream rewrites the text at ``dream.intent_key`` of each development case's input: a
+    key no case has made every variant the case plus a new field the agent never reads."""
+    if dream.mode == "off":
+        return
+    lacking = [sc.id for sc in manifest.scenarios if sc.split == DEVELOPMENT
+               and not isinstance(sc.input.get(dream.intent_key), str)]
+    if lacking:
+        raise ConfigError(f"development cases {lacking[:5]} have no text field "
+                          f"{dream.intent_key[:80]!r} in their input, which dream rewrites",
+                          path=where, field="dream.intent_key",
+                          fix="name the input field that holds each task's request "
+                          "(e.g. question)")
+
+
 def _check_dream_ids(dream: DreamSpec, manifest: Manifest, where: str) -> None:
     """A dream variant is named ``<development case>_dream<k>``: a case of the manifest
     with such an id would be replaced by a model-written variant."""
@@ -628,7 +655,51 @@ def _check_dream_ids(dream: DreamSpec, manifest: Manifest, where: str) -> None:
                           fix="rename those cases, or set dream.mode: off")
 
 
+MAX_BRIEF_BYTES = 1 << 20
+"""Largest brief file: it is copied into the run and read whole into the worker's
+prompt."""
+
+
+def _check_brief(brief: Path, where: str) -> None:
+    """The brief is UTF-8 text of at most :data:`MAX_BRIEF_BYTES` (found only after the
+    whole baseline had run, as an unexpected error; a 1 GiB sparse file was copied)."""
+    from runner.loading import decode_utf8, read_capped
+
+    fix = "give a UTF-8 Markdown brief of at most 1 MiB"
+    data = read_capped(brief, max_bytes=MAX_BRIEF_BYTES, what="brief file", fix=fix,
+                       ref=(where, "brief.file"))
+    try:
+        decode_utf8(data, path=show(str(brief)))
+    except ConfigError as exc:
+        raise ConfigError(f"brief file {show(str(brief))}: {exc}", path=where,
+                          field="brief.file", fix=fix) from None
+
+
+def _check_edit_texts(repo: Path, tree: str, edit: EditSpec, where: str) -> None:
+    """Every ``edit.paths`` file in the base tree is UTF-8 text: the worker edits text and
+    is shown each file whole (a binary one was refused only at the propose stage)."""
+    from runner import gitops
+
+    for p in edit.paths:
+        data = gitops.read_blob(repo, tree, p)
+        if data is None:
+            continue  # a new file the worker may create
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"edit.paths {show(p)} is not UTF-8 text in the base tree "
+                              f"(byte {exc.start}); the worker edits text files only",
+                              path=where, field="edit.paths",
+                              fix="take it out of edit.paths") from None
+
+
 def _check_edit(edit: EditSpec, cycle_path: Path) -> None:
+    bad = next((p for p in edit.paths
+                if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in p)), None)
+    if bad is not None:  # a path the worker and the reviewer would see differently
+        raise ConfigError(f"edit.paths {show(bad)} holds a control character",
+                          path=str(cycle_path), field="edit.paths",
+                          fix="list plain relative paths, without control characters")
     try:
         check_changes([], paths=set(edit.paths), allowlist=list(edit.allowlist))
         for p in edit.paths:
