@@ -10,7 +10,7 @@ from runner.cycle.scorer_specs import Scoring
 from runner.cycle.scoring import project_scorer_file
 from runner.errors import ConfigError, IntegrityError
 from runner.hashing import sha256_file, sha256_json
-from runner.loading import is_inside, load_model, show
+from runner.loading import is_inside, load_model, read_capped, show
 
 
 def reference_hash(scenarios: tuple[Scenario, ...] | list[Scenario]) -> str:
@@ -37,8 +37,21 @@ def load_manifest(path: Path, data_dir: Path, *, ref: tuple[str, str] | None = N
                   ) -> Manifest:
     """Load and check: schema, identity hashes, unique ids, splits, store bindings, store
     paths (relative, inside ``data_dir``), store bytes and the project scorer file."""
-    m = load_model(path, Manifest, fmt="json", what="scenario manifest", ref=ref, schema=1,
-                   fix=MANIFEST_FIX)
+    try:
+        m = load_model(path, Manifest, fmt="json", what="scenario manifest", ref=ref,
+                       schema=1, fix=MANIFEST_FIX)
+    except ConfigError as exc:
+        if "invalid JSON" not in str(exc) or _looks_json(path):
+            raise
+        # the common mistake: the scenarios file (YAML) named where the manifest goes
+        rpath, rfield = ref if ref else (show(str(path)), None)
+        raise ConfigError(f"{show(str(path))} is not a scenario manifest (not JSON: "
+                          f"{str(exc).split('invalid JSON: ', 1)[1].split(' Fix:')[0]}); "
+                          "scenarios names the manifest that `cyclebox manifest build` "
+                          "writes, not the scenarios file it reads", path=rpath, field=rfield,
+                          fix="cyclebox manifest build --scenarios SCENARIOS.yaml --data "
+                          "DATA_DIR --out manifest.json, then scenarios: manifest.json"
+                          ) from None
     where = show(str(path))
     check_bindings(m, where, data_dir)
     if reference_hash(m.scenarios) != m.reference_hash:
@@ -53,6 +66,15 @@ def load_manifest(path: Path, data_dir: Path, *, ref: tuple[str, str] | None = N
         raise IntegrityError(f"{exc}. Fix: {REHASH_FIX}") from None
     project_scorer_file(m, path)
     return m
+
+
+def _looks_json(path: Path) -> bool:
+    """The file starts (after blanks and a BOM) with ``{``: a manifest, however broken."""
+    try:  # non-blocking, a regular file only (load_model read it already)
+        head = read_capped(path)[:256]
+    except ConfigError:
+        return True
+    return head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{")
 
 
 def check_bindings(m: Manifest, where: str, data_dir: Path) -> None:

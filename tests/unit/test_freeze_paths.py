@@ -105,3 +105,20 @@ def test_dream_intent_key_must_name_each_development_case_text(tmp_path: Path) -
     cycle, doc = _cycle(tmp_path)
     doc["dream"] = {"mode": "template", "factor": 1, "intent_key": "questoin"}
     _refused(tmp_path, doc, cycle, "dream.intent_key", "have no text field 'questoin'")
+
+
+def test_the_scenarios_file_named_as_the_manifest_says_what_to_do(tmp_path: Path) -> None:
+    """``scenarios: scenarios.yaml`` (the file `manifest build` reads) got "invalid JSON
+    ... Fix: plain JSON", naming neither the field nor the command that makes one."""
+    cycle, doc = _cycle(tmp_path)
+    (cycle.parent / "scenarios.yaml").write_text("schema: 1\nscenarios: []\n")
+    doc["scenarios"] = "scenarios.yaml"
+    _refused(tmp_path, doc, cycle, "scenarios", r"is not a scenario manifest .*cyclebox "
+                                                r"manifest build")
+    (cycle.parent / "broken.json").write_text('{"schema": 1, "x": NaN}')
+    doc["scenarios"] = "broken.json"  # a manifest, broken: the JSON error as it was
+    cycle.write_text(yaml.safe_dump(doc))
+    from runner.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="broken.json: invalid JSON: NaN"):
+        freeze(cycle, tmp_path / "run", images=IMAGES)
