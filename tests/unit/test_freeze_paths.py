@@ -120,5 +120,5 @@ def test_the_scenarios_file_named_as_the_manifest_says_what_to_do(tmp_path: Path
     cycle.write_text(yaml.safe_dump(doc))
     from runner.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="broken.json: invalid JSON: NaN"):
+    with pytest.raises(ConfigError, match=r"broken\.json: invalid JSON: NaN"):
         freeze(cycle, tmp_path / "run", images=IMAGES)
