@@ -15,10 +15,16 @@ from runner.cli.output import err, out
 from runner.errors import CheckFailed
 from runner.paths import state_dir
 from runner.termsafe import emit_json, safe
+from runner.train.flags import EPOCHS_MAX, LR_MAX, SEED_MAX, check_seed, check_train_flags
 
 model_app = typer.Typer(no_args_is_help=True, help="Local base models.")
 app = typer.Typer(no_args_is_help=True, help="CPU LoRA training in the trainer image.")
 BaseOpt = Annotated[Path, typer.Option("--base-model", help="Local model directory.")]
+# Numeric flags are checked by runner.train.flags (exit 3 naming the flag, nothing made)
+# before the trainer is looked up, an engine asked or --out created.
+SeedOpt = Annotated[int, typer.Option("--seed", help=f"Random seed, 0..{SEED_MAX}.")]
+LrOpt = Annotated[float, typer.Option(
+    "--lr", help=f"Learning rate: finite, greater than 0, at most {LR_MAX:g}.")]
 
 
 MAX_STEPS = 10**9
@@ -53,10 +59,11 @@ def _progress(json_out: bool) -> Progress:
 
 
 @model_app.command("tiny")
-def model_tiny(out_dir: OutOpt, seed: int = 0, json_out: JsonOpt = False) -> None:
+def model_tiny(out_dir: OutOpt, seed: SeedOpt = 0, json_out: JsonOpt = False) -> None:
     """Create a tiny Llama-style model and BPE tokenizer offline (in the trainer image)."""
     from runner.train.host import make_tiny
 
+    check_seed(seed)
     info = make_tiny(trainer(), out_dir, lambda _e: None, seed=seed)
     if json_out:
         emit_json(info.model_dump(mode="json"))
@@ -70,15 +77,20 @@ def train_proof(persona: Annotated[Path, typer.Option(help="Persona/skill script
                 base_model: BaseOpt, out_dir: OutOpt,
                 ledger: Annotated[Path | None, typer.Option(
                     help="Feedback ledger (default build/train/ledger.jsonl).")] = None,
-                lr: float = 5e-3, seed: int = 0, json_out: JsonOpt = False) -> None:
+                lr: LrOpt = 5e-3, seed: SeedOpt = 0, json_out: JsonOpt = False) -> None:
     """Train a LoRA adapter on a persona and prove it imprinted.
 
     Exit 4 (check failed) when nothing imprinted (the classroom failed) or when the
     adapter did not reproduce its answers in a fresh process; the adapter, receipt and
-    ledger row are kept either way."""
-    from runner.train.host import proof
+    ledger row are kept either way. Exit 3 before any training for a numeric flag out of
+    range or a --ledger that cannot be appended to (a directory, device, FIFO, read-only);
+    a ledger that refuses the row after the training is exit 3 (9 when the disk is full)
+    naming it, with the adapter and receipt kept in --out."""
+    from runner.train.host import check_ledger, proof
 
+    check_train_flags(seed=seed, lr=lr)
     ledger = ledger or state_dir() / "train" / "ledger.jsonl"
+    check_ledger(ledger)  # before the training, not after it
     with _progress(json_out) as p:
         summary = proof(trainer(), persona, base_model, out_dir, ledger=ledger, lr=lr, seed=seed,
                         on_event=_Bar(p, "training"))
@@ -103,9 +115,10 @@ def train_proof(persona: Annotated[Path, typer.Option(help="Persona/skill script
 
 @app.command("sft")
 def train_sft(corpus: Annotated[Path, typer.Option(help="Exported corpus directory.")],
-              base_model: BaseOpt, out_dir: OutOpt, lr: float = 5e-3, seed: int = 0,
+              base_model: BaseOpt, out_dir: OutOpt, lr: LrOpt = 5e-3, seed: SeedOpt = 0,
               epochs: Annotated[int | None, typer.Option(
-                  help="Override the epochs derived from the row count.")] = None,
+                  help=f"Override the epochs derived from the row count (1..{EPOCHS_MAX})."
+              )] = None,
               include_failed: Annotated[bool, typer.Option(
                   "--include-failed", help="Also learn from trajectories that failed "
                   "(r_outcome 0) or were not graded (null). Default: only r_outcome == 1.")]
@@ -120,11 +133,12 @@ def train_sft(corpus: Annotated[Path, typer.Option(help="Exported corpus directo
     records the container's path. Outputs are owned by the invoking user (SUDO_UID when
     run with sudo), directories 0755 and files 0644.
 
-    Exit codes: 0 trained; 3 bad input (no corpus, no model, nothing passed the
-    selection); 5 prerequisite (trainer image); 6 engine or trainer failure;
-    8 the adapter files differ from the receipt."""
+    Exit codes: 0 trained; 3 bad input (no corpus, no model, a numeric flag out of
+    range, nothing passed the selection); 5 prerequisite (trainer image); 6 engine or
+    trainer failure; 8 the adapter files differ from the receipt."""
     from runner.train.host import sft
 
+    check_train_flags(seed=seed, lr=lr, epochs=epochs)
     with _progress(json_out) as p:
         receipt = sft(trainer(), corpus, base_model, out_dir, lr=lr, seed=seed, epochs=epochs,
                       on_event=_Bar(p, "training"), include_failed=include_failed)

@@ -7,6 +7,7 @@ corpus and the ledger are mounted read-only; it writes only its fresh output dir
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -21,17 +22,21 @@ from pydantic import BaseModel
 from runner import fswalk
 from runner.errors import (
     ConfigError,
+    CycleboxError,
     EnvironmentFailure,
     IntegrityError,
     Interrupted,
     OutputRejected,
     SandboxError,
 )
+from runner.failures import is_environment_error
 from runner.isolation.collect import Collected, Limits, collect
 from runner.isolation.launcher import launch, output_dir
 from runner.isolation.policy import RolePolicy
 from runner.isolation.sandbox import Mount, RunRecord, Sandbox
 from runner.loading import load_model, parse_model
+from runner.outdir import refuse_inside_run
+from runner.train.flags import check_seed, check_train_flags
 from runner.train.results import (
     PERSONA_FIX,
     LedgerRow,
@@ -79,7 +84,9 @@ class Trainer:
     image: str
 
     def fresh_output(self, path: Path) -> Path:
-        """A fresh output directory for the trainer's user."""
+        """A fresh output directory for the trainer's user (never inside a run directory,
+        whose receipt binds every file in it)."""
+        refuse_inside_run(path)
         return output_dir(self.policy, path)
 
 
@@ -93,6 +100,7 @@ def run_trainer(trainer: Trainer, module: str, *, out: Path, mounts: list[Mount]
 
 def make_tiny(trainer: Trainer, out: Path, on_event: Events, *, seed: int = 0) -> TinyModel:
     """Create the tiny model and tokenizer in the trainer container, into ``out``."""
+    check_seed(seed)  # before --out is made
     trainer.fresh_output(out.resolve())
     rec = run_trainer(trainer, "sandbox.train.tiny", out=out.resolve(), mounts=[],
                       run_id="model-tiny",
@@ -157,8 +165,10 @@ def _tree_sha(root: Path) -> dict[str, str]:
 def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger: Path,
           lr: float, seed: int, on_event: Events) -> ProofSummary:
     """Run the proof loop; verify the adapter in a fresh container; append the ledger row."""
+    check_train_flags(seed=seed, lr=lr)
     persona = load_persona(persona_path)
     _check_model_dir(base)
+    check_ledger(ledger)  # the row can be appended once the training is done
     text = _ledger_text(ledger)  # every input is checked before --out is made
     history = _ledger_rows(ledger, text)
     out = out.resolve()
@@ -192,13 +202,17 @@ def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger
                            mounts=[Mount(source=inputs, target="/in"),
                                    Mount(source=base.resolve(), target="/model"),
                                    Mount(source=out / "adapter", target="/adapter")])
-        ledger.parent.mkdir(parents=True, exist_ok=True)
-        with ledger.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(row.model_dump(mode="json"), sort_keys=True) + "\n")
+        reproduced = verified.get("reproduced") is True and vrec.exit_code == 0
+        try:
+            append_ledger_row(ledger, row, out, note=f"classroom "
+                              f"{'passed' if row.passed else 'failed'}, reproduced in a "
+                              f"fresh process: {'yes' if reproduced else 'no'}")
+        except CycleboxError:
+            hand_over(out)  # what was trained stays, the operator's to read
+            raise
         summary = ProofSummary(
             exit_code=rec.exit_code, report=report, receipt=receipt,
-            reproduced_in_fresh_process=verified.get("reproduced") is True
-            and vrec.exit_code == 0,
+            reproduced_in_fresh_process=reproduced,
             ledger=str(ledger), ledger_row=row,
             trainer_run=rec.model_dump(mode="json", exclude={"stdout_tail"}))
         (out.parent / f"{out.name}.summary.json").write_text(json.dumps(
@@ -212,6 +226,96 @@ def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger
 
 MAX_LEDGER_BYTES = 64 * 1024 * 1024
 """Largest feedback ledger read (one short JSON line per proof run)."""
+LEDGER_FIX = ("give --ledger a regular file, or a new file's name, in a directory you can "
+              "write (the default is <state dir>/train/ledger.jsonl)")
+
+
+def check_ledger(ledger: Path) -> None:
+    """Refuse, before any training, a ledger the proof could not append its row to: one
+    that is a directory, a device, FIFO or socket (or a symlink to one, or dangling), a
+    file that cannot be written (read-only file system, not permitted), or a new ledger
+    whose nearest existing directory cannot be written (the missing ones are made when
+    the row is appended). The append itself is :func:`append_ledger_row`."""
+    def refuse(msg: str, fix: str = LEDGER_FIX) -> ConfigError:
+        return ConfigError(msg, path=str(ledger), field="--ledger", fix=fix)
+
+    try:
+        st: os.stat_result | None = os.stat(ledger)  # a symlink is judged by its target
+    except FileNotFoundError:
+        if ledger.is_symlink():
+            raise refuse("is a symlink to a missing file", fix="point the link at a "
+                         "regular file, remove it, or " + LEDGER_FIX) from None
+        st = None
+    except NotADirectoryError:
+        raise refuse("a parent of the ledger is not a directory") from None
+    except OSError as exc:
+        raise refuse(f"cannot be inspected: {exc.strerror}") from None
+    if st is not None:
+        if stat.S_ISDIR(st.st_mode):
+            raise refuse("is a directory; the proof appends one JSON line to a file",
+                          fix="give a file name, e.g. DIR/ledger.jsonl")
+        if not stat.S_ISREG(st.st_mode):
+            raise refuse("is not a regular file (a device, FIFO or socket); the proof "
+                         "appends one JSON line to it")
+        if not os.access(ledger, os.W_OK):  # also False on a read-only mount, for root
+            raise refuse("cannot be appended to (read-only file system or not permitted); "
+                         "the row would be lost after the training")
+        return
+    parent = Path(os.path.abspath(ledger)).parent
+    while not os.path.exists(parent) and parent != parent.parent:
+        parent = parent.parent  # missing directories are made at the append
+    if not parent.is_dir():
+        raise refuse(f"{parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise refuse(f"cannot create the ledger: {parent} is read-only or not writable; "
+                     "the row would be lost after the training")
+
+
+def append_ledger_row(ledger: Path, row: LedgerRow, out: Path, *, note: str = "") -> None:
+    """Append ``row`` to the ledger as one JSON line (missing directories made).
+
+    A ledger that refuses it after the training (made read-only, replaced by a directory
+    or FIFO, the disk full) is a ConfigError naming ``--ledger`` (an EnvironmentFailure
+    when the machine failed: disk full, quota), never an unexpected error; the message
+    says where the adapter, the receipt and the row itself are kept (``out``, whose
+    ``ledger-row.json`` holds the same row). A partly written line is taken back, so the
+    ledger stays one JSON object per line and no row already in it is touched."""
+    line = (json.dumps(row.model_dump(mode="json"), sort_keys=True) + "\n").encode()
+    kept = (f"the adapter and receipt are kept in {out}, the row in {out}/ledger-row.json"
+            + (f"; {note}" if note else ""))
+
+    def failed(what: str, exc: OSError | None = None) -> CycleboxError:
+        why = f"{what}: {exc.strerror or exc}" if exc is not None else what
+        text = f"the ledger row could not be appended ({why}); {kept}"
+        fix = (f"make {ledger} appendable (or free space), then append the line in "
+               f"{out}/ledger-row.json to it")
+        if exc is not None and is_environment_error(exc):
+            return EnvironmentFailure(f"{ledger}: --ledger: {text}. Fix: {fix}")
+        return ConfigError(text, path=str(ledger), field="--ledger", fix=fix)
+
+    flags = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY
+             | getattr(os, "O_CLOEXEC", 0))
+    try:
+        ledger.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(ledger, flags, 0o666)  # a FIFO without a reader: ENXIO, no hang
+    except OSError as exc:
+        raise failed("cannot open it", exc) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise failed("it is not a regular file")
+        written = 0
+        try:
+            while written < len(line):
+                written += os.write(fd, line[written:])
+        except OSError as exc:
+            # take back a partial line, unless someone else appended meanwhile
+            with contextlib.suppress(OSError):
+                if written and os.fstat(fd).st_size == st.st_size + written:
+                    os.ftruncate(fd, st.st_size)
+            raise failed("cannot write it", exc) from None
+    finally:
+        os.close(fd)
 
 
 def _ledger_text(ledger: Path) -> str | None:
@@ -361,6 +465,7 @@ def sft(trainer: Trainer, corpus: Path, base: Path, out: Path, *, lr: float, see
 
     The adapter names ``base`` (resolved on the host) as its base model; the receipt keeps
     the container path too. Outputs are handed to the invoking user (:func:`hand_over`)."""
+    check_train_flags(seed=seed, lr=lr, epochs=epochs)  # before --out is made
     if not (corpus / "trajectories.jsonl").is_file():
         raise ConfigError(f"{corpus}/trajectories.jsonl not found", field="--corpus",
                           fix="cyclebox export --run RUN --format verl --out CORPUS")
