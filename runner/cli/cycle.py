@@ -65,7 +65,9 @@ def freeze(cycle: Annotated[Path, typer.Argument(help="cycle.yaml")], out_dir: O
 def cycle_run(
     cycle: Annotated[Path | None, typer.Argument(help="cycle.yaml (omit with --plan)")] = None,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Fresh output directory.")] = None,
-    plan: Annotated[Path | None, typer.Option(help="Execute a prepared plan.json.")] = None,
+    plan: Annotated[Path | None, typer.Option(
+        help="Execute a prepared plan.json (alone: not with CYCLE, --out, --prepare-only "
+             "or --replay).")] = None,
     prepare_only: Annotated[bool, typer.Option(help="Stop after freezing.")] = False,
     replay: ReplayOpt = None,
     json_out: JsonOpt = False,
