@@ -321,8 +321,27 @@ def build(outcome: Outcome) -> Receipt:
         files=files,
         files_not_utf8=files_not_utf8,
     )
-    _write_atomic(d / RECEIPT, canonical_bytes(receipt))
+    data = canonical_bytes(receipt)
+    _write_atomic(d / RECEIPT, data)  # kept as evidence whatever its size
+    if len(data) > MAX_BYTES:
+        raise IntegrityError(
+            f"{d / RECEIPT}: the receipt is {len(data)} bytes, more than `receipt verify` "
+            f"reads ({MAX_BYTES}): no one could verify this run. It binds every file by its "
+            f"name; the most named are under {_heaviest(files, files_not_utf8)}. Fix: keep "
+            "the run as evidence; an agent that writes thousands of files with long names "
+            "into its output should write an archive instead")
     return receipt
+
+
+def _heaviest(*maps: dict[str, str]) -> str:
+    """The directories (four levels deep: a case) whose bound names cost the receipt most."""
+    cost: dict[str, int] = {}
+    for m in maps:
+        for rel in m:
+            top = "/".join(rel.split("/")[:4])
+            cost[top] = cost.get(top, 0) + len(rel) + 70
+    worst = sorted(cost.items(), key=lambda kv: -kv[1])[:3]
+    return ", ".join(f"{show(k)} ({v} bytes)" for k, v in worst)
 
 
 def _applied_tree(d: Path) -> str | None:

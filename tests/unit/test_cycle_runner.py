@@ -383,6 +383,30 @@ def test_line_separators_in_an_answer_are_kept_and_the_receipt_verifies(
     assert verify(plan.parent) == []
 
 
+def test_a_receipt_too_big_to_verify_is_written_and_refused_by_name(
+        planned: Freeze, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receipt binds every file by name: an agent writing thousands of files with long
+    names (within its output caps) made one bigger than `receipt verify` reads, and the
+    run ended accepted with a receipt no one could verify. Now the receipt is kept as
+    evidence and the command fails closed (IntegrityError, exit 8), naming where."""
+    from runner.cycle import receipt as rc
+
+    plan = planned()
+
+    def flood(call: Call) -> Result:
+        files = dict(analyst(call).files)
+        files.update({f"n{i:04d}" + "x" * 150: "" for i in range(400)})
+        return Result(files=files)
+
+    outcome = run(plan, fake(script(analyst=flood)))
+    monkeypatch.setattr(rc, "MAX_BYTES", 1_000_000)
+    with pytest.raises(IntegrityError, match=r"the receipt is \d+ bytes, more than `receipt "
+                                             r"verify` reads \(1000000\).* under "
+                                             r"stages/(baseline|candidate)/cases/"):
+        rc.build(outcome)
+    assert (plan.parent / "receipt.json").stat().st_size > 1_000_000
+
+
 @pytest.mark.parametrize(("path", "value", "problem"), [
     pytest.param(("verdict", "verdict"), "reject", "verdict", id="verdict"),
     pytest.param(("fixture",), True, "fixture", id="fixture"),
