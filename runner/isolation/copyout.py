@@ -66,10 +66,30 @@ def limits_for(role: str, *, max_bytes: int, max_entries: int) -> CopyLimits:
                       scratch=SCRATCH.get(role, ()))
 
 
+# Code points HFS+ ignores in names (git's is_hfs_dotgit): ".g\u200cit" is ".git" there.
+_HFS_IGNORED = dict.fromkeys([*range(0x200C, 0x2010), *range(0x202A, 0x202F),
+                              *range(0x206A, 0x2070), 0xFEFF])
+
+
+def _is_dotgit(part: str) -> bool:
+    """``part`` names ``.git`` on some filesystem a run directory may be copied to: any
+    case, trailing dots or spaces (Windows), HFS+ ignorable code points (macOS), the 8.3
+    short name ``git~1`` or an NTFS stream suffix (``.git::$INDEX_ALLOCATION``), or as
+    the last component of a backslash path (``x\\.git`` on Windows)."""
+    p = part.rsplit("\\", 1)[-1].translate(_HFS_IGNORED).split(":", 1)[0]
+    p = p.rstrip(". ").casefold()
+    return p in (".git", "git~1")
+
+
 def _git_part(parts: list[str]) -> int | None:
     """Index of the first path part git (on any filesystem) would take for ``.git``."""
-    return next((i for i, p in enumerate(parts) if p.rstrip(". ").casefold() == ".git"),
-                None)
+    return next((i for i, p in enumerate(parts) if _is_dotgit(p)), None)
+
+
+GIT_DIR_NAMES = frozenset({"head", "objects", "refs"})
+"""What makes a directory a git directory to git itself (``is_git_directory``): a
+``HEAD``, an ``objects`` and a ``refs`` in it, whatever the directory is called (a bare
+repository: ``safe.bareRepository`` is ``all`` by default, and its config is obeyed)."""
 
 
 class CopyRefused(OutputRejected):
@@ -275,8 +295,27 @@ def extract(chunks: Iterable[bytes], dest: Path, lim: CopyLimits, *,
     return got
 
 
+def _git_dir_names(parts: list[str], seen: dict[str, set[str]], shown: str) -> None:
+    """Note each of ``HEAD``, ``objects`` and ``refs`` along ``parts`` (an entry's own
+    name or a parent it implies) under its directory; refuse once one directory holds
+    all three (a bare repository's layout, under any name)."""
+    for i, p in enumerate(parts):
+        name = p.casefold()
+        if name in GIT_DIR_NAMES:
+            where = "/".join(parts[:i])
+            names = seen.setdefault(where, set())
+            names.add(name)
+            if names == GIT_DIR_NAMES:
+                raise CopyRefused(
+                    f"output entry {shown!r}: {where or 'the output'!r} holds HEAD, objects "
+                    "and refs, a git repository's layout (a git command run in it or below "
+                    "would obey its config as the operator); write a bundle or a patch "
+                    "instead")
+
+
 def _extract(st: _Stream, root_fd: int, lim: CopyLimits, got: Extracted,
              seed_links: dict[str, str]) -> None:
+    git_dirs: dict[str, set[str]] = {}
     long_name: bytes | None = None
     pax: dict[bytes, bytes] = {}
     while True:
@@ -328,6 +367,7 @@ def _extract(st: _Stream, root_fd: int, lim: CopyLimits, got: Extracted,
             got.scratch += 1
             st.read(size + (-size % BLOCK), what="scratch data")
             continue
+        _git_dir_names(parts, git_dirs, shown)
         if kind == b"2" and shown in seed_links and \
                 link == seed_links[shown].encode("utf-8", "surrogateescape"):
             if got.files + got.dirs + 1 > lim.max_entries:

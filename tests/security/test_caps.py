@@ -238,7 +238,9 @@ def test_stream_refusals(tmp_path: Path, member: tuple[tarfile.TarInfo, bytes | 
 
 @pytest.mark.parametrize("name", [".git/config", "sub/.git/hooks/pre-commit", ".git",
                                   ".GIT/config", ".Git./HEAD", "repo/.git /config",
-                                  "out/.git"])
+                                  "out/.git", ".g\u200cit/config", ".git\ufeff/config",
+                                  "GIT~1/config", ".git::$INDEX_ALLOCATION/config",
+                                  "x\\.git"])
 @pytest.mark.parametrize("role", ["analyst", "apply"])
 def test_stream_a_git_directory_is_never_written_to_the_host(tmp_path: Path, name: str,
                                                              role: str) -> None:
@@ -253,6 +255,28 @@ def test_stream_a_git_directory_is_never_written_to_the_host(tmp_path: Path, nam
         extract(_chunks(_tar(_member("ok", data=b"fine"),
                              _member(name, data=b"[core]\n\tfsmonitor = id\n"))), dest, lim)
     assert sorted(p.name for p in dest.iterdir()) == ["ok"]
+
+
+@pytest.mark.parametrize("layout", [
+    ["notes/HEAD", "notes/objects/", "notes/refs/", "notes/config"],
+    ["HEAD", "config", "objects/ab/cd", "refs/heads/main"],  # at the root, parents implied
+    ["d/Refs/x", "d/OBJECTS/", "d/head"],
+])
+def test_stream_a_bare_repository_layout_is_refused(tmp_path: Path, layout: list[str]) -> None:
+    """No part named .git, yet git takes a directory holding HEAD, objects and refs for a
+    (bare) repository and obeys its config: a reviewer's ``notes/`` ran its
+    ``core.pager`` at ``git branch`` there as the operator."""
+    members = [_member(n, tarfile.DIRTYPE) if n.endswith("/") else
+               _member(n, data=b"[core]\n\tpager = id\n") for n in layout]
+    with pytest.raises(CopyRefused, match="holds HEAD, objects and refs"):
+        extract(_chunks(_tar(*members)), tmp_path, LIM)
+
+
+def test_stream_names_that_only_look_like_a_repository_pass(tmp_path: Path) -> None:
+    got = extract(_chunks(_tar(_member("a/HEAD", data=b"x"), _member("b/objects/o", data=b"x"),
+                               _member("a/refs/r", data=b"x"), _member(".gitmodules"),
+                               _member("git", data=b"x"), _member("a.git/f"))), tmp_path, LIM)
+    assert got.files == 6
 
 
 def test_stream_the_apply_containers_repository_is_read_not_written(tmp_path: Path) -> None:
