@@ -674,6 +674,14 @@ def _walked(repo: Path, tree: str) -> list[tuple[str, int, bytes]]:
                               ) from None
 
 
+def find_blob(repo: Path, tree: str, data: bytes) -> str | None:
+    """The first path of ``tree`` whose file holds exactly ``data`` (compared by blob id,
+    nothing read); None when no file does."""
+    want = {_blob_id(data, "sha1"), _blob_id(data, "sha256")}
+    return next((path for path, mode, sha in _walked(repo, tree)
+                 if _is_file(mode) and sha.hex() in want), None)
+
+
 def past_path_max(repo: Path, tree: str, target: str) -> tuple[str, int] | None:
     """The first path of ``tree`` (files and directories, in tree order) that would be
     ``PATH_MAX`` bytes or longer once the tree is mounted at ``target``, with that length;

@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import json
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,23 +28,34 @@ __all__ = ["make_fresh_dir", "refuse_existing", "refuse_inside_run", "remove_cre
            "run_holding", "staged", "within"]
 
 
+def is_run_dir(d: Path) -> bool:
+    """``d`` is a cyclebox run directory: its ``plan.json`` is one ``cyclebox freeze``
+    wrote (an object with ``plan``, ``hashes`` and ``plan_hash``), a regular file owned by
+    this user (another user's file named so decides nothing here), beside ``inputs/``."""
+    from runner.loading import read_capped
+
+    plan = d / "plan.json"
+    try:
+        st = os.lstat(plan)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() \
+                or not (d / "inputs").is_dir():
+            return False
+        doc = json.loads(read_capped(plan, max_bytes=64 << 20, what="plan"))
+    except (OSError, ValueError, ConfigError):
+        return False
+    return isinstance(doc, dict) and {"plan", "hashes", "plan_hash"} <= doc.keys()
+
+
 def run_holding(path: Path) -> Path | None:
-    """The cyclebox run directory ``path`` lies in (a directory above it holding
-    ``receipt.json``, or a frozen ``plan.json`` beside its ``inputs/``), judged on the
-    path with its links resolved (a missing tail as given); None when there is none.
-    ``path`` itself is not looked at: one that exists is refused as taken."""
+    """The cyclebox run directory ``path`` lies in (:func:`is_run_dir`, the nearest one
+    above it), judged on the path with its links resolved (a missing tail as given); None
+    when there is none. ``path`` itself is not looked at: one that exists is refused as
+    taken."""
     try:
         p = Path(os.path.realpath(path))
     except (OSError, ValueError):
         return None
-    for d in p.parents:
-        try:
-            if (d / "receipt.json").is_file() or (
-                    (d / "plan.json").is_file() and (d / "inputs").is_dir()):
-                return d
-        except (OSError, ValueError):
-            continue
-    return None
+    return next((d for d in p.parents if is_run_dir(d)), None)
 
 
 def within(path: Path, root: Path) -> bool:

@@ -67,7 +67,15 @@ from runner.hashing import canonical_bytes, sha256_file, sha256_json
 from runner.isolation.policy import RolePolicies, RolePolicy, load_policies
 from runner.isolation.sandbox import Frozen
 from runner.isolation.seccomp import load_profile
-from runner.loading import is_inside, load_data, load_model, relative_inside, show, validate
+from runner.loading import (
+    is_inside,
+    load_data,
+    load_model,
+    read_capped,
+    relative_inside,
+    show,
+    validate,
+)
 from runner.outdir import make_fresh_dir, refuse_existing, remove_created
 from runner.toolchain import AgentToolchains, DerivedAnalyst
 from sandbox.proposal import Refused, check_changes, check_path
@@ -229,30 +237,73 @@ def _check_src_paths(repo: Path, tree: str, cycle: CycleFile, where: str) -> Non
                       "without that file) and point project.base_ref at that commit")
 
 
-def _not_data(inputs: CycleInputs) -> Callable[[fswalk.Entry], str | None]:
-    """What the agent under test must not find at /data: a frozen input (the same file,
-    e.g. hard-linked: the manifest holds the references) or a cyclebox run directory
-    (its ``inputs/manifest.json`` is that manifest's copy)."""
-    frozen: dict[tuple[int, int], str] = {}
-    for name, p in (("scenario manifest", inputs.manifest), ("policy", inputs.policy),
-                    ("roles", inputs.roles), ("brief", inputs.brief)):
-        if p is not None:
-            with contextlib.suppress(OSError):
-                st = os.stat(p)
-                frozen[(st.st_dev, st.st_ino)] = name
+def _not_data(root: Path, manifest: bytes, frozen: list[tuple[str, Path]]
+              ) -> Callable[[fswalk.Entry], str | None]:
+    """What the agent under test must not find in a tree it reads (``data_dir`` at /data,
+    a role policy's mount): a frozen input (the same file, e.g. hard-linked), a copy of
+    the scenario manifest (it holds the held-out references), or a cyclebox run's frozen
+    inputs (``inputs/manifest.json``, or a plan beside ``inputs/``)."""
+    from runner.outdir import is_run_dir
+
+    same: dict[tuple[int, int], str] = {}
+    for name, p in frozen:
+        with contextlib.suppress(OSError):
+            st = os.stat(p)
+            same[(st.st_dev, st.st_ino)] = name
+    size, digest = len(manifest), hashlib.sha256(manifest).hexdigest()
 
     def refuse(e: fswalk.Entry) -> str | None:
-        if e.is_file and (e.st.st_dev, e.st.st_ino) in frozen:
-            return (f"is the {frozen[(e.st.st_dev, e.st.st_ino)]} (the same file), which "
-                    "the agent under test would read at /data")
-        if e.is_file and e.name == "plan.json":
-            with contextlib.suppress(OSError):
-                if stat.S_ISDIR(os.lstat("inputs", dir_fd=e.parent_fd).st_mode):
-                    return ("is a cyclebox run's plan: its inputs/manifest.json holds the "
-                            "references the agent under test would read at /data")
+        if not e.is_file:
+            return None
+        if (e.st.st_dev, e.st.st_ino) in same:
+            return f"is the {same[(e.st.st_dev, e.st.st_ino)]} (the same file)"
+        if e.st.st_size == size and e.sha256() == digest:
+            return "is a copy of the scenario manifest, held-out references included"
+        parent = e.rel.rpartition("/")[0]
+        if e.name == "manifest.json" and parent.rpartition("/")[2] == "inputs":
+            return "is a cyclebox run's frozen manifest (inputs/manifest.json)"
+        if e.name == "plan.json" and is_run_dir(root / parent):
+            return "is a cyclebox run's plan: its inputs/manifest.json holds the references"
         return None
 
     return refuse
+
+
+BLIND_ROLES = ("analyst", "worker")
+"""Roles that must never read the held-out references: the agent under test, and the
+coding worker that edits it (it sees the development failures of the brief only)."""
+
+
+def _check_src_blind(repo: Path, tree: str, cycle: CycleFile, manifest: bytes,
+                     where: str) -> None:
+    """The agent's tree is mounted at /src: the scenario manifest committed in it (a
+    project whose repository holds its cycle files, no ``project.subdir``) would give the
+    agent its own grading. Refused by content, wherever in the tree and however named."""
+    from runner import gitops
+
+    found = gitops.find_blob(repo, tree, manifest)
+    if found is not None:
+        raise ConfigError(f"the agent's tree ({show(cycle.project.base_ref)}, tree "
+                          f"{tree[:12]}) holds the scenario manifest as {fswalk.shown(found)}; "
+                          "it is mounted at /src, where the agent under test would read the "
+                          "held-out references", path=where, field="project.subdir",
+                          fix="set project.subdir to the agent's own directory (the cycle "
+                          "files outside it), or keep the manifest out of the repository")
+
+
+def check_agent_tree(root: Path, target: str, manifest: bytes,
+                     frozen: list[tuple[str, Path]], *, path: str | None, field: str) -> None:
+    """``root``, mounted into the agent under test at ``target``: every entry readable and
+    openable there, and nothing that grades the agent in it (:func:`_not_data`);
+    ConfigError naming ``field`` otherwise. At freeze, and again when the plan runs (a
+    tree changed after freeze)."""
+    try:
+        fswalk.check_mountable(root, target, refuse=_not_data(root, manifest, frozen))
+    except fswalk.WalkError as exc:
+        raise ConfigError(f"{show(str(root))}/{fswalk.shown(exc.rel)}: {exc.reason}, and "
+                          f"the agent under test reads it at {target}", path=path,
+                          field=field, fix="make every entry of it readable, with shorter "
+                          "paths; " + DATA_DIR_FIX) from None
 
 
 def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy] | None = None,
@@ -262,13 +313,12 @@ def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy
     where = show(str(cycle_path))
     inputs = check_inputs(cycle, cycle_path, base)
     manifest = load_manifest(inputs.manifest, inputs.data_dir, ref=(where, "scenarios"))
-    try:  # the whole tree is mounted at /data: every entry must be readable and openable
-        fswalk.check_mountable(inputs.data_dir, "/data", refuse=_not_data(inputs))
-    except fswalk.WalkError as exc:
-        raise ConfigError(f"{show(str(inputs.data_dir))}/{fswalk.shown(exc.rel)}: "
-                          f"{exc.reason}", path=where, field="data_dir",
-                          fix="make every entry of the data directory readable, with "
-                          "shorter paths (or remove it); " + DATA_DIR_FIX) from None
+    manifest_bytes = read_capped(inputs.manifest)  # loaded above: a regular file
+    grading = [("scenario manifest", inputs.manifest), ("policy", inputs.policy),
+               ("roles", inputs.roles), *([("brief", inputs.brief)] if inputs.brief else [])]
+    # the whole tree is mounted at /data: every entry readable, nothing that grades
+    check_agent_tree(inputs.data_dir, "/data", manifest_bytes, grading, path=where,
+                     field="data_dir")
     policy = _policy(load_policy(inputs.policy), manifest, cycle, cycle_path)
     _check_briefable(cycle, manifest, show(str(inputs.manifest)))
     _check_dream_ids(cycle.dream, manifest, show(str(inputs.manifest)))
@@ -278,9 +328,15 @@ def check_cycle(cycle_path: Path, *, upstream_override: dict[str, UpstreamPolicy
     if missing_roles:
         raise ConfigError(f"no policy for roles {missing_roles}", path=show(str(inputs.roles)),
                           field="roles", fix=f"define roles {', '.join(CYCLE_ROLES)}")
+    for role in BLIND_ROLES:  # their own mounts: the same rule as data_dir
+        for i, m in enumerate(pols.roles[role].mounts):
+            check_agent_tree(Path(m.source), m.target, manifest_bytes, grading,
+                             path=show(str(inputs.roles)),
+                             field=f"roles.{role}.mounts[{i}].source")
     _check_edit(cycle.edit, cycle_path)
     tree = check_repo(inputs.repo, cycle.project.base_ref, cycle.project.subdir, path=where)
     _check_src_paths(inputs.repo, tree, cycle, where)
+    _check_src_blind(inputs.repo, tree, cycle, manifest_bytes, where)
     dirty = uncommitted_warning(inputs.repo, cycle.project.base_ref, cycle.project.subdir,
                                 path=where)
 

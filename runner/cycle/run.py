@@ -42,6 +42,8 @@ from runner.cycle.models import (
     Scenario,
 )
 from runner.cycle.plan import (
+    BLIND_ROLES,
+    check_agent_tree,
     check_drift,
     check_upstreams,
     frozen_role,
@@ -68,7 +70,7 @@ from runner.isolation import image_use
 from runner.isolation.collect import Limits, collect
 from runner.isolation.launcher import output_dir, prepare
 from runner.isolation.sandbox import Mount, PreparedRun, RunRecord, Sandbox, StopReason
-from runner.loading import show
+from runner.loading import read_capped, show
 
 STOP_GRACE_S = 6.0
 """How long, after a stop, the run's containers are swept while case threads return."""
@@ -175,6 +177,20 @@ class CycleRunner:
         with plan_lock(self.plan_path):
             return self._run_locked()
 
+    def _check_blind_trees(self) -> None:
+        """What freeze checked of the trees the agent (and the worker) read, again now:
+        ``data_dir`` or a role's mount may have come to hold a run or a copy of the
+        manifest since (ConfigError naming it; nothing has started)."""
+        manifest = read_capped(self.dir / "inputs" / "manifest.json")
+        frozen = [("frozen manifest", self.dir / "inputs" / "manifest.json")]
+        where = str(self.plan_path)
+        check_agent_tree(Path(self.plan.data_dir), "/data", manifest, frozen, path=where,
+                         field="data_dir")
+        for role in BLIND_ROLES:
+            for i, m in enumerate(self.plan.roles[role].mounts):
+                check_agent_tree(Path(m.source), m.target, manifest, frozen, path=where,
+                                 field=f"roles.{role}.mounts[{i}].source")
+
     def _run_locked(self) -> Outcome:
         stages = self.dir / "stages"
         if stages.exists():
@@ -184,6 +200,7 @@ class CycleRunner:
         check_upstreams(dict(self.plan.upstreams), path=str(self.plan_path))
         refuse_out_in_data(self.dir, Path(self.plan.data_dir), path=str(self.plan_path),
                            field="--plan")
+        self._check_blind_trees()
         image_use.hold(self.plan.images.values())  # `images gc` leaves them alone
         for role, image in self.plan.images.items():
             if self.backend.image_id(image) is None:

@@ -61,22 +61,75 @@ def test_a_frozen_input_inside_data_dir_is_refused(tmp_path: Path, field: str) -
     assert info.value.field == field
 
 
+PLAN = '{"hashes": {}, "plan": {}, "plan_hash": "x"}'
+
+
 def test_data_dir_holding_the_manifest_or_a_run_is_refused(tmp_path: Path) -> None:
     cycle = _cycle(tmp_path)
     data = cycle.parent / "data"
-    os.link(cycle.parent / "manifest.json", data / "copy.json")  # the same file, linked
+    manifest = cycle.parent / "manifest.json"
+    os.link(manifest, data / "copy.json")  # the same file, linked
     with pytest.raises(ConfigError, match=r"copy.json: is the scenario manifest \(the same "
                                           r"file\)") as info:
         freeze(cycle, tmp_path / "run1", images=IMAGES)
     assert info.value.field == "data_dir"
     (data / "copy.json").unlink()
+    shutil.copy(manifest, data / "notes.txt")  # a copy, renamed
+    with pytest.raises(ConfigError, match=r"notes.txt: is a copy of the scenario manifest"):
+        freeze(cycle, tmp_path / "run2", images=IMAGES)
+    (data / "notes.txt").unlink()
     old = data / "old-run"
     (old / "inputs").mkdir(parents=True)
-    (old / "plan.json").write_text("{}")
+    (old / "inputs" / "manifest.json").write_text("{}")  # an older manifest's copy
+    with pytest.raises(ConfigError, match=r"old-run/inputs/manifest.json: is a cyclebox "
+                                          r"run's frozen manifest"):
+        freeze(cycle, tmp_path / "run3", images=IMAGES)
+    (old / "inputs" / "manifest.json").unlink()
+    (old / "plan.json").write_text(PLAN)
     with pytest.raises(ConfigError, match=r"old-run/plan.json: is a cyclebox run's plan"):
+        freeze(cycle, tmp_path / "run4", images=IMAGES)
+    (old / "plan.json").write_text("{}")  # a plan.json that is not a run's: data
+    freeze(cycle, tmp_path / "run5", images=IMAGES)  # the positive control
+
+
+def test_the_manifest_in_the_agents_tree_or_a_policy_mount_is_refused(tmp_path: Path) -> None:
+    """Two more ways the reviewer's agent read its references: the manifest committed in
+    the repository mounted at /src (no project.subdir), and a role policy's mount of the
+    project directory."""
+    from runner import gitops
+
+    cycle = _cycle(tmp_path)
+    doc = yaml.safe_load(cycle.read_text())
+    repo = Path(doc["project"]["repo"])
+    shutil.copy(cycle.parent / "manifest.json", repo / "cases.json")
+    gitops.init_fixed(repo, "with the manifest")
+    with pytest.raises(ConfigError, match=r"holds the scenario manifest as cases.json") as info:
+        freeze(cycle, tmp_path / "run1", images=IMAGES)
+    assert info.value.field == "project.subdir"
+    (repo / "cases.json").unlink()
+    gitops.init_fixed(repo, "without")
+    roles = yaml.safe_load(Path(doc["roles"]).read_text())
+    roles["roles"]["analyst"]["mounts"] = [{"source": str(cycle.parent), "target": "/mnt/p"}]
+    (tmp_path / "roles.yaml").write_text(yaml.safe_dump(roles))
+    doc["roles"] = str(tmp_path / "roles.yaml")
+    cycle.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=r"manifest.json: is the scenario manifest .* at "
+                                          r"/mnt/p") as info:
         freeze(cycle, tmp_path / "run2", images=IMAGES)
-    shutil.rmtree(old)
-    freeze(cycle, tmp_path / "run3", images=IMAGES)  # the positive control
+    assert info.value.field == "roles.analyst.mounts[0].source"
+
+
+def test_data_dir_changed_after_freeze_is_checked_again_when_the_plan_runs(
+        tmp_path: Path) -> None:
+    cycle = _cycle(tmp_path)
+    freeze(cycle, tmp_path / "run", images=IMAGES)
+    shutil.copy(tmp_path / "run" / "inputs" / "manifest.json",
+                cycle.parent / "data" / "late.json")
+    runner = CycleRunner(tmp_path / "run" / "plan.json",
+                         sandbox=FakeSandbox({}, images=IMAGES.values()))
+    with pytest.raises(ConfigError, match=r"late\.json: is a copy of the scenario manifest"):
+        runner.run()
+    assert not (tmp_path / "run" / "stages").exists()
 
 
 def test_a_plan_whose_directory_is_inside_its_data_dir_is_refused_before_it_runs(
@@ -100,9 +153,13 @@ def test_within_and_run_holding(tmp_path: Path) -> None:
     assert not within(tmp_path / "ab", tmp_path / "a")
     run = tmp_path / "run"
     (run / "stages").mkdir(parents=True)
+    (run / "inputs").mkdir()
+    (run / "receipt.json").write_text("{}")  # a name alone decides nothing
+    (run / "plan.json").write_text("{}")
     assert run_holding(run / "stages" / "x") is None
-    (run / "receipt.json").write_text("{}")
+    (run / "plan.json").write_text(PLAN)
     assert run_holding(run / "stages" / "x") == run
+    assert run_holding(run) is None  # an existing path is refused as taken, not as inside
     with pytest.raises(ConfigError, match=r"inside the cyclebox run .*receipt binds every "
                                           r"file"):
         refuse_inside_run(run / "stages" / "corpus")
@@ -115,7 +172,7 @@ def test_outputs_inside_a_run_are_refused_by_every_command(tmp_path: Path) -> No
     run = tmp_path / "run"
     (run / "inputs").mkdir(parents=True)
     (run / "stages").mkdir()
-    (run / "plan.json").write_text("{}")
+    (run / "plan.json").write_text(PLAN)
     (run / "receipt.json").write_text("{}")
     cases = [
         ["export", "--run", str(run), "--calibration", str(tmp_path / "c.json"),
