@@ -227,6 +227,8 @@ ENGINE_TARGETS: dict[str, str] = {
     "/sys": "the container's sysfs",
     "/dev": "the container's devices and /dev/shm",
     GATEWAY_ROOT: "where the gateway socket is mounted (/run/cyclebox/gateway)",
+    # the images' /var/run is a link to /run: a mount there lands on /run/cyclebox
+    "/var" + GATEWAY_ROOT: "where the gateway socket is mounted (/var/run is /run)",
     HOLDER_MOUNT: "the holder's code",
 }
 """Container paths every role container has, whatever runs it (a cycle stage,

@@ -72,7 +72,8 @@ def _refused(tmp_path: Path, field: str, *words: str, **override: object) -> str
     ("/scorer", "/scorer"), ("/out", "/out"), ("/out/x", "/out"), ("/work", "/work"),
     ("/model", "/model"), ("/adapter", "/adapter"), ("/corpus", "/corpus"),
     ("/run/cyclebox/gateway", GATEWAY_ROOT), ("/run/cyclebox", GATEWAY_ROOT),
-    ("/run", GATEWAY_ROOT), ("/.cyclebox-holder", "/.cyclebox-holder"),
+    ("/run", GATEWAY_ROOT), ("/var/run/cyclebox/gateway", "/var/run/cyclebox"),
+    ("/var/run", "/var/run/cyclebox"), ("/.cyclebox-holder", "/.cyclebox-holder"),
     ("/.cyclebox-holder/holder.py", "/.cyclebox-holder"), ("/proc", "/proc"),
     ("/proc/self", "/proc"), ("/sys/fs", "/sys"), ("/dev", "/dev"), ("/dev/shm", "/dev"),
     ("/", "/"), ("/srv/..", "/"), ("/tmp", "/tmp"), ("/tmp/cache", "/tmp"),
@@ -185,6 +186,7 @@ def no_engine(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("no_engine")
 @pytest.mark.parametrize(("targets", "words"), [
     (["/run/cyclebox/gateway"], [GATEWAY_ROOT]), (["/run"], [GATEWAY_ROOT]),
+    (["/var/run/cyclebox/gateway"], ["/var/run is /run"]),
     (["/proc"], ["/proc"]), (["/sys/"], ["/sys"]), (["/dev/shm"], ["/dev"]),
     (["/tmp"], ["tmpfs /tmp"]), (["/tmp/x"], ["tmpfs /tmp"]), (["/out"], ["output"]),
     (["/"], ["root"]), (["/x/../.cyclebox-holder"], ["holder"]),
