@@ -215,6 +215,7 @@ class CycleRunner:
         self.containers = (self.dir / "containers.jsonl").open("a", encoding="utf-8")
         self._containers_lock = threading.Lock()
         self._stopping = threading.Event()
+        self._told_stopping = False
         self._inflight: list[Future[Record]] = []
         outcome = Outcome(self.dir, self.plan_hash, _invalid("cycle did not complete"))
         role_upstream = {r: p.upstream for r, p in self.plan.roles.items() if p.upstream}
@@ -316,8 +317,16 @@ class CycleRunner:
             wait(pending, timeout=0.3)
 
     def _stop_containers(self) -> None:
-        """Admit no new container and kill and remove the run's running ones."""
+        """Admit no new container and kill and remove the run's running ones. The engine
+        gets short waits from now on (a backend that can: ``stopping``), so a hung one
+        cannot hold the verdict and receipt for minutes."""
         self._stopping.set()
+        if not self._told_stopping:
+            self._told_stopping = True
+            stopping = getattr(self.backend, "stopping", None)
+            if callable(stopping):
+                with contextlib.suppress(Exception):
+                    stopping()
         with contextlib.suppress(Exception):
             self._leftovers()
 

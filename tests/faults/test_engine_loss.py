@@ -57,15 +57,21 @@ class Relay:
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    hung = False
+    """Set: the engine hangs (bytes are taken and never passed on; connections stay)."""
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
-                dst.sendall(data)
+                if not self.hung:
+                    dst.sendall(data)
         except OSError:
             pass
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
+
+    def hang(self) -> None:
+        self.hung = True
 
     def cut(self) -> None:
         """The engine is gone: refuse new connections, drop every open one."""
@@ -112,3 +118,47 @@ def test_engine_cut_mid_baseline_ends_with_verdict_receipt_and_exit_6(tmp_path: 
     assert gc.returncode == 0, gc.stdout + gc.stderr
     assert run_containers(rid) == []
     assert list(tmp.iterdir()) == [], list(tmp.iterdir())
+
+
+def test_a_hung_engine_does_not_hold_an_interrupted_runs_receipt(tmp_path: Path) -> None:
+    """The engine stops answering (a relay that swallows every byte, connections kept
+    open) and the run gets SIGINT. Every engine request used to wait its 60 s, one after
+    another: the verdict and receipt came 240 s after the signal, or never, when a
+    supervisor's grace period ended first. Now each waits 5 s once the run stops, and
+    none is made after one went unanswered: the receipt is written within seconds."""
+    import signal
+    import time
+
+    cycle = project_with_agent(tmp_path / "cyc", example_agent())
+    relay_path = tmp_path / "engine.sock"
+    relay = Relay(relay_path)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    run = tmp_path / "run"
+    env = cli_env(tmp, DOCKER_HOST=f"unix://{relay_path}")
+    proc = start_cycle(cycle, run, env)
+    try:
+        wait_for(lambda: stage_started(run, "baseline"), proc, "baseline started")
+        rid = run_id(run)
+        relay.hang()
+        time.sleep(1.0)
+        sent = time.time()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        relay.cut()
+    detail = f"rc {proc.returncode}\n{out}\n{err}"
+    assert proc.returncode == 130, detail
+    assert "Traceback" not in err, detail
+    receipt = run / "receipt.json"
+    assert receipt.is_file(), detail
+    assert receipt.stat().st_mtime - sent < 45, detail  # 240 s before
+    assert verdict(run)["reasons"] == ["interrupted"]
+    doc = receipt.read_text()
+    assert "did not answer within 5 s while the run stopped" in doc, doc[:2000]
+    real = cli_env(tmp)
+    real.pop("DOCKER_HOST", None)
+    assert run_cli("gc", env=real).returncode == 0
+    assert run_containers(rid) == []

@@ -59,6 +59,16 @@ __all__ = [  # what callers and tests import from here, wherever it now lives
 ]
 
 
+STOP_TIMEOUT_S = 5.0
+"""How long one engine request may take once a run is stopping (:meth:`DockerSandbox.
+stopping`): long enough for a loaded engine to kill and remove a container, short enough
+that a hung one cannot hold the verdict and receipt past a supervisor's grace period."""
+
+
+SILENT_TIMEOUT_S = 0.05
+"""The wait of any engine request once the engine went unanswered while the run stopped."""
+
+
 def connect(timeout: int = 60) -> docker.DockerClient:
     """A client for the local engine, or PrerequisiteError saying how to get one."""
     try:
@@ -108,6 +118,16 @@ class DockerSandbox:
                  owner: Owner | None = None, timeout: int = 60) -> None:
         self.client = client or connect(timeout=timeout)
         self.owner = owner or current_owner()
+        self._stop_timeout: float | None = None
+        self._silent = False
+
+    def stopping(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """The run is stopping: every engine request from now on waits at most
+        ``timeout_s`` (requests already sent keep theirs), and once one went unanswered,
+        :meth:`leftovers` asks no more (a hung engine held an interrupted run for minutes
+        before its verdict and receipt, one 60 s wait after another)."""
+        self._stop_timeout = timeout_s
+        self.client.api.timeout = timeout_s
 
     # -- running ---------------------------------------------------------------
     def prepare(self, spec: RunSpec, *,
@@ -199,10 +219,28 @@ class DockerSandbox:
         return self._remove(cid)
 
     def leftovers(self, run_id: str) -> list[str]:
-        """Remove every container still labelled with ``run_id``; return their names."""
-        return [name for cid, name, labels in self.managed_containers()
-                if labels.get(f"{LABEL_PREFIX}.run_id") == run_id
-                and self.remove(cid)]
+        """Remove every container still labelled with ``run_id``; return their names.
+        While the run stops (:meth:`stopping`), an engine that does not answer is asked
+        once: SandboxError, and every later call refuses at once."""
+        if self._silent:
+            raise SandboxError(f"the engine did not answer within {self._stop_timeout:g} s "
+                               "while the run stopped; its containers were not checked "
+                               "(`cyclebox gc` removes them once the engine answers)")
+        try:
+            return [name for cid, name, labels in self.managed_containers()
+                    if labels.get(f"{LABEL_PREFIX}.run_id") == run_id
+                    and self.remove(cid)]
+        except requests.exceptions.Timeout:
+            if self._stop_timeout is None:
+                raise
+            self._silent = True
+            # the case threads' own calls (a removal, an inspect) now fail at once too,
+            # so the process ends soon after its verdict and receipt are written
+            self.client.api.timeout = SILENT_TIMEOUT_S
+            raise SandboxError(f"the engine did not answer within {self._stop_timeout:g} s "
+                               "while the run stopped; its containers were not checked "
+                               "(`cyclebox gc` removes them once the engine answers)"
+                               ) from None
 
     def sweep(self, *, only_orphans: bool = True, dry_run: bool = False) -> list[SweepResult]:
         """Labelled containers (see :func:`runner.isolation.gc.sweep_containers`), then the
