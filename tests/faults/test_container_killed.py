@@ -114,3 +114,25 @@ def test_apply_container_killed_gives_invalid_comparison(tmp_path: Path) -> None
     res = run_cli("receipt", "verify", str(run), env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert run_containers(rid) == []
+
+
+def test_a_prepared_container_removed_from_outside_is_a_named_run(
+        backend: object, policies: RolePolicies, tmp_path: Path,
+        request: pytest.FixtureRequest) -> None:
+    """`docker rm -f` of a container prepared ahead, before its case is handed over: the
+    engine's inspect then answers 404, which escaped the run (the cycle ended exit 6,
+    ``engine_error: NotFound``, and the case had no row). Now a run that ended, named."""
+    from runner.isolation.roles import role_spec
+
+    policy = policies.roles["analyst"]
+    rid = f"test-rm-{request.node.name[-20:]}"
+    out = output_dir(policy, tmp_path / "out")
+    spec = role_spec(policy, role="analyst", run_id=rid, image=resolve_image("analyst"),
+                     command=["python", "-c", "print('never')"], output_dir=out)
+    prepared = backend.prepare(spec)  # type: ignore[attr-defined]
+    docker.from_env().api.remove_container(prepared.cid, force=True)
+    rec = prepared.run()
+    assert rec.stop_reason is StopReason.PROCESS_FAILED, rec
+    assert "removed from outside the controller" in rec.detail, rec.detail
+    assert rec.cleanup_confirmed
+    assert run_containers(rid) == []

@@ -44,6 +44,10 @@ from runner.isolation.sandbox import (
     classify_stop,
 )
 
+REMOVED_FROM_OUTSIDE = "cyclebox.removed_from_outside"
+"""Key of the state :meth:`DockerPreparedRun.run` stands in for the engine's inspect when
+the container is gone (removed from outside before it could be asked)."""
+
 
 class _Engine(Protocol):
     """What a prepared run needs of :class:`runner.isolation.docker.backend.DockerSandbox`."""
@@ -343,7 +347,11 @@ class DockerPreparedRun:
             # The engine's view is needed: an OOM flag (the holder killed), an outside
             # kill, the image a tag resolved to. Not when the holder reported the exit and
             # finished its copy-out itself: then it was neither killed nor out of memory.
-            state = api.inspect_container(cid)
+            try:
+                state = api.inspect_container(cid)
+            except docker.errors.NotFound:  # `docker rm -f` from outside: a named failure
+                state = {"Image": spec.image, REMOVED_FROM_OUTSIDE: True,
+                         "State": {"Running": False, "ExitCode": 137, "OOMKilled": False}}
         return self._make_record(state, code, fin, out, err, started, timed_out=timed_out,
                                  stream_exceeded=stream_exceeded.is_set(),
                                  ours_killed=ours_killed)
@@ -363,7 +371,9 @@ class DockerPreparedRun:
         elif self.channel is not None and code is None and self.channel.start_error:
             detail = f"{detail}; the holder refused the case: {self.channel.start_error}"
 
-        outside = killed_from_outside(state, ours=ours_killed)
+        outside = ("the container was removed from outside the controller (e.g. docker "
+                   "rm -f)" if state.get(REMOVED_FROM_OUTSIDE) and not ours_killed
+                   else killed_from_outside(state, ours=ours_killed))
         if outside is not None and reason is StopReason.PROCESS_FAILED:
             detail = outside if code is None else f"{outside}; the command: {detail}"
             exit_code = int(state["State"]["ExitCode"])  # what ended it: the outside kill
