@@ -206,26 +206,33 @@ class CycleRunner:
             if self.backend.image_id(image) is None:
                 raise IntegrityError(f"frozen image for {role} ({image}) is not present; "
                                      "rebuild the same inputs or freeze again")
-        try:
-            stages.mkdir()
-        except FileExistsError:
-            raise ConfigError(f"{self.dir} was already executed (stages/ exists); every "
-                              "attempt is kept", field="--plan",
-                              fix="freeze again into a new directory") from None
-        self.containers = (self.dir / "containers.jsonl").open("a", encoding="utf-8")
         self._containers_lock = threading.Lock()
         self._stopping = threading.Event()
         self._told_stopping = False
         self._inflight: list[Future[Record]] = []
         outcome = Outcome(self.dir, self.plan_hash, _invalid("cycle did not complete"))
         role_upstream = {r: p.upstream for r, p in self.plan.roles.items() if p.upstream}
+        # Before stages/ is made: a missing credential or upstream is the operator's input
+        # error (exit 3/5), not a verdict, and a signal here leaves a plan that can still
+        # run. Once stages/ exists, every way out ends with a verdict and a receipt (a
+        # signal between the two left an empty stages/: no verdict, and a plan refused as
+        # already executed).
+        self.gw = Gateway(self.dir, self.run_id, dict(self.plan.upstreams), role_upstream,
+                          self.budget).start()
         try:
-            # Before any stage: a missing credential or upstream is the operator's input
-            # error (exit 3/5), not a verdict.
-            self.gw = Gateway(self.dir, self.run_id, dict(self.plan.upstreams), role_upstream,
-                              self.budget).start()
+            self.containers = (self.dir / "containers.jsonl").open("a", encoding="utf-8")
+            try:
+                stages.mkdir()
+            except BaseException:
+                self.containers.close()
+                raise
+        except FileExistsError:
+            self.gw.close()
+            raise ConfigError(f"{self.dir} was already executed (stages/ exists); every "
+                              "attempt is kept", field="--plan",
+                              fix="freeze again into a new directory") from None
         except BaseException:
-            self.containers.close()
+            self.gw.close()
             raise
         try:
             try:

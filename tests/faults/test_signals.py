@@ -151,3 +151,35 @@ def test_sigint_during_slow_model_call_exits_promptly(tmp_path: Path) -> None:
     assert verdict(run)["reasons"] == ["interrupted"]
     assert run_containers(rid) == []
     assert list(tmp.iterdir()) == []
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_a_signal_as_the_run_begins_leaves_a_verdict_or_a_runnable_plan(
+        trial: int, tmp_path: Path) -> None:
+    """SIGINT the moment the run's first file appears, while the gateway starts: the
+    signal landed after stages/ was made and before the path that writes a verdict, and
+    left an empty stages/ (no verdict, no receipt, the plan refused as already executed).
+    Now the gateway starts first: either the plan can still run, or every way out wrote
+    a verdict and a receipt."""
+    import os
+    import time
+
+    cycle = project_with_agent(tmp_path / "cyc", example_agent())
+    run = tmp_path / "run"
+    env = cli_env(tmp_path)
+    proc = start_cycle(cycle, run, env)
+    deadline = time.monotonic() + 120
+    while not (run / "gateway").exists() and not (run / "stages").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "never started"
+        time.sleep(0.001)
+    time.sleep(0.01 * trial)
+    os.kill(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    detail = f"rc {proc.returncode}\n{out}\n{err}"
+    assert proc.returncode in (0, 130), detail
+    if (run / "stages").exists():
+        assert (run / "stages" / "compare" / "verdict.json").is_file(), detail
+        assert (run / "receipt.json").is_file(), detail
+    else:  # nothing started: the plan runs
+        res = run_cli("cycle", "run", "--plan", str(run / "plan.json"), env=env)
+        assert res.returncode == 0, res.stdout + res.stderr
