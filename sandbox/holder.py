@@ -979,6 +979,11 @@ class _Case:
         data = os.read(0, CHUNK)
         if not data:
             self._stop_stdin()
+            if not self.handed:
+                # The host went away before handing over a case (its process killed, a
+                # second signal): nothing will ever come, so the container ends rather
+                # than wait forever (with ``stdin_once`` the engine closes stdin then).
+                self.ended = True
             return
         self.inbox += data
         while len(self.inbox) >= FRAME_HEADER and self.stdin_open:

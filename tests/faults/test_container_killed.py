@@ -136,3 +136,44 @@ def test_a_prepared_container_removed_from_outside_is_a_named_run(
     assert "removed from outside the controller" in rec.detail, rec.detail
     assert rec.cleanup_confirmed
     assert run_containers(rid) == []
+
+
+def test_a_prepared_container_ends_when_its_controller_dies(
+        tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """A controller that dies (SIGKILL, a second signal's fast exit) before it hands a
+    prepared container its case: the engine closes the holder's stdin when the attach
+    ends (``StdinOnce``), and the holder, with no case, ends. It stayed up, waiting for a
+    case that never came, until someone ran `cyclebox gc`."""
+    import subprocess
+    import sys
+
+    rid = f"test-orphan-{request.node.name[-12:]}"
+    script = f"""
+import os, sys
+from pathlib import Path
+from runner.isolation.docker.images import resolve_image
+from runner.isolation.launcher import output_dir
+from runner.isolation.policy import load_policies
+from runner.isolation.registry import get_sandbox
+from runner.isolation.roles import role_spec
+from runner.paths import default_policies
+policy = load_policies(default_policies()).roles["analyst"]
+out = output_dir(policy, Path({str(tmp_path / "out")!r}))
+spec = role_spec(policy, role="analyst", run_id={rid!r}, image=resolve_image("analyst"),
+                 command=["python", "-c", "print('never')"], output_dir=out)
+prepared = get_sandbox("docker").prepare(spec)
+print(prepared.cid, flush=True)
+os._exit(0)
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    cid = res.stdout.strip()
+    client = docker.from_env()
+    try:
+        deadline = time.monotonic() + 20
+        while client.api.inspect_container(cid)["State"]["Running"]:
+            assert time.monotonic() < deadline, "the orphaned container is still up"
+            time.sleep(0.2)
+    finally:
+        client.api.remove_container(cid, force=True)

@@ -152,7 +152,10 @@ def create_kwargs(spec: RunSpec, owner: Owner, nonce: str, *,
         # controller, and nothing a role prints lands in the engine's log files.
         "log_config": {"Type": "none", "Config": {}},
         # the holder's stdin: the case hand-over (attached by the host before start;
-        # the role command's own stdin is /dev/null)
+        # the role command's own stdin is /dev/null). The engine closes it when the
+        # host's attach ends (``StdinOnce``, set at create: see
+        # runner.isolation.docker.prepared): a container prepared ahead then ends instead
+        # of waiting, up, for a case that never comes (the host's process gone).
         "stdin_open": True,
         "tty": False,
         "detach": True,

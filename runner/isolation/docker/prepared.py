@@ -122,7 +122,17 @@ class DockerPreparedRun:
         try:
             # the model layer's create() also inspects the new container: skip that
             args = _create_container_args({**self.kwargs, "version": api._version})
-            self.cid = str(api.create_container(**args)["Id"])
+            name = args.pop("name")
+            if isinstance(args.get("environment"), dict):
+                args["environment"] = docker.utils.utils.format_environment(
+                    args["environment"])
+            config = api.create_container_config(**args)
+            # the engine closes the holder's stdin when the host's attach ends: with the
+            # host's process gone before the hand-over, the holder sees EOF and the
+            # container ends (docker-py sets StdinOnce only for attached, non-detached
+            # runs). No proxy settings of the host's docker config are added either.
+            config["StdinOnce"] = True
+            self.cid = str(api.create_container_from_config(config, name)["Id"])
         except docker.errors.ImageNotFound:
             raise SandboxError(f"image {spec.image} for role {spec.role} is not present "
                                "locally. Fix: cyclebox images build") from None
