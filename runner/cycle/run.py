@@ -702,6 +702,11 @@ class CycleRunner:
                         env=self._worker_env,
                         mounts=[Mount(source=d / "in", target="/in")])
         got = collect(out, self._limits("worker"))
+        if any(c.error == "budget" for c in self.gw.calls("propose")):
+            # named as the analyst's cases are: the budget, not the worker's exit 1
+            why = (f"admission halted: {self.budget.halted}" if self.budget.halted
+                   else self.budget.last_refusal or "call refused")
+            raise StageFailed(f"no candidate: budget: {why}")
         # The worker's own account of a refusal (exit 3) stands only for a worker that
         # ended by itself: a timeout or a kill is named as such, whatever it wrote.
         if "proposal-error.json" in got.files and rec.stop_reason in (

@@ -9,6 +9,7 @@ returns scripted records and output files.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -259,6 +260,26 @@ def test_an_exhausted_budget_leaves_cases_not_attempted(planned: Freeze) -> None
     assert all(base[c]["reason"] == "budget: max_calls 1 reached" for c in not_attempted), base
     assert len(refused) >= POLICY_CASES - 1
     assert outcome.result.verdict != "accept_for_review"
+
+
+def test_a_worker_refused_by_the_budget_names_the_budget(planned: Freeze) -> None:
+    """The worker's one call refused (its call cap reached) made it exit 1, and the
+    reason read "worker process_failed: exit code 1 (...429...)": the budget now, as for
+    the analyst's cases."""
+    plan = planned(budget={"per_role_calls": {"worker": 0}, "reservation_usd": 0.01})
+
+    def refused_worker(call: Call) -> Result:
+        from sandbox.gateway_client import client
+
+        with contextlib.suppress(Exception):  # the refusal arrives as an API error
+            client(gateway_dir=call.mount(CONTAINER_DIR), timeout_s=30).chat.completions.create(
+                model="fixture-optimizer", messages=[{"role": "user", "content": "edit"}])
+        return Result(exit_code=1)
+
+    outcome = run(plan, fake(script(worker=refused_worker)))
+    assert outcome.result.verdict == "invalid_comparison"
+    assert outcome.result.reasons[0].startswith("no candidate: budget: "), outcome.result
+    assert "worker" in outcome.result.reasons[0], outcome.result
 
 
 _REFUSED = ("no candidate: worker proposal refused (invalid_output: "
