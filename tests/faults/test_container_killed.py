@@ -177,3 +177,32 @@ os._exit(0)
             time.sleep(0.2)
     finally:
         client.api.remove_container(cid, force=True)
+
+
+def test_the_controllers_own_sweep_is_not_called_an_outside_kill(
+        backend: object, policies: RolePolicies, tmp_path: Path,
+        request: pytest.FixtureRequest) -> None:
+    """An interrupted run kills and removes its running containers itself; a case thread
+    that saw its container die before it saw the stop named the kill "from outside the
+    controller (e.g. docker kill)". With the run stopping, the kill is the run's own."""
+    from runner.isolation.roles import role_spec
+
+    policy = policies.roles["analyst"]
+    rid = f"test-sweep-{request.node.name[-12:]}"
+    out = output_dir(policy, tmp_path / "out")
+    spec = role_spec(policy, role="analyst", run_id=rid, image=resolve_image("analyst"),
+                     command=["python", "-c", "import time; time.sleep(60)"],
+                     output_dir=out)
+    prepared = backend.prepare(spec)  # type: ignore[attr-defined]
+    stop = threading.Event()
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(prepared.run(cancel=stop)))
+    t.start()
+    time.sleep(1.5)
+    client = docker.from_env()
+    stop.set()  # the run stops, then sweeps (runner.cycle.run._stop_containers)
+    client.api.remove_container(prepared.cid, force=True)
+    t.join(60)
+    rec = got[0]
+    assert "from outside" not in rec.detail, rec  # type: ignore[attr-defined]
+    assert run_containers(rid) == []

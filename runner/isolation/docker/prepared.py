@@ -344,6 +344,10 @@ class DockerPreparedRun:
             with contextlib.suppress(docker.errors.APIError):
                 api.kill(cid)
             copy.done.wait(10)
+        if cancel is not None and cancel.is_set():
+            # the caller is stopping: its own sweep kills and removes the run's containers,
+            # so a kill seen now is the controller's, not one "from outside"
+            ours_killed = True
         code = channel.exit_code if channel.exit_reported else None
         # no exit status (or SIGKILL): was the whole container killed under us?
         dead = None
