@@ -32,7 +32,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from types import FrameType
@@ -68,6 +68,20 @@ class _State:
 
 
 _state = _State()
+_on_exit: list[Callable[[], None]] = []
+"""What a second signal runs before the process exits at once (:func:`on_exit`)."""
+
+
+@contextlib.contextmanager
+def on_exit(note: Callable[[], None]) -> Iterator[None]:
+    """While the block runs, a second signal calls ``note`` (quick, never blocking: e.g.
+    a one-line file saying the run was cut short) before the process exits."""
+    _on_exit.append(note)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            _on_exit.remove(note)
 
 
 def _handler(_sig: int, _frame: FrameType | None) -> None:
@@ -77,6 +91,9 @@ def _handler(_sig: int, _frame: FrameType | None) -> None:
     else:
         _state.signals += 1
         if _state.signals > 1:
+            for note in list(_on_exit):  # a line of evidence, then out at once
+                with contextlib.suppress(BaseException):
+                    note()
             os._exit(EXIT_INTERRUPTED)
     if _state.shield:  # held while evidence is written, redelivered or not
         _state.pending = True

@@ -72,6 +72,9 @@ from runner.isolation.launcher import output_dir, prepare
 from runner.isolation.sandbox import Mount, PreparedRun, RunRecord, Sandbox, StopReason
 from runner.loading import read_capped, show
 
+CUT_SHORT = "cut-short.txt"
+"""The file a second signal leaves in a run directory that has stages/ (:meth:`CycleRunner.
+_cut_short`)."""
 STOP_GRACE_S = 6.0
 """How long, after a stop, the run's containers are swept while case threads return."""
 
@@ -174,8 +177,17 @@ class CycleRunner:
     def run(self) -> Outcome:
         # One process per prepared plan: the loser of a race is refused by the lock (or,
         # arriving after the winner started, by stages/ existing), never by a crash.
-        with plan_lock(self.plan_path):
+        with plan_lock(self.plan_path), interrupts.on_exit(self._cut_short):
             return self._run_locked()
+
+    def _cut_short(self) -> None:
+        """A second signal ends the process at once (no verdict, no receipt): say so in
+        the run directory, in one small file, once stages/ exists."""
+        if (self.dir / "stages").is_dir():
+            (self.dir / CUT_SHORT).write_text(
+                "a second signal ended the controller at once: no verdict, no receipt; "
+                "containers and temporary directories may be left (`cyclebox gc` removes "
+                "them)\n")
 
     def _check_blind_trees(self) -> None:
         """What freeze checked of the trees the agent (and the worker) read, again now:

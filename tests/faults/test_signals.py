@@ -183,3 +183,46 @@ def test_a_signal_as_the_run_begins_leaves_a_verdict_or_a_runnable_plan(
     else:  # nothing started: the plan runs
         res = run_cli("cycle", "run", "--plan", str(run / "plan.json"), env=env)
         assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_a_second_signal_leaves_a_note_and_no_container_up(tmp_path: Path) -> None:
+    """Two signals at once mid-baseline: the controller exits at once (no verdict, no
+    receipt: documented), but it says so in the run directory, and the containers it had
+    prepared ahead end by themselves (their stdin closes with the controller): one
+    stayed up, waiting for a case, until `cyclebox gc`."""
+    import os
+    import time
+
+    import docker
+
+    cycle = project_with_agent(tmp_path / "cyc", example_agent())
+    run = tmp_path / "run"
+    env = cli_env(tmp_path)
+    proc = start_cycle(cycle, run, env)
+    try:
+        wait_for(lambda: stage_started(run, "baseline"), proc, "baseline started")
+        rid = run_id(run)
+        time.sleep(1.0)
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGINT)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "second signal" in (run / "cut-short.txt").read_text()
+    client = docker.from_env()
+    deadline = time.monotonic() + 30
+    try:
+        while True:
+            up = [c.name for c in client.containers.list(
+                filters={"label": f"io.cyclebox.run_id={rid}"})]  # running only
+            if not up:
+                break
+            assert time.monotonic() < deadline, f"still up: {up}"
+            time.sleep(0.5)
+    finally:
+        real = dict(env)
+        assert run_cli("gc", env=real).returncode == 0
+    assert run_containers(rid) == []
