@@ -574,8 +574,10 @@ def seed(root: str, source: IO[bytes] | None = None) -> int:
 # the role command writes arrives wrapped in a frame by the holder, which alone holds the
 # role's pipes, so no byte the role writes can be taken for a frame of another kind (an
 # exit status, a tar). The host writes frames the same way on the holder's stdin
-# (attached before start; the role's stdin is /dev/null); the holder reads nothing more
-# there once it has the case.
+# (attached before start; the role's stdin is /dev/null); once it has the case the holder
+# parses nothing more there, and only watches for its end: the host's process gone (the
+# engine closes the stdin of a ``StdinOnce`` container when the attach ends), the holder
+# ends the case as on ``SIGUSR1`` rather than let the command run on for nobody.
 
 FRAME_HEADER = 5
 FRAME_MAX = 1 << 20
@@ -916,6 +918,8 @@ class _Case:
         """Bytes of the role's output read before the hand-over."""
         self.failed = b""
         """What the exec of the child reported (empty once it succeeded)."""
+        self.host_gone = False
+        """Stdin ended: the host's attach is gone, the case ends (:meth:`_read_stdin`)."""
         self.argv0 = ""
         self._watch(0)
 
@@ -934,13 +938,17 @@ class _Case:
                 p.unregister(fd)
 
     def idle(self) -> bool:
-        return not self.pipes and not self.stdin_open
+        """Nothing to move: the command's pipes are closed and stdin, if still open, is
+        only watched for the host's end (after the hand-over)."""
+        return not self.pipes and (self.handed or not self.stdin_open)
 
     def step(self, timeout_ms: int) -> bool:
         """Wait up to ``timeout_ms`` (0 when another loop already waited), then move what
         is ready; True when the command's last pipe just closed."""
-        if self.idle():
+        if not self.pipes and not self.stdin_open:
             return False
+        if self.idle():
+            timeout_ms = 0  # a glance at stdin for the host's end; the caller waits
         try:
             events = self.poller.poll(timeout_ms)
         except InterruptedError:
@@ -976,17 +984,26 @@ class _Case:
         return False
 
     def _read_stdin(self) -> None:
-        data = os.read(0, CHUNK)
-        if not data:
-            self._stop_stdin()
-            if not self.handed:
-                # The host went away before handing over a case (its process killed, a
-                # second signal): nothing will ever come, so the container ends rather
-                # than wait forever (with ``stdin_once`` the engine closes stdin then).
-                self.ended = True
+        try:
+            data = os.read(0, CHUNK)
+        except BlockingIOError:
             return
+        except OSError:
+            data = b""
+        if not data:
+            # The host went away (its process killed, a second signal's fast exit; with
+            # ``StdinOnce`` the engine closes stdin when the attach ends): before the
+            # hand-over nothing will ever come, after it nobody reads the command's
+            # output, status or tar. Either way the container ends now (finish kills
+            # every role process) rather than wait, or run, until its timeout.
+            self._stop_stdin()
+            self.ended = True
+            self.host_gone = True
+            return
+        if self.handed:
+            return  # nothing is parsed after the case (the host sends nothing more)
         self.inbox += data
-        while len(self.inbox) >= FRAME_HEADER and self.stdin_open:
+        while len(self.inbox) >= FRAME_HEADER and self.stdin_open and not self.handed:
             kind = bytes(self.inbox[:1])
             n = int.from_bytes(self.inbox[1:FRAME_HEADER], "big")
             if kind == F_SEED and self.warm_key is None:
@@ -1027,8 +1044,8 @@ class _Case:
         _send(F_SEEDED, _json(reply).encode())
 
     def _start(self, payload: bytes) -> None:
-        self._stop_stdin()  # one case per container: nothing more is read
-        self.handed = True
+        self.handed = True  # one case per container: nothing more is parsed (stdin is
+        # still watched, for the host's end)
         if self.warm_key is not None:
             self._go(payload)
             return

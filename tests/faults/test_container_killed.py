@@ -179,6 +179,50 @@ os._exit(0)
         client.api.remove_container(cid, force=True)
 
 
+def test_a_running_case_ends_when_its_controller_dies(
+        tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """A controller that dies (SIGKILL, a second signal's fast exit) after it handed the
+    case over: the engine closes the holder's stdin when the attach ends, and the holder
+    ends the case (kills every role process) and the container. The command ran on for
+    nobody, calling the model for nothing, until its own end or its timeout (this one
+    sleeps 300 s; the container stayed up past the 20 s allowed here)."""
+    import subprocess
+    import sys
+
+    rid = f"test-orphan-run-{request.node.name[-8:]}"
+    script = f"""
+import os, sys, threading
+from pathlib import Path
+from runner.isolation.docker.images import resolve_image
+from runner.isolation.launcher import output_dir
+from runner.isolation.policy import load_policies
+from runner.isolation.registry import get_sandbox
+from runner.isolation.roles import role_spec
+from runner.paths import default_policies
+policy = load_policies(default_policies()).roles["analyst"]
+out = output_dir(policy, Path({str(tmp_path / "out")!r}))
+spec = role_spec(policy, role="analyst", run_id={rid!r}, image=resolve_image("analyst"),
+                 command=["python", "-c", "import time; time.sleep(300)"], output_dir=out)
+prepared = get_sandbox("docker").prepare(spec)
+threading.Thread(target=prepared.run, daemon=True).start()
+assert prepared.channel.started.wait(60), "the case never started"
+print(prepared.cid, flush=True)
+os._exit(0)
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    cid = res.stdout.strip()
+    client = docker.from_env()
+    try:
+        deadline = time.monotonic() + 20
+        while client.api.inspect_container(cid)["State"]["Running"]:
+            assert time.monotonic() < deadline, "the orphaned case is still running"
+            time.sleep(0.2)
+    finally:
+        client.api.remove_container(cid, force=True)
+
+
 def test_the_controllers_own_sweep_is_not_called_an_outside_kill(
         backend: object, policies: RolePolicies, tmp_path: Path,
         request: pytest.FixtureRequest) -> None:
