@@ -158,8 +158,8 @@ def test_upstream_moby_profile_is_refused_because_it_allows_io_uring(tmp_path: P
 
 def test_policy_naming_a_bad_profile_refused_at_load(tmp_path: Path) -> None:
     (tmp_path / "corrupt.json").write_text("{ not json")
-    for name, reason in (("missing.json", "cannot read"), ("corrupt.json", "not valid JSON"),
-                         ("unconfined", "cannot read")):
+    for name, reason in (("missing.json", "does not exist"), ("corrupt.json", "not valid JSON"),
+                         ("unconfined", "does not exist")):
         with pytest.raises(ConfigError, match=reason) as info:
             load_policies(_roles_with(tmp_path, name))
         assert "roles.analyst.seccomp" in str(info.value)
