@@ -188,7 +188,9 @@ def hold(root: str, gateway_socket: str | None = None) -> None:
             continue  # a role process's kill(1, SIGUSR1): it ends nothing
         case.reap()
     sys.stdout.flush()
-    os._exit(finish(root, dumpable=dumpable, case=case, egress=egress))
+    # the host gone, nobody reads a tar: the role processes are killed all the same
+    os._exit(finish("-" if case.host_gone else root, dumpable=dumpable, case=case,
+                    egress=egress))
 
 
 SI_USER = 0
@@ -1045,7 +1047,9 @@ class _Case:
 
     def _start(self, payload: bytes) -> None:
         self.handed = True  # one case per container: nothing more is parsed (stdin is
-        # still watched, for the host's end)
+        # still watched, for the host's end; never a blocking read in PID 1 from now on)
+        with _suppress(OSError):
+            os.set_blocking(0, False)
         if self.warm_key is not None:
             self._go(payload)
             return
