@@ -97,10 +97,27 @@ def environment_reason(text: str) -> str | None:
     return None
 
 
+def _signalled(exc: BaseException) -> bool:
+    """A signal is the first cause: ``exc`` is its ``KeyboardInterrupt`` (or
+    :class:`Interrupted`), or was raised while one unwound (in its context chain: e.g. a
+    container's removal that timed out on a hung engine on the way out)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo and len(seen) < 64:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        if isinstance(e, KeyboardInterrupt | Interrupted):
+            return True
+        seen.add(id(e))
+        todo += [e.__cause__, e.__context__]
+    return False
+
+
 def classify(exc: BaseException) -> Failure:
     """The named reason and exit code for an exception that ended work."""
     text = one_line(f"{type(exc).__name__}: {exc}")
-    if isinstance(exc, KeyboardInterrupt | Interrupted):
+    if _signalled(exc):
         return Failure("interrupted", "interrupted by a signal", EXIT_INTERRUPTED)
     if is_environment_error(exc):
         return Failure("environment_failure", text, EXIT_ENVIRONMENT)

@@ -84,12 +84,33 @@ def on_exit(note: Callable[[], None]) -> Iterator[None]:
             _on_exit.remove(note)
 
 
+_on_first: list[Callable[[], None]] = []
+"""What a first signal runs before it unwinds or is held (:func:`on_first`)."""
+
+
+@contextlib.contextmanager
+def on_first(hook: Callable[[], None]) -> Iterator[None]:
+    """While the block runs, a first signal calls ``hook`` (quick, never blocking: e.g.
+    putting the engine client on short waits) before it unwinds or is held, so that
+    what runs on the way out (a container's removal) already has it."""
+    _on_first.append(hook)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            _on_first.remove(hook)
+
+
 def _handler(_sig: int, _frame: FrameType | None) -> None:
     _state.handled += 1
     if _state.redeliver:  # the same first signal again (see _unraisable), not a second
         _state.redeliver = False
     else:
         _state.signals += 1
+        if _state.signals == 1:
+            for hook in list(_on_first):
+                with contextlib.suppress(Exception):
+                    hook()
         if _state.signals > 1:
             for note in list(_on_exit):  # a line of evidence, then out at once
                 with contextlib.suppress(BaseException):

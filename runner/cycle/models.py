@@ -430,3 +430,10 @@ class ApplyRefusal(Frozen):
 
 ApplyResult = Annotated[Applied | ApplyRefusal, Field(discriminator="status")]
 """``result.json`` of the apply stage."""
+
+
+CUT_SHORT = "cut-short.txt"
+"""The file a second signal leaves in a run directory: while the run's stages ran
+(:mod:`runner.cycle.run`) or while its receipt was written (:mod:`runner.cycle.receipt`)."""
+NO_RECEIPT_VERDICT = "verdict.no-receipt.json"
+"""Where a run's verdict is set aside when its receipt could not be written."""

@@ -32,6 +32,7 @@ from runner.cycle.compare import compare
 from runner.cycle.concurrency import Control
 from runner.cycle.config import refuse_out_in_data
 from runner.cycle.models import (
+    CUT_SHORT,
     DEVELOPMENT,
     MAX_ANSWER_BYTES,
     ComparisonResult,
@@ -72,9 +73,6 @@ from runner.isolation.launcher import output_dir, prepare
 from runner.isolation.sandbox import Mount, PreparedRun, RunRecord, Sandbox, StopReason
 from runner.loading import read_capped, show
 
-CUT_SHORT = "cut-short.txt"
-"""The file a second signal leaves in a run directory that has stages/ (:meth:`CycleRunner.
-_cut_short`)."""
 STOP_GRACE_S = 6.0
 """How long, after a stop, the run's containers are swept while case threads return."""
 
@@ -177,7 +175,8 @@ class CycleRunner:
     def run(self) -> Outcome:
         # One process per prepared plan: the loser of a race is refused by the lock (or,
         # arriving after the winner started, by stages/ existing), never by a crash.
-        with plan_lock(self.plan_path), interrupts.on_exit(self._cut_short):
+        with plan_lock(self.plan_path), interrupts.on_exit(self._cut_short), \
+                interrupts.on_first(self._hurry):
             return self._run_locked()
 
     def _cut_short(self) -> None:
@@ -231,11 +230,17 @@ class CycleRunner:
         # already executed).
         self.gw = Gateway(self.dir, self.run_id, dict(self.plan.upstreams), role_upstream,
                           self.budget).start()
+        # A first signal from stages.mkdir() on is held until the verdict path is entered
+        # (hold.close() there; the first stage's check unwinds it): a signal just after the
+        # mkdir left an empty stages/ (no verdict, the plan refused as already executed).
+        hold = contextlib.ExitStack()
         try:
             self.containers = (self.dir / "containers.jsonl").open("a", encoding="utf-8")
             try:
+                hold.enter_context(interrupts.shielded())
                 stages.mkdir()
             except BaseException:
+                hold.close()
                 self.containers.close()
                 raise
         except FileExistsError:
@@ -249,11 +254,15 @@ class CycleRunner:
         try:
             try:
                 try:
+                    hold.close()  # from here a signal unwinds inside this path
                     outcome = self._stages(outcome)
-                except BaseException:
+                except BaseException as exc:
                     # Containers first: a killed container drops its gateway
-                    # connections, so closing the gateway does not wait on them.
-                    self._stop_containers()
+                    # connections, so closing the gateway does not wait on them. Only a
+                    # signal, the engine or a crash puts the engine on short waits: an
+                    # invalid comparison is an ordinary end (and a dream comparison's
+                    # second arm runs on the same backend).
+                    self._stop_containers(hurry=not isinstance(exc, StageFailed))
                     raise
                 finally:
                     with interrupts.shielded():  # a signal here must not skip the close
@@ -274,7 +283,7 @@ class CycleRunner:
             self.containers.close()
         outcome.timings = self.timings
         if any(not f.done() for f in self._inflight):
-            self._drain(self._inflight)
+            self._drain(self._inflight, hurry=outcome.failure is not None)
         try:
             outcome.leftovers = self._leftovers()
         except Exception as exc:  # the engine may be gone; say so
@@ -320,13 +329,13 @@ class CycleRunner:
             return None
         return path
 
-    def _drain(self, futures: list[Future[Record]]) -> None:
+    def _drain(self, futures: list[Future[Record]], *, hurry: bool = True) -> None:
         """Stop the run's containers until every case thread has returned (or the grace
         period is over): a thread past the admission check when the stop came may still
         create its container after the first sweep, and would then wait on it."""
         deadline = time.monotonic() + STOP_GRACE_S
         while True:
-            self._stop_containers()
+            self._stop_containers(hurry=hurry)
             # done() counts a job the pool's shutdown cancelled before it started;
             # wait() never does (it waits for a notification that never comes), so
             # waiting on those alone took the whole grace period
@@ -335,19 +344,26 @@ class CycleRunner:
                 return
             wait(pending, timeout=0.3)
 
-    def _stop_containers(self) -> None:
-        """Admit no new container and kill and remove the run's running ones. The engine
-        gets short waits from now on (a backend that can: ``stopping``), so a hung one
-        cannot hold the verdict and receipt for minutes."""
+    def _stop_containers(self, *, hurry: bool = True) -> None:
+        """Admit no new container and kill and remove the run's running ones. With
+        ``hurry`` (a signal, the engine, a crash) the engine gets short waits from now on
+        (a backend that can: ``stopping``), so a hung one cannot hold the verdict and
+        receipt for minutes."""
         self._stopping.set()
+        if hurry:
+            self._hurry()
+        with contextlib.suppress(Exception):
+            self._leftovers()
+
+    def _hurry(self) -> None:
+        """Short engine waits from now on (once; also on a first signal, so a
+        container's removal on the way out does not wait 60 s on a hung engine)."""
         if not self._told_stopping:
             self._told_stopping = True
             stopping = getattr(self.backend, "stopping", None)
             if callable(stopping):
                 with contextlib.suppress(Exception):
                     stopping()
-        with contextlib.suppress(Exception):
-            self._leftovers()
 
     def _stages(self, o: Outcome) -> Outcome:
         pol = self.plan.policy

@@ -670,3 +670,59 @@ def test_the_endpoint_token_reaches_containers_and_no_file_of_the_run(planned: F
     for p in files:
         data = p.read_bytes()
         assert not any(n in data for n in needles), f"a role token is in {p}"
+
+
+def test_an_invalid_comparison_leaves_the_engine_on_its_usual_waits(planned: Freeze) -> None:
+    """A stage that fails (an evaluator killed) is an ordinary end: the run's sweep put
+    the engine on 5 s waits for good, and a dream comparison's second arm ran on them."""
+    plan = planned()
+    box = fake(script(evaluator=lambda _c: Result(
+        exit_code=137, stop_reason=StopReason.OOM, detail="killed by the OOM killer")))
+    told: list[int] = []
+    box.stopping = lambda: told.append(1)  # type: ignore[attr-defined]
+    outcome = run(plan, box)
+    assert outcome.result.verdict == "invalid_comparison" and outcome.failure is None
+    assert told == []
+
+
+def test_a_lost_engine_puts_the_engine_on_short_waits(planned: Freeze) -> None:
+    plan = planned()
+
+    def lost(_c: Call) -> Result:
+        raise SandboxError("the engine went away")
+
+    box = fake(script(analyst=lost))
+    told: list[int] = []
+    box.stopping = lambda: told.append(1)  # type: ignore[attr-defined]
+    outcome = run(plan, box)
+    assert outcome.failure is not None and outcome.failure.reason == "engine_error"
+    assert told == [1]
+
+
+def test_a_signal_just_after_stages_is_made_ends_with_a_verdict(
+        planned: Freeze, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The signal lands right after ``stages/`` was made, before the path that writes a
+    verdict: it left an empty stages/ (no verdict, no receipt, the plan refused as
+    already executed)."""
+    import signal
+
+    from runner import interrupts
+
+    plan = planned()
+    real = Path.mkdir
+
+    def mkdir(self: Path, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        if self == plan.parent / "stages":
+            interrupts._handler(signal.SIGINT, None)
+
+    state = interrupts._state
+    saved = (state.signals, state.shield, state.pending, state.redeliver, state.handled)
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    try:
+        outcome = run(plan, fake(script()))
+    finally:
+        state.signals, state.shield, state.pending, state.redeliver, state.handled = saved
+    assert outcome.failure is not None and outcome.failure.reason == "interrupted"
+    assert json.loads((plan.parent / "stages/compare/verdict.json").read_text())[
+        "verdict"] == "invalid_comparison"
