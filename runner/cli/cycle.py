@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,12 +22,10 @@ from runner.cli.options import (
     RayAddressOpt,
 )
 from runner.cli.output import LineProgress, err, out, print_terminal, report_error, report_warning
-from runner.errors import EXIT_INTERRUPTED, ConfigError, CycleboxError, EnvironmentFailure
+from runner.errors import EXIT_INTERRUPTED, ConfigError, CycleboxError
 from runner.termsafe import emit_json, safe
 
 if TYPE_CHECKING:
-    from runner.cycle.receipt import Receipt
-    from runner.cycle.run import Outcome
     from runner.gateway.config import UpstreamPolicy
     from runner.toolchain import AgentToolchains, DerivedAnalyst
 
@@ -37,37 +34,6 @@ commands = typer.Typer()
 
 ReplayOpt = Annotated[Path | None, typer.Option(
     help="Answer every model call from this recorded run (byte-exact).")]
-
-
-def build_receipt(outcome: Outcome) -> Receipt:
-    """The run's receipt; when the machine refuses to write it (a full disk), an
-    EnvironmentFailure (exit 9) after the verdict is set aside (:func:`_unclaim`): the
-    verdict said accept_for_review with no receipt beside it."""
-    from runner.cycle.receipt import build
-    from runner.failures import is_environment_error
-
-    try:
-        return build(outcome)
-    except OSError as exc:
-        if not is_environment_error(exc):
-            raise
-        raise EnvironmentFailure(
-            f"the receipt could not be written ({exc.strerror or exc}): "
-            f"{_unclaim(outcome.run_dir)}. Fix: free space, keep the run as evidence (no "
-            "receipt: it is not a complete run) and run the cycle again") from None
-
-
-def _unclaim(run_dir: Path) -> str:
-    """A run whose receipt could not be written claims nothing: its verdict is renamed
-    (a rename needs no free space), so no ``verdict.json`` says accept_for_review
-    without a receipt. Returns what was done, for the message."""
-    v = run_dir / "stages" / "compare" / "verdict.json"
-    kept = v.with_name("verdict.no-receipt.json")
-    try:
-        os.replace(v, kept)
-    except OSError as exc:
-        return f"its verdict could not be set aside either ({exc.strerror}): {v}"
-    return f"its verdict is kept as {kept}"
 
 
 def _upstream_override(cycle: Path, replay: Path | None) -> dict[str, UpstreamPolicy] | None:
@@ -186,6 +152,8 @@ def cycle_run(
         report_error(f"{outcome.result.reasons[0]} (no receipt written; partial run "
                      f"in {outcome.run_dir})")
         raise typer.Exit(failure.exit_code)
+    from runner.cycle.receipt import build_receipt
+
     t0 = time.monotonic()
     with interrupts.shielded():
         receipt = build_receipt(outcome)

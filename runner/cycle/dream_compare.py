@@ -26,7 +26,7 @@ from runner.cycle.plan import (
     load_frozen_manifest,
     read_plan_doc,
 )
-from runner.cycle.receipt import build
+from runner.cycle.receipt import build_receipt
 from runner.cycle.run import CycleRunner, Progress
 from runner.errors import (
     ConfigError,
@@ -120,7 +120,7 @@ def _arm(cycle: Path, out: Path, *, images: dict[str, str], spec: DreamSpec,
         raise EnvironmentFailure(f"{_first(outcome.result.reasons, failure.reason)} (no "
                                  f"receipt written; partial arm in {out})")
     with interrupts.shielded():
-        receipt = build(outcome)
+        receipt = build_receipt(outcome)
     if failure is not None or interrupts.seen():
         # A signal, a lost engine or a bug ended this arm: the paired comparison cannot be
         # made, so the other arm never starts and no dream receipt is written. This arm's

@@ -24,12 +24,18 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from pydantic_core import to_jsonable_python
 
-from runner import fswalk
+from runner import fswalk, interrupts
 from runner.cycle.dream import DreamSummary
-from runner.cycle.models import RECORDS_MAX_BYTES, ComparisonResult
+from runner.cycle.models import (
+    CUT_SHORT,
+    NO_RECEIPT_VERDICT,
+    RECORDS_MAX_BYTES,
+    ComparisonResult,
+)
 from runner.cycle.plan import read_plan_doc
 from runner.cycle.signing import ENVELOPE
-from runner.errors import ConfigError, IntegrityError, OutputRejected
+from runner.errors import ConfigError, EnvironmentFailure, IntegrityError, OutputRejected
+from runner.failures import is_environment_error
 from runner.gateway.calllog import CallLog
 from runner.gateway.report import UsageReport, summarize
 from runner.hashing import canonical_bytes, sha256_json
@@ -843,3 +849,40 @@ def _candidate_problems(root_fd: int, tree: str | None) -> list[str]:
         return [f"{where}: tree of commit {commit} is {got}, the receipt says {tree}"]
     return []
 
+
+def build_receipt(outcome: Outcome) -> Receipt:
+    """:func:`build`, for a command that ends on it: when the machine refuses to write the
+    receipt (a full disk), an EnvironmentFailure (exit 9) after the verdict is set aside
+    (:func:`unclaim`), and a second signal meanwhile sets it aside too (the process then
+    exits at once): a verdict never says accept_for_review with no receipt beside it."""
+    d = outcome.run_dir
+
+    def cut_short() -> None:
+        unclaim(d)
+        (d / CUT_SHORT).write_text(
+            "a second signal ended the controller while the receipt was written: no "
+            f"receipt; the verdict is kept as stages/compare/{NO_RECEIPT_VERDICT}\n")
+
+    with interrupts.on_exit(cut_short):
+        try:
+            return build(outcome)
+        except OSError as exc:
+            if not is_environment_error(exc):
+                raise
+            raise EnvironmentFailure(
+                f"the receipt could not be written ({exc.strerror or exc}): "
+                f"{unclaim(d)}. Fix: free space, keep the run as evidence (no receipt: it "
+                "is not a complete run) and run the cycle again") from None
+
+
+def unclaim(run_dir: Path) -> str:
+    """A run whose receipt could not be written claims nothing: its verdict is renamed
+    (a rename needs no free space), so no ``verdict.json`` says accept_for_review
+    without a receipt. Returns what was done, for the message."""
+    v = run_dir / "stages" / "compare" / "verdict.json"
+    kept = v.with_name(NO_RECEIPT_VERDICT)
+    try:
+        os.replace(v, kept)
+    except OSError as exc:
+        return f"its verdict could not be set aside either ({exc.strerror}): {v}"
+    return f"its verdict is kept as {kept}"

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner.cli import cycle as cli_cycle
+from runner.cycle import receipt
 from runner.errors import EnvironmentFailure
 
 
@@ -31,7 +31,7 @@ def test_a_full_disk_at_the_receipt_sets_the_verdict_aside(
     monkeypatch.setattr("runner.cycle.receipt.build", full)
     with pytest.raises(EnvironmentFailure, match=r"receipt could not be written \(No space "
                                                  r"left on device\).*verdict.no-receipt.json"):
-        cli_cycle.build_receipt(SimpleNamespace(run_dir=run))  # type: ignore[arg-type]
+        receipt.build_receipt(SimpleNamespace(run_dir=run))  # type: ignore[arg-type]
     assert not (run / "stages" / "compare" / "verdict.json").exists()
     assert (run / "stages" / "compare" / "verdict.no-receipt.json").read_text() == \
         '{"verdict": "accept_for_review"}'
@@ -46,5 +46,37 @@ def test_another_os_error_is_not_called_a_full_disk(
 
     monkeypatch.setattr("runner.cycle.receipt.build", denied)
     with pytest.raises(PermissionError):
-        cli_cycle.build_receipt(SimpleNamespace(run_dir=run))  # type: ignore[arg-type]
+        receipt.build_receipt(SimpleNamespace(run_dir=run))  # type: ignore[arg-type]
     assert (run / "stages" / "compare" / "verdict.json").is_file()
+
+
+def test_a_second_signal_while_the_receipt_is_written_sets_the_verdict_aside(
+        tmp_path: Path) -> None:
+    """The process exits at once on a second signal: while the receipt was built that left
+    a verdict (accept_for_review) with no receipt beside it and nothing saying why."""
+    import subprocess
+    import sys
+
+    run = _run(tmp_path)
+    script = f"""
+import os, signal, time
+from pathlib import Path
+from types import SimpleNamespace
+from runner import interrupts
+from runner.cycle import receipt
+interrupts.install()
+def slow(_outcome):
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(10)
+receipt.build = slow
+with interrupts.shielded():  # as `cycle run` builds it
+    receipt.build_receipt(SimpleNamespace(run_dir=Path({str(run)!r})))
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert res.returncode == 130, res.stderr
+    assert not (run / "stages" / "compare" / "verdict.json").exists()
+    assert (run / "stages" / "compare" / "verdict.no-receipt.json").is_file()
+    assert "while the receipt was written" in (run / "cut-short.txt").read_text()
