@@ -39,14 +39,15 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow]
 PROMPT_S = 5.0
 
 
-def _killer(labels: dict[str, str], delay: float) -> list[str]:
+def _killer(labels: dict[str, str], delay: float, *, event: str = "start",
+            remove: bool = False) -> list[str]:
     """Kill the first container with ``labels`` ``delay`` s after the engine reports its
     start. Driven by the engine's event stream, not by listing: a list (one inspect per
     container) on a loaded engine took longer than the apply container lived, and the
     kill never happened (the cycle then ended normally, rc 0)."""
     client = docker.from_env()
     killed: list[str] = []
-    flt = {"type": "container", "event": "start",
+    flt = {"type": "container", "event": event,
            "label": [f"{k}={v}" for k, v in labels.items()]}
     events = client.events(decode=True, filters=flt,
                            until=time.time() + 900)  # a whole cycle, on a loaded machine
@@ -56,7 +57,10 @@ def _killer(labels: dict[str, str], delay: float) -> list[str]:
             time.sleep(delay)
             cid = ev.get("id") or ev.get("Actor", {}).get("ID")
             try:
-                client.api.kill(cid)
+                if remove:
+                    client.api.remove_container(cid, force=True)
+                else:
+                    client.api.kill(cid)
             except docker.errors.APIError:
                 continue  # gone already (it ended by itself): wait for the next
             killed.append(ev.get("Actor", {}).get("Attributes", {}).get("name", cid))
@@ -113,6 +117,28 @@ def test_apply_container_killed_gives_invalid_comparison(tmp_path: Path) -> None
     assert any("killed from outside" in r and "SIGKILL" in r for r in v["reasons"]), v
     res = run_cli("receipt", "verify", str(run), env=env)
     assert res.returncode == 0, res.stdout + res.stderr
+    assert run_containers(rid) == []
+
+
+@pytest.mark.parametrize("event", ["create", "start"])
+def test_a_container_removed_while_it_is_prepared_is_a_named_run(
+        event: str, backend: object, policies: RolePolicies, tmp_path: Path,
+        request: pytest.FixtureRequest) -> None:
+    """`docker rm -f` as the container is created or started, before its holder is ready:
+    the engine's 404 ended the run as "engine could not start the analyst container"
+    (SandboxError: the cycle ends engine_error, exit 6). Now a run that ended, named."""
+    policy = policies.roles["analyst"]
+    rid = f"test-rmp-{request.node.name[-20:]}".replace("[", "-").replace("]", "")
+    out = output_dir(policy, tmp_path / "out")
+    removed = _killer({"io.cyclebox.run_id": rid}, 0.0, event=event, remove=True)
+    time.sleep(0.3)  # the event stream is open
+    rec = launch(backend, policy, role="analyst", run_id=rid,  # type: ignore[arg-type]
+                 image=resolve_image("analyst"), command=["python", "-c", "print('never')"],
+                 mounts=[], output_dir=out)
+    assert removed, "the container was never seen"
+    assert rec.stop_reason is StopReason.PROCESS_FAILED, rec
+    # named as removed, or as the kill `rm -f` begins with when it found it running
+    assert "from outside the controller" in rec.detail, rec.detail
     assert run_containers(rid) == []
 
 

@@ -49,6 +49,12 @@ REMOVED_FROM_OUTSIDE = "cyclebox.removed_from_outside"
 the container is gone (removed from outside before it could be asked)."""
 
 
+def _removed(image: str) -> dict[str, Any]:
+    """The engine's view of a container removed from outside: a named process_failed."""
+    return {"Image": image, REMOVED_FROM_OUTSIDE: True,
+            "State": {"Running": False, "ExitCode": 137, "OOMKilled": False}}
+
+
 class _Engine(Protocol):
     """What a prepared run needs of :class:`runner.isolation.docker.backend.DockerSandbox`."""
 
@@ -56,6 +62,8 @@ class _Engine(Protocol):
     owner: Owner
 
     def _stopped(self, cid: str, within_s: float = 0.0) -> dict[str, Any] | None: ...
+
+    def _gone(self, cid: str, within_s: float = 0.0) -> bool: ...
 
     def _remove(self, cid: str) -> bool: ...
 
@@ -179,6 +187,10 @@ class DockerPreparedRun:
             dead = self._backend._stopped(cid, within_s=2.0)  # a kill may still be landing
             if dead is not None and killed_from_outside(dead, ours=False):
                 self._died = dead
+                return
+            if self._backend._gone(cid, within_s=2.0):  # a removal may still be landing
+                # removed from outside (`docker rm -f`) while it was being prepared
+                self._died = _removed(spec.image)
                 return
             if isinstance(exc, SandboxError):
                 raise
@@ -364,8 +376,7 @@ class DockerPreparedRun:
             try:
                 state = api.inspect_container(cid)
             except docker.errors.NotFound:  # `docker rm -f` from outside: a named failure
-                state = {"Image": spec.image, REMOVED_FROM_OUTSIDE: True,
-                         "State": {"Running": False, "ExitCode": 137, "OOMKilled": False}}
+                state = _removed(spec.image)
         return self._make_record(state, code, fin, out, err, started, timed_out=timed_out,
                                  stream_exceeded=stream_exceeded.is_set(),
                                  ours_killed=ours_killed)
