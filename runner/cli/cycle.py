@@ -152,10 +152,10 @@ def cycle_run(
         report_error(f"{outcome.result.reasons[0]} (no receipt written; partial run "
                      f"in {outcome.run_dir})")
         raise typer.Exit(failure.exit_code)
-    from runner.cycle.receipt import build_receipt
-
     t0 = time.monotonic()
-    with interrupts.shielded():
+    with interrupts.shielded():  # the import too: a first signal must not cut it short
+        from runner.cycle.receipt import build_receipt
+
         receipt = build_receipt(outcome)
     t1 = time.monotonic()
     report = write_outputs(outcome.run_dir, junit=junit, markdown=markdown, html=html)

@@ -858,10 +858,13 @@ def build_receipt(outcome: Outcome) -> Receipt:
     d = outcome.run_dir
 
     def cut_short() -> None:
-        unclaim(d)
+        if (d / RECEIPT).is_file():
+            return  # written whole (renamed into place): the run is complete, left as is
+        with contextlib.suppress(OSError):
+            (d / f".{RECEIPT}.tmp").unlink()
         (d / CUT_SHORT).write_text(
             "a second signal ended the controller while the receipt was written: no "
-            f"receipt; the verdict is kept as stages/compare/{NO_RECEIPT_VERDICT}\n")
+            f"receipt; {unclaim(d)}\n")
 
     with interrupts.on_exit(cut_short):
         try:

@@ -170,6 +170,8 @@ class CycleRunner:
         # gateway never translates): Messages for an anthropic upstream, else chat.
         optimizer = self.plan.upstreams.get(self.plan.roles["worker"].upstream or "")
         self._worker_env = {"CYCLEBOX_API": worker_api(optimizer)}
+        self._stopping = threading.Event()
+        self._told_stopping = False  # before run(): a first signal's hook reads it
 
     # -- entry -------------------------------------------------------------------
     def run(self) -> Outcome:
@@ -218,8 +220,6 @@ class CycleRunner:
                 raise IntegrityError(f"frozen image for {role} ({image}) is not present; "
                                      "rebuild the same inputs or freeze again")
         self._containers_lock = threading.Lock()
-        self._stopping = threading.Event()
-        self._told_stopping = False
         self._inflight: list[Future[Record]] = []
         outcome = Outcome(self.dir, self.plan_hash, _invalid("cycle did not complete"))
         role_upstream = {r: p.upstream for r, p in self.plan.roles.items() if p.upstream}
@@ -259,10 +259,10 @@ class CycleRunner:
                 except BaseException as exc:
                     # Containers first: a killed container drops its gateway
                     # connections, so closing the gateway does not wait on them. Only a
-                    # signal, the engine or a crash puts the engine on short waits: an
-                    # invalid comparison is an ordinary end (and a dream comparison's
-                    # second arm runs on the same backend).
-                    self._stop_containers(hurry=not isinstance(exc, StageFailed))
+                    # signal, the engine or the disk puts the engine on short waits: an
+                    # invalid comparison (a failed stage, a crash) ends no process, and a
+                    # dream comparison's second arm may run on the same backend.
+                    self._stop_containers(hurry=classify(exc).overrides_verdict)
                     raise
                 finally:
                     with interrupts.shielded():  # a signal here must not skip the close

@@ -726,3 +726,19 @@ def test_a_signal_just_after_stages_is_made_ends_with_a_verdict(
     assert outcome.failure is not None and outcome.failure.reason == "interrupted"
     assert json.loads((plan.parent / "stages/compare/verdict.json").read_text())[
         "verdict"] == "invalid_comparison"
+
+
+def test_a_crash_in_a_stage_leaves_the_engine_on_its_usual_waits(planned: Freeze) -> None:
+    """A bug in a stage ends the comparison invalid, not the process: a dream
+    comparison's second arm then ran on the 5 s waits of a stopping run."""
+    plan = planned()
+
+    def broken(_c: Call) -> Result:
+        raise RuntimeError("a bug in the propose stage")
+
+    box = fake(script(worker=broken))
+    told: list[int] = []
+    box.stopping = lambda: told.append(1)  # type: ignore[attr-defined]
+    outcome = run(plan, box)
+    assert outcome.result.reasons[0].startswith("unexpected_error: RuntimeError: a bug")
+    assert outcome.failure is None and told == []

@@ -80,3 +80,35 @@ with interrupts.shielded():  # as `cycle run` builds it
     assert not (run / "stages" / "compare" / "verdict.json").exists()
     assert (run / "stages" / "compare" / "verdict.no-receipt.json").is_file()
     assert "while the receipt was written" in (run / "cut-short.txt").read_text()
+
+
+def test_a_second_signal_after_the_receipt_was_written_leaves_the_run_as_is(
+        tmp_path: Path) -> None:
+    """The note stays registered until the build returns: a second signal just after the
+    receipt was renamed into place set a complete run's verdict aside (verify failed)."""
+    import subprocess
+    import sys
+
+    run = _run(tmp_path)
+    script = f"""
+import os, signal, time
+from pathlib import Path
+from types import SimpleNamespace
+from runner import interrupts
+from runner.cycle import receipt
+interrupts.install()
+def done(_outcome):
+    (Path({str(run)!r}) / "receipt.json").write_text("{{}}")
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(10)
+receipt.build = done
+with interrupts.shielded():
+    receipt.build_receipt(SimpleNamespace(run_dir=Path({str(run)!r})))
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert res.returncode == 130, res.stderr
+    assert (run / "stages" / "compare" / "verdict.json").is_file()
+    assert not (run / "cut-short.txt").exists()
