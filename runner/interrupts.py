@@ -70,35 +70,31 @@ class _State:
 _state = _State()
 _on_exit: list[Callable[[], None]] = []
 """What a second signal runs before the process exits at once (:func:`on_exit`)."""
-
-
-@contextlib.contextmanager
-def on_exit(note: Callable[[], None]) -> Iterator[None]:
-    """While the block runs, a second signal calls ``note`` (quick, never blocking: e.g.
-    a one-line file saying the run was cut short) before the process exits."""
-    _on_exit.append(note)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(ValueError):
-            _on_exit.remove(note)
-
-
 _on_first: list[Callable[[], None]] = []
 """What a first signal runs before it unwinds or is held (:func:`on_first`)."""
 
 
 @contextlib.contextmanager
-def on_first(hook: Callable[[], None]) -> Iterator[None]:
-    """While the block runs, a first signal calls ``hook`` (quick, never blocking: e.g.
-    putting the engine client on short waits) before it unwinds or is held, so that
-    what runs on the way out (a container's removal) already has it."""
-    _on_first.append(hook)
+def _registered(hooks: list[Callable[[], None]], hook: Callable[[], None]) -> Iterator[None]:
+    hooks.append(hook)
     try:
         yield
     finally:
         with contextlib.suppress(ValueError):
-            _on_first.remove(hook)
+            hooks.remove(hook)
+
+
+def on_exit(note: Callable[[], None]) -> contextlib.AbstractContextManager[None]:
+    """While the block runs, a second signal calls ``note`` (quick, never blocking: e.g.
+    a one-line file saying the run was cut short) before the process exits."""
+    return _registered(_on_exit, note)
+
+
+def on_first(hook: Callable[[], None]) -> contextlib.AbstractContextManager[None]:
+    """While the block runs, a first signal calls ``hook`` (quick, never blocking: e.g.
+    putting the engine client on short waits) before it unwinds or is held, so that
+    what runs on the way out (a container's removal) already has it."""
+    return _registered(_on_first, hook)
 
 
 def _handler(_sig: int, _frame: FrameType | None) -> None:

@@ -346,7 +346,7 @@ class CycleRunner:
 
     def _stop_containers(self, *, hurry: bool = True) -> None:
         """Admit no new container and kill and remove the run's running ones. With
-        ``hurry`` (a signal, the engine, a crash) the engine gets short waits from now on
+        ``hurry`` (a signal, the engine, the disk) the engine gets short waits from now on
         (a backend that can: ``stopping``), so a hung one cannot hold the verdict and
         receipt for minutes."""
         self._stopping.set()

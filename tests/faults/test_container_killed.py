@@ -164,18 +164,8 @@ def test_a_prepared_container_removed_from_outside_is_a_named_run(
     assert run_containers(rid) == []
 
 
-def test_a_prepared_container_ends_when_its_controller_dies(
-        tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    """A controller that dies (SIGKILL, a second signal's fast exit) before it hands a
-    prepared container its case: the engine closes the holder's stdin when the attach
-    ends (``StdinOnce``), and the holder, with no case, ends. It stayed up, waiting for a
-    case that never came, until someone ran `cyclebox gc`."""
-    import subprocess
-    import sys
-
-    rid = f"test-orphan-{request.node.name[-12:]}"
-    script = f"""
-import os, sys
+_ORPHAN = """
+import os, sys, threading
 from pathlib import Path
 from runner.isolation.docker.images import resolve_image
 from runner.isolation.launcher import output_dir
@@ -184,13 +174,27 @@ from runner.isolation.registry import get_sandbox
 from runner.isolation.roles import role_spec
 from runner.paths import default_policies
 policy = load_policies(default_policies()).roles["analyst"]
-out = output_dir(policy, Path({str(tmp_path / "out")!r}))
+out = output_dir(policy, Path({out!r}))
 spec = role_spec(policy, role="analyst", run_id={rid!r}, image=resolve_image("analyst"),
-                 command=["python", "-c", "print('never')"], output_dir=out)
+                 command={command!r}, output_dir=out)
 prepared = get_sandbox("docker").prepare(spec)
+if {hand_over!r}:
+    threading.Thread(target=prepared.run, daemon=True).start()
+    assert prepared.channel.started.wait(60), "the case never started"
 print(prepared.cid, flush=True)
 os._exit(0)
 """
+
+
+def _orphan_ends(tmp_path: Path, rid: str, command: list[str], *, hand_over: bool) -> None:
+    """A controller process prepares a container (and with ``hand_over`` starts its
+    case), prints its id and dies at once (``os._exit``): the container must end by
+    itself within 20 s."""
+    import subprocess
+    import sys
+
+    script = _ORPHAN.format(out=str(tmp_path / "out"), rid=rid, command=command,
+                            hand_over=hand_over)
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120, check=False)
     assert res.returncode == 0, res.stderr
@@ -205,6 +209,16 @@ os._exit(0)
         client.api.remove_container(cid, force=True)
 
 
+def test_a_prepared_container_ends_when_its_controller_dies(
+        tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """A controller that dies (SIGKILL, a second signal's fast exit) before it hands a
+    prepared container its case: the engine closes the holder's stdin when the attach
+    ends (``StdinOnce``), and the holder, with no case, ends. It stayed up, waiting for a
+    case that never came, until someone ran `cyclebox gc`."""
+    _orphan_ends(tmp_path, f"test-orphan-{request.node.name[-12:]}",
+                 ["python", "-c", "print('never')"], hand_over=False)
+
+
 def test_a_running_case_ends_when_its_controller_dies(
         tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """A controller that dies (SIGKILL, a second signal's fast exit) after it handed the
@@ -212,41 +226,8 @@ def test_a_running_case_ends_when_its_controller_dies(
     ends the case (kills every role process) and the container. The command ran on for
     nobody, calling the model for nothing, until its own end or its timeout (this one
     sleeps 300 s; the container stayed up past the 20 s allowed here)."""
-    import subprocess
-    import sys
-
-    rid = f"test-orphan-run-{request.node.name[-8:]}"
-    script = f"""
-import os, sys, threading
-from pathlib import Path
-from runner.isolation.docker.images import resolve_image
-from runner.isolation.launcher import output_dir
-from runner.isolation.policy import load_policies
-from runner.isolation.registry import get_sandbox
-from runner.isolation.roles import role_spec
-from runner.paths import default_policies
-policy = load_policies(default_policies()).roles["analyst"]
-out = output_dir(policy, Path({str(tmp_path / "out")!r}))
-spec = role_spec(policy, role="analyst", run_id={rid!r}, image=resolve_image("analyst"),
-                 command=["python", "-c", "import time; time.sleep(300)"], output_dir=out)
-prepared = get_sandbox("docker").prepare(spec)
-threading.Thread(target=prepared.run, daemon=True).start()
-assert prepared.channel.started.wait(60), "the case never started"
-print(prepared.cid, flush=True)
-os._exit(0)
-"""
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120, check=False)
-    assert res.returncode == 0, res.stderr
-    cid = res.stdout.strip()
-    client = docker.from_env()
-    try:
-        deadline = time.monotonic() + 20
-        while client.api.inspect_container(cid)["State"]["Running"]:
-            assert time.monotonic() < deadline, "the orphaned case is still running"
-            time.sleep(0.2)
-    finally:
-        client.api.remove_container(cid, force=True)
+    _orphan_ends(tmp_path, f"test-orphan-run-{request.node.name[-8:]}",
+                 ["python", "-c", "import time; time.sleep(300)"], hand_over=True)
 
 
 def test_the_controllers_own_sweep_is_not_called_an_outside_kill(

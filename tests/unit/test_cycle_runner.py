@@ -685,20 +685,6 @@ def test_an_invalid_comparison_leaves_the_engine_on_its_usual_waits(planned: Fre
     assert told == []
 
 
-def test_a_lost_engine_puts_the_engine_on_short_waits(planned: Freeze) -> None:
-    plan = planned()
-
-    def lost(_c: Call) -> Result:
-        raise SandboxError("the engine went away")
-
-    box = fake(script(analyst=lost))
-    told: list[int] = []
-    box.stopping = lambda: told.append(1)  # type: ignore[attr-defined]
-    outcome = run(plan, box)
-    assert outcome.failure is not None and outcome.failure.reason == "engine_error"
-    assert told == [1]
-
-
 def test_a_signal_just_after_stages_is_made_ends_with_a_verdict(
         planned: Freeze, monkeypatch: pytest.MonkeyPatch) -> None:
     """The signal lands right after ``stages/`` was made, before the path that writes a
@@ -728,17 +714,26 @@ def test_a_signal_just_after_stages_is_made_ends_with_a_verdict(
         "verdict"] == "invalid_comparison"
 
 
-def test_a_crash_in_a_stage_leaves_the_engine_on_its_usual_waits(planned: Freeze) -> None:
-    """A bug in a stage ends the comparison invalid, not the process: a dream
-    comparison's second arm then ran on the 5 s waits of a stopping run."""
+@pytest.mark.parametrize(("role", "error", "reason", "hurried"), [
+    ("analyst", SandboxError("the engine went away"), "engine_error", True),
+    ("worker", RuntimeError("a bug in the propose stage"), None, False),
+], ids=["lost-engine", "crash-in-a-stage"])
+def test_only_a_process_ending_cause_puts_the_engine_on_short_waits(
+        planned: Freeze, role: str, error: Exception, reason: str | None,
+        hurried: bool) -> None:
+    """A lost engine ends the process: short waits. A bug in a stage ends the comparison
+    invalid, not the process: a dream comparison's second arm then ran on the 5 s waits
+    of a stopping run."""
     plan = planned()
 
     def broken(_c: Call) -> Result:
-        raise RuntimeError("a bug in the propose stage")
+        raise error
 
-    box = fake(script(worker=broken))
+    box = fake(script(**{role: broken}))
     told: list[int] = []
     box.stopping = lambda: told.append(1)  # type: ignore[attr-defined]
     outcome = run(plan, box)
-    assert outcome.result.reasons[0].startswith("unexpected_error: RuntimeError: a bug")
-    assert outcome.failure is None and told == []
+    assert (outcome.failure.reason if outcome.failure else None) == reason
+    if reason is None:
+        assert outcome.result.reasons[0].startswith("unexpected_error: RuntimeError: a bug")
+    assert told == ([1] if hurried else [])
