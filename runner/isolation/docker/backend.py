@@ -243,22 +243,14 @@ class DockerSandbox:
         While the run stops (:meth:`stopping`), an engine that does not answer is asked
         once: SandboxError, and every later call refuses at once."""
         if self._silent:
-            raise SandboxError(f"the engine did not answer within {self._stop_timeout:g} s "
-                               "while the run stopped; its containers were not checked "
-                               "(`cyclebox gc` removes them once the engine answers)")
+            raise self._unchecked()
         try:
             rows = self.managed_containers()
         except requests.exceptions.Timeout:
             if self._stop_timeout is None:
                 raise
-            self._silent = True
-            # the case threads' own calls (a removal, an inspect) now fail at once too,
-            # so the process ends soon after its verdict and receipt are written
-            self.client.api.timeout = SILENT_TIMEOUT_S
-            raise SandboxError(f"the engine did not answer within {self._stop_timeout:g} s "
-                               "while the run stopped; its containers were not checked "
-                               "(`cyclebox gc` removes them once the engine answers)"
-                               ) from None
+            self._go_silent()
+            raise self._unchecked() from None
         found: list[str] = []
         slow = 0
         for cid, name, labels in rows:
@@ -281,9 +273,20 @@ class DockerSandbox:
                              f"within {self._stop_timeout:g} s; `cyclebox gc` removes it)")
                 slow += 1
                 if slow >= SLOW_REMOVALS:
-                    self._silent = True
-                    self.client.api.timeout = SILENT_TIMEOUT_S
+                    self._go_silent()
         return found
+
+    def _go_silent(self) -> None:
+        """The engine is hung: asked no more. The case threads' own calls (a removal, an
+        inspect) now fail at once too, so the process ends soon after its verdict and
+        receipt are written."""
+        self._silent = True
+        self.client.api.timeout = SILENT_TIMEOUT_S
+
+    def _unchecked(self) -> SandboxError:
+        return SandboxError(f"the engine did not answer within {self._stop_timeout:g} s "
+                            "while the run stopped; its containers were not checked "
+                            "(`cyclebox gc` removes them once the engine answers)")
 
     def sweep(self, *, only_orphans: bool = True, dry_run: bool = False) -> list[SweepResult]:
         """Labelled containers (see :func:`runner.isolation.gc.sweep_containers`), then the
