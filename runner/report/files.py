@@ -14,7 +14,7 @@ from pathlib import Path
 
 from runner.errors import ConfigError
 from runner.failures import is_environment_error
-from runner.outdir import refuse_inside_run
+from runner.outdir import refuse_inside_run, within
 from runner.report.model import Report
 
 SYSTEM_DIRS = ("/dev", "/proc", "/sys")
@@ -50,27 +50,10 @@ def check_output_file(path: Path, *, field: str, run_dir: Path | None = None,
                           path=str(path), field=field, fix="give a regular file's path")
     if run_dir is not None:
         run = Path(os.path.realpath(run_dir))
-        if target == run or run in target.parents or _same_dir_above(where, run):
+        if target == run or within(where, run):  # where: its links resolved; the name: not
             raise ConfigError(f"{path} is inside {why.format(dir=run_dir)}", path=str(path),
                               field=field, fix="write the file beside that directory, not in "
                               "it")
-
-
-def _same_dir_above(where: Path, run: Path) -> bool:
-    """Whether ``where`` or a directory above it is ``run`` itself (device and inode), as a
-    bind mount of the run directory elsewhere is: its path does not say so."""
-    try:
-        st = os.stat(run)
-    except OSError:
-        return False
-    for d in (where, *where.parents):
-        try:
-            sd = os.stat(d)
-        except OSError:
-            continue
-        if (sd.st_dev, sd.st_ino) == (st.st_dev, st.st_ino):
-            return True
-    return False
 
 
 def check_targets(run_dir: Path | None = None, **targets: Path | None) -> None:

@@ -339,6 +339,28 @@ def test_output_dir_missing_is_a_config_error(run: Path, tmp_path: Path) -> None
         check_targets(junit=tmp_path / "nope" / "j.xml")
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a bind mount needs root")
+def test_a_report_into_a_bind_mount_of_the_run_is_refused(run: Path, tmp_path: Path) -> None:
+    """The run directory mounted elsewhere: its path does not say it is the run, its
+    device and inode do (a report there would change a file the receipt binds)."""
+    import subprocess
+
+    from runner.errors import ConfigError
+    from runner.report.files import check_targets
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if subprocess.run(["mount", "--bind", str(run), str(elsewhere)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mount --bind is not allowed here")
+    try:
+        with pytest.raises(ConfigError, match="is inside"):
+            check_targets(run, html=elsewhere / "stages" / "r.html")
+        check_targets(run, html=tmp_path / "r.html")  # beside it: fine
+    finally:
+        subprocess.run(["umount", str(elsewhere)], check=True)
+
+
 def test_a_run_that_stopped_early_reports_incomplete(run: Path) -> None:
     (run / "stages/compare/verdict.json").unlink()
     (run / "stages/candidate/records.jsonl").unlink()
