@@ -162,3 +162,73 @@ def test_a_hung_engine_does_not_hold_an_interrupted_runs_receipt(tmp_path: Path)
     real.pop("DOCKER_HOST", None)
     assert run_cli("gc", env=real).returncode == 0
     assert run_containers(rid) == []
+
+
+def test_a_hung_engine_during_a_single_container_stage_does_not_hold_the_receipt(
+        tmp_path: Path) -> None:
+    """The same in a stage of one container (the coding worker, its model call held by a
+    slow optimizer upstream): the first signal shortens the engine's waits before the
+    stage unwinds, so the worker's removal waits 5 s, not 60: without that, the receipt
+    came 65 s after the signal. The run ends named `interrupted`, exit 130."""
+    import signal
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import yaml
+
+    received, release = threading.Event(), threading.Event()
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            received.set()
+            release.wait(300)
+            self.send_response(503)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    cycle = project_with_agent(tmp_path / "cyc", example_agent())
+    doc = yaml.safe_load(cycle.read_text())
+    doc["upstreams"]["optimizer"] = {
+        "provider": "openai", "base_url": f"http://127.0.0.1:{server.server_port}/v1",
+        "credential": {"env": "CYCLEBOX_TEST_SLOW_KEY"}, "models": ["fixture-optimizer"],
+        "max_tokens": 4096,
+        "prices": {"fixture-optimizer": {"input_per_mtok": 2.5, "output_per_mtok": 10.0}}}
+    cycle.write_text(yaml.safe_dump(doc))
+    relay_path = tmp_path / "engine.sock"
+    relay = Relay(relay_path)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    run = tmp_path / "run"
+    env = cli_env(tmp, DOCKER_HOST=f"unix://{relay_path}",
+                  CYCLEBOX_TEST_SLOW_KEY="not-a-real-key")
+    proc = start_cycle(cycle, run, env)
+    try:
+        # the worker's model call is in flight: its container runs, the stage waits
+        wait_for(received.is_set, proc, "the worker's model call", timeout=240)
+        rid = run_id(run)
+        relay.hang()
+        sent = time.time()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        release.set()
+        server.shutdown()
+        relay.cut()
+    detail = f"rc {proc.returncode}\n{out}\n{err}"
+    assert proc.returncode == 130, detail
+    assert "Traceback" not in err, detail
+    receipt = run / "receipt.json"
+    assert receipt.is_file(), detail
+    assert receipt.stat().st_mtime - sent < 45, detail
+    assert verdict(run)["reasons"] == ["interrupted"], detail
+    real = cli_env(tmp)
+    real.pop("DOCKER_HOST", None)
+    assert run_cli("gc", env=real).returncode == 0
+    assert run_containers(rid) == []
