@@ -71,14 +71,19 @@ _HFS_IGNORED = dict.fromkeys([*range(0x200C, 0x2010), *range(0x202A, 0x202F),
                               *range(0x206A, 0x2070), 0xFEFF])
 
 
-def _is_dotgit(part: str) -> bool:
-    """``part`` names ``.git`` on some filesystem a run directory may be copied to: any
-    case, trailing dots or spaces (Windows), HFS+ ignorable code points (macOS), the 8.3
-    short name ``git~1`` or an NTFS stream suffix (``.git::$INDEX_ALLOCATION``), or as
-    the last component of a backslash path (``x\\.git`` on Windows)."""
+def _as_read(part: str) -> str:
+    """``part`` as some filesystem a run directory may be copied to reads it: any case,
+    trailing dots or spaces dropped (Windows), HFS+ ignorable code points dropped (macOS),
+    an NTFS stream suffix dropped (``.git::$INDEX_ALLOCATION``), the last component of a
+    backslash path (``x\\.git`` on Windows)."""
     p = part.rsplit("\\", 1)[-1].translate(_HFS_IGNORED).split(":", 1)[0]
-    p = p.rstrip(". ").casefold()
-    return p in (".git", "git~1")
+    return p.rstrip(". ").casefold()
+
+
+def _is_dotgit(part: str) -> bool:
+    """``part`` names ``.git`` on some filesystem (:func:`_as_read`), or its 8.3 short
+    name ``git~1``."""
+    return _as_read(part) in (".git", "git~1")
 
 
 def _git_part(parts: list[str]) -> int | None:
@@ -90,6 +95,22 @@ GIT_DIR_NAMES = frozenset({"head", "objects", "refs"})
 """What makes a directory a git directory to git itself (``is_git_directory``): a
 ``HEAD``, an ``objects`` and a ``refs`` in it, whatever the directory is called (a bare
 repository: ``safe.bareRepository`` is ``all`` by default, and its config is obeyed)."""
+
+GIT_POINTERS = frozenset({"commondir", "gitdir"})
+"""Files by which git (and libgit2) take a directory's ``objects``, ``refs`` and config
+from another directory: a ``HEAD`` beside a ``commondir`` naming ``y`` made a bare
+repository of two directories, neither of which held all three names."""
+
+HEAD_PREFIX = 40
+"""Bytes of a file named ``HEAD`` read to tell whether git takes it for one
+(``validate_headref``: ``ref:`` then a ref, or an object id of 40 or 64 hex digits)."""
+
+
+def _head_like(first: bytes) -> bool:
+    """The first bytes of a file named ``HEAD`` are what git takes for a HEAD (broadly:
+    any ``ref:``, whatever follows; 40 hex digits, the shortest object id)."""
+    return first.startswith(b"ref:") or (
+        len(first) >= HEAD_PREFIX and all(c in b"0123456789abcdefABCDEF" for c in first[:40]))
 
 
 class CopyRefused(OutputRejected):
@@ -409,16 +430,35 @@ def _extract(st: _Stream, root_fd: int, lim: CopyLimits, got: Extracted,
         if size < 0 or got.bytes + size > lim.max_bytes:
             raise CopyRefused(f"output entry {shown!r}: output cap of {lim.max_bytes} bytes "
                               f"exceeded ({got.bytes} + {size})", limit=True)
-        _write_file(st, root_fd, parts, size, lim, got)
+        name = _as_read(parts[-1])
+        if name in GIT_POINTERS:
+            raise CopyRefused(f"output entry {shown!r}: a file named {parts[-1]!r} points git "
+                              "at another directory's objects, refs and config (with a HEAD "
+                              f"beside it, a repository); {_GIT_FIX}")
+        _write_file(st, root_fd, parts, size, lim, got, head=name == "head")
         got.files += 1
         got.bytes += size
         got.pages += -(-size // PAGE)
         st.read(-size % BLOCK, what="padding")
 
 
+_GIT_FIX = "write a bundle or a patch instead (git would obey its config and hooks there)"
+
+
+def _refuse_head(first: bytes, shown: str) -> None:
+    if _head_like(first):
+        raise CopyRefused(f"output entry {shown!r}: a HEAD git would take for a repository's "
+                          f"(it begins {first[:12]!r}); {_GIT_FIX}")
+
+
 def _write_file(st: _Stream, root_fd: int, parts: list[str], size: int, lim: CopyLimits,
-                got: Extracted) -> None:
+                got: Extracted, *, head: bool = False) -> None:
+    """Write one file's bytes. ``head``: it is named ``HEAD`` (as some filesystem reads the
+    name), and is refused, before its last byte is written, when git takes it for a HEAD:
+    git treats a directory as a repository only beside a valid HEAD (``is_git_directory``),
+    wherever its objects and refs are (``commondir``)."""
     shown = "/".join(parts)
+    first = b""
     pfd = _open_parent(root_fd, parts, lim, got)
     try:
         try:
@@ -428,6 +468,10 @@ def _write_file(st: _Stream, root_fd: int, parts: list[str], size: int, lim: Cop
         try:
             os.fchmod(fd, FILE_MODE)
             for chunk in st.chunks(size, what=f"file {shown!r}"):
+                if head and len(first) < HEAD_PREFIX:
+                    first += chunk[:HEAD_PREFIX - len(first)]
+                    if len(first) >= HEAD_PREFIX or len(first) == size:
+                        _refuse_head(first, shown)
                 view = memoryview(chunk)
                 while view:
                     view = view[os.write(fd, view):]

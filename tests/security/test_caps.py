@@ -279,6 +279,74 @@ def test_stream_names_that_only_look_like_a_repository_pass(tmp_path: Path) -> N
     assert got.files == 6
 
 
+COMMONDIR_LAYOUT = [  # helper-36: HEAD and commondir here, objects, refs and config in y/
+    ("HEAD", b"ref: refs/heads/main\n"), ("commondir", b"y\n"), ("y/objects/", None),
+    ("y/refs/heads/", None), ("y/config", b"[core]\n\tpager = id\n"),
+    ("answers/a.json", b"{}")]
+
+
+def _layout(members: list[tuple[str, bytes | None]]) -> bytes:
+    return _tar(*(_member(n, tarfile.DIRTYPE) if data is None else _member(n, data=data)
+                  for n, data in members))
+
+
+def test_stream_a_repository_split_across_directories_is_refused(tmp_path: Path) -> None:
+    """No directory held HEAD, objects and refs, yet git took the output for a bare
+    repository: its HEAD here, a ``commondir`` naming ``y``, where objects, refs and the
+    config were (its pager ran at ``git branch`` below the output, as the operator). Real
+    git says the layout is a repository; the copy-out refuses it."""
+    import subprocess
+
+    laid = tmp_path / "laid"
+    for name, data in COMMONDIR_LAYOUT:
+        (laid / name).parent.mkdir(parents=True, exist_ok=True)
+        if data is None:
+            (laid / name).mkdir(parents=True, exist_ok=True)
+        else:
+            (laid / name).write_bytes(data)
+    git = subprocess.run(["git", "rev-parse", "--git-dir"], cwd=laid / "answers",
+                         capture_output=True, text=True, check=False,
+                         env={**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path)})
+    assert git.returncode == 0 and Path(git.stdout.strip()) == laid, git  # the threat
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    with pytest.raises(CopyRefused, match="HEAD git would take|points git"):
+        extract(_chunks(_layout(COMMONDIR_LAYOUT)), dest, LIM)
+    without = [m for m in COMMONDIR_LAYOUT if m[0] != "commondir"]  # the HEAD alone
+    (tmp_path / "dest2").mkdir()
+    with pytest.raises(CopyRefused, match="a HEAD git would take for a repository"):
+        extract(_chunks(_layout(without)), tmp_path / "dest2", LIM)
+
+
+@pytest.mark.parametrize("name", ["HEAD", "sub/HEAD", "head", "HEAD.", "HE\u200cAD",
+                                  "HEAD::$DATA"])
+@pytest.mark.parametrize("data", [b"ref: refs/heads/main\n", b"ref:refs/x", b"a" * 40,
+                                  b"0123456789ABCDEF" * 4 + b"\n"])
+def test_stream_a_head_git_takes_for_one_is_refused(tmp_path: Path, name: str,
+                                                    data: bytes) -> None:
+    """git takes a directory for a repository only beside a valid HEAD (wherever its
+    objects and refs are): such a HEAD is refused under any spelling of its name, even
+    when the stream hands its bytes over a few at a time; nothing of it is left."""
+    with pytest.raises(CopyRefused, match="a HEAD git would take for a repository"):
+        extract(_chunks(_tar(_member("ok", data=b"fine"), _member(name, data=data)), 3),
+                tmp_path, LIM)
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == ["ok"]
+
+
+@pytest.mark.parametrize("name", ["commondir", "x/CommonDir", "gitdir ", "commondir::$DATA"])
+def test_stream_a_git_pointer_file_is_refused(tmp_path: Path, name: str) -> None:
+    with pytest.raises(CopyRefused, match="points git at another directory"):
+        extract(_chunks(_tar(_member(name, data=b"../y\n"))), tmp_path, LIM)
+
+
+def test_stream_heads_that_git_would_not_take_pass(tmp_path: Path) -> None:
+    got = extract(_chunks(_tar(_member("HEAD", data=b"the top of the page\n"),
+                               _member("a/HEAD", data=b"a" * 39), _member("b/HEAD"),
+                               _member("c/HEADS", data=b"ref: refs/heads/main\n"),
+                               _member("d/commondirs", data=b"y"))), tmp_path, LIM)
+    assert got.files == 5
+
+
 def test_stream_the_apply_containers_repository_is_read_not_written(tmp_path: Path) -> None:
     data = _tar(_member("repo/", tarfile.DIRTYPE), _member("repo/f.py", data=b"x = 1\n"),
                 _member("repo/.git/", tarfile.DIRTYPE),
