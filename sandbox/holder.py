@@ -866,13 +866,37 @@ def _exec_child(argv: list[str], report_fd: int, out_w: int, err_w: int,
             os.set_inheritable(fd, True)
         for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # ignored by Python: not by the role
             signal.signal(sig, signal.SIG_DFL)
+        _limit_queued_signals()
         signal.pthread_sigmask(signal.SIG_SETMASK, ())
         os.execvp(argv[0], argv)  # noqa: S606 - the role's argv, no shell implied
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: setrlimit's EPERM
         with _suppress(OSError):
-            os.write(report_fd, str(exc.errno or 0).encode())
+            os.write(report_fd, str(getattr(exc, "errno", 0) or 1).encode())
     finally:
         os._exit(127)
+
+
+SIGPENDING_ROLE = 1024
+"""``RLIMIT_SIGPENDING`` of every role process, soft and hard (without a capability it
+cannot raise it), and at most half the holder's own. The kernel counts queued signals
+per uid, and a signal queued to a process is refused once the count passes *that
+process's* limit: a role that filled the count (blocked real-time signals queued to
+itself) made the kernel deliver its ``sigqueue(1, SIGUSR1)`` to PID 1 with no details,
+which reads as the host's ``docker kill`` (pid 0, ``SI_USER``: :func:`from_outside`), and
+ended its own case. With every role process at this limit the count stays below the
+holder's, so a signal to PID 1 always names its sender."""
+
+
+def _limit_queued_signals() -> None:
+    """In the forked child, before exec: :data:`SIGPENDING_ROLE`."""
+    import resource  # imported by _Case before READY: a dict lookup here
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_SIGPENDING)
+    n = SIGPENDING_ROLE if soft == resource.RLIM_INFINITY else min(SIGPENDING_ROLE, soft // 2)
+    if any(v > n or v == resource.RLIM_INFINITY for v in (soft, hard)):
+        # (gVisor shows 0, 0 and refuses a change: it queues a signal with its details
+        # or not at all, never without them)
+        resource.setrlimit(resource.RLIMIT_SIGPENDING, (n, n))
 
 
 class _Case:
@@ -885,6 +909,7 @@ class _Case:
         import select
 
         _sha256()  # imported now, before READY: not on the hand-over's path
+        import resource  # noqa: F401 - for _limit_queued_signals, in the child
 
         self.root = root
         self.poller = select.poll()

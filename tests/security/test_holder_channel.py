@@ -87,6 +87,36 @@ def test_a_role_cannot_forge_its_exit_status(run_role: RunFn, runtime: str | Non
     assert out is not None and list(Path(out).iterdir()) == []
 
 
+FILLS_THE_SIGNAL_QUEUE = r"""
+import ctypes, os, resource, signal, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+print("limit", resource.getrlimit(resource.RLIMIT_SIGPENDING), flush=True)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGRTMIN})
+n = 0  # this uid's count of queued signals, filled with real-time signals to itself
+while n < 1 << 20 and libc.sigqueue(os.getpid(), signal.SIGRTMIN, None) == 0:
+    n += 1
+print("queued", n, flush=True)
+libc.sigqueue(1, signal.SIGUSR1, None)  # with no room to queue its details...
+time.sleep(3)
+print("the case went on", flush=True)
+sys.exit(5)
+"""
+
+
+@pytest.mark.parametrize("runtime", [None, "runsc"])
+def test_a_role_cannot_pass_its_sigusr1_for_the_hosts(run_role: RunFn,
+                                                     runtime: str | None) -> None:
+    """helper-36: a role that filled its uid's count of queued signals had the kernel
+    deliver its ``sigqueue(1, SIGUSR1)`` with blank details, read as the host's kill
+    (pid 0, SI_USER), and ended its own case (137, ``process_failed``). Every role
+    process now has a small ``RLIMIT_SIGPENDING`` it cannot raise: the count stays
+    under the holder's, and the signal names its sender."""
+    rec = run_role(["python", "-c", FILLS_THE_SIGNAL_QUEUE], runtime=runtime)
+    assert rec.exit_code == 5 and "the case went on" in rec.stdout_tail, rec
+    if runtime is None:  # gVisor keeps its own count; the limit is set there too
+        assert "limit (1024, 1024)" in rec.stdout_tail, rec.stdout_tail
+
+
 @pytest.mark.parametrize("runtime", [None, "runsc"])
 def test_bytes_written_into_the_holders_stdout_are_refused(run_role: RunFn,
                                                            runtime: str | None) -> None:
