@@ -4,9 +4,12 @@
 as moby ships it for the engine here (``profiles/seccomp/default.json`` at tag
 v20.10.24, blob dbf1fa86f151, sha256 ce3585b856aa...), minus the three
 ``io_uring_*`` syscalls: io_uring reaches large, frequently patched kernel code
-and no role needs it. Everything else (``keyctl`` denied, ``unshare`` and
-``clone`` with namespace flags only with CAP_SYS_ADMIN, which roles never have)
-stays as upstream has it.
+and no role needs it; and ``prlimit64`` only on the caller itself (pid 0, what
+``setrlimit`` calls) or without a new limit: a role shares the holder's uid, and
+lowered PID 1's ``RLIMIT_SIGPENDING`` to have a ``SIGUSR1`` of its own delivered
+without details, as the host's (``sandbox/holder.py``, ``SIGPENDING_ROLE``).
+Everything else (``keyctl`` denied, ``unshare`` and ``clone`` with namespace flags
+only with CAP_SYS_ADMIN, which roles never have) stays as upstream has it.
 
 Invariants a profile must meet to be used: it parses as one JSON object of
 bounded size, its default action refuses, and no io_uring syscall sits in a rule

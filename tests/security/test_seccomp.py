@@ -112,10 +112,36 @@ def test_role_profile_from_policy_is_the_one_applied(run_role: RunFn, tmp_path: 
     assert rec.stop_reason is StopReason.OK and rec.stdout_tail == "made\n"
 
 
+LIMITS = r"""
+import os, resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (512, 512))  # its own: setrlimit, prlimit64(0)
+print("own", resource.getrlimit(resource.RLIMIT_NOFILE))
+print("pid 1 read", resource.prlimit(1, resource.RLIMIT_SIGPENDING) != (0, 0))
+for pid in (1, os.getpid()):
+    try:
+        resource.prlimit(pid, resource.RLIMIT_SIGPENDING, (0, 0))
+        print("changed", pid == 1 and "pid 1" or "self by pid")
+    except (OSError, ValueError) as exc:
+        print("refused", pid == 1 and "pid 1" or "self by pid", type(exc).__name__)
+"""
+
+
+def test_a_role_cannot_change_another_processes_limits(run_role: RunFn) -> None:
+    """A role shares the holder's uid, so prlimit(2) let it lower PID 1's
+    RLIMIT_SIGPENDING to 0 (the route to a SIGUSR1 delivered without its details,
+    :mod:`tests.security.test_holder_channel`). The profile allows prlimit64 on the
+    caller itself (pid 0) or without a new limit; anything else is EPERM."""
+    rec = run_role(["python", "-c", LIMITS])
+    assert rec.stop_reason is StopReason.OK, rec
+    assert rec.stdout_tail.splitlines() == [
+        "own (512, 512)", "pid 1 read True", "refused pid 1 PermissionError",
+        "refused self by pid PermissionError"], rec.stdout_tail
+
+
 # -- the profile file ------------------------------------------------------------------
 
 
-def test_shipped_profile_is_moby_default_without_io_uring() -> None:
+def test_shipped_profile_is_moby_default_without_io_uring_and_others_limits() -> None:
     doc = json.loads(PROFILE_PATH.read_text())
     assert doc["defaultAction"] == "SCMP_ACT_ERRNO"
     names = {n for r in doc["syscalls"] for n in r["names"]}
@@ -123,11 +149,15 @@ def test_shipped_profile_is_moby_default_without_io_uring() -> None:
     assert "keyctl" not in names and "add_key" not in names  # moby 20.10 never allows them
     unshare = [r for r in doc["syscalls"] if "unshare" in r["names"]]
     assert [r["includes"] for r in unshare] == [{"caps": ["CAP_SYS_ADMIN"]}]
-    # Pinned: moby v20.10.24's file (sha256 ce3585b8...) minus the three io_uring lines.
+    prlimit = [r["args"] for r in doc["syscalls"] if "prlimit64" in r["names"]]
+    assert prlimit == [[{"index": 0, "value": 0, "op": "SCMP_CMP_EQ"}],
+                       [{"index": 2, "value": 0, "op": "SCMP_CMP_EQ"}]]
+    # Pinned: moby v20.10.24's file (sha256 ce3585b8...) minus the three io_uring lines,
+    # prlimit64 moved from the allow list to the two rules above (own limits; any read).
     # A change here must be a deliberate, reviewed change of the sandbox boundary.
     prof = load_profile()
-    assert prof.rules == 27
-    assert prof.sha256 == "afc18d800a3df9d41fe5d038c2da25ae57cdf4868dd46cc41df2100cbc7643ae"
+    assert prof.rules == 29
+    assert prof.sha256 == "92f7ca339a5e3a008dcd2ee2549a99b63a121f186609ea1569670c0cbc727f0b"
 
 
 @pytest.mark.parametrize(("content", "reason"), [
