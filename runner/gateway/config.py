@@ -49,8 +49,9 @@ class Price(Frozen):
     cache_write_per_mtok: float | None = Field(default=None, ge=0,
                                                exclude_if=lambda v: v is None)
     """USD per million input tokens written to the prompt cache (Anthropic cache creation);
-    default: the input price. The worst case reserves every input token at the dearest
-    input price."""
+    default: 1.25 times the input price (Anthropic's 5-minute rate; an upstream that bills
+    writes as plain input, as OpenAI does, is then charged a little more than it bills,
+    never less). The worst case reserves every input token at the dearest input price."""
 
     cache_write_1h_per_mtok: float | None = Field(default=None, ge=0,
                                                   exclude_if=lambda v: v is None)
@@ -63,7 +64,7 @@ class Price(Frozen):
             else self.cached_input_per_mtok
 
     def cache_write(self) -> float:
-        return self.input_per_mtok if self.cache_write_per_mtok is None \
+        return 1.25 * self.input_per_mtok if self.cache_write_per_mtok is None \
             else self.cache_write_per_mtok
 
     def cache_write_1h(self) -> float:

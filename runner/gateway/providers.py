@@ -80,17 +80,19 @@ class Provider(Protocol):
 sse_events = _usage_mod.sse_events
 
 
-def inspect(data: bytes, *, stream: bool, api: Api = "chat") -> tuple[Usage | None, str | None]:
-    return _usage_mod.inspect(data, stream=stream, api=api)
+def inspect(data: bytes, *, stream: bool, api: Api = "chat",
+            asked_1h: bool = False) -> tuple[Usage | None, str | None]:
+    return _usage_mod.inspect(data, stream=stream, api=api, asked_1h=asked_1h)
 
 
-def inspected(result: ProviderResult, *, stream: bool, api: Api) -> ProviderResult:
+def inspected(result: ProviderResult, *, stream: bool, api: Api,
+              asked_1h: bool = False) -> ProviderResult:
     """``result`` with the usage its answer reports and the error it shows (a cut stream,
     a malformed body): providers return a 200 answer unparsed, and the gateway parses it
     here, on its pool when it is large (pure; a 16 MB answer takes seconds)."""
     if result.http_status != 200 or result.error is not None or result.response is None:
         return result
-    usage, error = inspect(result.response, stream=stream, api=api)
+    usage, error = inspect(result.response, stream=stream, api=api, asked_1h=asked_1h)
     return dataclasses.replace(result, usage=usage, error=error)
 
 

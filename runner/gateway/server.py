@@ -707,7 +707,7 @@ class _Handler:
             # parsed for its usage and redacted; on the pool when large (a 16 MB answer
             # takes seconds), so other containers' calls are not held up meanwhile
             finish = functools.partial(_finish, result, self.gw._redactor, stream=stream,
-                                       api=api)
+                                       api=api, asked_1h=vetted.cache_1h)
             try:
                 result, response, redactions = (
                     finish() if len(response) < OFFLOAD_BYTES
@@ -811,9 +811,9 @@ class _Deadline:
 
 
 def _finish(result: ProviderResult, redactor: Redactor, *, stream: bool,
-            api: Api) -> tuple[ProviderResult, bytes | None, int]:
+            api: Api, asked_1h: bool = False) -> tuple[ProviderResult, bytes | None, int]:
     """(result with its usage, the answer redacted, how many redactions) of an answer."""
-    result = inspected(result, stream=stream, api=api)
+    result = inspected(result, stream=stream, api=api, asked_1h=asked_1h)
     if result.response is None:
         return result, None, 0
     response, redactions = redactor.redact(result.response)

@@ -65,12 +65,12 @@ def _int(obj: Any, *path: str) -> int:
     raise _NoCount
 
 
-def _measured(read: Callable[[Any], Usage | None]) -> Callable[[Any], Usage | None]:
+def _measured(read: Callable[..., Usage | None]) -> Callable[..., Usage | None]:
     """None (no measurement: the call is charged its worst case) when a field is bad."""
     @functools.wraps(read)
-    def wrapper(u: Any) -> Usage | None:
+    def wrapper(u: Any, *more: Any) -> Usage | None:
         try:
-            return read(u)
+            return read(u, *more)
         except _NoCount:
             return None
     return wrapper
@@ -81,14 +81,20 @@ def _has_int(obj: Any, key: str) -> bool:
 
 
 def _make(prompt: int, completion: int, *, cached: int = 0, write: int = 0,
-          write_1h: int = 0, reasoning: int = 0) -> Usage:
-    if prompt > MAX_TOKENS:  # a sum of counts (Anthropic's input, cache read and write)
+          write_1h: int = 0, reasoning: int = 0, total: int = 0) -> Usage:
+    """Usage as billed at the most the fields allow, where they disagree: cache reads and
+    writes above the prompt raise the prompt; reasoning above the completion, or a total
+    above prompt plus completion, raise the completion (some OpenAI-compatible upstreams
+    report a completion without its reasoning and a total with it: lowering the details
+    to fit charged a 60,021-token call for 21)."""
+    prompt = max(prompt, cached + write)
+    completion = max(completion, reasoning, total - prompt)
+    if prompt > MAX_TOKENS or completion > MAX_TOKENS:  # sums and differences of counts
         raise _NoCount
-    write = min(write, prompt)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
-                 total_tokens=prompt + completion, cached_tokens=min(cached, prompt),
+                 total_tokens=prompt + completion, cached_tokens=cached,
                  cache_write_tokens=write, cache_write_1h_tokens=min(write_1h, write),
-                 reasoning_tokens=min(reasoning, completion))
+                 reasoning_tokens=reasoning)
 
 
 @_measured
@@ -98,7 +104,8 @@ def usage_chat(u: Any) -> Usage | None:
     return _make(u["prompt_tokens"], u["completion_tokens"],
                  cached=_int(u, "prompt_tokens_details", "cached_tokens"),
                  write=_int(u, "prompt_tokens_details", "cache_write_tokens"),
-                 reasoning=_int(u, "completion_tokens_details", "reasoning_tokens"))
+                 reasoning=_int(u, "completion_tokens_details", "reasoning_tokens"),
+                 total=_int(u, "total_tokens"))
 
 
 @_measured
@@ -108,24 +115,34 @@ def usage_responses(u: Any) -> Usage | None:
     return _make(u["input_tokens"], u["output_tokens"],
                  cached=_int(u, "input_tokens_details", "cached_tokens"),
                  write=_int(u, "input_tokens_details", "cache_write_tokens"),
-                 reasoning=_int(u, "output_tokens_details", "reasoning_tokens"))
+                 reasoning=_int(u, "output_tokens_details", "reasoning_tokens"),
+                 total=_int(u, "total_tokens"))
 
 
 @_measured
 def usage_embeddings(u: Any) -> Usage | None:
     if not _has_int(u, "prompt_tokens"):
         return None
-    return _make(u["prompt_tokens"], 0)
+    return _make(u["prompt_tokens"], 0, total=_int(u, "total_tokens"))
+
+
+def usage_messages(u: Any, *, asked_1h: bool = False) -> Usage | None:
+    """``asked_1h``: the request asked for the 1-hour cache somewhere; then, when the usage
+    does not say which cache its writes went to (no ``cache_creation``, as some
+    Anthropic-compatible upstreams answer), every write is charged at the 1-hour price."""
+    return _usage_messages(u, asked_1h)
 
 
 @_measured
-def usage_messages(u: Any) -> Usage | None:
+def _usage_messages(u: Any, asked_1h: bool) -> Usage | None:
     if not (_has_int(u, "input_tokens") and _has_int(u, "output_tokens")):
         return None
     read = _int(u, "cache_read_input_tokens")
     write = _int(u, "cache_creation_input_tokens")
+    hour = (_int(u, "cache_creation", "ephemeral_1h_input_tokens")
+            if isinstance(u.get("cache_creation"), dict) or not asked_1h else write)
     return _make(u["input_tokens"] + read + write, u["output_tokens"], cached=read,
-                 write=write, write_1h=_int(u, "cache_creation", "ephemeral_1h_input_tokens"),
+                 write=write, write_1h=hour,
                  reasoning=_int(u, "output_tokens_details", "reasoning_tokens"))
 
 
@@ -169,7 +186,7 @@ def _json(data: bytes | str, what: str) -> Any:
         return None
 
 
-def _body(api: Api, data: bytes) -> tuple[Usage | None, str | None]:
+def _body(api: Api, data: bytes, asked_1h: bool) -> tuple[Usage | None, str | None]:
     obj = _json(data, "upstream response")
     if not isinstance(obj, dict):
         return None, "malformed_response"
@@ -185,11 +202,12 @@ def _body(api: Api, data: bytes) -> tuple[Usage | None, str | None]:
                                                                      "malformed_response")
     if api == "messages":
         ok = obj.get("type") == "message" and isinstance(obj.get("content"), list)
-        return (usage_messages(obj.get("usage")), None) if ok else (None, "malformed_response")
+        return ((usage_messages(obj.get("usage"), asked_1h=asked_1h), None) if ok
+                else (None, "malformed_response"))
     return None, None if _has_int(obj, "input_tokens") else "malformed_response"
 
 
-def _stream(api: Api, data: bytes) -> tuple[Usage | None, str | None]:
+def _stream(api: Api, data: bytes, asked_1h: bool) -> tuple[Usage | None, str | None]:
     """One pass over the events, keeping only what the family's usage and completeness
     need (never every parsed event: a stream may hold millions)."""
     usage: Usage | None = None
@@ -235,10 +253,12 @@ def _stream(api: Api, data: bytes) -> tuple[Usage | None, str | None]:
         return usage_responses(resp.get("usage") if isinstance(resp, dict) else None), None
     if "message_stop" not in kinds:
         return None, "upstream_stream_error" if "error" in kinds else "truncated_stream"
-    return usage_messages(fields), None
+    return usage_messages(fields, asked_1h=asked_1h), None
 
 
-def inspect(data: bytes, *, stream: bool, api: Api = "chat") -> tuple[Usage | None, str | None]:
+def inspect(data: bytes, *, stream: bool, api: Api = "chat",
+            asked_1h: bool = False) -> tuple[Usage | None, str | None]:
     """(usage, error) of a family's response body or SSE stream; error names why the
-    response is not a complete one (malformed_response, truncated_stream, ...)."""
-    return _stream(api, data) if stream else _body(api, data)
+    response is not a complete one (malformed_response, truncated_stream, ...).
+    ``asked_1h``: see :func:`usage_messages`."""
+    return _stream(api, data, asked_1h) if stream else _body(api, data, asked_1h)

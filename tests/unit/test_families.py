@@ -141,6 +141,56 @@ def test_a_token_count_beyond_any_call_is_no_measurement() -> None:
     assert got is not None and (got.cached_tokens, got.reasoning_tokens) == (0, 0)
 
 
+@pytest.mark.parametrize(("api", "usage", "want"), [
+    # helper-37: an OpenAI-compatible proxy's completion without its reasoning, the total
+    # with it; read as 21 tokens, the call was charged 2,800 times less than billed
+    ("chat", {"prompt_tokens": 21, "completion_tokens": 0, "total_tokens": 60021,
+              "completion_tokens_details": {"reasoning_tokens": 60000}}, (21, 60000)),
+    ("chat", {"prompt_tokens": 21, "completion_tokens": 5, "total_tokens": 26,
+              "completion_tokens_details": {"reasoning_tokens": 900}}, (21, 900)),
+    ("chat", {"prompt_tokens": 10, "completion_tokens": 5,
+              "prompt_tokens_details": {"cached_tokens": 30, "cache_write_tokens": 20}},
+     (50, 5)),
+    ("responses", {"input_tokens": 7, "output_tokens": 1, "total_tokens": 5007}, (7, 5000)),
+    ("embeddings", {"prompt_tokens": 8, "total_tokens": 12}, (8, 4)),
+])
+def test_usage_whose_fields_disagree_is_read_at_the_most_they_allow(
+        api: str, usage: dict[str, Any], want: tuple[int, int]) -> None:
+    """A detail above its total (reasoning above the completion, cache reads and writes
+    above the prompt) or a total above prompt plus completion raises what is charged;
+    it never lowers the detail to fit."""
+    shape = {"chat": {"choices": [{}]}, "responses": {"output": []},
+             "embeddings": {"data": []}}[api]
+    got, err = inspect(json.dumps({**shape, "usage": usage}).encode(), stream=False,
+                       api=api)  # type: ignore[arg-type]
+    assert err is None and got is not None
+    assert (got.prompt_tokens, got.completion_tokens) == want, got
+    assert got.total_tokens == sum(want)
+
+
+def test_messages_writes_without_their_cache_named_are_charged_at_the_hour_price() -> None:
+    """An Anthropic-compatible upstream that reports cache writes without
+    ``cache_creation``: when the request asked for the 1-hour cache, every write is
+    charged at its price (they were charged at the 5-minute price); when it did not, or
+    the breakdown is there, as reported."""
+    u = {"input_tokens": 10, "output_tokens": 5, "cache_creation_input_tokens": 1000}
+    body = json.dumps({"type": "message", "content": [], "usage": u}).encode()
+    asked, _ = inspect(body, stream=False, api="messages", asked_1h=True)
+    plain, _ = inspect(body, stream=False, api="messages")
+    assert asked is not None and plain is not None
+    assert (asked.cache_write_1h_tokens, plain.cache_write_1h_tokens) == (1000, 0)
+    told = json.dumps({"type": "message", "content": [], "usage": {
+        **u, "cache_creation": {"ephemeral_5m_input_tokens": 1000,
+                                "ephemeral_1h_input_tokens": 0}}}).encode()
+    got, _ = inspect(told, stream=False, api="messages", asked_1h=True)
+    assert got is not None and got.cache_write_1h_tokens == 0
+    stream = (b'event: message_start\ndata: {"type":"message_start","message":{"usage":'
+              + json.dumps(u).encode() + b'}}\n\nevent: message_stop\n'
+              b'data: {"type":"message_stop"}\n\n')
+    got, _ = inspect(stream, stream=True, api="messages", asked_1h=True)
+    assert got is not None and got.cache_write_1h_tokens == 1000
+
+
 def test_embeddings_and_count_tokens() -> None:
     body = json.dumps({"data": [], "usage": {"prompt_tokens": 8, "total_tokens": 8}}).encode()
     assert inspect(body, stream=False, api="embeddings") == (Usage(
@@ -156,7 +206,9 @@ def test_cost_prices_cache_reads_writes_and_reasoning_as_output() -> None:
               cached_tokens=500_000, cache_write_tokens=100_000, reasoning_tokens=600_000)
     assert cost_usd(u, p) == pytest.approx(0.4 * 3 + 0.5 * 0.3 + 0.1 * 3.75 + 15)
     plain = Price(input_per_mtok=3, output_per_mtok=15)
-    assert cost_usd(u, plain) == pytest.approx(3 + 15)  # default: the input price
+    # defaults: reads at the input price; writes at 1.25 times it (Anthropic's 5-minute
+    # rate: at the input price, a run of cache writes passed limit_usd by up to 25%)
+    assert cost_usd(u, plain) == pytest.approx(0.9 * 3 + 0.1 * 3.75 + 15)
 
 
 def test_one_hour_cache_writes_are_priced_and_reserved_at_their_own_rate() -> None:
@@ -232,7 +284,9 @@ def test_an_inline_pdf_needs_the_policy_and_is_reserved_at_its_page_bound() -> N
         v = vet(json.loads(json.dumps(body)), rules=rules, cap=10, api=api)
         assert v.documents == 1
         p = Price(input_per_mtok=1, output_per_mtok=1)
-        assert worst_case_usd(100, v, p, rules) == pytest.approx((100 + 64 + 5000 + 10) / 1e6)
+        # input tokens at the dearest input price: a cache write's, 1.25 times the input
+        assert worst_case_usd(100, v, p, rules) == pytest.approx(
+            (100 + 64 + 5000) * 1.25 / 1e6 + 10 / 1e6)
     text_doc = {"type": "document", "source": {"type": "text", "media_type": "text/plain",
                                                "data": "plain"}}
     v = vet({"model": "m", "max_tokens": 10, "messages": [
@@ -267,7 +321,7 @@ def test_a_request_offering_tools_is_reserved_with_the_providers_tool_prompt() -
     tools = vet(json.loads(json.dumps(body)), rules=rules, cap=10, api="messages")
     assert not plain.tools and tools.tools and TOOL_PROMPT_TOKENS >= 530
     assert worst_case_usd(100, tools, p, rules) - worst_case_usd(100, plain, p, rules) \
-        == pytest.approx(TOOL_PROMPT_TOKENS / 1e6)
+        == pytest.approx(TOOL_PROMPT_TOKENS * 1.25 / 1e6)  # at a cache write's price
 
 
 def test_an_odd_event_type_or_a_usage_sum_past_the_bound_never_raises() -> None:

@@ -191,7 +191,7 @@ def test_vet_worst_case_bounds_every_choice_and_byte() -> None:
     assert v.body["max_tokens"] == 100 and v.choices == 3
     price = Price(input_per_mtok=1.0, output_per_mtok=2.0)
     assert worst_case_usd(1000, v, price, rules) == pytest.approx(
-        ((1000 + 64) * 1.0 + 3 * 100 * 2.0) / 1e6)
+        ((1000 + 64) * 1.25 + 3 * 100 * 2.0) / 1e6)  # input at a cache write's price
     with pytest.raises(Refusal, match="n=5"):
         vet({"model": "m", "n": 5, "messages": [{"role": "user", "content": "x"}]},
             rules=rules, cap=100)
