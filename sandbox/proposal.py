@@ -67,17 +67,22 @@ def _finite(text: str) -> float:
     return value
 
 
-def _check_depth(text: str, limit: int) -> None:
-    """Refuse nesting deeper than ``limit`` before the recursive parser sees it."""
-    if text.count("[") + text.count("{") <= limit:
+def _check_depth(text: str, limit: int, most: int | None = None) -> None:
+    """Refuse nesting deeper than ``limit``, and more than ``most`` objects and arrays,
+    before the parser sees them (the scan stops at the first breach)."""
+    opening = text.count("[") + text.count("{")
+    if opening <= limit and (most is None or opening <= most):
         return  # nesting never exceeds the opening brackets; the scan below costs per token
-    depth = 0
+    depth = count = 0
     for m in _JSON_TOKENS.finditer(text):
         c = m.group()
         if c in "[{":
             depth += 1
+            count += 1
             if depth > limit:
                 raise ValueError(f"nested deeper than {limit} levels")
+            if most is not None and count > most:
+                raise ValueError(f"more than {most} objects and arrays")
         elif c in "]}":
             depth -= 1
 
@@ -102,29 +107,40 @@ def _check_surrogates(obj: object) -> None:
 _DECODERS = threading.local()
 
 
-def _decoder() -> json.JSONDecoder:
+_MAY_OVERFLOW = re.compile(r"[eE]\+?[0-9]{3}|[0-9]{200}")
+"""Where a number may overflow a float (past 1.8e308): a three-digit exponent, or 200
+digits in a row (with an exponent of two digits at most, fewer digits stay under 1e300).
+Only then is each float checked in Python (:func:`_finite`), a call per number that cost
+0.6 s of CPU for 4 MiB of ``[0.5,0.5,...]``; otherwise the parser's own C conversion."""
+
+
+def _decoder(checked_floats: bool = True) -> json.JSONDecoder:
     """This thread's strict decoder: built once (``json.loads`` with hooks builds a decoder
-    and its C scanner on every call, which costs more than parsing a small body)."""
-    d: json.JSONDecoder | None = getattr(_DECODERS, "d", None)
+    and its C scanner on every call, which costs more than parsing a small body).
+    ``checked_floats``: each float through :func:`_finite` (else it cannot overflow)."""
+    name = "d" if checked_floats else "fast"
+    d: json.JSONDecoder | None = getattr(_DECODERS, name, None)
     if d is None:
-        d = _DECODERS.d = json.JSONDecoder(object_pairs_hook=_no_dup_keys,
-                                          parse_constant=_no_constants, parse_float=_finite)
+        d = json.JSONDecoder(object_pairs_hook=_no_dup_keys, parse_constant=_no_constants,
+                             parse_float=_finite if checked_floats else float)
+        setattr(_DECODERS, name, d)
     return d
 
 
 def strict_json(text: str, *, max_depth: int = MAX_JSON_DEPTH,
-                from_utf8: bool = False) -> object:
+                from_utf8: bool = False, max_containers: int | None = None) -> object:
     """json.loads refusing NaN/Infinity (also by overflow), duplicate keys, nesting deeper
-    than ``max_depth`` and lone surrogates; every refusal is a ValueError. ``from_utf8``:
-    ``text`` was decoded from UTF-8 bytes (strictly), so it holds no raw lone surrogate."""
+    than ``max_depth``, more than ``max_containers`` objects and arrays, and lone
+    surrogates; every refusal is a ValueError. ``from_utf8``: ``text`` was decoded from
+    UTF-8 bytes (strictly), so it holds no raw lone surrogate."""
     if not from_utf8:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
             raise ValueError("text holds a lone surrogate (not valid Unicode)") from None
-    _check_depth(text, max_depth)
+    _check_depth(text, max_depth, max_containers)
     try:
-        obj = _decoder().decode(text)
+        obj = _decoder(_MAY_OVERFLOW.search(text) is not None).decode(text)
     except RecursionError:
         raise ValueError(f"nested deeper than {max_depth} levels") from None
     if _SURROGATE_ESCAPE.search(text):

@@ -157,12 +157,15 @@ def _kind(mode: int) -> str:
     return "unknown type"
 
 
-def loads_strict(data: bytes | str, *, source: str = "<json>") -> Any:
-    """Parse JSON refusing NaN/Infinity and duplicate keys; raise OutputRejected naming source."""
+def loads_strict(data: bytes | str, *, source: str = "<json>",
+                 max_containers: int | None = None) -> Any:
+    """Parse JSON refusing NaN/Infinity and duplicate keys (and more than
+    ``max_containers`` objects and arrays); raise OutputRejected naming source."""
     try:
         if isinstance(data, bytes):  # a strict decode: no lone surrogate gets through
-            return strict_json(data.decode("utf-8"), from_utf8=True)
-        return strict_json(data)
+            return strict_json(data.decode("utf-8"), from_utf8=True,
+                               max_containers=max_containers)
+        return strict_json(data, max_containers=max_containers)
     except (ValueError, UnicodeDecodeError) as exc:
         raise OutputRejected(f"{source}: invalid JSON: {exc}") from None
 

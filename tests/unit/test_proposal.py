@@ -143,6 +143,37 @@ def test_strict_json_depth_and_duplicate_keys(text: str, error: str | None) -> N
             strict_json(text)
 
 
+@pytest.mark.parametrize(("text", "error"), [
+    ("[" + "{}," * 9 + "{}]", "more than 10 objects and arrays"),  # 11 of them
+    ("[" + "{}," * 8 + "{}]", None),  # 10: at the cap
+    ('["' + "{" * 50 + '"]', None),  # braces inside a string are no objects
+    ('[[], [], [[], [], [], []], [], [], []]', "more than 10 objects and arrays"),
+])
+def test_strict_json_counts_objects_and_arrays(text: str, error: str | None) -> None:
+    """A cap on what the parser calls Python for (each object's duplicate-key check):
+    4 MiB of ``[{},{},...]`` took 1.1 s of the gateway's CPU before a refusal."""
+    if error is None:
+        assert strict_json(text, max_containers=10) == json.loads(text)
+    else:
+        with pytest.raises(ValueError, match=error):
+            strict_json(text, max_containers=10)
+    assert strict_json(text) == json.loads(text)  # no cap unless asked
+
+
+@pytest.mark.parametrize("number", ["1e400", "2e308", "1.5E+0400", "1" * 250 + "e99",
+                                    "9" * 310 + ".5", "0." + "0" * 300 + "1e999"])
+def test_a_float_that_overflows_is_refused_on_either_path(number: str) -> None:
+    """Floats are converted in C unless the text could hold one past 1.8e308 (a
+    three-digit exponent, or 200 digits in a row); then each is checked."""
+    with pytest.raises(ValueError, match="overflows to infinity"):
+        strict_json(f'{{"x": [0.5, {number}]}}')
+
+
+def test_floats_that_cannot_overflow_parse_as_json_does() -> None:
+    text = '[0.5, -2.25e-7, 1e99, 1e-400, 123456789.125, 9.999e+99, ' + "1" * 199 + ".5]"
+    assert strict_json(text) == json.loads(text)
+
+
 @pytest.mark.parametrize("tail", ['"' + '\\"' * 200_000, '"' + '\\"' * 200_000 + "\\",
                                   '"' + "x" * 400_000])
 def test_the_depth_scan_of_an_unclosed_string_is_linear(tail: str) -> None:
