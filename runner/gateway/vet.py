@@ -97,6 +97,12 @@ def _remote(ctx: _Ctx, where: str, what: str) -> Refusal:
 def _image(ctx: _Ctx, where: str, url: Any) -> None:
     if not isinstance(url, str) or not url.startswith("data:"):
         raise _remote(ctx, where, "a remote or stored image")
+    media = url[5:].split(",", 1)[0].split(";", 1)[0].strip().lower()
+    if not media.startswith("image/"):
+        # a PDF (or any file) in an image's place: some OpenAI-compatible routers read it
+        # as a document, billed by the page, so it is one here (reserved and allowed so)
+        _document(ctx, where)
+        return
     if not ctx.rules.allow_images:
         raise _refuse("images_not_allowed", where,
                       f"{where}: image input is off for this role "
@@ -246,7 +252,9 @@ def _anthropic_blocks(blocks: Any, where: str, ctx: _Ctx) -> None:
             if stype not in INLINE_SOURCES:
                 raise _remote(ctx, f"{w}.source", f"a {stype!r} source (URL or stored file)")
             if kind == "image":
-                _image(ctx, w, "data:")
+                assert isinstance(source, dict)  # noqa: S101 - its type was read above
+                media = source.get("media_type")
+                _image(ctx, w, f"data:{media if isinstance(media, str) else ''}")
             elif stype == "base64":
                 _document(ctx, w)
             elif stype == "content":

@@ -295,6 +295,34 @@ def test_an_inline_pdf_needs_the_policy_and_is_reserved_at_its_page_bound() -> N
     assert v.documents == 0
 
 
+@pytest.mark.parametrize("url", ["data:application/pdf;base64,JVBERi0=",
+                                 "data:;base64,JVBERi0=", "data:,plain", "data:TEXT/html,x"])
+def test_a_file_in_an_images_place_is_a_document(url: str) -> None:
+    """helper-37: a PDF as a chat ``image_url`` data URL (which some OpenAI-compatible
+    routers read as a document, billed by the page) passed with images allowed and
+    documents off, reserved as one image. Only an ``image/*`` data URL is an image."""
+    body = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}]}]}
+    with pytest.raises(Refusal, match="allow_documents") as exc:
+        vet(json.loads(json.dumps(body)), rules=RequestRules(allow_images=True), cap=10)
+    assert exc.value.code == "documents_not_allowed"
+    v = vet(json.loads(json.dumps(body)), cap=10,
+            rules=RequestRules(allow_images=True, allow_documents=True))
+    assert (v.images, v.documents) == (0, 1)
+    png = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO"}}
+    body["messages"][0]["content"] = [png]  # type: ignore[index]
+    v = vet(body, rules=RequestRules(allow_images=True), cap=10)
+    assert (v.images, v.documents) == (1, 0)
+    block = {"type": "image", "source": {"type": "base64", "media_type": "application/pdf",
+                                         "data": "JVBERi0="}}
+    msg = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": [block]}]}
+    with pytest.raises(Refusal, match="allow_documents"):
+        vet(msg, rules=RequestRules(allow_images=True), cap=10, api="messages")
+    block["source"]["media_type"] = "image/png"  # type: ignore[index]
+    v = vet(msg, rules=RequestRules(allow_images=True), cap=10, api="messages")
+    assert (v.images, v.documents) == (1, 0)
+
+
 def test_old_call_records_load_with_defaults() -> None:
     old = {"seq": 0, "ts": "2025-01-01T00:00:00.000+00:00", "run_id": "r", "role": "analyst",
            "upstream": "target", "stage": "s", "turn": 0, "provider": "openai", "model": "m",
