@@ -163,7 +163,7 @@ def hold(root: str, gateway_socket: str | None = None) -> None:
     if relay is not None:
         case.also_poll(relay.poller)
     waited = {signal.SIGCHLD, signal.SIGUSR1}
-    while not case.ended:
+    while not case.ended and not case.stopped():
         case.tick()
         # One thread for everything: a round of IO (relay and the case channel, at most
         # SIGNAL_POLL_MS of waiting), then any pending signal, so SIGUSR1 is acted on
@@ -183,9 +183,12 @@ def hold(root: str, gateway_socket: str | None = None) -> None:
         if info is None:
             continue
         if info.si_signo == signal.SIGUSR1:
-            if from_outside(info.si_pid, info.si_code):
+            # a role process's kill(1, SIGUSR1) ends nothing; the host's ends the case
+            # once its stop frame is read too (F_STOP), before or after it
+            case.signalled = case.signalled or from_outside(info.si_pid, info.si_code)
+            if case.stopped():
                 break
-            continue  # a role process's kill(1, SIGUSR1): it ends nothing
+            continue
         case.reap()
     sys.stdout.flush()
     # the host gone, nobody reads a tar: the role processes are killed all the same
@@ -605,6 +608,14 @@ NUL bytes; the holder starts the command as its child at once. After :data:`F_WA
 the warm frame's go token alone: the waiting interpreter goes on to run the command
 (the seal key never crosses stdin while a role process exists: under gVisor one can
 open ``/proc/1/fd/0``)."""
+F_STOP = b"q"
+"""After the hand-over, empty: the host ends the case (it then sends ``SIGUSR1`` until the
+holder's copy-out is announced). The holder ends a case only with both, in either order:
+this frame, which a role cannot write under runc (PID 1 is not dumpable: no
+``/proc/1/fd/0``), and a ``SIGUSR1`` from outside the PID namespace, which a role cannot
+forge under gVisor (and under runc only by filling its uid's count of queued signals
+past the holder's limit, a count shared by every process of the uid on the host)."""
+_STOP_FRAME = F_STOP + bytes(FRAME_HEADER - 1)
 F_WARM = b"w"
 """Optional, after any seed and before the case (a warm start): the :class:`Seal` key,
 a go token (:data:`SEAL_KEY_BYTES` each), then the modules to import (comma-separated)
@@ -947,8 +958,16 @@ class _Case:
         """What the exec of the child reported (empty once it succeeded)."""
         self.host_gone = False
         """Stdin ended: the host's attach is gone, the case ends (:meth:`_read_stdin`)."""
+        self.stop_frame = False
+        """The host's :data:`F_STOP` was read (after the hand-over)."""
+        self.signalled = False
+        """A ``SIGUSR1`` from outside the PID namespace came (:func:`from_outside`)."""
         self.argv0 = ""
         self._watch(0)
+
+    def stopped(self) -> bool:
+        """The host ended the case: its stop frame and its signal both came."""
+        return self.stop_frame and self.signalled
 
     def also_poll(self, poller: Any) -> None:
         self.others.append(poller)
@@ -1028,7 +1047,11 @@ class _Case:
             self.host_gone = True
             return
         if self.handed:
-            return  # nothing is parsed after the case (the host sends nothing more)
+            # after the case the host sends only its stop (F_STOP, empty); anything else
+            # is dropped, and so are the bytes of the case frame's reading
+            self.stop_frame = self.stop_frame or _STOP_FRAME in bytes(self.inbox[-4:]) + data
+            self.inbox[:] = data[-4:]
+            return
         self.inbox += data
         while len(self.inbox) >= FRAME_HEADER and self.stdin_open and not self.handed:
             kind = bytes(self.inbox[:1])

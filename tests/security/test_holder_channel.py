@@ -117,6 +117,66 @@ def test_a_role_cannot_pass_its_sigusr1_for_the_hosts(run_role: RunFn,
         assert "limit (1024, 1024)" in rec.stdout_tail, rec.stdout_tail
 
 
+FILLS_PAST_THE_ROLE_LIMIT = r"""
+import ctypes, os, signal, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+def fill():  # ordinary signals to itself: queued past any limit (the kernel's override)
+    signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals()
+                           - {signal.SIGKILL, signal.SIGSTOP})
+    pid, tid = os.getpid(), libc.syscall(186)
+    info = ctypes.create_string_buffer(128)
+    for s in [s for s in range(1, 32) if s not in (9, 19)]:
+        os.kill(pid, s)
+        ctypes.memset(info, 0, 128)
+        ctypes.c_int.from_buffer(info, 0).value = s
+        ctypes.c_int.from_buffer(info, 16).value = pid
+        libc.syscall(297, pid, tid, s, info)  # rt_tgsigqueueinfo to its own thread
+r, w = os.pipe()
+kids = 0
+for _ in range(110):
+    if os.fork() == 0:
+        fill()
+        os.write(w, b"x")
+        time.sleep(60)
+        os._exit(0)
+    kids += 1
+os.close(w)
+got = 0
+while got < kids:
+    got += len(os.read(r, 4096))
+fill()
+queued = [l.split()[1] for l in open("/proc/self/status") if l.startswith("SigQ")]
+print("queued", queued, flush=True)
+libc.sigqueue(1, signal.SIGUSR1, None)
+time.sleep(3)
+print("the case went on", flush=True)
+sys.exit(5)
+"""
+
+
+def test_a_role_cannot_end_its_case_past_the_holders_signal_limit(
+        run_role: RunFn, monkeypatch: pytest.MonkeyPatch) -> None:
+    """helper-38: ordinary signals a process queues to itself pass any
+    RLIMIT_SIGPENDING (the kernel's override) and still count, so 110 role processes
+    took the uid's count past a holder limit of 6000 (a ~1.5 GiB host's default) and
+    their sigqueue(1, SIGUSR1) came with blank details again: 137. The holder now ends a
+    case only on the host's stop frame on its stdin (which no role can write under runc)
+    together with the signal."""
+    from runner.isolation.docker import hardening, prepared
+
+    made = hardening.create_kwargs
+
+    def small_host(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        kw = made(*args, **kwargs)
+        kw["ulimits"] = [*kw["ulimits"], {"Name": "sigpending", "Soft": 6000, "Hard": 6000}]
+        return kw
+
+    monkeypatch.setattr(hardening, "create_kwargs", small_host)
+    monkeypatch.setattr(prepared, "create_kwargs", small_host)
+    rec = run_role(["python", "-c", FILLS_PAST_THE_ROLE_LIMIT], pids=256)
+    assert rec.exit_code == 5 and "the case went on" in rec.stdout_tail, rec
+
+
 @pytest.mark.parametrize("runtime", [None, "runsc"])
 def test_bytes_written_into_the_holders_stdout_are_refused(run_role: RunFn,
                                                            runtime: str | None) -> None:

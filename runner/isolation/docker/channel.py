@@ -43,6 +43,7 @@ from sandbox.holder import (
     F_STATUS,
     F_STDERR,
     F_STDOUT,
+    F_STOP,
     F_TAR,
     F_WARM,
     FRAME_HEADER,
@@ -145,6 +146,11 @@ class CaseChannel:
 
     def seed(self, data: bytes) -> None:
         self.send(F_SEED, data)
+
+    def ask_stop(self) -> None:
+        """The host ends the case: the holder acts on this frame and a ``SIGUSR1`` from
+        outside together (:data:`sandbox.holder.F_STOP`)."""
+        self.send(F_STOP, b"")
 
     def hand_over(self, argv: list[str]) -> None:
         """Send the case: the command and a fresh key for the frames about it; after
