@@ -80,15 +80,19 @@ def _as_read(part: str) -> str:
     return p.rstrip(". ").casefold()
 
 
-def _is_dotgit(part: str) -> bool:
-    """``part`` names ``.git`` on some filesystem (:func:`_as_read`), or its 8.3 short
-    name ``git~1``."""
-    return _as_read(part) in (".git", "git~1")
+_VCS = (("git", "git"), ("hg", "Mercurial"), ("sl", "Sapling"), ("jj", "jj"),
+        ("bzr", "Bazaar"))
+VCS_DIRS = {**{f".{n}": t for n, t in _VCS}, **{f"{n}~1": t for n, t in _VCS}}
+"""The directories in which a version-control tool keeps a repository and its config,
+which it obeys as whoever runs it (Mercurial's ``.hg/hgrc`` hooks, owned by the
+operator once copied out, ran at ``hg status``), by the name as some filesystem reads it
+(:func:`_as_read`); and each one's 8.3 short name (``git~1``)."""
 
 
-def _git_part(parts: list[str]) -> int | None:
-    """Index of the first path part git (on any filesystem) would take for ``.git``."""
-    return next((i for i, p in enumerate(parts) if _is_dotgit(p)), None)
+def _vcs_part(parts: list[str]) -> int | None:
+    """Index of the first path part some version-control tool (on any filesystem) would
+    take for its repository directory (:data:`VCS_DIRS`)."""
+    return next((i for i, p in enumerate(parts) if _as_read(p) in VCS_DIRS), None)
 
 
 GIT_DIR_NAMES = frozenset({"head", "objects", "refs"})
@@ -321,9 +325,9 @@ def _git_dir_names(parts: list[str], seen: dict[str, set[str]], shown: str) -> N
     name or a parent it implies) under its directory; refuse once one directory holds
     all three (a bare repository's layout, under any name)."""
     for i, p in enumerate(parts):
-        name = p.casefold()
+        name = _as_read(p)  # "refs." is "refs" on Windows
         if name in GIT_DIR_NAMES:
-            where = "/".join(parts[:i])
+            where = "/".join(_as_read(x) for x in parts[:i])
             names = seen.setdefault(where, set())
             names.add(name)
             if names == GIT_DIR_NAMES:
@@ -378,12 +382,13 @@ def _extract(st: _Stream, root_fd: int, lim: CopyLimits, got: Extracted,
         long_name, pax = None, {}
         parts = _parts(raw, lim)
         shown = "/".join(parts)
-        git = _git_part(parts)
-        if git is not None:
-            if "/".join(parts[:git + 1]) not in lim.scratch:
+        vcs = _vcs_part(parts)
+        if vcs is not None:
+            if "/".join(parts[:vcs + 1]) not in lim.scratch:
+                tool = VCS_DIRS[_as_read(parts[vcs])]
                 raise CopyRefused(
-                    f"output entry {shown!r}: a {parts[git]!r} path part refused (a git "
-                    "repository a container wrote is never kept on the host, where git "
+                    f"output entry {shown!r}: a {parts[vcs]!r} path part refused (a {tool} "
+                    f"repository a container wrote is never kept on the host, where {tool} "
                     "would obey its config and hooks; write a bundle or a patch instead)")
             got.scratch += 1
             st.read(size + (-size % BLOCK), what="scratch data")

@@ -261,6 +261,8 @@ def test_stream_a_git_directory_is_never_written_to_the_host(tmp_path: Path, nam
     ["notes/HEAD", "notes/objects/", "notes/refs/", "notes/config"],
     ["HEAD", "config", "objects/ab/cd", "refs/heads/main"],  # at the root, parents implied
     ["d/Refs/x", "d/OBJECTS/", "d/head"],
+    ["d/HEAD", "d/objects/", "d/refs./"],  # "refs." is "refs" on Windows (libgit2)
+    ["d./HEAD", "D/objects/", "d/re\u200cfs/"],
 ])
 def test_stream_a_bare_repository_layout_is_refused(tmp_path: Path, layout: list[str]) -> None:
     """No part named .git, yet git takes a directory holding HEAD, objects and refs for a
@@ -277,6 +279,22 @@ def test_stream_names_that_only_look_like_a_repository_pass(tmp_path: Path) -> N
                                _member("a/refs/r", data=b"x"), _member(".gitmodules"),
                                _member("git", data=b"x"), _member("a.git/f"))), tmp_path, LIM)
     assert got.files == 6
+
+
+@pytest.mark.parametrize(("name", "tool"), [
+    (".hg/hgrc", "Mercurial"), ("out/.HG./hgrc", "Mercurial"), ("HG~1/hgrc", "Mercurial"),
+    (".h\u200cg/hgrc", "Mercurial"), (".sl/config", "Sapling"),
+    (".jj/repo/config.toml", "jj"), (".bzr/branch/branch.conf", "Bazaar")])
+def test_stream_another_version_control_repository_is_refused(tmp_path: Path, name: str,
+                                                              tool: str) -> None:
+    """helper-38: ``.hg/requires`` and ``.hg/hgrc`` (a ``pre-status`` hook) in an output
+    made a Mercurial repository whose hook ran as the operator at ``hg status`` below
+    it (an hgrc the user owns is trusted, and copied-out files are the operator's)."""
+    with pytest.raises(CopyRefused, match=f"path part refused \\(a {tool} repository"):
+        extract(_chunks(_tar(_member("ok", data=b"fine"),
+                             _member(name, data=b"[hooks]\npre-status = id\n"))),
+                tmp_path, LIM)
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == ["ok"]
 
 
 COMMONDIR_LAYOUT = [  # helper-36: HEAD and commondir here, objects, refs and config in y/
@@ -310,7 +328,7 @@ def test_stream_a_repository_split_across_directories_is_refused(tmp_path: Path)
     assert git.returncode == 0 and Path(git.stdout.strip()) == laid, git  # the threat
     dest = tmp_path / "dest"
     dest.mkdir()
-    with pytest.raises(CopyRefused, match="HEAD git would take|points git"):
+    with pytest.raises(CopyRefused, match=r"HEAD git would take|points git"):
         extract(_chunks(_layout(COMMONDIR_LAYOUT)), dest, LIM)
     without = [m for m in COMMONDIR_LAYOUT if m[0] != "commondir"]  # the HEAD alone
     (tmp_path / "dest2").mkdir()
