@@ -138,9 +138,13 @@ def _usage_messages(u: Any, asked_1h: bool) -> Usage | None:
     if not (_has_int(u, "input_tokens") and _has_int(u, "output_tokens")):
         return None
     read = _int(u, "cache_read_input_tokens")
-    write = _int(u, "cache_creation_input_tokens")
-    hour = (_int(u, "cache_creation", "ephemeral_1h_input_tokens")
-            if isinstance(u.get("cache_creation"), dict) or not asked_1h else write)
+    five = _int(u, "cache_creation", "ephemeral_5m_input_tokens")
+    hour = _int(u, "cache_creation", "ephemeral_1h_input_tokens")
+    write = max(_int(u, "cache_creation_input_tokens"), five + hour)  # the most they say
+    told = isinstance(u.get("cache_creation"), dict) and \
+        "ephemeral_1h_input_tokens" in u["cache_creation"]
+    if asked_1h and not told:  # which cache is not said: the dearer one
+        hour = write
     return _make(u["input_tokens"] + read + write, u["output_tokens"], cached=read,
                  write=write, write_1h=hour,
                  reasoning=_int(u, "output_tokens_details", "reasoning_tokens"))

@@ -189,6 +189,16 @@ def test_messages_writes_without_their_cache_named_are_charged_at_the_hour_price
               b'data: {"type":"message_stop"}\n\n')
     got, _ = inspect(stream, stream=True, api="messages", asked_1h=True)
     assert got is not None and got.cache_write_1h_tokens == 1000
+    # helper-38: a breakdown that names writes the total leaves out, or an empty one
+    for cc, want in (({"ephemeral_1h_input_tokens": 50000}, (50000, 50000)),
+                     ({}, (1000, 1000)), ({"ephemeral_5m_input_tokens": 1000}, (1000, 1000))):
+        body = json.dumps({"type": "message", "content": [], "usage": {
+            **u, "cache_creation_input_tokens": 0 if cc.get("ephemeral_1h_input_tokens")
+            else 1000, "cache_creation": cc}}).encode()
+        got, _ = inspect(body, stream=False, api="messages", asked_1h=True)
+        assert got is not None, cc
+        assert (got.cache_write_tokens, got.cache_write_1h_tokens) == want, cc
+        assert got.prompt_tokens == 10 + want[0], cc
 
 
 def test_embeddings_and_count_tokens() -> None:
