@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.cycle_project import (
+    SLOW_KEY_ENV,
     cli_env,
     example_agent,
     project_with_agent,
@@ -25,6 +26,7 @@ from tests.fixtures.cycle_project import (
     run_id,
     stage_started,
     start_cycle,
+    upstream_at,
     verdict,
     wait_for,
 )
@@ -183,7 +185,6 @@ def test_a_hung_engine_during_a_single_container_stage_does_not_hold_the_receipt
     import time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    import yaml
 
     received, release = threading.Event(), threading.Event()
 
@@ -201,20 +202,14 @@ def test_a_hung_engine_during_a_single_container_stage_does_not_hold_the_receipt
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     cycle = project_with_agent(tmp_path / "cyc", example_agent())
-    doc = yaml.safe_load(cycle.read_text())
-    doc["upstreams"]["optimizer"] = {
-        "provider": "openai", "base_url": f"http://127.0.0.1:{server.server_port}/v1",
-        "credential": {"env": "CYCLEBOX_TEST_SLOW_KEY"}, "models": ["fixture-optimizer"],
-        "max_tokens": 4096,
-        "prices": {"fixture-optimizer": {"input_per_mtok": 2.5, "output_per_mtok": 10.0}}}
-    cycle.write_text(yaml.safe_dump(doc))
+    upstream_at(cycle, "optimizer", server.server_port)
     relay_path = tmp_path / "engine.sock"
     relay = Relay(relay_path)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     run = tmp_path / "run"
     env = cli_env(tmp, DOCKER_HOST=f"unix://{relay_path}",
-                  CYCLEBOX_TEST_SLOW_KEY="not-a-real-key")
+                  **{SLOW_KEY_ENV: "not-a-real-key"})
     proc = start_cycle(cycle, run, env)
     try:
         # the worker's model call is in flight: its container runs, the stage waits

@@ -22,12 +22,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-import yaml
 
 from runner.paths import PROJECT_ROOT, state_dir
 from tests.fixtures.cycle_project import (
     EXAMPLE,
     SIGNALS,
+    SLOW_KEY_ENV,
     cli_env,
     example_agent,
     project_with_agent,
@@ -37,6 +37,7 @@ from tests.fixtures.cycle_project import (
     signal_and_wait,
     stage_started,
     start_cycle,
+    upstream_at,
     verdict,
     wait_for,
 )
@@ -126,16 +127,10 @@ def test_sigint_during_slow_model_call_exits_promptly(tmp_path: Path) -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         cyc = project_with_agent(tmp_path / "cyc", example_agent())
-        doc = yaml.safe_load(cyc.read_text())
-        doc["upstreams"]["target"] = {
-            "provider": "openai", "base_url": f"http://127.0.0.1:{server.server_port}/v1",
-            "credential": {"env": "CYCLEBOX_TEST_SLOW_KEY"}, "models": ["fixture-target"],
-            "max_tokens": 1024,
-            "prices": {"fixture-target": {"input_per_mtok": 0.15, "output_per_mtok": 0.6}}}
-        cyc.write_text(yaml.safe_dump(doc))
+        upstream_at(cyc, "target", server.server_port)
         tmp = tmp_path / "tmp"
         tmp.mkdir()
-        env = cli_env(tmp, CYCLEBOX_TEST_SLOW_KEY="not-a-real-key")
+        env = cli_env(tmp, **{SLOW_KEY_ENV: "not-a-real-key"})
         run = tmp_path / "run"
         proc = start_cycle(cyc, run, env)
         # a model call is in flight (the upstream holds it) when the signal comes
