@@ -108,28 +108,26 @@ def make_tiny(trainer: Trainer, out: Path, on_event: Events, *, seed: int = 0) -
     if rec.stop_reason.value != "ok":
         raise SandboxError(f"tiny model creation failed: {rec.stop_reason.value} "
                            f"{rec.stderr_tail[-500:]}")
+    files = collect(out.resolve(), TRAINER_OUTPUT)
     hand_over(out.resolve())
-    return _trainer_file(out / "cyclebox-tiny.json", TinyModel)
+    return _collected(files, "cyclebox-tiny.json", TinyModel)
 
 
 def load_persona(path: Path) -> Persona:
     return load_model(path, Persona, fmt="yaml", what="persona", fix=PERSONA_FIX)
 
 
-def _trainer_file(path: Path, model: type[M]) -> M:
-    """A file the trainer wrote, typed; OutputRejected naming the field otherwise."""
-    try:
-        return load_model(path, model, fmt="json", what="trainer output",
-                          fix="the trainer image writes this file; rebuild it "
-                              "(cyclebox images build --role trainer)")
-    except ConfigError as exc:
-        raise OutputRejected(f"trainer output refused: {exc}") from None
+TRAINER_OUTPUT = Limits(max_file_bytes=1 << 30, max_total_bytes=2 << 30)
+"""What the host reads of a trainer's ``--out`` (:func:`runner.isolation.collect.collect`:
+regular files and directories only, no symlink followed or kept, bounded)."""
 
 
 def _collected(files: Collected, name: str, model: type[M]) -> M:
+    """A file the trainer wrote, typed; OutputRejected naming the field otherwise."""
     try:
         return parse_model(files.files.get(name, b""), model, path=name,
-                           fix="the trainer image writes this file")
+                           fix="the trainer image writes this file; rebuild it "
+                               "(cyclebox images build --role trainer)")
     except ConfigError as exc:
         raise OutputRejected(f"trainer output refused: {exc}") from None
 
@@ -141,25 +139,18 @@ def _check_model_dir(base: Path) -> None:
                           "transformers model directory")
 
 
-def verify_receipt(out: Path, kind: type[R]) -> R:
-    """The training receipt, typed; its adapter hashes must match the files written."""
-    receipt = _trainer_file(out / "train-receipt.json", kind)
-    actual = _tree_sha(out / "adapter")
+def verify_receipt(out: Path, files: Collected, kind: type[R]) -> R:
+    """The training receipt, typed; its adapter hashes must match the files written.
+
+    ``files``: ``out`` as :func:`collect` read it (a symlink, hard link or special file
+    anywhere in it already refused by name), so the hashes are of the bytes read, never
+    of what a link points to."""
+    receipt = _collected(files, "train-receipt.json", kind)
+    actual = {rel.removeprefix("adapter/"): sha for rel, sha in files.sha256().items()
+              if rel.startswith("adapter/")}
     if actual != receipt.adapter_files:
         raise IntegrityError(f"{out}/train-receipt.json: adapter hashes differ from the files")
     return receipt
-
-
-def _tree_sha(root: Path) -> dict[str, str]:
-    """sha256 of every regular file under ``root`` (symlinks left out, as the trainer's
-    receipt leaves them out), walked and read by directory descriptor: a path past
-    ``PATH_MAX`` is hashed like any other, and a directory that cannot be read is an
-    IntegrityError naming it, never left out of the comparison."""
-    try:
-        return {e.rel: e.sha256() for e in fswalk.walk(root, max_depth=4096) if e.is_file}
-    except fswalk.WalkError as exc:
-        raise IntegrityError(f"{root}/{exc}: the adapter cannot be checked against its "
-                             "receipt") from None
 
 
 def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger: Path,
@@ -187,9 +178,9 @@ def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger
         if rec.stop_reason.value not in ("ok", "process_failed") or rec.exit_code not in (0, 4):
             raise SandboxError(f"proof loop failed: {rec.stop_reason.value} {rec.detail} "
                                f"{rec.stderr_tail[-800:]}")
-        files = collect(out, Limits(max_file_bytes=1 << 30, max_total_bytes=2 << 30))
+        files = collect(out, TRAINER_OUTPUT)
         report = _collected(files, "report.json", ProofReport)
-        receipt = verify_receipt(out, ProofReceipt)
+        receipt = verify_receipt(out, files, ProofReceipt)
         row = settle(persona, history, report, receipt,
                      _collected(files, "ledger-row.json", LedgerRow), rec.exit_code)
         check = out.parent / f".{out.name}.verify"
@@ -494,7 +485,7 @@ def sft(trainer: Trainer, corpus: Path, base: Path, out: Path, *, lr: float, see
         if rec.stop_reason.value != "ok":
             raise SandboxError(f"sft failed: {rec.stop_reason.value} {rec.detail} "
                                f"{rec.stderr_tail[-800:]}")
-        return verify_receipt(out, SftReceipt)
+        return verify_receipt(out, collect(out, TRAINER_OUTPUT), SftReceipt)
     except (KeyboardInterrupt, Interrupted):
         interrupted = True
         raise

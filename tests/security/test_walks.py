@@ -10,7 +10,6 @@ fails with ENAMETOOLONG (the old rglob/os.walk code did, or left it out).
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -241,8 +240,8 @@ def test_report_names_a_plan_it_cannot_read(tmp_path: Path) -> None:
         build_report(run)
 
 
-def test_trainer_hand_over_and_adapter_check_take_a_path_past_path_max(tmp_path: Path) -> None:
-    from runner.train.host import _tree_sha, hand_over
+def test_trainer_hand_over_takes_a_path_past_path_max(tmp_path: Path) -> None:
+    from runner.train.host import hand_over
 
     out = tmp_path / "out"
     rel = _long_tree(out / "adapter")
@@ -251,6 +250,3 @@ def test_trainer_hand_over_and_adapter_check_take_a_path_past_path_max(tmp_path:
     _, st = read_at(out / "adapter", rel)
     assert st.st_mode & 0o777 == 0o644
     assert os.stat(out / "adapter" / "top.txt").st_mode & 0o777 == 0o644
-    sums = _tree_sha(out / "adapter")
-    assert sums[rel] == hashlib.sha256(b"deep\n").hexdigest()
-    assert "link" not in sums and sums["top.txt"] == hashlib.sha256(b"top").hexdigest()
