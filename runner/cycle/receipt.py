@@ -50,25 +50,29 @@ PROPOSAL_FILE = "stages/propose/out/proposal.json"
 PATCH_FILE = "stages/apply/candidate.patch"
 CANDIDATE_GIT = "stages/apply/candidate.git"
 APPLY_RESULT = "stages/apply/result.json"
-"""The host-made bare clone of the apply stage (runner.cycle.apply): bound through the
-commit and tree ids, which ``verify`` recomputes from it."""
 _UNBOUND_FILES = frozenset({RECEIPT, ENVELOPE})
-_UNBOUND_DIRS = (CANDIDATE_GIT + "/", "stages/apply/work/repo/.git/")
-# The second: the apply container's repository, which copy-out no longer writes
-# (runner.isolation.copyout.SCRATCH); still there in runs made before, and the host's
-# own seed of it when the container never ran.
+WORK_GIT = "stages/apply/work/repo/.git/"
+"""The apply container's repository, which copy-out no longer writes
+(runner.isolation.copyout.SCRATCH); still there in runs made before, and the host's own
+seed of it when the container never ran. No recipe reads it."""
 BUNDLE_SUFFIX = ".intoto.jsonl"
 """Attestation bundles (runner.attest) written beside the receipt after it: a top-level
 file with this suffix is made from the receipt, so the receipt cannot bind it."""
 
 
-def _unbound(rel: str) -> bool:
+def _unbound(rel: str, *, legacy_git: bool = False) -> bool:
     """Files of a run directory the receipt does not bind, one rule for the writer's walk
-    and ``verify``: the top-level receipt and its signature, and the two git directories
-    of the apply stage, matched by exact path (a role's ``out/candidate.git/`` or
-    ``out/receipt.json`` is bound like any other output), and top-level attestation
-    bundles (``*.intoto.jsonl``; no role writes at the top level)."""
-    return (rel in _UNBOUND_FILES or rel.startswith(_UNBOUND_DIRS)
+    and ``verify``: the top-level receipt and its signature, the apply container's old
+    repository (:data:`WORK_GIT`), matched by exact path (a role's ``out/receipt.json`` is
+    bound like any other output), and top-level attestation bundles (``*.intoto.jsonl``;
+    no role writes at the top level).
+
+    The host's bare clone ``stages/apply/candidate.git`` is bound file by file (its config,
+    objects and refs: anything added there, a ``commondir`` or an object swapped under its
+    id, fails ``verify``), but in a receipt written before it was (``legacy_git``: the
+    receipt's ``candidate_git_bound`` is absent), where only its commit and tree are."""
+    return (rel in _UNBOUND_FILES or rel.startswith(WORK_GIT)
+            or (legacy_git and rel.startswith(CANDIDATE_GIT + "/"))
             or ("/" not in rel and rel.endswith(BUNDLE_SUFFIX)))
 
 
@@ -232,6 +236,9 @@ class Receipt(Frozen):
     """Every regular file of the run directory (UTF-8 name) -> sha256, but the unbound."""
     files_not_utf8: dict[str, str]
     """Files whose names are not UTF-8, under their backslash-escaped names."""
+    candidate_git_bound: bool = False
+    """``files`` names the files of ``stages/apply/candidate.git`` too (every receipt
+    written now; absent in older ones, which bound that clone by its commit and tree)."""
 
 
 CONTAINERS_FIX = "containers.jsonl as the cycle runner writes it (one run record a line)"
@@ -326,6 +333,7 @@ def build(outcome: Outcome) -> Receipt:
         outcome=outcome_digests,
         files=files,
         files_not_utf8=files_not_utf8,
+        candidate_git_bound=True,
     )
     data = canonical_bytes(receipt)
     _write_atomic(d / RECEIPT, data)  # kept as evidence whatever its size
@@ -398,6 +406,7 @@ class ReceiptHead(BaseModel):
     plan_hash: str
     files: dict[str, str]
     files_not_utf8: dict[str, str] = Field(default_factory=dict)
+    candidate_git_bound: bool = False
     external: dict[str, ExternalFile] = Field(default_factory=dict)
     outcome: _OutcomeHead = _OutcomeHead()
 
@@ -531,20 +540,30 @@ def _sha256_in(root_fd: int, rel: str) -> str:
     return h.hexdigest()
 
 
-def _present(root_fd: int) -> tuple[set[str], list[str]]:
+def _present(root_fd: int, *, legacy_git: bool = False) -> tuple[set[str], list[str]]:
     """Regular files under the run directory (by dir fd, no link followed), minus the
     unbound ones, and the problems met walking it. Symlinks and special files are
-    skipped, as the writer skips them (a receipt naming one fails on its own entry); a
-    directory that cannot be read is a problem naming it, never left out."""
+    skipped, as the writer skips them (a receipt naming one fails on its own entry; a
+    project's own symlinks are exported as symlinks), but in the host's bare clone, which
+    holds none: git follows a link there (a ``commondir`` or ``config`` pointing
+    elsewhere), so each is a problem naming it. A directory that cannot be read is a
+    problem naming it, never left out."""
     found: set[str] = set()
+    problems: list[str] = []
     try:
-        for e in fswalk.walk(root_fd, descend=lambda e: not _unbound(e.rel + "/"),
+        for e in fswalk.walk(root_fd, descend=lambda e: not _unbound(e.rel + "/",
+                                                                     legacy_git=legacy_git),
                              max_depth=_MAX_DEPTH, max_entries=_MAX_ENTRIES):
-            if e.is_file and not _unbound(e.rel):
+            if _unbound(e.rel, legacy_git=legacy_git):
+                continue
+            if e.is_file:
                 found.add(e.rel)
+            elif not e.is_dir and e.rel.startswith(CANDIDATE_GIT + "/"):
+                problems.append(f"{e.rel}: not a regular file or directory (the host's "
+                                "bare clone holds none)")
     except fswalk.WalkError as exc:
-        return found, [f"{exc} (the run directory could not be checked in full)"]
-    return found, []
+        return found, [*problems, f"{exc} (the run directory could not be checked in full)"]
+    return found, problems
 
 
 def verify(run_dir: Path, *, external: bool = True) -> list[str]:
@@ -594,10 +613,11 @@ def _verify_at(root_fd: int, run_dir: Path, *, external: bool) -> list[str]:
     receipt = parse_model(raw, ReceiptHead, path=show(str(path)), schema=SCHEMA,
                           fix=RECEIPT_FIX)
     files = receipt.files
+    legacy = not receipt.candidate_git_bound
     problems = []
     for rel, digest in sorted(files.items()):
         why = _name_problem(rel)
-        if why is None and _unbound(rel):
+        if why is None and _unbound(rel, legacy_git=legacy):
             why = "names a file the receipt never binds (the receipt, its signature, git data)"
         if why is not None:
             problems.append(f"{rel}: {why}")
@@ -608,7 +628,7 @@ def _verify_at(root_fd: int, run_dir: Path, *, external: bool) -> list[str]:
         except _Unreadable as exc:
             problems.append(f"{rel}: {exc}")
     not_utf8 = receipt.files_not_utf8
-    present, walk_problems = _present(root_fd)
+    present, walk_problems = _present(root_fd, legacy_git=legacy)
     problems += walk_problems
     for name in sorted(present - set(files)):
         rel = name

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from runner.cycle.receipt import _files, _unbound
+from runner.cycle.receipt import CANDIDATE_GIT, _files, _unbound
 from runner.cycle.receipt import verify as verify_in
 from runner.hashing import sha256_bytes, sha256_json
 
@@ -41,7 +41,7 @@ def verify(run: Path, *extra: str) -> subprocess.CompletedProcess[str]:
 def write_receipt(run: Path, files: dict[str, str]) -> None:
     (run / "receipt.json").write_text(json.dumps(
         {"schema": 1, "plan_hash": sha256_json({"name": "t"}), "files": files,
-         "external": {}}, sort_keys=True))
+         "external": {}, "candidate_git_bound": True}, sort_keys=True))
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def run(tmp_path: Path) -> Path:
     (d / "stages" / "a" / "records.jsonl").write_text("{}\n")
     git = d / "stages" / "apply" / "candidate.git" / "objects"
     git.mkdir(parents=True)
-    (git / "pack").write_bytes(b"bound through the commit id, not listed")
+    (git / "pack").write_bytes(b"a file of the bare clone: bound like any other")
     write_receipt(d, _files(d)[0])
     res = verify(d)
     assert res.returncode == 0, res.stdout + res.stderr  # positive control
@@ -64,7 +64,8 @@ def run(tmp_path: Path) -> Path:
 
 def test_good_receipt_verifies_signed_and_unsigned(run: Path, tmp_path: Path) -> None:
     assert set(json.loads((run / "receipt.json").read_text())["files"]) == {
-        "plan.json", "stages/a/out.txt", "stages/a/records.jsonl"}
+        "plan.json", "stages/a/out.txt", "stages/a/records.jsonl",
+        "stages/apply/candidate.git/objects/pack"}
     key = tmp_path / "k"
     subprocess.run([*CLI, "receipt", "keygen", "--out", str(key)], check=True,
                    capture_output=True)
@@ -176,16 +177,21 @@ def test_json_output_lists_problems(run: Path) -> None:
 
 # --- exact unbound paths, the candidate tree, files_not_utf8, external stores -----------
 
-def rewrite(run: Path, plan: dict[str, Any] | None = None, **extra: Any) -> None:
-    """plan.json (when given) and a receipt over the run as the writer's walk sees it."""
+def rewrite(run: Path, plan: dict[str, Any] | None = None, *, legacy: bool = False,
+            **extra: Any) -> None:
+    """plan.json (when given) and a receipt over the run as the writer's walk sees it;
+    ``legacy``: as receipts were written before they bound candidate.git's files."""
     if plan is not None:
         (run / "plan.json").write_text(json.dumps({"plan": plan,
                                                    "plan_hash": sha256_json(plan)}))
     doc = json.loads((run / "plan.json").read_text())
     files, not_utf8 = _files(run)
+    if legacy:
+        files = {k: v for k, v in files.items() if not k.startswith(CANDIDATE_GIT + "/")}
     (run / "receipt.json").write_text(json.dumps(
         {"schema": 1, "plan_hash": doc["plan_hash"], "files": files,
-         "files_not_utf8": not_utf8, "external": {}, **extra}, sort_keys=True))
+         "files_not_utf8": not_utf8, "external": {}, **extra,
+         **({} if legacy else {"candidate_git_bound": True})}, sort_keys=True))
 
 
 @pytest.mark.parametrize("rel", ["stages/worker/c1/out/candidate.git/answer.json",
@@ -205,7 +211,8 @@ def test_look_alike_unbound_names_are_bound(run: Path, rel: str) -> None:
 
 def test_only_the_exact_apply_git_dirs_and_receipt_are_unbound() -> None:
     assert _unbound("receipt.json") and _unbound("receipt.dsse.json")
-    assert _unbound("stages/apply/candidate.git/objects/pack/x.pack")
+    assert not _unbound("stages/apply/candidate.git/objects/pack/x.pack")
+    assert _unbound("stages/apply/candidate.git/objects/pack/x.pack", legacy_git=True)
     assert _unbound("stages/apply/work/repo/.git/config")
     assert not _unbound("stages/apply/candidate.git")  # a file of that name is bound
     assert not _unbound("x/stages/apply/candidate.git/HEAD")
@@ -219,10 +226,12 @@ def _git(*args: str, cwd: Path | None = None) -> str:
                           text=True).stdout.strip()
 
 
-@pytest.fixture
-def applied(run: Path, tmp_path: Path) -> tuple[Path, str, str]:
+@pytest.fixture(params=[False, True], ids=["bound", "legacy"])
+def applied(run: Path, tmp_path: Path, request: pytest.FixtureRequest
+            ) -> tuple[Path, str, str]:
     """A run whose apply stage left a bare clone and result.json; the receipt binds the
-    candidate tree."""
+    candidate tree, and the clone's files (or, ``legacy``, as receipts written before
+    that: only its commit and tree)."""
     shutil.rmtree(run / "stages" / "apply")
     src = tmp_path / "src"
     src.mkdir()
@@ -235,14 +244,18 @@ def applied(run: Path, tmp_path: Path) -> tuple[Path, str, str]:
     _git("clone", "-q", "--bare", str(src), str(run / "stages" / "apply" / "candidate.git"))
     (run / "stages" / "apply" / "result.json").write_text(json.dumps(
         {"status": "applied", "commit": commit, "tree": tree}))
-    rewrite(run, outcome={"candidate_tree": tree})
+    rewrite(run, outcome={"candidate_tree": tree}, legacy=request.param)
     assert verify_in(run) == []  # positive control: the tree recomputes
     return run, commit, tree
 
 
+def _legacy(run: Path) -> bool:
+    return "candidate_git_bound" not in json.loads((run / "receipt.json").read_text())
+
+
 def test_candidate_tree_differs_from_the_bare_clone(applied: tuple[Path, str, str]) -> None:
     run, commit, tree = applied
-    rewrite(run, outcome={"candidate_tree": "0" * 40})
+    rewrite(run, outcome={"candidate_tree": "0" * 40}, legacy=_legacy(run))
     problems = verify_in(run)
     assert len(problems) == 1 and f"tree of commit {commit} is {tree}" in problems[0]
 
@@ -256,42 +269,66 @@ def test_candidate_git_removed_or_edited_is_reported(applied: tuple[Path, str, s
     obj.unlink()
     obj.write_bytes(zlib.compress(b"commit 12\0tree 0000000"))
     problems = verify_in(run)
-    assert len(problems) == 1 and "cannot recompute the tree" in problems[0], problems
+    rel = f"{CANDIDATE_GIT}/objects/{commit[:2]}/{commit[2:]}"
+    assert "cannot recompute the tree" in problems[-1], problems
+    assert problems[:-1] == ([] if _legacy(run) else [f"{rel}: sha256 differs from the receipt"])
     shutil.rmtree(bare)
     problems = verify_in(run)
-    assert len(problems) == 1 and problems[0].startswith(
-        "stages/apply/candidate.git (outcome.candidate_tree): ")
+    assert problems[-1].startswith("stages/apply/candidate.git (outcome.candidate_tree): ")
+    assert len(problems) == 1 if _legacy(run) else f"{rel}: missing" in problems
 
 
 @pytest.mark.parametrize("attack", ["include-fifo", "include-dev-zero", "alternates",
-                                    "commondir", "fifo-head", "worktree-config"])
+                                    "commondir", "commondir-link", "fifo-head",
+                                    "worktree-config"])
 def test_candidate_git_config_and_pointers_are_never_obeyed(
         applied: tuple[Path, str, str], attack: str) -> None:
-    """The receipt binds candidate.git through its commit and tree ids; verify reads the
-    commit object itself and runs no git there, so nothing in the directory is obeyed:
-    an [include] of a FIFO (which blocked a git-based verify), of /dev/zero, alternates
-    or commondir sending git elsewhere, a FIFO HEAD. The candidate still recomputes."""
+    """Verify reads the commit object itself and runs no git there, so nothing in the
+    directory is obeyed: an [include] of a FIFO (which blocked a git-based verify), of
+    /dev/zero, alternates or commondir sending git elsewhere, a FIFO HEAD. The candidate
+    still recomputes. Each is reported (the receipt binds every file of the clone, so a
+    third-party verifier that runs git there learns first that it was edited), but under
+    a receipt written before it did, which bound the clone by its commit and tree only."""
     run, _, _ = applied
     bare = run / "stages" / "apply" / "candidate.git"
+    g = CANDIDATE_GIT
     if attack.startswith("include"):
         target = "fifo" if attack == "include-fifo" else "/dev/zero"
         if target == "fifo":
             os.mkfifo(bare / "fifo")
         with (bare / "config").open("a") as f:
             f.write(f"[include]\n\tpath = {target}\n")
+        want = [f"{g}/config: sha256 differs from the receipt"] + (
+            [f"{g}/fifo: not a regular file or directory (the host's bare clone holds none)"]
+            if target == "fifo" else [])
     elif attack == "alternates":
         (bare / "objects" / "info").mkdir(parents=True, exist_ok=True)
         (bare / "objects" / "info" / "alternates").write_text("/tmp\n")
+        want = [f"{g}/objects/info/alternates: present in the run directory but not named "
+                "by the receipt"]
     elif attack == "commondir":
         (bare / "commondir").write_text("/tmp\n")
+        want = [f"{g}/commondir: present in the run directory but not named by the receipt"]
+    elif attack == "commondir-link":
+        (run.parent / "x").write_text("/tmp\n")
+        (bare / "commondir").symlink_to(run.parent / "x")
+        want = [f"{g}/commondir: not a regular file or directory (the host's bare clone "
+                "holds none)"]
     elif attack == "fifo-head":
         (bare / "HEAD").unlink()
         os.mkfifo(bare / "HEAD")
+        want = [f"{g}/HEAD: not a regular file (refused without reading)",
+                f"{g}/HEAD: not a regular file or directory (the host's bare clone holds "
+                "none)"]
     else:
         (bare / "config.worktree").write_text("[include]\n\tpath = /dev/zero\n")
         with (bare / "config").open("a") as f:
             f.write("[extensions]\n\tworktreeConfig = true\n")
-    assert verify_in(run) == []
+        want = [f"{g}/config: sha256 differs from the receipt",
+                f"{g}/config.worktree: present in the run directory but not named by the "
+                "receipt"]
+    got = verify_in(run)
+    assert got == ([] if _legacy(run) else want), got
 
 
 def test_a_promisor_remote_in_candidate_git_runs_nothing(
@@ -313,8 +350,11 @@ def test_a_promisor_remote_in_candidate_git_runs_nothing(
                 "\turl = ext::sh payload.sh\n\tpromisor = true\n")
     problems = verify_in(run)
     assert not marker.exists(), "verify ran a command the run directory named"
-    assert len(problems) == 1 and "cannot recompute the tree" in problems[0], problems
-    assert "missing" in problems[0]
+    assert "cannot recompute the tree" in problems[-1] and "missing" in problems[-1], problems
+    if _legacy(run):
+        assert len(problems) == 1, problems
+    else:  # and the edits are named: a verifier that runs git there is warned first
+        assert f"{CANDIDATE_GIT}/config: sha256 differs from the receipt" in problems
 
 
 def test_a_linked_objects_directory_is_refused(applied: tuple[Path, str, str]) -> None:
@@ -324,7 +364,12 @@ def test_a_linked_objects_directory_is_refused(applied: tuple[Path, str, str]) -
     shutil.move(str(bare / "objects"), str(elsewhere))
     (bare / "objects").symlink_to(elsewhere)
     problems = verify_in(run)
-    assert len(problems) == 1 and "symlinked directory component" in problems[0], problems
+    assert "symlinked directory component" in problems[-1], problems
+    if _legacy(run):
+        assert len(problems) == 1, problems
+    else:
+        assert (f"{CANDIDATE_GIT}/objects: not a regular file or directory (the host's bare "
+                "clone holds none)") in problems
 
 
 def test_a_remote_url_naming_include_or_worktree_is_not_a_refusal(
@@ -334,7 +379,8 @@ def test_a_remote_url_naming_include_or_worktree_is_not_a_refusal(
     run, _, _ = applied
     with (run / "stages" / "apply" / "candidate.git" / "config").open("a") as f:
         f.write('[remote "x"]\n\turl = file:///srv/include/worktrees/run/repo\n')
-    assert verify_in(run) == []
+    assert verify_in(run) == ([] if _legacy(run) else [
+        f"{CANDIDATE_GIT}/config: sha256 differs from the receipt"])
 
 
 def test_missing_not_utf8_file_is_reported(run: Path) -> None:
