@@ -94,6 +94,52 @@ def refuse_inside_run(path: Path, *, field: str = "--out") -> None:
                           fix="write it beside the run directory, not in it")
 
 
+def write_once(path: Path, data: bytes, *, what: str, field: str, fix: str) -> None:
+    """Write ``data`` at ``path``, which must not exist (a symlink there, even a dangling
+    one, counts): written whole and fsynced under a random name beside it, then linked
+    into place, which never replaces and never follows a link. ConfigError naming
+    ``field`` when the target appeared meanwhile or the directory cannot be written; an
+    environment failure (a full disk) as itself."""
+    parent = path.parent if str(path.parent) else Path(".")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    tmp = parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    made = False
+    try:
+        fd = os.open(tmp, flags, 0o644)  # a random name: an existing one is an OSError below
+        made = True
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # never replaces: FileExistsError when the target appeared
+        except FileExistsError:
+            raise ConfigError(f"{_shown(path)} appeared meanwhile; {what} is never "
+                              "overwritten", field=field, fix=fix) from None
+        dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as exc:
+        if is_environment_error(exc):
+            raise
+        raise ConfigError(f"cannot write {_shown(path)}: {exc.strerror or exc}",
+                          path=_shown(path), field=field,
+                          fix="pick a path in a directory you can write (not read-only)"
+                          ) from None
+    finally:
+        if made:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+def _shown(path: Path) -> str:
+    from runner.loading import show
+
+    return show(str(path))
+
+
 def make_parents(out: Path, created: list[Path]) -> None:
     """Create ``out``'s missing parents, outermost first, appending each one this call
     made to ``created`` as it goes (so a failure midway still names what it made; one a

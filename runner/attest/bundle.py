@@ -11,11 +11,9 @@ no file behind).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,9 +32,8 @@ from runner.cycle.receipt import (
     verify,
 )
 from runner.errors import ConfigError, IntegrityError
-from runner.failures import is_environment_error
 from runner.loading import MAX_BYTES, load_data, parse_model, read_capped, show
-from runner.outdir import run_holding
+from runner.outdir import run_holding, write_once
 
 BUNDLE = "receipt" + BUNDLE_SUFFIX
 """Default bundle name, beside receipt.json (in-toto's ``.intoto.jsonl`` convention)."""
@@ -104,42 +101,6 @@ def statements(run_dir: Path) -> tuple[Statement, ...]:
     return (evaluation_statement(facts),) + ((prov,) if prov is not None else ())
 
 
-def _write_once(path: Path, data: bytes) -> None:
-    parent = path.parent if str(path.parent) else Path(".")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    tmp = parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-    made = False
-    try:
-        fd = os.open(tmp, flags, 0o644)  # a random name: an existing one is an OSError below
-        made = True
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)  # never replaces: FileExistsError when the target appeared
-        except FileExistsError:
-            raise ConfigError(f"{show(str(path))} appeared while attesting; an attestation "
-                              "bundle is never overwritten", field="--out",
-                              fix="give a new --out path") from None
-        dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError as exc:
-        if is_environment_error(exc):
-            raise
-        raise ConfigError(f"cannot write {show(str(path))}: {exc.strerror or exc}",
-                          path=show(str(path)), field="--out",
-                          fix="pick a path in a directory you can write (not read-only)"
-                          ) from None
-    finally:
-        if made:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-
-
 def attest(run_dir: Path, key_path: Path, out: Path | None = None) -> Attested:
     """Write the run's attestation bundle signed by ``key_path``; see the module docstring."""
     if not run_dir.is_dir():
@@ -157,6 +118,7 @@ def attest(run_dir: Path, key_path: Path, out: Path | None = None) -> Attested:
     made = statements(run_dir)
     lines = [json.dumps(envelope(s, key), sort_keys=True, separators=(",", ":"))
              for s in made]
-    _write_once(path, ("\n".join(lines) + "\n").encode())
+    write_once(path, ("\n".join(lines) + "\n").encode(), what="an attestation bundle",
+               field="--out", fix="give a new --out path")
     info = keys.describe(key.public_key())
     return Attested(path=path, keyid=info.keyid, keytype=info.scheme, statements=made)

@@ -44,7 +44,8 @@ def receipt_keygen(out_key: Annotated[Path, typer.Option("--out", help="Private 
 def receipt_sign(run_dir: Annotated[Path, typer.Argument(help="A cycle run directory.")],
                  key: Annotated[Path, typer.Option(
                      help="Ed25519 or ECDSA P-256 private key (PEM).")]) -> None:
-    """Sign receipt.json into a DSSE envelope (receipt.dsse.json)."""
+    """Sign receipt.json into a DSSE envelope (receipt.dsse.json); only a run that verifies
+    (exit 8 otherwise), once."""
     from runner.cycle.signing import sign
 
     env = sign(run_dir, key)

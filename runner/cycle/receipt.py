@@ -414,6 +414,22 @@ class ReceiptHead(BaseModel):
 RECEIPT_FIX = "pass a cycle run directory holding the receipt.json a run wrote"
 
 
+def read_receipt_bytes(run_dir: Path, cap: int = MAX_BYTES) -> bytes:
+    """receipt.json's exact bytes, opened relative to the run directory without following
+    a link; IntegrityError naming why it cannot be read so."""
+    try:
+        root_fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise IntegrityError(f"{show(str(run_dir))}: cannot open the run directory "
+                             f"({exc.strerror})") from None
+    try:
+        return _read_in(root_fd, RECEIPT, cap)
+    except _Unreadable as exc:
+        raise IntegrityError(f"{show(str(run_dir / RECEIPT))}: {exc}") from None
+    finally:
+        os.close(root_fd)
+
+
 def load_receipt(run_dir: Path) -> Receipt:
     """receipt.json of a run directory, typed and bounded (runner.loading); ConfigError
     (bad input) when it is missing or is not a whole receipt (a JSON list, ``{}``, ...)."""

@@ -21,7 +21,8 @@ from runner.cycle import keys
 from runner.cycle.keys import KeyType, PublicKey
 from runner.errors import ConfigError, IntegrityError
 from runner.isolation.sandbox import Frozen
-from runner.loading import load_model, read_capped
+from runner.loading import load_model, read_capped, show
+from runner.outdir import write_once
 
 PAYLOAD_TYPE = "application/vnd.cyclebox.receipt+json"
 MAX_RECEIPT_BYTES = 256 * 1024 * 1024
@@ -44,21 +45,36 @@ load_public = keys.load_public
 
 
 def sign(run_dir: Path, key_path: Path) -> Path:
-    """Write ``run_dir/receipt.dsse.json`` signing the exact bytes of receipt.json."""
+    """Write ``run_dir/receipt.dsse.json`` signing the exact bytes of receipt.json.
+
+    Only a run that verifies is signed (as ``receipt attest``; the data stores outside it
+    aside): a receipt that is a link to another file, or a run edited after its receipt,
+    is refused by name. The receipt is read without following a link, and the envelope is
+    written once, never through a link (:func:`runner.outdir.write_once`)."""
+    from runner.cycle.receipt import RECEIPT, read_receipt_bytes, require_unaltered
+
     key = keys.load_private(key_path)
-    payload = read_capped(run_dir / "receipt.json", max_bytes=MAX_RECEIPT_BYTES,
-                          what="receipt", fix="sign a finished run: `cyclebox cycle run` "
-                          "writes DIR/receipt.json when it ends (a --prepare-only or "
-                          "unfinished run has none)")
+    out = run_dir / ENVELOPE
+    if out.exists() or out.is_symlink():
+        raise ConfigError(f"{show(str(out))} exists; a receipt is signed once", field="DIR",
+                          fix="keep the envelope you have, or verify it: cyclebox receipt "
+                              "verify DIR --pubkey KEY.pub")
+    if not (run_dir / RECEIPT).is_file() and not (run_dir / RECEIPT).is_symlink():
+        raise ConfigError(f"{show(str(run_dir / RECEIPT))}: does not exist", field="DIR",
+                          fix=SIGN_FIX)
+    require_unaltered(run_dir, what="only a run that verifies is signed")
+    payload = read_receipt_bytes(run_dir, MAX_RECEIPT_BYTES)
     sig = keys.sign_bytes(key, pae(PAYLOAD_TYPE, payload))
     env = {"payloadType": PAYLOAD_TYPE, "payload": base64.b64encode(payload).decode(),
            "signatures": [{"keyid": keys.keyid(key.public_key()),
                            "sig": base64.b64encode(sig).decode()}]}
-    out = run_dir / ENVELOPE
-    if out.exists():
-        raise ConfigError(f"{out} exists; a receipt is signed once", field="DIR")
-    out.write_text(json.dumps(env, indent=1, sort_keys=True) + "\n")
+    write_once(out, (json.dumps(env, indent=1, sort_keys=True) + "\n").encode(),
+               what="a receipt's signature", field="DIR", fix="sign a receipt once")
     return out
+
+
+SIGN_FIX = ("sign a finished run: `cyclebox cycle run` writes DIR/receipt.json when it ends "
+            "(a --prepare-only or unfinished run has none)")
 
 
 class Signature(Frozen):

@@ -18,14 +18,15 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 
-from runner.attest import bundle as bundle_mod
-from runner.attest.bundle import Attested, _write_once
+from runner import outdir as outdir_mod
+from runner.attest.bundle import Attested
 from runner.attest.statement import ResourceDescriptor, Statement
 from runner.attest.summary import summary_markdown
 from runner.cycle import keys
 from runner.cycle.receipt import _unbound
 from runner.cycle.signing import ENVELOPE, PAYLOAD_TYPE, pae, sign, verify_signature
 from runner.errors import ConfigError, IntegrityError
+from runner.hashing import sha256_bytes, sha256_json
 
 
 def test_ed25519_keyid_is_securesystemslibs_default(tmp_path: Path) -> None:
@@ -84,7 +85,11 @@ def test_an_old_receipt_envelope_with_the_16_digit_keyid_still_verifies(tmp_path
 def test_receipt_sign_and_verify_with_a_p256_key(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    (run / "receipt.json").write_bytes(b'{"schema":1}')
+    plan = json.dumps({"plan": {"n": 1}, "plan_hash": sha256_json({"n": 1})})
+    (run / "plan.json").write_text(plan)
+    (run / "receipt.json").write_text(json.dumps(
+        {"schema": 1, "plan_hash": sha256_json({"n": 1}), "external": {},
+         "files": {"plan.json": sha256_bytes(plan.encode())}}))
     pub = keys.load_public(keys.keygen(tmp_path / "k", "ecdsa-p256"))
     sign(run, tmp_path / "k")
     verify_signature(run, pub)
@@ -110,6 +115,10 @@ def test_bundles_at_the_top_level_are_unbound_nested_ones_are_not() -> None:
     assert not _unbound("receipt.intoto.jsonl.tmp")
 
 
+def _write_once(path: Path, data: bytes) -> None:
+    outdir_mod.write_once(path, data, what="an attestation bundle", field="--out", fix="x")
+
+
 def test_write_once_never_replaces_a_bundle_that_appeared(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     target = tmp_path / "b.intoto.jsonl"
@@ -119,7 +128,7 @@ def test_write_once_never_replaces_a_bundle_that_appeared(tmp_path: Path,
         Path(dst).write_bytes(b"theirs\n")  # another writer won the name meanwhile
         real_link(src, dst)
 
-    monkeypatch.setattr(bundle_mod.os, "link", racing_link)
+    monkeypatch.setattr(outdir_mod.os, "link", racing_link)
     with pytest.raises(ConfigError, match="never overwritten"):
         _write_once(target, b"ours\n")
     assert target.read_bytes() == b"theirs\n"
@@ -131,7 +140,7 @@ def test_ctrl_c_while_writing_leaves_nothing(tmp_path: Path,
     def interrupted(fd: int) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(bundle_mod.os, "fsync", interrupted)
+    monkeypatch.setattr(outdir_mod.os, "fsync", interrupted)
     with pytest.raises(KeyboardInterrupt):
         _write_once(tmp_path / "b.intoto.jsonl", b"x" * 100_000)
     assert list(tmp_path.iterdir()) == []

@@ -11,13 +11,19 @@ import pytest
 
 from runner.cycle.signing import ENVELOPE, keygen, load_public, pae, sign, verify_signature
 from runner.errors import ConfigError, IntegrityError
+from runner.hashing import sha256_bytes, sha256_json
 
 
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
+    """A run directory that verifies: its plan, and a receipt naming it."""
     d = tmp_path / "run"
     d.mkdir()
-    (d / "receipt.json").write_bytes(b'{"plan_hash":"abc","schema":1}')
+    plan = json.dumps({"plan": {"name": "t"}, "plan_hash": sha256_json({"name": "t"})})
+    (d / "plan.json").write_text(plan)
+    (d / "receipt.json").write_text(json.dumps(
+        {"schema": 1, "plan_hash": sha256_json({"name": "t"}), "external": {},
+         "files": {"plan.json": sha256_bytes(plan.encode())}}, sort_keys=True))
     return d
 
 
@@ -42,7 +48,7 @@ def test_tampered_receipt_or_envelope_fails(run_dir: Path, tmp_path: Path) -> No
     pub = load_public(keygen(tmp_path / "k"))
     sign(run_dir, tmp_path / "k")
     original = (run_dir / "receipt.json").read_bytes()
-    (run_dir / "receipt.json").write_bytes(original.replace(b"abc", b"abd"))
+    (run_dir / "receipt.json").write_bytes(original.replace(b'"schema": 1', b'"schema":1'))
     with pytest.raises(IntegrityError, match=r"differs from receipt\.json"):
         verify_signature(run_dir, pub)
     # rewrite both payload and receipt consistently: the signature still catches it
@@ -65,3 +71,31 @@ def test_unsigned_run_fails_when_a_key_is_required(run_dir: Path, tmp_path: Path
     pub = load_public(keygen(tmp_path / "k"))
     with pytest.raises(IntegrityError, match="missing or unreadable"):
         verify_signature(run_dir, pub)
+
+
+@pytest.mark.parametrize("case", ["receipt-link", "envelope-link", "edited-run"])
+def test_sign_refuses_a_link_or_a_run_that_does_not_verify(run_dir: Path, tmp_path: Path,
+                                                           case: str) -> None:
+    """helper-39 F2: ``sign`` read a receipt.json that was a link to a host file (and put
+    it, signed, in the envelope), and wrote the envelope through a dangling link out of
+    the run. Now only a run that verifies is signed, read and written with no link
+    followed."""
+    keygen(tmp_path / "k")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("AWS_SECRET=hunter2\n")
+    planted = tmp_path / "elsewhere" / "planted.json"
+    if case == "receipt-link":
+        (run_dir / "receipt.json").unlink()
+        (run_dir / "receipt.json").symlink_to(secret)
+        want = "receipt.json"
+    elif case == "envelope-link":
+        planted.parent.mkdir()
+        (run_dir / ENVELOPE).symlink_to(planted)
+        want = "signed once"
+    else:
+        (run_dir / "plan.json").write_text("{}")
+        want = "run_altered"
+    with pytest.raises((ConfigError, IntegrityError), match=want):
+        sign(run_dir, tmp_path / "k")
+    assert not planted.exists()
+    assert (run_dir / ENVELOPE).is_symlink() or not (run_dir / ENVELOPE).exists()
