@@ -108,19 +108,34 @@ def _files(root: Path) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def _records_digest(path: Path) -> str | None:
+    """sha256_json of the records' outcome fields, a line at a time (the same bytes as the
+    list's canonical JSON): memory is one line's, not the file's (a records file of
+    ``[[],[],...]`` lines once took 27 GB to verify), and a line of more than
+    :data:`RECORD_MAX_CONTAINERS` objects and arrays is refused unparsed."""
     if not path.is_file():
         return None
-    rows = []
+    h = hashlib.sha256(b"[")
+    first = True
     # "\n" only: a record's strings may hold U+2028, U+2029 or U+0085 raw, which
     # str.splitlines() would also split on (JSON Lines ends a line at "\n" alone)
-    text = read_capped(path, max_bytes=RECORDS_MAX_BYTES, what="records file").decode()
-    for line in text.split("\n"):
+    data = read_capped(path, max_bytes=RECORDS_MAX_BYTES, what="records file")
+    for n, line in enumerate(data.split(b"\n"), start=1):
         if not line:
             continue
-        r = json.loads(line)
-        rows.append({k: r.get(k) for k in ("case_id", "trial", "status", "reason", "answer",
-                                            "grades", "identities")})
-    return sha256_json(rows)
+        r = loads_strict(line, source=f"{path.name}:{n}", max_containers=RECORD_MAX_CONTAINERS)
+        if not isinstance(r, dict):
+            raise OutputRejected(f"{path.name}:{n}: not a JSON object")
+        h.update(b"" if first else b",")
+        h.update(canonical_bytes({k: r.get(k) for k in (
+            "case_id", "trial", "status", "reason", "answer", "grades", "identities")}))
+        first = False
+    h.update(b"]")
+    return h.hexdigest()
+
+
+RECORD_MAX_CONTAINERS = 1_000_000
+"""Most JSON objects and arrays one record line may hold (a record holds about 8; its
+answer, the largest part, is at most 256 KiB of JSON when written)."""
 
 
 # -- the document -----------------------------------------------------------------------------

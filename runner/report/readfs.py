@@ -128,12 +128,22 @@ def read_json(root: Path, rel: str, cap: int = MAX_FILE) -> Any:
     return None if data is None else loads_strict(data, source=f"{root}/{rel}")
 
 
+MAX_CONTAINERS = 4_000_000
+"""Most JSON objects and arrays a JSON Lines file may hold (counted by its ``[`` and
+``{`` bytes, before anything is parsed): each costs the reader ~60 bytes of memory
+against its 2 bytes of text, so 1 GiB of ``[[],[],...]`` lines once took 27 GB. A
+record holds about 8; a report of 200,000 records (:data:`MAX_LINES`) needs 1.6 M."""
+
+
 def read_jsonl(root: Path, rel: str, cap: int = MAX_FILE,
                max_lines: int = MAX_LINES) -> list[Any] | None:
     """One strict JSON value per non-empty line, or None when absent."""
     data = read_bytes(root, rel, cap)
     if data is None:
         return None
+    if data.count(b"[") + data.count(b"{") > MAX_CONTAINERS:
+        raise OutputRejected(f"{root}/{rel}: more than {MAX_CONTAINERS} JSON objects and "
+                             "arrays; refused unparsed (not a file cyclebox wrote)")
     lines = [ln for ln in data.split(b"\n") if ln.strip()]
     if len(lines) > max_lines:
         raise OutputRejected(f"{root}/{rel}: more than {max_lines} lines")

@@ -439,3 +439,24 @@ def test_external_changed_store_fails(stores: tuple[Path, Path]) -> None:
     (data / "s.csv").write_text("a,c\n")
     assert verify_in(run) == [f"store:s ({data}/s.csv): sha256 differs from the receipt"]
 
+
+
+def test_records_digest_reads_a_line_at_a_time(tmp_path: Path) -> None:
+    """helper-39 F3: verify kept every parsed line of a records file (100 MiB of
+    ``[[],[],...]`` lines took 2.9 GB). The digest is now made a line at a time, with
+    the same value as the list's canonical JSON, and a line of more objects and arrays
+    than a record holds is refused unparsed."""
+    from runner.cycle.receipt import RECORD_MAX_CONTAINERS, _records_digest
+    from runner.errors import OutputRejected
+
+    rows = [{"case_id": "c\u2028", "trial": 0, "status": "ok", "reason": None,
+             "answer": {"a": [1, "\\ud800"]}, "grades": None, "identities": {"x": "y"},
+             "latency_s": 1.5},
+            {"case_id": "d", "trial": 1, "status": "infra_invalid", "reason": "r"}]
+    p = tmp_path / "records.jsonl"
+    p.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows) + "\n")
+    keys = ("case_id", "trial", "status", "reason", "answer", "grades", "identities")
+    assert _records_digest(p) == sha256_json([{k: r.get(k) for k in keys} for r in rows])
+    p.write_bytes(b"[" + b"[]," * RECORD_MAX_CONTAINERS + b"[]]\n")
+    with pytest.raises(OutputRejected, match=r"records\.jsonl:1"):
+        _records_digest(p)

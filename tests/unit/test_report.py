@@ -463,3 +463,19 @@ def test_an_edited_policy_in_plan_json_is_a_problem_not_a_crash(
     r = build_report(run)
     assert any(problem in p for p in r.problems), r.problems
     assert r.verdict == "reject"
+
+
+def test_a_records_file_of_many_empty_arrays_is_refused_unparsed(run: Path) -> None:
+    """helper-39 F3: 100 MiB of ``[[],[],...]`` lines took the report 2.7 GB (1 GiB, the
+    records cap, would take 27 GB). More objects and arrays than a report reads are a
+    problem named before anything is parsed; the other arm still shows."""
+    from runner.report.readfs import MAX_CONTAINERS
+
+    line = b"[" + b"[]," * 99_999 + b"[]]\n"
+    with (run / "stages/candidate/records.jsonl").open("ab") as f:
+        for _ in range(MAX_CONTAINERS // 100_000 + 1):
+            f.write(line)
+    r = build_report(run)
+    assert any("stages/candidate/records.jsonl" in p and "objects and arrays" in p
+               for p in r.problems), r.problems
+    assert any(p.arm == "baseline" for p in r.pass_rates)
