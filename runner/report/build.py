@@ -208,6 +208,23 @@ def _timing(timing: Any, problems: list[str]) -> dict[str, float]:
     return out
 
 
+def _verified(run_dir: Path, problems: list[str]) -> bool:
+    """Whether the run directory is what its receipt binds (``receipt verify``, the data
+    stores outside it aside): a report shows the receipt's hash beside the outcome only as
+    binding when it is; otherwise the first problems are noted."""
+    from runner.cycle.receipt import verify
+
+    try:
+        found = verify(run_dir, external=False)
+    except CycleboxError as exc:
+        found = [str(exc)]
+    problems += [cap(f"receipt: does not verify: {x}", 500) for x in found[:5]]
+    if len(found) > 5:
+        problems.append(f"receipt: and {len(found) - 5} more problems (cyclebox receipt "
+                        "verify names them all)")
+    return not found
+
+
 def build_report(run_dir: Path) -> Report:
     """The report of one run directory; raises OutputRejected when it is not one."""
     hint = "pass a directory written by `cyclebox cycle run --out DIR`"
@@ -289,6 +306,7 @@ def build_report(run_dir: Path) -> Report:
         improved=_changes(v.get("improvements")), regressed=_changes(v.get("regressions")),
         costs=costs, fixture=fixture, statistics=stats,
         receipt_sha256=None if receipt is None else hashlib.sha256(receipt).hexdigest(),
+        receipt_verified=None if receipt is None else _verified(run_dir, rd.problems),
         patch=None if patch is None else patch[:MAX_PATCH].decode("utf-8", "replace"),
         patch_truncated=patch is not None and len(patch) > MAX_PATCH,
         timing=_timing(timing, rd.problems),

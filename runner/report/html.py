@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from urllib.parse import quote
 
-from runner.report.model import Attempt, CaseRow, Report
+from runner.report.model import Attempt, CaseRow, Report, receipt_text
 from runner.report.render import change_text, cost_text
 from runner.report.text import h
 
@@ -143,7 +143,7 @@ def render_html(r: Report, *, run_dir: Path, html_dir: Path) -> str:
     if r.timing:
         p.append("<p class=\"muted\">time per stage: " + h(", ".join(
             f"{k} {v:.1f}s" for k, v in r.timing.items() if "." not in k)) + "</p>")
-    p.append(f"<p>receipt sha256 <code>{h(r.receipt_sha256 or 'MISSING')}</code>"
+    p.append(f"<p>receipt sha256 <code>{h(receipt_text(r))}</code>"
              f" · plan <code>{h(r.plan_hash or '?')}</code></p>")
     if r.problems:
         p.append("<h2>Problems reading the run</h2><ul>"

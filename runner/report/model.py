@@ -131,9 +131,23 @@ class Report(Frozen):
     statistics: Statistics | None
     receipt_sha256: str | None
     """sha256 of receipt.json's bytes; None when the run has no receipt."""
+    receipt_verified: bool | None = None
+    """Whether the run directory verified against that receipt (its files and every field
+    they give; data stores outside it not read); None without a receipt."""
     patch: str | None
     """The candidate patch (stages/apply/candidate.patch), capped."""
     patch_truncated: bool = False
     timing: dict[str, float] = Field(default_factory=dict)
     problems: tuple[str, ...] = ()
     """Files that could not be read or parsed; the report shows what it could."""
+
+
+def receipt_text(r: Report) -> str:
+    """The receipt's hash and whether the run matches it, as every output shows it."""
+    if r.receipt_sha256 is None:
+        return "MISSING (no receipt.json)"
+    if r.receipt_verified:
+        return f"{r.receipt_sha256} (verified: the run matches it)"
+    return (f"{r.receipt_sha256} (NOT VERIFIED: the run directory does not match its "
+            "receipt; what is shown may have been edited; `cyclebox receipt verify` names "
+            "the problems)")

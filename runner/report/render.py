@@ -5,7 +5,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 
-from runner.report.model import Attempt, Change, Report, RoleCost
+from runner.report.model import Attempt, Change, Report, RoleCost, receipt_text
 from runner.report.text import md, one_line, xml
 
 REASON_SHOWN = 4000
@@ -75,7 +75,7 @@ def terminal_rows(r: Report) -> Iterator[tuple[str, str]]:
         s = r.statistics
         yield "McNemar", f"b={s.b} c={s.c} pairs={s.pairs} p={s.p_value:.4g} (beside the verdict)"
     yield "fixture", "yes: scripted models, not a real model" if r.fixture else "no"
-    yield "receipt sha256", r.receipt_sha256 or "MISSING (no receipt.json)"
+    yield "receipt sha256", receipt_text(r)
     for problem in r.problems:
         yield "problem", one_line(problem)
 
@@ -107,7 +107,7 @@ def markdown(r: Report) -> str:
         s = r.statistics
         lines += ["", f"Exact McNemar (beside the verdict, never instead): b={s.b}, c={s.c}, "
                       f"pairs={s.pairs}, p={s.p_value:.4g}"]
-    lines += ["", f"Receipt sha256: `{r.receipt_sha256 or 'MISSING'}`"
+    lines += ["", f"Receipt sha256: {md(receipt_text(r))}"
                   + (f" · plan {md(r.plan_hash[:16])}" if r.plan_hash else "")]
     lines += [f"- problem: {md(p)}" for p in r.problems]
     return "\n".join(lines) + "\n"
@@ -131,6 +131,7 @@ def junit(r: Report) -> bytes:
                               time=f"{sum(a.latency_s or 0 for _, a in attempts):.3f}")
         props = ET.SubElement(suite, "properties")
         for k, v in (("verdict", r.verdict), ("receipt_sha256", r.receipt_sha256 or ""),
+                     ("receipt_verified", str(bool(r.receipt_verified)).lower()),
                      ("fixture", str(r.fixture).lower())):
             ET.SubElement(props, "property", name=k, value=xml(v))
         for c, a in attempts:

@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 from junitparser import JUnitXml
 
+from runner.cycle.receipt import _files
 from runner.errors import OutputRejected
+from runner.hashing import sha256_json
 from runner.report import build_report
 from runner.report.html import render_html
 from runner.report.render import VERDICT_FILE, junit, markdown, terminal_rows
@@ -55,8 +57,8 @@ def run(tmp_path: Path) -> Path:
     (d / "gateway").mkdir()
     policy = {"cases": ["a1", "a2", "d1"], "criteria": ["correctness", "evidence", "refusal"],
               "mandatory": ["a2"], "trials": 2}
-    (d / "plan.json").write_text(json.dumps({"plan": {"name": "syn", "trials": 2,
-                                                      "policy": policy}, "plan_hash": "p" * 64}))
+    plan = {"name": "syn", "trials": 2, "policy": policy}
+    (d / "plan.json").write_text(json.dumps({"plan": plan, "plan_hash": sha256_json(plan)}))
     base = [record("d1", 0, "development", False), record("d1", 1, "development", False),
             record("a1", 0, "acceptance", False), record("a1", 1, "acceptance", True),
             record("a2", 0, "acceptance", True), record("a2", 1, "acceptance", True),
@@ -78,9 +80,11 @@ def run(tmp_path: Path) -> Path:
     (d / "gateway/calls.jsonl").write_text(jsonl([call(0, "analyst", 0.5),
                                                   call(1, "analyst", None),
                                                   call(2, "worker", 0.25)]))
-    (d / "receipt.json").write_text(json.dumps({"timing": {"baseline": 1.5}}))
     (d / "stages/apply/candidate.patch").write_text("--- a/x\n+++ b/x\n@@ -1 +1 @@\n-old\n+"
                                                     + HOSTILE + "\n")
+    (d / "receipt.json").write_text(json.dumps({  # a receipt of files alone: it verifies
+        "schema": 1, "plan_hash": sha256_json(plan), "files": _files(d)[0], "external": {},
+        "timing": {"baseline": 1.5}}))
     return d
 
 
@@ -92,7 +96,7 @@ def test_pass_rates_per_arm_and_split(run: Path) -> None:
                      ("candidate", "acceptance"): (2, 4, 3),
                      ("candidate", "development"): (2, 2, 2)}
     assert r.verdict == "reject" and r.exit_code == 1 and r.trials == 2
-    assert not r.problems
+    assert not r.problems and r.receipt_verified
 
 
 def test_improved_regressed_statistics_and_flags(run: Path) -> None:
@@ -479,3 +483,23 @@ def test_a_records_file_of_many_empty_arrays_is_refused_unparsed(run: Path) -> N
     assert any("stages/candidate/records.jsonl" in p and "objects and arrays" in p
                for p in r.problems), r.problems
     assert any(p.arm == "baseline" for p in r.pass_rates)
+
+
+def test_an_edited_run_is_shown_as_not_verified_in_every_output(run: Path,
+                                                                tmp_path: Path) -> None:
+    """helper-39 F4: a verdict edited after the run was shown beside the genuine receipt
+    hash, with no problem listed. Every output now says whether the run matches it."""
+    r = build_report(run)
+    assert "(verified: the run matches it)" in dict(terminal_rows(r))["receipt sha256"]
+    v = json.loads((run / VERDICT_FILE).read_text())
+    (run / VERDICT_FILE).write_text(json.dumps({**v, "verdict": "accept_for_review",
+                                                "reasons": []}))
+    r = build_report(run)
+    assert r.verdict == "accept_for_review" and r.receipt_verified is False
+    assert any(p.startswith(f"receipt: does not verify: {VERDICT_FILE}") for p in r.problems)
+    assert "NOT VERIFIED" in dict(terminal_rows(r))["receipt sha256"]
+    assert "NOT VERIFIED" in markdown(r)
+    assert "NOT VERIFIED" in render_html(r, run_dir=run, html_dir=tmp_path)
+    suite = next(iter(JUnitXml.fromstring(junit(r).decode())))
+    props = {p.name: p.value for p in suite.properties()}
+    assert props["receipt_verified"] == "false"

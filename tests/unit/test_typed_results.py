@@ -36,7 +36,8 @@ DREAM = {"mode": "model", "source_tasks": 2, "requested": 4, "accepted": 3, "fal
          "reasons": {"duplicate": 1, "semantic_reject": 0}, "optimizer_tokens": 7,
          "optimizer_cost_usd": None, "cost_complete": False}
 RECEIPT: dict[str, Any] = {
-    "schema": 1, "generated_at": "2026-11-29T23:43:02+00:00", "plan_hash": "a" * 64,
+    "schema": 1, "candidate_git_bound": True, "generated_at": "2026-11-29T23:43:02+00:00",
+    "plan_hash": "a" * 64,
     "inputs": {"brief": "b" * 64, "upstreams": "c" * 64},
     "identities": {"reference_hash": "r" * 64, "data_hash": "d" * 64, "scorer": "s" * 64,
                    "judge_id": None, "manifest_sha256": "m" * 64},
