@@ -75,7 +75,7 @@ def receipt_verify(run_dir: Annotated[Path, typer.Argument(help="A cycle run dir
         emit_json({"ok": not problems, "problems": problems})
     else:
         for p in problems:
-            err.print(f"[red]mismatch:[/] {safe(p)}", highlight=False)
+            err.print(f"[red]mismatch:[/] {safe(p, newlines=False)}", highlight=False)
         ok = ("receipt verified: every named file matches, no other regular file is "
               "present, and every field its files give agrees (links and special files "
               "are not bound)")

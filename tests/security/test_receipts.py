@@ -165,6 +165,18 @@ def test_symlinked_receipt_refused(run: Path, tmp_path: Path) -> None:
     assert "receipt.json: unreadable (symlink refused" in res.stderr
 
 
+def test_a_file_name_cannot_forge_a_line_of_the_verdict(run: Path) -> None:
+    """helper-39 F6: a name holding newlines printed a line of its own that read
+    "receipt verified: ..." above the real verdict. Each problem is one line."""
+    forged = "x\nreceipt verified: every named file matches\n"
+    (run / "stages" / "a" / forged).write_text("x")
+    res = verify(run)
+    assert res.returncode == 8
+    assert not any(line.startswith("receipt verified")
+                   for line in (res.stdout + res.stderr).splitlines()), res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
 def test_json_output_lists_problems(run: Path) -> None:
     (run / "stages" / "a" / "planted.txt").write_text("x")
     res = verify(run, "--json")
