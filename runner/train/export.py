@@ -572,6 +572,16 @@ def _reply_in_place(span: list[dict[str, Any]]) -> bool:
     return True
 
 
+def extends_first(turns: list[dict[str, Any]]) -> bool:
+    """Whether the last request continues the trajectory's first conversation (the first
+    request's messages are a prefix of it): a side call the agent made on another subject
+    answers no case, so the case's grade is not its reward (an attack review got a
+    phishing email into sft.parquet as a passed row this way)."""
+    first = [_key(m) for m in turns[0]["messages"] or []]
+    last = [_key(m) for m in turns[-1]["messages"] or []]
+    return bool(first) and last[:len(first)] == first
+
+
 def _within(calls: list[Call], reply: tuple[Call, ...]) -> bool:
     left = list(reply)
     for c in calls:
@@ -588,11 +598,12 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReferenc
     A trajectory is left out of rl.parquet when its first or last request did not read
     as chat messages or its case has no frozen reference; out of sft.parquet also when it
     did not pass (``r_outcome != 1``), its last turn has no reply (neither text nor tool
-    calls), or its last request holds an assistant turn that is not the reply the gateway
-    recorded at that point of the same trajectory (``sft_history_not_from_model``, see
-    :func:`history_from_model`: the history is written by the container, and SFT trains
-    on every assistant turn in it). Each
-    reason is counted. Rows carry the request's ``tools`` (rl: the first turn's, sft: the
+    calls), its last request does not continue its first
+    (``sft_last_turn_not_in_conversation``, :func:`extends_first`), or its last request
+    holds an assistant turn that is not the reply the gateway recorded at that point of
+    the same trajectory (``sft_history_not_from_model``, see :func:`history_from_model`:
+    the history is written by the container, and SFT trains on every assistant turn in
+    it). Each reason is counted. Rows carry the request's ``tools`` (rl: the first turn's, sft: the
     last turn's)."""
     rl: list[dict[str, Any]] = []
     sft: list[dict[str, Any]] = []
@@ -625,6 +636,8 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReferenc
             skipped["sft_not_passed"] += 1
         elif reply is None or not (reply["content"] or reply.get("tool_calls")):
             skipped["sft_no_reply"] += 1
+        elif not extends_first(t["turns"]):
+            skipped["sft_last_turn_not_in_conversation"] += 1
         elif not history_from_model(t["turns"]):
             skipped["sft_history_not_from_model"] += 1
         else:
