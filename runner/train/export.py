@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Literal
@@ -582,6 +583,19 @@ def extends_first(turns: list[dict[str, Any]]) -> bool:
     return bool(first) and last[:len(first)] == first
 
 
+CONTROL_TOKEN = re.compile(
+    r"<\|[A-Za-z0-9_.\-]{1,40}\|>|\[/?INST\]|<(?:start|end)_of_turn>|</?s>")
+"""Chat-template control tokens (ChatML ``<|im_start|>``, Llama 3 ``<|eot_id|>``, Phi
+``<|end|>``, Mistral ``[INST]``, Gemma ``<start_of_turn>``, ``</s>``): written in a
+message's text, a tokenizer reads them as the real tokens, so a tool result or a reply
+could open turns of its own in a training row."""
+
+
+def control_token_in(value: Any) -> bool:
+    """Whether any string in ``value`` (messages, tools; keys too) holds a control token."""
+    return bool(CONTROL_TOKEN.search(json.dumps(value, ensure_ascii=False)))
+
+
 def _within(calls: list[Call], reply: tuple[Call, ...]) -> bool:
     left = list(reply)
     for c in calls:
@@ -599,7 +613,9 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReferenc
     as chat messages or its case has no frozen reference; out of sft.parquet also when it
     did not pass (``r_outcome != 1``), its last turn has no reply (neither text nor tool
     calls), its last request does not continue its first
-    (``sft_last_turn_not_in_conversation``, :func:`extends_first`), or its last request
+    (``sft_last_turn_not_in_conversation``, :func:`extends_first`), a text of it holds a
+    chat-template control token (``sft_control_token_in_content``, :data:`CONTROL_TOKEN`),
+    or its last request
     holds an assistant turn that is not the reply the gateway recorded at that point of
     the same trajectory (``sft_history_not_from_model``, see :func:`history_from_model`:
     the history is written by the container, and SFT trains on every assistant turn in
@@ -640,6 +656,8 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReferenc
             skipped["sft_last_turn_not_in_conversation"] += 1
         elif not history_from_model(t["turns"]):
             skipped["sft_history_not_from_model"] += 1
+        elif control_token_in([final, reply, last["tools"]]):
+            skipped["sft_control_token_in_content"] += 1
         else:
             sft.append({"data_source": t["data_source"], "messages": [*final, reply],
                         "extra_info": {**extra, "index": len(sft)}, "tools": last["tools"]})

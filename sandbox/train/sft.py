@@ -4,7 +4,8 @@ Mounts: /corpus (trajectories.jsonl from ``cyclebox export``), /model, /in/confi
 /out. Each turn becomes one chat row: the turn's messages in chat shape (tool calls and
 tool results kept, whatever API family the agent spoke), then the reply message, with the
 request's tools; a turn that does not continue its trajectory's first conversation (a
-side call) is left out and counted. By default only trajectories that passed
+side call) is left out and counted, and so is a row whose text holds one of the
+tokenizer's special tokens. By default only trajectories that passed
 (``r_outcome == 1``) are learned from; ``include_failed`` in the config takes every graded
 and ungraded one. The selection and its counts go in the receipt. The adapter's
 ``adapter_config.json`` names the base model by the host path the operator passed
@@ -52,7 +53,8 @@ def _key(m: Any) -> Any:
     calls = []
     for call in m.get("tool_calls") or []:
         c = call if isinstance(call, dict) else {}
-        fn = c.get("function") if isinstance(c.get("function"), dict) else {}
+        f = c.get("function")
+        fn: dict[str, Any] = f if isinstance(f, dict) else {}
         args = str(fn.get("arguments", "")).strip() or "{}"
         with contextlib.suppress(ValueError):
             args = json.dumps(json.loads(args), sort_keys=True, separators=(",", ":"))
@@ -68,6 +70,14 @@ def in_conversation(first: Any, turn: dict[str, Any]) -> bool:
     if not isinstance(first, list) or not first or not isinstance(msgs, list):
         return False
     return [_key(m) for m in msgs[:len(first)]] == [_key(m) for m in first]
+
+
+def special_token_in(row: dict[str, Any], tok: Any) -> bool:
+    """Whether a text of the row (messages, tools) holds one of the tokenizer's special
+    tokens: written in a message, the tokenizer reads it as the real token, so a tool
+    result or a reply could open turns of its own. Such a row is left out, counted."""
+    text = json.dumps(row, ensure_ascii=False)
+    return any(t in text for t in getattr(tok, "all_special_tokens", []) if t)
 
 
 def rows_from_trajectories(trajs: list[dict[str, Any]],
@@ -115,21 +125,29 @@ def main(corpus: Path = Path("/corpus"), model_dir: Path = Path("/model"),
                              include_failed=bool(cfg.get("include_failed")))
     left_out: dict[str, int] = {"turns_not_in_conversation": 0}
     rows = rows_from_trajectories(used, left_out)
-    selection["rows"] = len(rows)
     selection.update(left_out)
+    nothing = {"event": "error", "selection": selection,
+               "message": "no trajectory with a reply passed the selection "
+               "(r_outcome == 1); nothing to train on"}
     if not rows:
-        print(json.dumps({"event": "error", "selection": selection,
-                          "message": "no trajectory with a reply passed the selection "
-                          "(r_outcome == 1); nothing to train on"}))
+        selection["rows"] = 0
+        print(json.dumps(nothing))
+        return 3
+    threads = lora.setup(int(cfg["seed"]))
+    model, tok = lora.load(model_dir)
+    kept = [r for r in rows if not special_token_in(r, tok)]
+    selection["rows_with_special_tokens"] = len(rows) - len(kept)
+    rows = kept
+    selection["rows"] = len(rows)
+    if not rows:
+        print(json.dumps(nothing))
         return 3
     dataset = out / "dataset.jsonl"
     dataset.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
     sched = plan.base_schedule(len(rows))
     epochs = int(cfg.get("epochs") or sched.epochs)
-    threads = lora.setup(int(cfg["seed"]))
     lora.emit({"event": "start", "rows": len(rows), "epochs": epochs,
                "grad_accum": sched.grad_accum, "threads": threads})
-    model, tok = lora.load(model_dir)
     peft_model = lora.with_lora(model)
     figures = lora.train(peft_model, tok, rows, epochs=epochs, grad_accum=sched.grad_accum,
                          lr=float(cfg["lr"]), seed=int(cfg["seed"]))
