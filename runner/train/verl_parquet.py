@@ -64,12 +64,18 @@ def tools_column(tools: list[list[dict[str, Any]]]) -> tuple[pa.Array, str]:
         buf = pa.BufferOutputStream()
         pq.write_table(table, buf)
         back = pq.read_table(pa.BufferReader(buf.getvalue())).column("tools").to_pylist()
-        if back == tools:
+        # compared as JSON text: Python's == takes False for 0.0 and 1 for 1.0, so a
+        # schema's boolean default read back as a float passed (an attack review)
+        if _exact(back) == _exact(tools):
             return arr, STRUCT
     except (pa.ArrowException, ValueError, TypeError, OverflowError):
         pass
     return pa.array([json.dumps(t, ensure_ascii=False) for t in tools], type=pa.string()), \
         JSON_TEXT
+
+
+def _exact(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
 def _write(rows: list[dict[str, Any]], schema: pa.Schema, path: Path) -> str:

@@ -1018,6 +1018,14 @@ def test_tools_column_falls_back_to_json_text_when_schemas_differ() -> None:
     no_args = [[tool("now", {"type": "object", "properties": {}})]]
     assert tools_column(no_args)[1] == JSON_TEXT
     assert tools_column([[], []])[1] == STRUCT
+    # helper-40 #5: a boolean default in one row and a number in another share a column
+    # of doubles, and read back as 0.0 (== False in Python): the meaning changed
+    typed = [[tool("q", {"type": "object", "properties": {"x": {
+        "type": "boolean", "default": False}}})],
+             [tool("q", {"type": "object", "properties": {"x": {
+                 "type": "boolean", "default": 0.5}}})]]
+    col, kind = tools_column(typed)
+    assert kind == JSON_TEXT and json.loads(col.to_pylist()[0]) == typed[0]
 
 
 def test_review_packet_shows_tool_calls_and_results_escaped(tmp_path: Path) -> None:
