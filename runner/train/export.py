@@ -596,6 +596,27 @@ def control_token_in(value: Any) -> bool:
     return bool(CONTROL_TOKEN.search(json.dumps(value, ensure_ascii=False)))
 
 
+def ambiguous_call_ids(messages: list[dict[str, Any]]) -> bool:
+    """Whether an assistant message names one tool-call id twice, or two tool results
+    after it answer the same id: no loader could tell which result is whose (ids left
+    empty by a provider are not compared)."""
+    calls: set[str] = set()
+    answered: set[str] = set()
+    for m in messages:
+        if m["role"] == "assistant":
+            calls, answered = set(), set()
+            for c in m.get("tool_calls") or []:
+                cid = str(c.get("id") or "")
+                if cid and cid in calls:
+                    return True
+                calls.add(cid)
+        elif m["role"] == "tool" and (cid := str(m.get("tool_call_id") or "")):
+            if cid in answered:
+                return True
+            answered.add(cid)
+    return False
+
+
 def _within(calls: list[Call], reply: tuple[Call, ...]) -> bool:
     left = list(reply)
     for c in calls:
@@ -615,7 +636,7 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReferenc
     calls), its last request does not continue its first
     (``sft_last_turn_not_in_conversation``, :func:`extends_first`), a text of it holds a
     chat-template control token (``sft_control_token_in_content``, :data:`CONTROL_TOKEN`),
-    or its last request
+    a tool-call id is ambiguous (``sft_duplicate_tool_call_id``), or its last request
     holds an assistant turn that is not the reply the gateway recorded at that point of
     the same trajectory (``sft_history_not_from_model``, see :func:`history_from_model`:
     the history is written by the container, and SFT trains on every assistant turn in
@@ -658,6 +679,8 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReferenc
             skipped["sft_history_not_from_model"] += 1
         elif control_token_in([final, reply, last["tools"]]):
             skipped["sft_control_token_in_content"] += 1
+        elif ambiguous_call_ids([*final, reply]):
+            skipped["sft_duplicate_tool_call_id"] += 1
         else:
             sft.append({"data_source": t["data_source"], "messages": [*final, reply],
                         "extra_info": {**extra, "index": len(sft)}, "tools": last["tools"]})

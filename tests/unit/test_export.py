@@ -1159,3 +1159,33 @@ def test_a_control_token_in_a_text_keeps_the_row_out_of_sft(where: str) -> None:
     row = {"messages": [*turns[-1]["messages"], turns[-1]["reply_message"]], "tools": tools}
     assert special_token_in(row, tok)
     assert not special_token_in({"messages": first}, tok)
+
+
+def test_duplicate_tool_call_ids_keep_the_row_out_of_sft() -> None:
+    """helper-40 #6: a reply naming ``call_1`` twice, with two results answering
+    ``call_1``, was exported: no loader can tell which result is whose."""
+    from runner.train.export import ambiguous_call_ids
+
+    def call(i: str, sql: str) -> dict[str, Any]:
+        return {"id": i, "type": "function",
+                "function": {"name": "q", "arguments": json.dumps({"q": sql})}}
+
+    user = {"role": "user", "content": "q?"}
+    twice = [user, {"role": "assistant", "content": None,
+                    "tool_calls": [call("call_1", "SELECT 1"), call("call_1", "SELECT 2")]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "2"},
+             {"role": "tool", "tool_call_id": "call_1", "content": "1"}]
+    assert ambiguous_call_ids(twice)
+    answered_twice = [user, {"role": "assistant", "content": None,
+                             "tool_calls": [call("a", "1"), call("b", "2")]},
+                      {"role": "tool", "tool_call_id": "a", "content": "1"},
+                      {"role": "tool", "tool_call_id": "a", "content": "2"}]
+    assert ambiguous_call_ids(answered_twice)
+    # ids a provider reuses turn after turn, and ids left empty, are not ambiguous
+    per_turn = [user, {"role": "assistant", "content": None, "tool_calls": [call("c0", "1")]},
+                {"role": "tool", "tool_call_id": "c0", "content": "1"},
+                {"role": "assistant", "content": None, "tool_calls": [call("c0", "2")]},
+                {"role": "tool", "tool_call_id": "c0", "content": "2"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [call("", "3"), call("", "4")]}]
+    assert not ambiguous_call_ids(per_turn)
