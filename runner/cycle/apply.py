@@ -224,9 +224,12 @@ def _run_and_check(stage_dir: Path, work: Path, bare: Path, base_commit: str, *,
         claim = ApplyRefusal(status="refused", reason="output_refused",
                              message=f"{exc}; container {rec.stop_reason.value}"
                                      + (f" ({rec.detail})" if rec.detail else ""))
-    _write_result(stage_dir, claim)
     if not isinstance(claim, Applied):
+        _write_result(stage_dir, claim)
         return claim
+    # The container's "applied" is never written as the stage's result: result.json says
+    # applied only once the host rebuilt that commit and exported its tree (a failure in
+    # between once left the container's claim, fields and all, as the host's record).
     if rec.stop_reason is not StopReason.OK:
         return _refuse(stage_dir, "apply_failed", rec.detail)
     fix = "the stage's in/ files are the host's own; run the cycle again"
@@ -247,8 +250,8 @@ def _run_and_check(stage_dir: Path, work: Path, bare: Path, base_commit: str, *,
     if export_to is not None:
         try:
             gitops.export_tree(bare, result.tree, export_to)
-        except IntegrityError as exc:
-            return _refuse(stage_dir, "export_mismatch", str(exc))
+        except (IntegrityError, ConfigError) as exc:  # a blob differs; a bound was passed
+            return _refuse(stage_dir, "export_mismatch", one_line(str(exc), 2000))
     (stage_dir / "candidate.patch").write_bytes(patch)
     _write_result(stage_dir, result)
     return result

@@ -304,3 +304,36 @@ def test_plan_supplies_the_scope(tmp_path: Path) -> None:
     inv = json.loads((tmp_path / "o2" / "in" / "invocation.json").read_text())
     assert inv["allowlist"] == body["edit"]["allowlist"]
     assert inv["paths"] == body["edit"]["paths"]
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("fails", ["bound", "interrupt"])
+def test_the_containers_applied_is_never_the_record_before_the_host_checked_it(
+        repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: str) -> None:
+    """helper-41 F1: the container's "applied" went into result.json before the host
+    checked it, and stayed there when the check ended in an exception it did not catch
+    (the export's 2 GiB bound, a signal): the host's record then said applied, with
+    fields the container chose. Now the bound is a named refusal, and an interrupted
+    check leaves no result at all."""
+    from runner import gitops
+    from runner.errors import ConfigError
+
+    real_export = gitops.export_tree
+
+    def export_tree(repo_: Path, tree: str, dest: Path, *a: Any, **k: Any) -> Any:
+        if dest.name != "candidate-src":  # the base, seeded before the container runs
+            return real_export(repo_, tree, dest, *a, **k)
+        if fails == "bound":
+            raise ConfigError("tree holds more than 2147483648 bytes of files; refused")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gitops, "export_tree", export_tree)
+    real = "import runpy; runpy.run_module('sandbox.apply_main', run_name='__main__')"
+    if fails == "bound":
+        result = _hostile_apply(tmp_path, repo, real)
+        assert result["status"] == "refused" and result["reason"] == "export_mismatch"
+        assert "2147483648 bytes" in result["message"]
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            _hostile_apply(tmp_path, repo, real)
+        assert not (tmp_path / "stage" / "result.json").exists()
