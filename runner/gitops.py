@@ -619,7 +619,8 @@ def _entry_blob_id(e: fswalk.Entry, algo: str) -> str:
 
 
 def check_export(repo: Path, tree: str, dest: Path) -> list[str]:
-    """Paths where the files under ``dest`` differ from ``tree``'s blobs (both directions).
+    """Paths where the files under ``dest`` differ from ``tree``'s blobs (both directions),
+    or are exported with another mode (executable or not, a symlink or a file).
 
     Regular files are hashed as git blobs, symlinks by their target; nothing is followed."""
     want = {path: (f"{mode:06o}", sha.hex()) for path, mode, sha in _walked(repo, tree)
@@ -642,6 +643,9 @@ def check_export(repo: Path, tree: str, dest: Path) -> list[str]:
     problems += [f"{p}: in the export but not in the tree" for p in sorted(set(got) - set(want))]
     problems += [f"{p}: exported content differs from the committed blob"
                  for p in sorted(set(want) & set(got)) if want[p][1] != got[p][1]]
+    problems += [f"{p}: exported as mode {got[p][0]}, committed as {want[p][0]}"
+                 for p in sorted(set(want) & set(got))
+                 if want[p][1] == got[p][1] and want[p][0] != got[p][0]]
     return walk_problems + problems
 
 

@@ -154,3 +154,26 @@ def test_export_runs_no_command_the_repository_configures(armed: tuple[Path, Pat
     gitops.export_tree(repo, tree, tmp_path / "export")
     assert sorted(os.listdir(marks)) == [], "git archive ran the repository's commands"
     assert (tmp_path / "export" / "f").read_text() == "x\n"
+
+
+def test_check_export_names_a_mode_that_differs(tmp_path: Path) -> None:
+    """helper-41 F2: the export check compared blob ids only, so a file exported with
+    its executable bit flipped passed: the candidate would not run the tree committed."""
+    repo = tmp_path / "r"
+    (repo / "p").mkdir(parents=True)
+    (repo / "p" / "a.md").write_text("a\n")
+    (repo / "p" / "run.sh").write_text("#!/bin/sh\n")
+    (repo / "p" / "run.sh").chmod(0o755)
+    subprocess.run(["git", "init", "-q", str(repo)], check=True, env=ENV)
+    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True, env=ENV)
+    subprocess.run(["git", "-C", str(repo), "commit", "-qm", "m"], check=True, env=ENV)
+    tree = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD^{tree}"], check=True,
+                          env=ENV, capture_output=True, text=True).stdout.strip()
+    out = tmp_path / "export"
+    gitops.export_tree(repo, tree, out)
+    assert gitops.check_export(repo, tree, out) == []
+    (out / "p" / "a.md").chmod(0o755)
+    (out / "p" / "run.sh").chmod(0o644)
+    assert gitops.check_export(repo, tree, out) == [
+        "p/a.md: exported as mode 100755, committed as 100644",
+        "p/run.sh: exported as mode 100644, committed as 100755"]
