@@ -100,6 +100,14 @@ def main(in_dir: Path = Path("/in"), repo: Path = Path("/repo"),
         (out_dir / "result.json").write_text(json.dumps(
             {"status": "refused", "reason": "malformed_proposal", "message": str(exc)}))
         return 2
+    except subprocess.CalledProcessError as exc:
+        # git refused the edit (a path inside a submodule, say): named, with git's words
+        said = str(exc.stderr or "").strip()[-1500:] or f"exit {exc.returncode}, no stderr"
+        (out_dir / "result.json").write_text(json.dumps(
+            {"status": "refused", "reason": "git_failed",
+             "message": f"git {' '.join(map(str, exc.cmd[3:5]))} failed: {said}"}))
+        print(f"refused: git_failed: {said}", file=sys.stderr)
+        return 2
     patch = result.pop("patch")
     (out_dir / "candidate.patch").write_bytes(patch if isinstance(patch, bytes) else b"")
     (out_dir / "result.json").write_text(json.dumps(result, sort_keys=True))

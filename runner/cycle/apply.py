@@ -155,7 +155,8 @@ def read_claim(data: object, rec: RunRecord) -> Applied | ApplyRefusal:
 
 
 CONTAINER_REASONS = frozenset({
-    "absolute_path", "base_hash_mismatch", "duplicate_path", "git_path", "malformed_proposal",
+    "absolute_path", "base_hash_mismatch", "duplicate_path", "git_failed", "git_path",
+    "malformed_proposal",
     "not_a_regular_file", "not_normalized", "not_utf8", "nul_in_path", "outside_allowlist",
     "outside_invocation_set", "oversize_file", "path_through_file", "path_traversal",
     "symlink_in_path"})

@@ -422,7 +422,8 @@ class ApplyRefusal(Frozen):
     status: Literal["refused"]
     """Always ``refused`` for this variant."""
     reason: str
-    """A proposal rule (sandbox.proposal), or output_refused, apply_failed,
+    """A proposal rule (sandbox.proposal), or git_failed (git in the apply container
+    refused the edit: its stderr in ``message``), output_refused, apply_failed,
     host_verification_failed, export_mismatch."""
     message: str
     """What was wrong, for the operator."""

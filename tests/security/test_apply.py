@@ -337,3 +337,30 @@ def test_the_containers_applied_is_never_the_record_before_the_host_checked_it(
         with pytest.raises(KeyboardInterrupt):
             _hostile_apply(tmp_path, repo, real)
         assert not (tmp_path / "stage" / "result.json").exists()
+
+
+@pytest.mark.docker
+def test_a_path_git_refuses_is_a_named_refusal_with_gits_words(tmp_path: Path) -> None:
+    """helper-41 (informational): an operator path inside a submodule (a 160000 gitlink)
+    made `git add` fail in the container, which then wrote no result: the host recorded
+    output_refused "result.json is missing". Now git's refusal is named, with its stderr."""
+    from runner.errors import CycleboxError
+
+    repo = tmp_path / "repo"
+    (repo / "prompts").mkdir(parents=True)
+    (repo / "prompts" / "system.md").write_text(SYSTEM)
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "add", "-A")
+    _git(repo, "update-index", "--add", "--cacheinfo",
+         f"160000,{'1' * 40},prompts/sub")
+    _git(repo, "commit", "-q", "-m", "base with a submodule")
+    proposal = {"files": [{"path": "prompts/sub/x.md", "content": "x\n"}], "rationale": "r",
+                "base": {"prompts/sub/x.md": None}}
+    real = "import runpy; runpy.run_module('sandbox.apply_main', run_name='__main__')"
+    try:
+        result = _hostile_apply(tmp_path, repo, real, proposal=proposal,
+                                paths=("prompts/sub/x.md",))
+    except CycleboxError as exc:  # the host refused before the container: also named
+        pytest.fail(f"refused before the container ran: {exc}")
+    assert result["reason"] == "git_failed", result
+    assert "submodule" in result["message"] or "prompts/sub" in result["message"], result

@@ -490,8 +490,8 @@ def test_the_hosts_copies_of_the_apply_containers_names_agree() -> None:
     assert sandbox.apply.BRANCH == CANDIDATE_BRANCH
     assert {k: sandbox.apply.GIT_ENV[k] for k in CANDIDATE_GIT_ENV} == CANDIDATE_GIT_ENV
     src = inspect.getsource(sandbox.proposal) + inspect.getsource(sandbox.apply)
-    assert set(_re.findall(r'Refused\("([a-z0-9_]+)"', src)) | {"malformed_proposal"} == \
-        CONTAINER_REASONS
+    assert set(_re.findall(r'Refused\("([a-z0-9_]+)"', src)) | {
+        "malformed_proposal", "git_failed"} == CONTAINER_REASONS
     assert '"cyclebox candidate\\n\\n" + str(proposal.get("rationale", ""))[:2000]' in \
         inspect.getsource(sandbox.apply)
 
