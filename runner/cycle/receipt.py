@@ -38,7 +38,7 @@ from runner.errors import ConfigError, EnvironmentFailure, IntegrityError, Outpu
 from runner.failures import is_environment_error
 from runner.gateway.calllog import CallLog
 from runner.gateway.report import UsageReport, summarize
-from runner.hashing import canonical_bytes, sha256_json
+from runner.hashing import MAX_WRITE_DEPTH, canonical_bytes, sha256_json
 from runner.isolation.collect import loads_strict
 from runner.isolation.sandbox import Frozen, StopReason
 from runner.loading import MAX_BYTES, load_lines, load_model, parse_model, read_capped, show
@@ -122,7 +122,8 @@ def _records_digest(path: Path) -> str | None:
     for n, line in enumerate(data.split(b"\n"), start=1):
         if not line:
             continue
-        r = loads_strict(line, source=f"{path.name}:{n}", max_containers=RECORD_MAX_CONTAINERS)
+        r = loads_strict(line, source=f"{path.name}:{n}", max_containers=RECORD_MAX_CONTAINERS,
+                         max_depth=RECORD_MAX_DEPTH)
         if not isinstance(r, dict):
             raise OutputRejected(f"{path.name}:{n}: not a JSON object")
         h.update(b"" if first else b",")
@@ -133,6 +134,10 @@ def _records_digest(path: Path) -> str | None:
     return h.hexdigest()
 
 
+RECORD_MAX_DEPTH = 4 * MAX_WRITE_DEPTH
+"""Deepest record line read back: the writer cuts values at :data:`MAX_WRITE_DEPTH`
+below the record (an answer may nest as deep as its reader allowed, 64 levels, and sits
+one level down), so no record the host wrote comes near it."""
 RECORD_MAX_CONTAINERS = 1_000_000
 """Most JSON objects and arrays one record line may hold (a record holds about 8; its
 answer, the largest part, is at most 256 KiB of JSON when written)."""
@@ -922,11 +927,19 @@ def build_receipt(outcome: Outcome) -> Receipt:
             return build(outcome)
         except OSError as exc:
             if not is_environment_error(exc):
+                if not (d / RECEIPT).is_file():
+                    unclaim(d)
                 raise
             raise EnvironmentFailure(
                 f"the receipt could not be written ({exc.strerror or exc}): "
                 f"{unclaim(d)}. Fix: free space, keep the run as evidence (no receipt: it "
                 "is not a complete run) and run the cycle again") from None
+        except Exception:
+            # whatever stopped it (a file it could not read back, say): no receipt, so
+            # no verdict that claims anything
+            if not (d / RECEIPT).is_file():
+                unclaim(d)
+            raise
 
 
 def unclaim(run_dir: Path) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 
 from runner import fswalk
 from runner.errors import OutputRejected
-from sandbox.proposal import strict_json
+from sandbox.proposal import MAX_JSON_DEPTH, strict_json
 
 _DIR_FLAGS = fswalk.DIR_FLAGS
 
@@ -158,14 +158,15 @@ def _kind(mode: int) -> str:
 
 
 def loads_strict(data: bytes | str, *, source: str = "<json>",
-                 max_containers: int | None = None) -> Any:
+                 max_containers: int | None = None, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Parse JSON refusing NaN/Infinity and duplicate keys (and more than
-    ``max_containers`` objects and arrays); raise OutputRejected naming source."""
+    ``max_containers`` objects and arrays, or nesting past ``max_depth``); raise
+    OutputRejected naming source."""
     try:
         if isinstance(data, bytes):  # a strict decode: no lone surrogate gets through
             return strict_json(data.decode("utf-8"), from_utf8=True,
-                               max_containers=max_containers)
-        return strict_json(data, max_containers=max_containers)
+                               max_containers=max_containers, max_depth=max_depth)
+        return strict_json(data, max_containers=max_containers, max_depth=max_depth)
     except (ValueError, UnicodeDecodeError) as exc:
         raise OutputRejected(f"{source}: invalid JSON: {exc}") from None
 

@@ -493,7 +493,47 @@ def test_a_records_file_that_does_not_read_back_is_a_problem_not_a_crash(
     receipt.write_text(json.dumps(doc, sort_keys=True, separators=(",", ":")))
     (problem,) = verify(plan.parent)
     assert problem.startswith("the files the receipt binds could not be read back "
-                              "(JSONDecodeError: ")
+                              "(OutputRejected: records.jsonl:1: invalid JSON")
+
+
+def test_a_record_as_deep_as_an_answer_may_be_reads_back(tmp_path: Path) -> None:
+    """helper-42 #1: an answer nested 64 levels (what collect accepts) sits one level down
+    in its record, and the line-at-a-time records digest refused it at 64: the cycle
+    ended with no receipt and its verdict still claiming accept_for_review. The digest
+    reads what the writer writes, with the old value."""
+    from runner.cycle.receipt import _records_digest
+    from runner.hashing import sha256_json
+
+    answer: Any = "leaf"
+    for _ in range(63):
+        answer = {"trace": answer}
+    row = {"case_id": "c", "trial": 0, "status": "ok", "reason": None, "answer": answer,
+           "grades": None, "identities": {}}
+    p = tmp_path / "records.jsonl"
+    p.write_text(json.dumps(row) + "\n")
+    assert _records_digest(p) == sha256_json([row])
+
+
+def test_a_receipt_that_cannot_be_built_leaves_no_verdict_claiming(
+        planned: Freeze, monkeypatch: pytest.MonkeyPatch) -> None:
+    """helper-42 #1: whatever stops the receipt (not only a full disk), the verdict is
+    set aside: no verdict.json says accept_for_review without a receipt beside it."""
+    import runner.cycle.receipt as receipt_mod
+    from runner.errors import OutputRejected
+
+    plan = planned()
+    outcome = run(plan, fake(script()))
+
+    def broken(_path: Path) -> str:
+        raise OutputRejected("records.jsonl:1: invalid JSON: nested too deep")
+
+    monkeypatch.setattr(receipt_mod, "_records_digest", broken)
+    with pytest.raises(OutputRejected):
+        receipt_mod.build_receipt(outcome)
+    compare = plan.parent / "stages" / "compare"
+    assert not (compare / "verdict.json").exists()
+    assert (compare / "verdict.no-receipt.json").is_file()
+    assert not (plan.parent / "receipt.json").exists()
 
 
 def test_a_null_candidate_tree_on_an_applied_run_does_not_verify(planned: Freeze) -> None:
