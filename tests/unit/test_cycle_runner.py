@@ -504,8 +504,8 @@ def test_a_record_as_deep_as_an_answer_may_be_reads_back(tmp_path: Path) -> None
     from runner.cycle.receipt import _records_digest
     from runner.hashing import sha256_json
 
-    answer: Any = "leaf"
-    for _ in range(63):
+    answer: Any = ["leaf"]
+    for _ in range(63):  # 64 levels: what collect's strict reader accepts in answer.json
         answer = {"trace": answer}
     row = {"case_id": "c", "trial": 0, "status": "ok", "reason": None, "answer": answer,
            "grades": None, "identities": {}}
