@@ -573,22 +573,17 @@ def _reply_in_place(span: list[dict[str, Any]]) -> bool:
     return True
 
 
-def extends_first(turns: list[dict[str, Any]]) -> bool:
-    """Whether the last request continues the trajectory's first conversation (the first
-    request's messages are a prefix of it): a side call the agent made on another subject
-    answers no case, so the case's grade is not its reward (an attack review got a
-    phishing email into sft.parquet as a passed row this way)."""
-    first = [_key(m) for m in turns[0]["messages"] or []]
-    last = [_key(m) for m in turns[-1]["messages"] or []]
-    return bool(first) and last[:len(first)] == first
-
-
 CONTROL_TOKEN = re.compile(
-    r"<\|[A-Za-z0-9_.\-]{1,40}\|>|\[/?INST\]|<(?:start|end)_of_turn>|</?s>")
+    r"<[|\uff5c][^<>\n]{1,60}[|\uff5c]>"  # ChatML, Llama 3, Phi; DeepSeek's fullwidth bars
+    r"|\[/?(?:INST|SYSTEM_PROMPT|TOOL_CALLS|AVAILABLE_TOOLS|TOOL_RESULTS|TOOL_CONTENT"
+    r"|IMG|IMG_BREAK|IMG_END|PREFIX|MIDDLE|SUFFIX)\]"  # Mistral
+    r"|<(?:start|end)_of_turn>|<(?:bos|eos|pad|unk|sop|eop|mask)>|</?s>")  # Gemma, GLM, ...
 """Chat-template control tokens (ChatML ``<|im_start|>``, Llama 3 ``<|eot_id|>``, Phi
-``<|end|>``, Mistral ``[INST]``, Gemma ``<start_of_turn>``, ``</s>``): written in a
+``<|end|>``, DeepSeek's (its bars fullwidth, U+FF5C), Mistral ``[INST]`` and
+``[TOOL_CALLS]``, Gemma ``<start_of_turn>``, ``<bos>``, ``</s>``): written in a
 message's text, a tokenizer reads them as the real tokens, so a tool result or a reply
-could open turns of its own in a training row."""
+could open turns of its own in a training row. ``train sft`` also checks the base
+tokenizer's own special and added tokens."""
 
 
 def control_token_in(value: Any) -> bool:
@@ -633,15 +628,14 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReferenc
     A trajectory is left out of rl.parquet when its first or last request did not read
     as chat messages or its case has no frozen reference; out of sft.parquet also when it
     did not pass (``r_outcome != 1``), its last turn has no reply (neither text nor tool
-    calls), its last request does not continue its first
-    (``sft_last_turn_not_in_conversation``, :func:`extends_first`), a text of it holds a
-    chat-template control token (``sft_control_token_in_content``, :data:`CONTROL_TOKEN`),
-    a tool-call id is ambiguous (``sft_duplicate_tool_call_id``), or its last request
-    holds an assistant turn that is not the reply the gateway recorded at that point of
-    the same trajectory (``sft_history_not_from_model``, see :func:`history_from_model`:
-    the history is written by the container, and SFT trains on every assistant turn in
-    it). Each reason is counted. Rows carry the request's ``tools`` (rl: the first turn's, sft: the
-    last turn's)."""
+    calls), a text of it holds a chat-template control token
+    (``sft_control_token_in_content``, :data:`CONTROL_TOKEN`), a tool-call id is
+    ambiguous (``sft_duplicate_tool_call_id``), or its last request holds an assistant
+    turn that is not the reply the gateway recorded at that point of the same trajectory
+    (``sft_history_not_from_model``, see :func:`history_from_model`: the history is
+    written by the container, and SFT trains on every assistant turn in it). Each reason
+    is counted. Rows carry the request's ``tools`` (rl: the first turn's, sft: the last
+    turn's)."""
     rl: list[dict[str, Any]] = []
     sft: list[dict[str, Any]] = []
     skipped: dict[str, int] = defaultdict(int)
@@ -673,8 +667,6 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReferenc
             skipped["sft_not_passed"] += 1
         elif reply is None or not (reply["content"] or reply.get("tool_calls")):
             skipped["sft_no_reply"] += 1
-        elif not extends_first(t["turns"]):
-            skipped["sft_last_turn_not_in_conversation"] += 1
         elif not history_from_model(t["turns"]):
             skipped["sft_history_not_from_model"] += 1
         elif control_token_in([final, reply, last["tools"]]):

@@ -94,9 +94,6 @@ class Selection(Frozen):
     used: int
     left_out: int
     rows: int
-    turns_not_in_conversation: int = 0
-    """Turns of used trajectories left out: they do not continue the trajectory's first
-    conversation (a side call answers no case)."""
     rows_with_special_tokens: int = 0
     """Rows left out: a text of theirs holds one of the tokenizer's special tokens."""
 

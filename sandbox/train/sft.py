@@ -3,9 +3,8 @@
 Mounts: /corpus (trajectories.jsonl from ``cyclebox export``), /model, /in/config.json,
 /out. Each turn becomes one chat row: the turn's messages in chat shape (tool calls and
 tool results kept, whatever API family the agent spoke), then the reply message, with the
-request's tools; a turn that does not continue its trajectory's first conversation (a
-side call) is left out and counted, and so is a row whose text holds one of the
-tokenizer's special tokens. By default only trajectories that passed
+request's tools; a row whose text holds one of the tokenizer's special tokens is left
+out and counted. By default only trajectories that passed
 (``r_outcome == 1``) are learned from; ``include_failed`` in the config takes every graded
 and ungraded one. The selection and its counts go in the receipt. The adapter's
 ``adapter_config.json`` names the base model by the host path the operator passed
@@ -15,7 +14,6 @@ in the receipt.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -45,60 +43,33 @@ def rows_from_corpus(path: Path, *, include_failed: bool = True) -> list[dict[st
     return rows_from_trajectories(select(path, include_failed=include_failed)[0])
 
 
-def _key(m: Any) -> Any:
-    """A message as compared between turns (tool-call arguments as canonical JSON: SDKs
-    re-serialize them)."""
-    if not isinstance(m, dict):
-        return m
-    calls = []
-    for call in m.get("tool_calls") or []:
-        c = call if isinstance(call, dict) else {}
-        f = c.get("function")
-        fn: dict[str, Any] = f if isinstance(f, dict) else {}
-        args = str(fn.get("arguments", "")).strip() or "{}"
-        with contextlib.suppress(ValueError):
-            args = json.dumps(json.loads(args), sort_keys=True, separators=(",", ":"))
-        calls.append((c.get("id"), fn.get("name"), args))
-    return (m.get("role"), m.get("content") or "", m.get("tool_call_id"), calls)
+def control_tokens(tok: Any) -> list[str]:
+    """The tokenizer's special tokens and the added tokens that look like markup (``<``,
+    ``[`` or ``|`` in them: DeepSeek's turn tokens are added, not special; an added run of
+    spaces is not a control token)."""
+    special = [t for t in getattr(tok, "all_special_tokens", []) if t]
+    added = getattr(tok, "get_added_vocab", dict)()
+    return sorted({*special, *(t for t in added if len(t) >= 3 and set(t) & set("<[|\uff5c"))})
 
 
-def in_conversation(first: Any, turn: dict[str, Any]) -> bool:
-    """Whether a turn continues its trajectory's first conversation (the first turn's
-    messages are a prefix of its own): a side call on another subject answers no case, so
-    the case's grade says nothing of its reply."""
-    msgs = turn.get("messages")
-    if not isinstance(first, list) or not first or not isinstance(msgs, list):
-        return False
-    return [_key(m) for m in msgs[:len(first)]] == [_key(m) for m in first]
-
-
-def special_token_in(row: dict[str, Any], tok: Any) -> bool:
-    """Whether a text of the row (messages, tools) holds one of the tokenizer's special
-    tokens: written in a message, the tokenizer reads it as the real token, so a tool
-    result or a reply could open turns of its own. Such a row is left out, counted."""
+def special_token_in(row: dict[str, Any], tokens: list[str]) -> bool:
+    """Whether a text of the row (messages, tools) holds one of ``tokens``: written in a
+    message, the tokenizer reads it as the real token, so a tool result or a reply could
+    open turns of its own. Such a row is left out, counted."""
     text = json.dumps(row, ensure_ascii=False)
-    return any(t in text for t in getattr(tok, "all_special_tokens", []) if t)
+    return any(t in text for t in tokens)
 
 
-def rows_from_trajectories(trajs: list[dict[str, Any]],
-                           left_out: dict[str, int] | None = None) -> list[dict[str, Any]]:
+def rows_from_trajectories(trajs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One chat row per turn with a reply: the turn's messages in chat shape (tool calls
     and tool results kept, every API family alike), the reply message last, and the
-    request's tools. A turn that does not continue the trajectory's first conversation
-    (:func:`in_conversation`) is left out, counted in ``left_out``. Corpora written
-    before turns carried ``messages`` fall back to the recorded chat request and the
-    reply text."""
+    request's tools. Corpora written before turns carried ``messages`` fall back to the
+    recorded chat request and the reply text."""
     rows = []
     for traj in trajs:
-        first = traj["turns"][0].get("messages") if traj["turns"] else None
         for turn in traj["turns"]:
             reply_msg = turn.get("reply_message")
             if isinstance(turn.get("messages"), list) and isinstance(reply_msg, dict):
-                if not in_conversation(first, turn):
-                    if left_out is not None:
-                        left_out["turns_not_in_conversation"] = left_out.get(
-                            "turns_not_in_conversation", 0) + 1
-                    continue
                 row: dict[str, Any] = {"messages": [*turn["messages"], reply_msg]}
                 if turn.get("tools"):
                     row["tools"] = turn["tools"]
@@ -123,9 +94,7 @@ def main(corpus: Path = Path("/corpus"), model_dir: Path = Path("/model"),
     cfg: dict[str, Any] = json.loads((in_dir / "config.json").read_text())
     used, selection = select(corpus / "trajectories.jsonl",
                              include_failed=bool(cfg.get("include_failed")))
-    left_out: dict[str, int] = {"turns_not_in_conversation": 0}
-    rows = rows_from_trajectories(used, left_out)
-    selection.update(left_out)
+    rows = rows_from_trajectories(used)
     nothing = {"event": "error", "selection": selection,
                "message": "no trajectory with a reply passed the selection "
                "(r_outcome == 1); nothing to train on"}
@@ -135,7 +104,8 @@ def main(corpus: Path = Path("/corpus"), model_dir: Path = Path("/model"),
         return 3
     threads = lora.setup(int(cfg["seed"]))
     model, tok = lora.load(model_dir)
-    kept = [r for r in rows if not special_token_in(r, tok)]
+    tokens = control_tokens(tok)
+    kept = [r for r in rows if not special_token_in(r, tokens)]
     selection["rows_with_special_tokens"] = len(rows) - len(kept)
     rows = kept
     selection["rows"] = len(rows)

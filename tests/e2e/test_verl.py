@@ -149,7 +149,7 @@ def test_train_sft_on_passed_then_adapter_loads_on_host(exported: dict[str, Path
     assert receipt["selection"] == {
         "include_failed": False, "rule": "r_outcome == 1", "trajectories": 28,
         "by_r_outcome": {"1": 21, "0": 7, "null": 0}, "used": 21, "left_out": 7, "rows": 21,
-        "turns_not_in_conversation": 0, "rows_with_special_tokens": 0}
+        "rows_with_special_tokens": 0}
     assert receipt["figures"]["steps"] == 21
     assert receipt["base_model"] == {"host_path": str(tiny_model.resolve()),
                                      "container_path": "/model"}
