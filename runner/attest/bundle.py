@@ -91,7 +91,9 @@ def _facts(run_dir: Path) -> RunFacts:
     run_id = run_ids.pop() if len(run_ids) == 1 else f"{plan.plan.name}-{plan.plan_hash[:10]}"
     return RunFacts(run_dir=run_dir, receipt=receipt,
                     receipt_sha256=hashlib.sha256(raw).hexdigest(), plan=plan,
-                    report=build_report(run_dir), apply_result=result, run_id=run_id)
+                    # attest verified the run just before (verify, in full)
+                    report=build_report(run_dir, verified=True), apply_result=result,
+                    run_id=run_id)
 
 
 def statements(run_dir: Path) -> tuple[Statement, ...]:

@@ -208,12 +208,33 @@ def _timing(timing: Any, problems: list[str]) -> dict[str, float]:
     return out
 
 
-def _verified(run_dir: Path, problems: list[str]) -> bool:
+REPORT_VERIFY_BYTES = 2 << 30
+"""Most bytes of files a report hashes to check the run against its receipt: a larger
+run (or one a sparse file of terabytes was planted in) is shown as not checked, and
+``cyclebox receipt verify`` checks it, however long it takes."""
+
+
+def _verified(run_dir: Path, problems: list[str]) -> bool | None:
     """Whether the run directory is what its receipt binds (``receipt verify``, the data
     stores outside it aside): a report shows the receipt's hash beside the outcome only as
-    binding when it is; otherwise the first problems are noted."""
+    binding when it is; otherwise the first problems are noted. None: not checked (more
+    than :data:`REPORT_VERIFY_BYTES` to hash)."""
+    from runner import fswalk
     from runner.cycle.receipt import verify
 
+    total = 0
+    try:
+        for e in fswalk.walk(run_dir, max_depth=64, max_entries=1_000_000):
+            if e.is_file:
+                total += e.st.st_size
+    except fswalk.WalkError as exc:
+        problems.append(cap(f"receipt: does not verify: {exc}", 500))
+        return False
+    if total > REPORT_VERIFY_BYTES:
+        problems.append(f"receipt: not checked here: the run directory holds {total} bytes, "
+                        f"more than a report hashes ({REPORT_VERIFY_BYTES}); `cyclebox "
+                        "receipt verify` checks it")
+        return None
     try:
         found = verify(run_dir, external=False)
     except CycleboxError as exc:
@@ -225,8 +246,10 @@ def _verified(run_dir: Path, problems: list[str]) -> bool:
     return not found
 
 
-def build_report(run_dir: Path) -> Report:
-    """The report of one run directory; raises OutputRejected when it is not one."""
+def build_report(run_dir: Path, *, verified: bool | None = None) -> Report:
+    """The report of one run directory; raises OutputRejected when it is not one.
+    ``verified``: the caller verified the run against its receipt just before (attest),
+    so the report does not hash it again."""
     hint = "pass a directory written by `cyclebox cycle run --out DIR`"
     try:
         found = readfs.is_file(run_dir, "plan.json")
@@ -306,7 +329,8 @@ def build_report(run_dir: Path) -> Report:
         improved=_changes(v.get("improvements")), regressed=_changes(v.get("regressions")),
         costs=costs, fixture=fixture, statistics=stats,
         receipt_sha256=None if receipt is None else hashlib.sha256(receipt).hexdigest(),
-        receipt_verified=None if receipt is None else _verified(run_dir, rd.problems),
+        receipt_verified=None if receipt is None else (
+            verified if verified is not None else _verified(run_dir, rd.problems)),
         patch=None if patch is None else patch[:MAX_PATCH].decode("utf-8", "replace"),
         patch_truncated=patch is not None and len(patch) > MAX_PATCH,
         timing=_timing(timing, rd.problems),

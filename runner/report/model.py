@@ -133,7 +133,8 @@ class Report(Frozen):
     """sha256 of receipt.json's bytes; None when the run has no receipt."""
     receipt_verified: bool | None = None
     """Whether the run directory verified against that receipt (its files and every field
-    they give; data stores outside it not read); None without a receipt."""
+    they give; data stores outside it not read); None without a receipt, or when the run
+    was too large for the report to check (a problem says so)."""
     patch: str | None
     """The candidate patch (stages/apply/candidate.patch), capped."""
     patch_truncated: bool = False
@@ -148,6 +149,9 @@ def receipt_text(r: Report) -> str:
         return "MISSING (no receipt.json)"
     if r.receipt_verified:
         return f"{r.receipt_sha256} (verified: the run matches it)"
+    if r.receipt_verified is None:
+        return (f"{r.receipt_sha256} (NOT VERIFIED here: the run is too large for a report "
+                "to check; `cyclebox receipt verify` checks it)")
     return (f"{r.receipt_sha256} (NOT VERIFIED: the run directory does not match its "
             "receipt; what is shown may have been edited; `cyclebox receipt verify` names "
             "the problems)")

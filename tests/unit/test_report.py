@@ -503,3 +503,21 @@ def test_an_edited_run_is_shown_as_not_verified_in_every_output(run: Path,
     suite = next(iter(JUnitXml.fromstring(junit(r).decode())))
     props = {p.name: p.value for p in suite.properties()}
     assert props["receipt_verified"] == "false"
+
+
+def test_a_run_too_large_to_hash_is_shown_as_not_checked_quickly(run: Path) -> None:
+    """helper-42 #4: the report's verify hashed an 8 GiB sparse file for 26 s (1 TiB would
+    take an hour). Past the report's byte budget the receipt is shown as not checked
+    here, at once; `receipt verify` still checks it in full."""
+    import time
+
+    from runner.report.build import REPORT_VERIFY_BYTES
+
+    with (run / "stages/apply/candidate.patch").open("r+b") as f:
+        f.truncate(REPORT_VERIFY_BYTES + 1)  # sparse: no disk used
+    t = time.monotonic()
+    r = build_report(run)
+    assert time.monotonic() - t < 5
+    assert r.receipt_verified is None
+    assert "NOT VERIFIED here" in dict(terminal_rows(r))["receipt sha256"]
+    assert any(p.startswith("receipt: not checked here") for p in r.problems), r.problems
