@@ -62,17 +62,17 @@ file with this suffix is made from the receipt, so the receipt cannot bind it.""
 
 def _unbound(rel: str, *, legacy_git: bool = False) -> bool:
     """Files of a run directory the receipt does not bind, one rule for the writer's walk
-    and ``verify``: the top-level receipt and its signature, the apply container's old
-    repository (:data:`WORK_GIT`), matched by exact path (a role's ``out/receipt.json`` is
-    bound like any other output), and top-level attestation bundles (``*.intoto.jsonl``;
-    no role writes at the top level).
+    and ``verify``: the top-level receipt and its signature, matched by exact path (a
+    role's ``out/receipt.json`` is bound like any other output), and top-level
+    attestation bundles (``*.intoto.jsonl``; no role writes at the top level).
 
-    The host's bare clone ``stages/apply/candidate.git`` is bound file by file (its config,
-    objects and refs: anything added there, a ``commondir`` or an object swapped under its
-    id, fails ``verify``), but in a receipt written before it was (``legacy_git``: the
-    receipt's ``candidate_git_bound`` is absent), where only its commit and tree are."""
-    return (rel in _UNBOUND_FILES or rel.startswith(WORK_GIT)
-            or (legacy_git and rel.startswith(CANDIDATE_GIT + "/"))
+    The two git directories of the apply stage (the host's bare clone
+    ``stages/apply/candidate.git`` and :data:`WORK_GIT`) are bound file by file (config,
+    objects and refs: anything added there, a ``commondir`` or an ``fsmonitor`` command
+    or an object swapped under its id, fails ``verify``), but in a receipt written before
+    they were (``legacy_git``: the receipt's ``candidate_git_bound`` is absent)."""
+    return (rel in _UNBOUND_FILES
+            or (legacy_git and rel.startswith((CANDIDATE_GIT + "/", WORK_GIT)))
             or ("/" not in rel and rel.endswith(BUNDLE_SUFFIX)))
 
 
@@ -257,8 +257,9 @@ class Receipt(Frozen):
     files_not_utf8: dict[str, str]
     """Files whose names are not UTF-8, under their backslash-escaped names."""
     candidate_git_bound: bool = False
-    """``files`` names the files of ``stages/apply/candidate.git`` too (every receipt
-    written now; absent in older ones, which bound that clone by its commit and tree)."""
+    """``files`` names the files of the apply stage's git directories too (every receipt
+    written now; absent in older ones, which bound the bare clone by its commit and tree
+    and left the container's repository out)."""
 
 
 CONTAINERS_FIX = "containers.jsonl as the cycle runner writes it (one run record a line)"
@@ -594,9 +595,9 @@ def _present(root_fd: int, *, legacy_git: bool = False) -> tuple[set[str], list[
                 continue
             if e.is_file:
                 found.add(e.rel)
-            elif not e.is_dir and e.rel.startswith(CANDIDATE_GIT + "/"):
-                problems.append(f"{e.rel}: not a regular file or directory (the host's "
-                                "bare clone holds none)")
+            elif not e.is_dir and e.rel.startswith((CANDIDATE_GIT + "/", WORK_GIT)):
+                problems.append(f"{e.rel}: not a regular file or directory (a git "
+                                "directory of the apply stage holds none)")
     except fswalk.WalkError as exc:
         return found, [*problems, f"{exc} (the run directory could not be checked in full)"]
     return found, problems

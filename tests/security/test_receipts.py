@@ -199,7 +199,8 @@ def rewrite(run: Path, plan: dict[str, Any] | None = None, *, legacy: bool = Fal
     doc = json.loads((run / "plan.json").read_text())
     files, not_utf8 = _files(run)
     if legacy:
-        files = {k: v for k, v in files.items() if not k.startswith(CANDIDATE_GIT + "/")}
+        files = {k: v for k, v in files.items()
+                 if not k.startswith((CANDIDATE_GIT + "/", "stages/apply/work/repo/.git/"))}
     (run / "receipt.json").write_text(json.dumps(
         {"schema": 1, "plan_hash": doc["plan_hash"], "files": files,
          "files_not_utf8": not_utf8, "external": {}, **extra,
@@ -225,7 +226,8 @@ def test_only_the_exact_apply_git_dirs_and_receipt_are_unbound() -> None:
     assert _unbound("receipt.json") and _unbound("receipt.dsse.json")
     assert not _unbound("stages/apply/candidate.git/objects/pack/x.pack")
     assert _unbound("stages/apply/candidate.git/objects/pack/x.pack", legacy_git=True)
-    assert _unbound("stages/apply/work/repo/.git/config")
+    assert not _unbound("stages/apply/work/repo/.git/config")
+    assert _unbound("stages/apply/work/repo/.git/config", legacy_git=True)
     assert not _unbound("stages/apply/candidate.git")  # a file of that name is bound
     assert not _unbound("x/stages/apply/candidate.git/HEAD")
     assert not _unbound("stages/apply/work/repo/README.md")
@@ -259,6 +261,9 @@ def applied(run: Path, tmp_path: Path, request: pytest.FixtureRequest
     rewrite(run, outcome={"candidate_tree": tree}, legacy=request.param)
     assert verify_in(run) == []  # positive control: the tree recomputes
     return run, commit, tree
+
+
+NOT_REGULAR = "not a regular file or directory (a git directory of the apply stage holds none)"
 
 
 def _legacy(run: Path) -> bool:
@@ -311,8 +316,7 @@ def test_candidate_git_config_and_pointers_are_never_obeyed(
         with (bare / "config").open("a") as f:
             f.write(f"[include]\n\tpath = {target}\n")
         want = [f"{g}/config: sha256 differs from the receipt"] + (
-            [f"{g}/fifo: not a regular file or directory (the host's bare clone holds none)"]
-            if target == "fifo" else [])
+            [f"{g}/fifo: {NOT_REGULAR}"] if target == "fifo" else [])
     elif attack == "alternates":
         (bare / "objects" / "info").mkdir(parents=True, exist_ok=True)
         (bare / "objects" / "info" / "alternates").write_text("/tmp\n")
@@ -324,14 +328,12 @@ def test_candidate_git_config_and_pointers_are_never_obeyed(
     elif attack == "commondir-link":
         (run.parent / "x").write_text("/tmp\n")
         (bare / "commondir").symlink_to(run.parent / "x")
-        want = [f"{g}/commondir: not a regular file or directory (the host's bare clone "
-                "holds none)"]
+        want = [f"{g}/commondir: {NOT_REGULAR}"]
     elif attack == "fifo-head":
         (bare / "HEAD").unlink()
         os.mkfifo(bare / "HEAD")
         want = [f"{g}/HEAD: not a regular file (refused without reading)",
-                f"{g}/HEAD: not a regular file or directory (the host's bare clone holds "
-                "none)"]
+                f"{g}/HEAD: {NOT_REGULAR}"]
     else:
         (bare / "config.worktree").write_text("[include]\n\tpath = /dev/zero\n")
         with (bare / "config").open("a") as f:
@@ -380,8 +382,7 @@ def test_a_linked_objects_directory_is_refused(applied: tuple[Path, str, str]) -
     if _legacy(run):
         assert len(problems) == 1, problems
     else:
-        assert (f"{CANDIDATE_GIT}/objects: not a regular file or directory (the host's bare "
-                "clone holds none)") in problems
+        assert f"{CANDIDATE_GIT}/objects: {NOT_REGULAR}" in problems
 
 
 def test_a_remote_url_naming_include_or_worktree_is_not_a_refusal(
@@ -472,3 +473,21 @@ def test_records_digest_reads_a_line_at_a_time(tmp_path: Path) -> None:
     p.write_bytes(b"[" + b"[]," * RECORD_MAX_CONTAINERS + b"[]]\n")
     with pytest.raises(OutputRejected, match=r"records\.jsonl:1"):
         _records_digest(p)
+
+
+def test_the_apply_containers_old_repository_is_bound_too(run: Path, tmp_path: Path) -> None:
+    """helper-42 #5: stages/apply/work/repo/.git stayed unbound in new receipts: a
+    ``core.fsmonitor`` command added there passed verify, and `git status` in the
+    candidate's files ran it. New receipts bind it; legacy ones are checked as before."""
+    repo = run / "stages" / "apply" / "work" / "repo"
+    repo.mkdir(parents=True)
+    _git("init", "-q", str(repo))
+    rewrite(run)
+    assert verify_in(run) == []
+    marker = tmp_path / "ran"
+    with (repo / ".git" / "config").open("a") as f:
+        f.write(f"[core]\n\tfsmonitor = touch {marker}; false\n")
+    assert verify_in(run) == [
+        "stages/apply/work/repo/.git/config: sha256 differs from the receipt"]
+    rewrite(run, legacy=True)
+    assert verify_in(run) == []
