@@ -60,6 +60,10 @@ BUNDLE_SUFFIX = ".intoto.jsonl"
 file with this suffix is made from the receipt, so the receipt cannot bind it."""
 
 
+_WRITE_ONCE_TMP = re.compile(r"\.(?:receipt\.dsse\.json|[^/]*\.intoto\.jsonl)\.[0-9a-f]{12}\.tmp")
+"""The name :func:`runner.outdir.write_once` writes beside a signature or bundle first."""
+
+
 def _unbound(rel: str, *, legacy_git: bool = False) -> bool:
     """Files of a run directory the receipt does not bind, one rule for the writer's walk
     and ``verify``: the top-level receipt and its signature, matched by exact path (a
@@ -603,7 +607,8 @@ def _present(root_fd: int, *, legacy_git: bool = False) -> tuple[set[str], list[
     return found, problems
 
 
-def verify(run_dir: Path, *, external: bool = True) -> list[str]:
+def verify(run_dir: Path, *, external: bool = True,
+           receipt_bytes: bytes | None = None) -> list[str]:
     """Problems found re-hashing everything the receipt names; empty when all match.
     ``external=False``: the run directory only, not the data stores the receipt binds
     under the plan's ``data_dir`` (a reader of the run alone: export, compare).
@@ -620,16 +625,19 @@ def verify(run_dir: Path, *, external: bool = True) -> list[str]:
         raise IntegrityError(f"{run_dir}: cannot open the run directory ({exc.strerror})"
                              ) from None
     try:
-        return _verify_at(root_fd, run_dir, external=external)
+        return _verify_at(root_fd, run_dir, external=external, raw=receipt_bytes)
     finally:
         os.close(root_fd)
 
 
-def require_unaltered(run_dir: Path, *, what: str) -> None:
+def require_unaltered(run_dir: Path, *, what: str, receipt_bytes: bytes | None = None
+                      ) -> None:
     """The run directory is what its receipt binds (:func:`verify`, the data stores
     outside it aside): for a reader that trusts what it reads there (``what`` it does).
-    IntegrityError ``run_altered`` naming the first problems otherwise."""
-    problems = verify(run_dir, external=False)
+    ``receipt_bytes``: check against these bytes of receipt.json (the ones the caller read
+    and goes on to use), not a second read. IntegrityError ``run_altered`` naming the
+    first problems otherwise."""
+    problems = verify(run_dir, external=False, receipt_bytes=receipt_bytes)
     if problems:
         shown = "; ".join(show(p, 300) for p in problems[:3])
         raise IntegrityError(f"run_altered: {run_dir} no longer matches its receipt "
@@ -637,10 +645,11 @@ def require_unaltered(run_dir: Path, *, what: str) -> None:
                              f"verify` lists them all; {what}")
 
 
-def _verify_at(root_fd: int, run_dir: Path, *, external: bool) -> list[str]:
+def _verify_at(root_fd: int, run_dir: Path, *, external: bool,
+               raw: bytes | None = None) -> list[str]:
     path = run_dir / RECEIPT
     try:
-        raw = _read_in(root_fd, RECEIPT)
+        raw = _read_in(root_fd, RECEIPT) if raw is None else raw
     except _Unreadable as exc:
         if str(exc) == "missing":
             raise ConfigError(f"{path}: does not exist", fix=RECEIPT_FIX) from None
@@ -681,7 +690,10 @@ def _verify_at(root_fd: int, run_dir: Path, *, external: bool) -> list[str]:
                     problems.append(f"{shown}: {exc}")
                 continue
             rel = shown
-        problems.append(f"{rel}: present in the run directory but not named by the receipt")
+        problems.append(f"{rel}: present in the run directory but not named by the receipt"
+                        + (" (a temporary file a killed `receipt sign` or `receipt attest` "
+                           "left: delete it and run that command again)"
+                           if _WRITE_ONCE_TMP.fullmatch(rel) else ""))
     shown_present = {os.fsencode(n).decode("utf-8", "backslashreplace")
                      for n in present if not _is_utf8(n)}
     # (a UTF-8 name spelt with a backslash, "x" "\\" "xff", is not the file named x\xff:

@@ -62,8 +62,10 @@ def sign(run_dir: Path, key_path: Path) -> Path:
     if not (run_dir / RECEIPT).is_file() and not (run_dir / RECEIPT).is_symlink():
         raise ConfigError(f"{show(str(run_dir / RECEIPT))}: does not exist", field="DIR",
                           fix=SIGN_FIX)
-    require_unaltered(run_dir, what="only a run that verifies is signed")
-    payload = read_receipt_bytes(run_dir, MAX_RECEIPT_BYTES)
+    # the bytes read once: the ones verified are the ones signed
+    payload = read_receipt_bytes(run_dir)  # verify's own cap: a larger one never verifies
+    require_unaltered(run_dir, what="only a run that verifies is signed",
+                      receipt_bytes=payload)
     sig = keys.sign_bytes(key, pae(PAYLOAD_TYPE, payload))
     env = {"payloadType": PAYLOAD_TYPE, "payload": base64.b64encode(payload).decode(),
            "signatures": [{"keyid": keys.keyid(key.public_key()),

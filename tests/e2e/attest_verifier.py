@@ -63,8 +63,11 @@ def tree_of(git: Path, commit: str) -> str:
     """The tree a commit names, from its loose object file, hashed to its id: no git is
     run in a directory someone else wrote (its config could name a command to run)."""
     try:
-        raw = zlib.decompress((git / "objects" / commit[:2] / commit[2:]).read_bytes())
+        d = zlib.decompressobj()  # bounded: a small object may inflate to gigabytes
+        raw = d.decompress((git / "objects" / commit[:2] / commit[2:]).read_bytes(), 1 << 20)
     except (OSError, zlib.error):
+        return ""
+    if d.unconsumed_tail:
         return ""
     if hashlib.sha1(raw).hexdigest() != commit:  # noqa: S324 - git's object id
         return ""

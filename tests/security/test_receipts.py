@@ -491,3 +491,12 @@ def test_the_apply_containers_old_repository_is_bound_too(run: Path, tmp_path: P
         "stages/apply/work/repo/.git/config: sha256 differs from the receipt"]
     rewrite(run, legacy=True)
     assert verify_in(run) == []
+
+
+def test_a_temporary_file_a_killed_sign_left_is_named_with_its_fix(run: Path) -> None:
+    """helper-42 #7: a `receipt sign` killed inside its write left
+    ``.receipt.dsse.json.<hex>.tmp``; verify named it as any unknown file, with no fix."""
+    (run / ".receipt.dsse.json.47e3359b5d81.tmp").write_text("{}")
+    (problem,) = verify_in(run)
+    assert problem.startswith(".receipt.dsse.json.47e3359b5d81.tmp: present in the run")
+    assert "killed `receipt sign` or `receipt attest` left: delete it" in problem

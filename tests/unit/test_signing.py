@@ -99,3 +99,24 @@ def test_sign_refuses_a_link_or_a_run_that_does_not_verify(run_dir: Path, tmp_pa
         sign(run_dir, tmp_path / "k")
     assert not planted.exists()
     assert (run_dir / ENVELOPE).is_symlink() or not (run_dir / ENVELOPE).exists()
+
+
+def test_the_bytes_verified_are_the_bytes_signed(run_dir: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """helper-42 #6: sign verified the run, then read receipt.json again; a receipt
+    swapped in between was signed unverified."""
+    import runner.cycle.receipt as receipt_mod
+
+    keygen(tmp_path / "k")
+    original = (run_dir / "receipt.json").read_bytes()
+    real_verify = receipt_mod.verify
+
+    def verify_then_swap(*a: object, **k: object) -> list[str]:
+        problems = real_verify(*a, **k)  # type: ignore[arg-type]
+        (run_dir / "receipt.json").write_bytes(original.replace(b"plan.json", b"plan.jsoN"))
+        return problems
+
+    monkeypatch.setattr(receipt_mod, "verify", verify_then_swap)
+    sign(run_dir, tmp_path / "k")
+    env = json.loads((run_dir / ENVELOPE).read_text())
+    assert base64.b64decode(env["payload"]) == original
