@@ -365,7 +365,11 @@ def _grades(run: Path) -> tuple[dict[str, Record], dict[str, list[Record]]]:
                 continue
             where = f"{show(str(f))}:{n}"
             r = validate(Record, parse_json(line, path=where), path=where, fix=RUN_FIX)
-            out[join_key(side, r.case_id, r.trial)] = r
+            key = join_key(side, r.case_id, r.trial)
+            if key in out:  # a run records each (case, trial) once: which grade is it?
+                raise IntegrityError(f"{where}: a second record of case {show(r.case_id)} "
+                                     f"trial {r.trial}; the run records each once")
+            out[key] = r
             sides.setdefault(side, []).append(r)
     return out, sides
 

@@ -1171,3 +1171,16 @@ def test_duplicate_tool_call_ids_keep_the_row_out_of_sft() -> None:
                 {"role": "assistant", "content": None,
                  "tool_calls": [call("", "3"), call("", "4")]}]
     assert not ambiguous_call_ids(per_turn)
+
+
+def test_a_second_record_of_one_case_and_trial_is_refused(run: Path) -> None:
+    """helper-40 (not covered there): two records of one (case, trial) in a run whose
+    receipt was rewritten over them: the last one's grade won silently."""
+    from runner.train.export import _grades
+
+    rec = run / "stages" / "baseline" / "records.jsonl"
+    first = rec.read_text().splitlines()[0]
+    rec.write_text(rec.read_text() + first + "\n")
+    seal(run)
+    with pytest.raises(IntegrityError, match="a second record of case"):
+        _grades(run)
