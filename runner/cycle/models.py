@@ -436,5 +436,7 @@ ApplyResult = Annotated[Applied | ApplyRefusal, Field(discriminator="status")]
 CUT_SHORT = "cut-short.txt"
 """The file a second signal leaves in a run directory: while the run's stages ran
 (:mod:`runner.cycle.run`) or while its receipt was written (:mod:`runner.cycle.receipt`)."""
+ENVELOPE = "receipt.dsse.json"
+"""The DSSE envelope ``receipt sign`` writes beside a run's receipt (runner.cycle.signing)."""
 NO_RECEIPT_VERDICT = "verdict.no-receipt.json"
 """Where a run's verdict is set aside when its receipt could not be written."""

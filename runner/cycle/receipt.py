@@ -28,12 +28,12 @@ from runner import fswalk, interrupts
 from runner.cycle.dream import DreamSummary
 from runner.cycle.models import (
     CUT_SHORT,
+    ENVELOPE,
     NO_RECEIPT_VERDICT,
     RECORDS_MAX_BYTES,
     ComparisonResult,
 )
 from runner.cycle.plan import read_plan_doc
-from runner.cycle.signing import ENVELOPE
 from runner.errors import ConfigError, EnvironmentFailure, IntegrityError, OutputRejected
 from runner.failures import is_environment_error
 from runner.gateway.calllog import CallLog

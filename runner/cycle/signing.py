@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict
 
 from runner.cycle import keys
 from runner.cycle.keys import KeyType, PublicKey
+from runner.cycle.models import ENVELOPE
+from runner.cycle.receipt import RECEIPT, read_receipt_bytes, require_unaltered
 from runner.errors import ConfigError, IntegrityError
 from runner.isolation.sandbox import Frozen
 from runner.loading import load_model, read_capped, show
@@ -27,7 +29,6 @@ from runner.outdir import write_once
 PAYLOAD_TYPE = "application/vnd.cyclebox.receipt+json"
 MAX_RECEIPT_BYTES = 256 * 1024 * 1024
 """Largest receipt.json signed or checked against its envelope."""
-ENVELOPE = "receipt.dsse.json"
 
 
 def pae(payload_type: str, payload: bytes) -> bytes:
@@ -51,8 +52,6 @@ def sign(run_dir: Path, key_path: Path) -> Path:
     aside): a receipt that is a link to another file, or a run edited after its receipt,
     is refused by name. The receipt is read without following a link, and the envelope is
     written once, never through a link (:func:`runner.outdir.write_once`)."""
-    from runner.cycle.receipt import RECEIPT, read_receipt_bytes, require_unaltered
-
     key = keys.load_private(key_path)
     out = run_dir / ENVELOPE
     if out.exists() or out.is_symlink():

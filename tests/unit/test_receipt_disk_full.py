@@ -45,9 +45,11 @@ def test_another_os_error_is_not_called_a_full_disk(
         raise PermissionError(errno.EACCES, "Permission denied")
 
     monkeypatch.setattr("runner.cycle.receipt.build", denied)
-    with pytest.raises(PermissionError):
+    with pytest.raises(PermissionError):  # as itself: not an environment failure
         receipt.build_receipt(SimpleNamespace(run_dir=run))  # type: ignore[arg-type]
-    assert (run / "stages" / "compare" / "verdict.json").is_file()
+    # no receipt, so no verdict that claims anything (helper-42 #1: any failure)
+    assert not (run / "stages" / "compare" / "verdict.json").exists()
+    assert (run / "stages" / "compare" / "verdict.no-receipt.json").is_file()
 
 
 def test_a_second_signal_while_the_receipt_is_written_sets_the_verdict_aside(

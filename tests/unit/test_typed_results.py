@@ -232,7 +232,7 @@ def test_train_files_round_trip_without_changing_a_number() -> None:
     sft = {**base, "kind": "sft", "figures": {**FIGURES, "tokens_per_s": None},
            "selection": {"include_failed": False, "rule": "r_outcome == 1", "trajectories": 6,
                          "by_r_outcome": {"1": 3, "0": 2, "null": 1}, "used": 3,
-                         "left_out": 3, "rows": 3},
+                         "left_out": 3, "rows": 3, "rows_with_special_tokens": 0},
            "base_model": {"host_path": "/m", "container_path": "/model"},
            "corpus_sha256": "e"}
     report = {"persona": "p", "schedule": {"epochs": 24, "grad_accum": 1, "reason": "<=8"},
