@@ -48,7 +48,7 @@ def control_tokens(tok: Any) -> list[str]:
     ``[`` or ``|`` in them: DeepSeek's turn tokens are added, not special; an added run of
     spaces is not a control token)."""
     special = [t for t in getattr(tok, "all_special_tokens", []) if t]
-    added = getattr(tok, "get_added_vocab", dict)()
+    added: dict[str, int] = getattr(tok, "get_added_vocab", dict)()
     return sorted({*special, *(t for t in added if len(t) >= 3 and set(t) & set("<[|\uff5c"))})
 
 
