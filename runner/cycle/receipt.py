@@ -585,9 +585,9 @@ def _present(root_fd: int, *, legacy_git: bool = False) -> tuple[set[str], list[
     """Regular files under the run directory (by dir fd, no link followed), minus the
     unbound ones, and the problems met walking it. Symlinks and special files are
     skipped, as the writer skips them (a receipt naming one fails on its own entry; a
-    project's own symlinks are exported as symlinks), but in the host's bare clone, which
-    holds none: git follows a link there (a ``commondir`` or ``config`` pointing
-    elsewhere), so each is a problem naming it. A directory that cannot be read is a
+    project's own symlinks are exported as symlinks), but in the apply stage's git
+    directories, which hold none: git follows a link there (a ``commondir`` or ``config``
+    pointing elsewhere), so each is a problem naming it. A directory that cannot be read is a
     problem naming it, never left out."""
     found: set[str] = set()
     problems: list[str] = []
