@@ -71,6 +71,9 @@ def test_flipping_any_named_byte_fails_verify(demo: tuple[Path, dict[str, Any]],
     shutil.copytree(demo[0], copy, symlinks=True)
     files = json.loads((copy / "receipt.json").read_text())["files"]
     assert len(files) > 50
+    commit = json.loads((copy / "stages/apply/result.json").read_text())["commit"]
+    commit_object = f"stages/apply/candidate.git/objects/{commit[:2]}/{commit[2:]}"
+    assert commit_object in files  # bound, and read to recompute the candidate tree
     for rel in files:
         p = copy / rel
         original = p.read_bytes()
@@ -79,10 +82,11 @@ def test_flipping_any_named_byte_fails_verify(demo: tuple[Path, dict[str, Any]],
         p.write_bytes(bytes([original[0] ^ 0x01]) + original[1:])
         problems = verify(copy)
         p.write_bytes(original)
-        # plan.json and apply's result.json also feed other checks, which then fail too
+        # plan.json, apply's result.json and the candidate's commit object also feed
+        # other checks, which then fail too
         assert problems == [f"{rel}: sha256 differs from the receipt"] or (
-            rel in ("plan.json", "stages/apply/result.json")
-            and f"{rel}: sha256 differs from the receipt" in problems), rel
+            rel in ("plan.json", "stages/apply/result.json", commit_object)
+            and f"{rel}: sha256 differs from the receipt" in problems), (rel, problems)
     assert verify(copy) == []
     target = copy / "stages/apply/candidate.patch"
     target.write_bytes(target.read_bytes() + b" ")
