@@ -14,11 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.isolation.policy import load_policies
-from runner.paths import default_policies
-from runner.train.host import Trainer
 from tests.faults.test_bad_inputs import run_cli
-from tests.fixtures.fake_sandbox import Call, FakeSandbox, Result
+from tests.fixtures.fake_sandbox import Behaviour, Call, Result, fake_trainer
 
 
 def _interrupted(_call: Call) -> Result:
@@ -29,12 +26,10 @@ def _failed(_call: Call) -> Result:
     return Result(exit_code=1, stderr="scripted failure")
 
 
-def _use(monkeypatch: pytest.MonkeyPatch, behaviour: object) -> None:
+def _use(monkeypatch: pytest.MonkeyPatch, behaviour: Behaviour) -> None:
     import runner.cli.train
 
-    policy = load_policies(default_policies()).roles["trainer"]
-    trainer = Trainer(sandbox=FakeSandbox({"trainer": behaviour}),  # type: ignore[arg-type,dict-item]
-                      policy=policy, image="sha256:" + "0" * 64)
+    trainer, _ = fake_trainer(behaviour)
     monkeypatch.setattr(runner.cli.train, "trainer", lambda: trainer)
 
 

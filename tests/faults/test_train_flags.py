@@ -31,12 +31,11 @@ from typing import Any
 import pytest
 
 from runner.errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, ConfigError
-from runner.isolation.policy import load_policies
-from runner.paths import PROJECT_ROOT, default_policies
+from runner.paths import PROJECT_ROOT
 from runner.train.flags import EPOCHS_MAX, LR_MAX, SEED_MAX, check_train_flags
 from runner.train.host import Trainer
 from tests.faults.test_bad_inputs import run_cli
-from tests.fixtures.fake_sandbox import Call, FakeSandbox, Result
+from tests.fixtures.fake_sandbox import Call, Result, fake_trainer
 
 PERSONA = PROJECT_ROOT / "examples" / "persona" / "captain.yaml"
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounts need root")
@@ -121,13 +120,6 @@ def test_numeric_flag_out_of_range_is_bad_input_before_anything(
     assert sorted(p.name for p in work.iterdir()) == ["corpus", "model", "state"], err
 
 
-def _fake_trainer(behaviour: Any) -> tuple[Trainer, FakeSandbox]:
-    policy = load_policies(default_policies()).roles["trainer"]
-    box = FakeSandbox({"trainer": behaviour})
-    return Trainer(sandbox=box, policy=policy,  # type: ignore[arg-type]
-                   image="sha256:" + "0" * 64), box
-
-
 def _never(_call: Call) -> Result:
     raise AssertionError("a trainer container ran")
 
@@ -136,7 +128,7 @@ def test_host_functions_check_the_numbers_too(tmp_path: Path) -> None:
     """``make_tiny``/``proof``/``sft`` called as a library refuse before --out is made."""
     from runner.train.host import make_tiny, proof, sft
 
-    trainer, box = _fake_trainer(_never)
+    trainer, box = fake_trainer(_never)
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -165,7 +157,7 @@ def test_host_proof_checks_the_ledger_before_training(tmp_path: Path,
     """``proof`` called as a library: the ledger is checked before --out or a container."""
     from runner.train.host import proof
 
-    trainer, box = _fake_trainer(_never)
+    trainer, box = fake_trainer(_never)
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -296,7 +288,7 @@ def _run_proof(work: Path, monkeypatch: pytest.MonkeyPatch, ledger: Path,
         during_training()
         return Result(files=_proof_outputs())
 
-    trainer, _box = _fake_trainer(behaviour)
+    trainer, _box = fake_trainer(behaviour)
     monkeypatch.setattr(runner.cli.train, "trainer", lambda: trainer)
     # the scripted answers are not a real imprint: the host's own scoring is another test's
     monkeypatch.setattr(runner.train.host, "settle", lambda *a: a[4])

@@ -16,20 +16,15 @@ from typing import Any
 import pytest
 
 from runner.errors import OutputRejected
-from runner.isolation.policy import load_policies
-from runner.paths import default_policies
 from runner.train.host import Trainer, make_tiny, sft
-from tests.fixtures.fake_sandbox import Call, FakeSandbox, Result
+from tests.fixtures.fake_sandbox import Call, Result, fake_trainer
 
 
 def _trainer(result: Result) -> Trainer:
-    policy = load_policies(default_policies()).roles["trainer"]
-
     def behaviour(_call: Call) -> Result:
         return result
 
-    return Trainer(sandbox=FakeSandbox({"trainer": behaviour}),  # type: ignore[arg-type]
-                   policy=policy, image="sha256:" + "0" * 64)
+    return fake_trainer(behaviour)[0]
 
 
 def _inputs(tmp_path: Path) -> tuple[Path, Path]:
