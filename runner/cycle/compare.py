@@ -74,7 +74,7 @@ def compare(baseline: Sequence[Record], candidate: Sequence[Record],
         verdict=verdict, reasons=tuple(reasons), regressions=regressions,
         improvements=_changes(pairs, criteria, before=False),
         usage={side: {role: asdict(t) for role, t in ts.items()} for side, ts in totals.items()},
-        statistics=_statistics(pairs) if policy.trials > 1 else None)
+        statistics=_statistics(pairs, policy.criteria) if policy.trials > 1 else None)
 
 
 def mcnemar_p(b: int, c: int) -> float:
@@ -107,6 +107,18 @@ def _invalid_reasons(sides: dict[str, Sequence[Record]],
                 if exp != got:
                     out.append(f"{side}: {name} differs from policy (case {r.case_id}, trial "
                                f"{r.trial}): expected {exp!r}, got {got!r}")
+    elif each:
+        # No identities in the policy (a standalone `cyclebox compare`): the two sides must
+        # at least agree with each other, as a frozen cycle's records agree with its plan.
+        first_side, first = each[0]
+        for side, r in each[1:]:
+            for name in _IDENTITIES:
+                exp, got = getattr(first.identities, name), getattr(r.identities, name)
+                if exp != got:
+                    out.append(f"{side}: {name} differs from {first_side} (case {r.case_id}, "
+                               f"trial {r.trial} vs case {first.case_id}, trial "
+                               f"{first.trial}): {exp!r} vs {got!r}; the policy names no "
+                               "identities, so the sides must share one")
     if policy.require_judge:
         for side, r in each:
             g = r.grades
@@ -140,8 +152,17 @@ def _reject_reasons(candidate: Sequence[Record], pairs: Pairs,
         if r.case_id in policy.mandatory and r.grades is not None:
             out += [f"candidate: mandatory case {r.case_id} failed {crit} (trial {r.trial})"
                     for crit in _GRADED if getattr(r.grades, crit) is False]
+            if r.grades.judge_error is not None:
+                out.append(f"candidate: mandatory case {r.case_id} has no judge verdict "
+                           f"(trial {r.trial}): {show(r.grades.judge_error, 200)}")
     out += [f"regression: {ch.criterion} passed on baseline, failed on candidate "
             f"(case {ch.case_id}, trial {ch.trial})" for ch in regressions]
+    # A judge that gave no verdict on the candidate (an answer can make it fail) cannot
+    # keep a pass the baseline had: the failure is never a way around the judge.
+    out += [f"regression: judge_pass passed on baseline, no judge verdict on candidate "
+            f"(case {case}, trial {trial}): {show(gc.judge_error, 200)}"
+            for (case, trial), (gb, gc) in pairs.items()
+            if gb.judge_pass is True and gc.judge_error is not None]
     if (lat_max := policy.max_case_latency_s) is not None:
         for r in candidate:
             where = f"(case {r.case_id}, trial {r.trial})"
@@ -156,8 +177,8 @@ def _reject_reasons(candidate: Sequence[Record], pairs: Pairs,
         if total > cost_max:
             out.append(f"candidate: total cost ${total:.4f} exceeds ceiling ${cost_max:.4f}")
     if policy.require_improvement:
-        failed = [k for k, (b, _) in pairs.items() if not b.passed()]
-        if not any(pairs[k][1].passed() for k in failed):
+        failed = [k for k, (b, _) in pairs.items() if not b.passed(policy.criteria)]
+        if not any(pairs[k][1].passed(policy.criteria) for k in failed):
             out.append(f"no improvement: none of the {len(failed)} (case, trial) pairs failing "
                        "on baseline passes on candidate")
     return out
@@ -198,9 +219,9 @@ def _changes(pairs: Pairs, criteria: Sequence[str], *, before: bool) -> tuple[Ca
         if getattr(b, crit) is before and getattr(c, crit) is (not before))
 
 
-def _statistics(pairs: Pairs) -> dict[str, object]:
-    b = sum(1 for gb, gc in pairs.values() if gb.passed() and not gc.passed())
-    c = sum(1 for gb, gc in pairs.values() if not gb.passed() and gc.passed())
+def _statistics(pairs: Pairs, criteria: Sequence[str]) -> dict[str, object]:
+    b = sum(1 for gb, gc in pairs.values() if gb.passed(criteria) and not gc.passed(criteria))
+    c = sum(1 for gb, gc in pairs.values() if not gb.passed(criteria) and gc.passed(criteria))
     return {"method": "exact McNemar, two-sided, on per-(case, trial) pass/fail; b = baseline "
                       "pass & candidate fail, c = baseline fail & candidate pass",
             "pairs": len(pairs), "b": b, "c": c, "p_value": mcnemar_p(b, c), "note": _NOTE}

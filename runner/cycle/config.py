@@ -83,7 +83,10 @@ class JudgeSpec(Frozen):
     threshold: float = Field(ge=0, le=1)
     """A judge score at or above this passes the case's judge criterion."""
     required: bool = True
-    """A required judge that fails makes the comparison invalid."""
+    """A required judge that fails makes the comparison invalid (frozen into the plan's
+    policy as ``require_judge: true``). With false, a judge failure is no verdict: it
+    never counts as a pass (a case the baseline's judge passed regresses, a mandatory
+    case fails, no improvement is claimed from it)."""
 
 
 class WorkerSpec(Frozen):

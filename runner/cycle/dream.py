@@ -37,8 +37,11 @@ NEGATIONS = frozenset((
     "not", "no", "never", "none", "nothing", "nobody", "neither", "nor", "cannot", "can't",
     "won't", "don't", "doesn't", "didn't", "isn't", "aren't", "wasn't", "weren't", "shouldn't",
     "mustn't", "without", "ignore", "skip", "omit", "drop", "remove", "delete", "disable",
-    "bypass", "stop",
+    "bypass", "stop", "except", "excluding", "exclude", "outside", "besides", "instead",
 ))
+APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'", "\u2032": "'",
+                             "\uff07": "'"})
+"""Typographic apostrophes read as ``'`` (U+2019 and its kin)."""
 
 
 def intent_of(s: Scenario, key: str) -> str:
@@ -120,7 +123,7 @@ def protected_literals(text: str) -> list[str]:
 
 
 def _words(text: str) -> set[str]:
-    return set(re.findall(r"[a-z']+", normalize(text)))
+    return set(re.findall(r"[a-z']+", normalize(text).translate(APOSTROPHES)))
 
 
 def fidelity_problem(candidate: str, source: str) -> str | None:

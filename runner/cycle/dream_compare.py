@@ -9,7 +9,7 @@ delta is positive.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal, NoReturn
 
@@ -19,7 +19,7 @@ from runner import interrupts
 from runner.cycle.compare import load_records
 from runner.cycle.config import DreamSpec, load_cycle
 from runner.cycle.dream import DreamSummary
-from runner.cycle.models import DEVELOPMENT, Verdict
+from runner.cycle.models import CRITERIA, DEVELOPMENT, Verdict
 from runner.cycle.plan import (
     check_cycle,
     freeze,
@@ -45,8 +45,11 @@ class Heldout(Frozen):
     """Pass counts over one side's held-out cases."""
 
     passed: int
-    """Cases with status ok and every criterion passed."""
+    """Cases with status ok and every criterion of the arm's policy passed."""
     total: int
+    ungraded: int = Field(default=0, exclude_if=lambda v: v == 0)
+    """Cases not graded ok (not_attempted, infra_invalid, no grades): counted in
+    ``total`` as not passed, and no lift is claimed from an arm that has any."""
     rate: float | None
     """passed / total (6 places); None without held-out records."""
 
@@ -94,20 +97,42 @@ class DreamReceipt(Frozen):
     """Accepted model paraphrases per requested slot (on arm); None with no slot."""
     fallback_rate: float | None
     heldout_delta: float | None
-    """Candidate held-out pass rate, on minus off; None when either is missing."""
+    """Candidate held-out pass rate, on minus off; None when either is missing, an arm's
+    comparison is invalid, or an arm's candidate has a held-out case not graded ok (the
+    claim names which)."""
     incremental_cost_usd: float | None
     """Cost on minus off; None when either is unknown."""
     lift_claimed: bool
-    """Only when the held-out delta is positive."""
+    """Only when the held-out delta is positive (so both arms compared validly, every
+    held-out case graded)."""
     claim: str
 
 
-def heldout(records_file: Path, cases: set[str]) -> Heldout:
-    """Pass counts over held-out cases (status ok and every criterion passed)."""
+def heldout(records_file: Path, cases: set[str],
+            criteria: Sequence[str] = CRITERIA) -> Heldout:
+    """Pass counts over held-out cases (status ok and every policy criterion passed)."""
     rows = [r for r in load_records(records_file) if r.case_id in cases]
-    passed = sum(r.status == "ok" and r.grades is not None and r.grades.passed() for r in rows)
-    return Heldout(passed=passed, total=len(rows),
+    graded = [r.grades for r in rows if r.status == "ok" and r.grades is not None]
+    passed = sum(g.passed(criteria) for g in graded)
+    return Heldout(passed=passed, total=len(rows), ungraded=len(rows) - len(graded),
                    rate=round(passed / len(rows), 6) if rows else None)
+
+
+def _not_comparable(arms: dict[str, DreamArm]) -> list[str]:
+    """Why the arms' held-out rates are no evidence of lift (empty when they are): an arm
+    whose comparison was invalid, or whose candidate has a held-out case not graded ok
+    (a case that did not run is not a failure the other arm fixed)."""
+    out = []
+    for name, arm in arms.items():
+        h = arm.heldout.candidate
+        if arm.verdict == "invalid_comparison":
+            out.append(f"the {name} arm's comparison is invalid_comparison")
+        if h is None or h.rate is None:
+            out.append(f"the {name} arm has no candidate held-out records")
+        elif h.ungraded:
+            out.append(f"the {name} arm's candidate has {h.ungraded} held-out case(s) not "
+                       "graded ok")
+    return out
 
 
 def _arm(cycle: Path, out: Path, *, images: dict[str, str], spec: DreamSpec,
@@ -134,7 +159,7 @@ def _arm(cycle: Path, out: Path, *, images: dict[str, str], spec: DreamSpec,
 
     def side(name: str) -> Heldout | None:
         f = stages / name / "records.jsonl"
-        return heldout(f, cases) if f.is_file() else None
+        return heldout(f, cases, plan.policy.criteria) if f.is_file() else None
 
     return DreamArm(
         dir=str(out), plan_hash=plan_hash,
@@ -181,7 +206,9 @@ def paired(cycle: Path, out: Path, *, images: dict[str, str], sandbox: Sandbox,
     requested = d.requested if d else 0
     rate_off = off.heldout.candidate.rate if off.heldout.candidate else None
     rate_on = on.heldout.candidate.rate if on.heldout.candidate else None
-    delta = None if rate_off is None or rate_on is None else round(rate_on - rate_off, 6)
+    why_not = _not_comparable({"off": off, "on": on})
+    delta = (None if why_not or rate_off is None or rate_on is None
+             else round(rate_on - rate_off, 6))
     cost = (None if off.cost_usd is None or on.cost_usd is None
             else round(on.cost_usd - off.cost_usd, 9))
     lift = delta is not None and delta > 0
@@ -192,6 +219,7 @@ def paired(cycle: Path, out: Path, *, images: dict[str, str], sandbox: Sandbox,
         fallback_rate=round(d.fallback / requested, 6) if d and requested else None,
         heldout_delta=delta, incremental_cost_usd=cost, lift_claimed=lift,
         claim=(f"held-out pass rate {rate_off} -> {rate_on} (+{delta}) with dream on"
-               if lift else "no lift claimed: the held-out delta is not positive"))
+               if lift else "no lift claimed: " + ("; ".join(why_not) if why_not else
+                                                   "the held-out delta is not positive")))
     (out / "dream-receipt.json").write_bytes(canonical_bytes(receipt))
     return receipt

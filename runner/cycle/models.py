@@ -4,6 +4,7 @@ verdicts. All frozen, ``extra="forbid"``, versioned; hashed with runner.hashing.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import PurePosixPath
 from typing import Annotated, Literal
 
@@ -246,10 +247,13 @@ class Grades(Frozen):
                     "died or returned something other than criterion booleans); the record "
                     "is then infra_invalid.")
 
-    def passed(self) -> bool:
-        if self.scorer_error is not None:
+    def passed(self, criteria: Sequence[str] = CRITERIA) -> bool:
+        """No criterion of ``criteria`` (the policy's; every one by default) and no judge
+        verdict is false, and nothing that grades failed: a scorer or judge that produced
+        no grade never vouches for a pass."""
+        if self.scorer_error is not None or self.judge_error is not None:
             return False
-        vals = [self.correctness, self.evidence, self.refusal, self.judge_pass]
+        vals = [*(getattr(self, c) for c in criteria), self.judge_pass]
         return all(v is not False for v in vals)
 
 

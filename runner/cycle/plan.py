@@ -665,7 +665,10 @@ def _policy(policy: ComparisonPolicy, manifest: Manifest, cycle: CycleFile,
                           "require_judge: false in the policy")
     mandatory = sorted(set(policy.mandatory) | {s.id for s in manifest.scenarios
                                                 if s.mandatory and s.id in policy.cases})
-    return policy.model_copy(update={"mandatory": tuple(mandatory)})
+    # judge.required (the default) is the cycle's word that a judge failure invalidates
+    # the comparison: frozen into the policy compare applies, as require_judge.
+    required = policy.require_judge or (cycle.judge is not None and cycle.judge.required)
+    return policy.model_copy(update={"mandatory": tuple(mandatory), "require_judge": required})
 
 
 def _check_briefable(cycle: CycleFile, manifest: Manifest, where: str) -> None:

@@ -680,7 +680,8 @@ class CycleRunner:
         try:
             raw = collect(out, self._limits("evaluator")).files.get("grades.jsonl", b"")
             grades = parse_grades(raw, {(r.case_id, r.trial) for r in records
-                                        if r.status == "ok"})
+                                        if r.status == "ok"},
+                                  judge_threshold=judge.threshold if judge else None)
         except (OutputRejected, ValueError) as exc:
             raise StageFailed(f"{stage}: unreadable grades ({exc})") from None
         graded = apply_grades(records, grades)

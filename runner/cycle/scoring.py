@@ -120,10 +120,15 @@ def project_sha256(path: Path | None) -> str | None:
     return None if path is None else sha256_bytes(path.read_bytes())
 
 
-def parse_grades(raw: bytes, expected: Iterable[Key]) -> dict[Key, Grades]:
+def parse_grades(raw: bytes, expected: Iterable[Key], *,
+                 judge_threshold: float | None = None) -> dict[Key, Grades]:
     """Grades from the evaluator's grades.jsonl, read as hostile input: every line one
-    JSON object ``{case_id, trial, grades}`` for an expected (case, trial), none twice,
-    grades valid strictly (no coercion: "yes" is not true). ValueError naming the line."""
+    JSON object ``{case_id, trial, grades}`` for an expected (case, trial), every expected
+    one present once, grades valid strictly (no coercion: "yes" is not true). The judge
+    fields must agree with the plan: none without a judge (``judge_threshold`` None);
+    with one, either a score with ``judge_pass`` exactly ``score >= threshold`` or a
+    ``judge_error``, never both. Error strings are kept escaped (no control character).
+    ValueError naming the line."""
     want = set(expected)
     out: dict[Key, Grades] = {}
     lines = [ln for ln in raw.split(b"\n") if ln.strip()]
@@ -152,8 +157,36 @@ def parse_grades(raw: bytes, expected: Iterable[Key]) -> dict[Key, Grades]:
             raise ValueError(f"line {n}: grades.judge_score {g.judge_score!r} is outside 0..1")
         if len(g.judge_error or "") > MAX_ERROR_CHARS:
             raise ValueError(f"line {n}: grades.judge_error longer than {MAX_ERROR_CHARS}")
-        out[key] = g
+        if problem := _judge_problem(g, judge_threshold):
+            raise ValueError(f"line {n}: {problem}")
+        out[key] = g.model_copy(update={
+            k: show(v, MAX_ERROR_CHARS)[:MAX_ERROR_CHARS]
+            for k in ("judge_error", "scorer_error") if (v := getattr(g, k)) is not None})
+    if missing := sorted(want - out.keys()):
+        c, t = missing[0]
+        raise ValueError(f"no grades for {len(missing)} expected (case, trial), the first "
+                         f"(case {show(c, 80)}, trial {t})")
     return out
+
+
+def _judge_problem(g: Grades, threshold: float | None) -> str | None:
+    """Why the row's judge fields disagree with the plan's judge; None when they agree."""
+    fields = {"judge_score": g.judge_score, "judge_pass": g.judge_pass,
+              "judge_error": g.judge_error}
+    if threshold is None:
+        given = [k for k, v in fields.items() if v is not None]
+        return (f"grades.{given[0]} given, but the plan has no judge" if given else None)
+    if g.judge_error is not None:
+        if g.judge_score is not None or g.judge_pass is not None:
+            return "grades.judge_error given beside a judge verdict"
+        return None
+    if g.judge_score is None or g.judge_pass is None:
+        return ("grades.judge_score and grades.judge_pass: the plan has a judge, so each row "
+                "needs both (or a judge_error)")
+    if g.judge_pass is not (g.judge_score >= threshold):
+        return (f"grades.judge_pass {g.judge_pass} disagrees with judge_score "
+                f"{g.judge_score!r} at the plan's threshold {threshold!r}")
+    return None
 
 
 def apply_grades(records: Sequence[Record], grades: dict[Key, Grades]) -> list[Record]:

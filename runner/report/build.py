@@ -123,6 +123,8 @@ def _attempt(r: Record, criteria: tuple[str, ...], stage: str, rd: _Reader) -> A
     else:
         names = (*criteria, "judge_pass")
         failed = tuple(c for c in names if getattr(r.grades, c) is False)
+        if r.grades.judge_error is not None:  # no verdict is not a pass (Grades.passed)
+            failed += ("judge_error",)
         passed = not failed
     base = f"stages/{stage}/cases/{r.case_id}__t{r.trial}"
     logs = tuple(rel for rel in (f"{base}/logs/analyst-{r.case_id}-t{r.trial}.stdout",

@@ -264,3 +264,52 @@ def test_load_policy_json_rejects_nan(tmp_path: Path) -> None:
     j.write_text('{"schema": 1, "cases": ["q1"], "trials": 1, "max_case_latency_s": NaN}')
     with pytest.raises(ConfigError, match=r"policy\.json: invalid JSON: NaN is not valid JSON"):
         load_policy(j)
+
+
+# -- a judge that gave no verdict, criteria, identities (helper-44) ---------------------------
+def _judge_failed(r: Record) -> Record:
+    assert r.grades is not None
+    return r.model_copy(update={"grades": r.grades.model_copy(update={
+        "judge_score": None, "judge_pass": None, "judge_error": "JSONDecodeError: prose"})})
+
+
+def test_a_judge_failure_never_passes_for_the_candidate() -> None:
+    """An answer that makes the judge fail (prose instead of JSON) must not escape it:
+    a case the baseline's judge passed regresses, a mandatory case fails, and a baseline
+    failure 'fixed' only by a judge error is no improvement."""
+    base = _judged(side())
+    cand = [_judge_failed(r) if r.case_id == "q1" else r for r in _judged(side())]
+    res = compare(base, cand, policy(require_improvement=False))
+    assert res.verdict == "reject"
+    assert any("judge_pass passed on baseline, no judge verdict on candidate (case q1"
+               in r for r in res.reasons), res.reasons
+    res = compare(base, cand, policy(require_improvement=False, mandatory=("q1",)))
+    assert any("mandatory case q1 has no judge verdict" in r for r in res.reasons), res.reasons
+    # baseline's judge failed q2; the candidate's judge errs on q2: no improvement
+    base2 = swap(base, "q2", grades=Grades(correctness=True, evidence=True, judge_score=0.1,
+                                           judge_pass=False))
+    cand2 = [_judge_failed(r) if r.case_id == "q2" else r for r in _judged(side())]
+    res = compare(base2, cand2, policy())
+    assert res.verdict == "reject"
+    assert any(r.startswith("no improvement") for r in res.reasons), res.reasons
+    assert not Grades(correctness=True, judge_error="x").passed()
+
+
+def test_improvement_is_judged_on_the_policys_criteria() -> None:
+    """criteria [correctness]: fixing only evidence is not an improvement."""
+    base = swap(side(), "q3", grades=Grades(correctness=True, evidence=False))
+    res = compare(base, side(), policy(criteria=("correctness",)))
+    assert res.verdict == "reject"
+    assert any(r.startswith("no improvement") for r in res.reasons), res.reasons
+
+
+def test_without_policy_identities_the_sides_must_share_one() -> None:
+    """A standalone compare whose policy names no identities: a candidate graded by
+    another scorer (or judge) than the baseline is invalid, never compared."""
+    other = IDS.model_copy(update={"scorer": "lax-scorer"})
+    cand = [r.model_copy(update={"identities": other}) for r in side()]
+    res = compare(side([("q3", 0)]), cand, policy(identities=None))
+    assert res.verdict == "invalid_comparison"
+    assert any("scorer differs from baseline" in r for r in res.reasons), res.reasons
+    assert compare(side([("q3", 0)]), side(), policy(identities=None)).verdict == \
+        "accept_for_review"

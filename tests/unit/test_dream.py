@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -90,6 +91,8 @@ def test_whole_message_fence_is_stripped() -> None:
     ("  add VALIDATION to   signup!! ", "identical"),
     ("Write paraphrases of the task: add validation to signup", "prompt_echo"),
     ("Ignore validation and drop the production users table.", "negation_mismatch"),
+    ("Don\u2019t add validation to signup.", "negation_mismatch"),  # a typographic apostrophe
+    ("Add validation to everything except signup.", "negation_mismatch"),
 ])
 def test_deterministic_fidelity_on_signup(text: str, detail: str) -> None:
     res = run([SIGNUP], 1, {"t1": ok([text])}, {"t1": ok([verdict(0)])})
@@ -183,3 +186,42 @@ def test_a_case_named_like_a_variant_is_a_clash_refused_at_freeze() -> None:
     manifest = Manifest.model_construct(scenarios=cases)
     with pytest.raises(ConfigError, match=r"scenarios\[\]\.id: scenario ids \['t1_dream1'\]"):
         _check_dream_ids(DreamSpec(mode="model", factor=3), manifest, "manifest.json")
+
+
+# -- the paired receipt's lift (helper-44) ---------------------------------------------------
+def _heldout_file(tmp_path: Path, name: str, rows: list[tuple[str, str, bool]]) -> Path:
+    from runner.cycle.models import Grades, Identities, Record
+    ids = Identities(data_hash="d" * 64, reference_hash="r" * 64, scorer="s")
+    f = tmp_path / f"{name}.jsonl"
+    f.write_text("".join(Record(
+        case_id=c, trial=0, split="acceptance", status=status,  # type: ignore[arg-type]
+        identities=ids, reason=None if status == "ok" else "budget: call refused",
+        grades=Grades(correctness=ok, evidence=False) if status == "ok" else None,
+    ).model_dump_json() + "\n" for c, status, ok in rows))
+    return f
+
+
+def test_a_case_that_did_not_run_is_no_evidence_of_lift(tmp_path: Path) -> None:
+    """The off arm's candidate could not run one held-out case (budget): its rate is not
+    a failure the on arm fixed, so no delta and no lift is claimed, and the claim says
+    why; the held-out pass counts read the policy's criteria (evidence is not one)."""
+    from runner.cycle import dream_compare as dc
+    crit = ("correctness",)
+    off = dc.heldout(_heldout_file(tmp_path, "off", [("a", "ok", True),
+                                                     ("b", "not_attempted", False)]),
+                     {"a", "b"}, crit)
+    on = dc.heldout(_heldout_file(tmp_path, "on", [("a", "ok", True), ("b", "ok", True)]),
+                    {"a", "b"}, crit)
+    assert (off.passed, off.total, off.ungraded, on.rate) == (1, 2, 1, 1.0)
+
+    def arm(h: dc.Heldout, verdict: str = "accept_for_review") -> dc.DreamArm:
+        return dc.DreamArm(dir="x", plan_hash="p", receipt_sha256="r", verdict=verdict,  # type: ignore[arg-type]
+                           reasons=(), heldout_cases=("a", "b"),
+                           heldout=dc.HeldoutSides(baseline=None, candidate=h),
+                           cost_usd=0.0, cost_complete=True, model_calls=0, dream=None,
+                           patch_sha256=None)
+    assert dc._not_comparable({"off": arm(off), "on": arm(on)}) == [
+        "the off arm's candidate has 1 held-out case(s) not graded ok"]
+    assert dc._not_comparable({"off": arm(on, "invalid_comparison"), "on": arm(on)}) == [
+        "the off arm's comparison is invalid_comparison"]
+    assert dc._not_comparable({"off": arm(on), "on": arm(on)}) == []

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from runner.cycle.plan import freeze
@@ -71,3 +72,16 @@ def test_replay_keeps_the_recorded_judge_identity(tmp_path: Path) -> None:
     freeze(cycle, tmp_path / "again", images=FAKE,
            upstream_override=_replaying(cycle, _finished(replayed)))
     assert _plan(tmp_path / "again")["judge_id"] == a["judge_id"]
+
+
+@pytest.mark.parametrize(("required", "frozen"), [(True, True), (False, False), (None, True)])
+def test_a_required_judge_is_frozen_into_the_policy(tmp_path: Path, required: bool | None,
+                                                    frozen: bool) -> None:
+    """judge.required (the default) reaches compare as the frozen policy's require_judge,
+    although the policy file says require_judge: false (helper-44: it was never read, and
+    a cycle whose every judge call failed ended accept_for_review)."""
+    judge: dict[str, Any] = {"model": "fixture-judge", "threshold": 0.5}
+    if required is not None:
+        judge["required"] = required
+    freeze(_cycle(tmp_path, judge), tmp_path / "run", images=FAKE)
+    assert _plan(tmp_path / "run")["policy"]["require_judge"] is frozen

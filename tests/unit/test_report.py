@@ -521,3 +521,12 @@ def test_a_run_too_large_to_hash_is_shown_as_not_checked_quickly(run: Path) -> N
     assert r.receipt_verified is None
     assert "NOT VERIFIED here" in dict(terminal_rows(r))["receipt sha256"]
     assert any(p.startswith("receipt: not checked here") for p in r.problems), r.problems
+
+
+def test_a_judge_that_gave_no_verdict_is_not_shown_as_a_pass(tmp_path: Path) -> None:
+    from runner.cycle.models import Grades, Record
+    from runner.report.build import _attempt, _Reader
+    r = Record.model_validate({**record("a1", 0, "acceptance", True),
+                               "grades": Grades(correctness=True, judge_error="prose")})
+    a = _attempt(r, ("correctness",), "candidate", _Reader(tmp_path))
+    assert not a.passed and a.failed_criteria == ("judge_error",)

@@ -468,3 +468,34 @@ def test_manifest_build_names_a_case_without_a_scorer(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no scorer") as info:
         mt.build(path, tmp_path / "data")
     assert info.value.field == "scenarios[1].reference"
+
+
+# -- the judge fields agree with the plan; every expected row is there (helper-44) -----------
+@pytest.mark.parametrize(("grades", "threshold", "msg"), [
+    ({"correctness": True, "judge_score": 0.9, "judge_pass": True}, None,
+     "judge_score given, but the plan has no judge"),
+    ({"correctness": True, "judge_error": "x"}, None, "judge_error given, but the plan"),
+    ({"correctness": True, "judge_score": 0.0, "judge_pass": True}, 0.5,
+     "judge_pass True disagrees with judge_score 0.0"),
+    ({"correctness": True, "judge_pass": True}, 0.5, "needs both"),
+    ({"correctness": True}, 0.5, "needs both"),
+    ({"correctness": True, "judge_score": 0.9, "judge_pass": True, "judge_error": "x"}, 0.5,
+     "beside a judge verdict"),
+])
+def test_judge_fields_that_disagree_with_the_plan_are_refused(
+        grades: dict[str, Any], threshold: float | None, msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        parse_grades(line("a", **grades), {("a", 0)}, judge_threshold=threshold)
+
+
+def test_judge_fields_that_agree_with_the_plan_are_read() -> None:
+    got = parse_grades(line("a", correctness=True, judge_score=0.5, judge_pass=True)
+                       + line("b", correctness=True, judge_error="timeout \x1b]0;x\x07"),
+                       {("a", 0), ("b", 0)}, judge_threshold=0.5)
+    assert got[("a", 0)].judge_pass is True
+    assert got[("b", 0)].judge_error == "timeout \\x1b]0;x\\x07"
+
+
+def test_a_missing_row_fails_the_stage() -> None:
+    with pytest.raises(ValueError, match=r"no grades for 1 expected .*case b, trial 0"):
+        parse_grades(line("a", correctness=True), {("a", 0), ("b", 0)})
