@@ -88,7 +88,8 @@ def refuse_inside_run(path: Path, *, field: str = "--out") -> None:
     verify`` of that run fail, and every later export of it with it)."""
     run = run_holding(path)
     if run is not None:
-        raise ConfigError(f"{path} is inside the cyclebox run {run}, whose receipt binds "
+        raise ConfigError(f"{_shown(path)} is inside the cyclebox run {_shown(run)}, "
+                          "whose receipt binds "
                           "every file in it (anything written there makes `cyclebox receipt "
                           "verify` of that run fail)", field=field,
                           fix="write it beside the run directory, not in it")

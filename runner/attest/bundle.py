@@ -67,8 +67,9 @@ def _target(run_dir: Path, out: Path | None) -> Path:
                           "would fail)", field="--out",
                           fix=f"write it at the run's top level (a name ending "
                               f"{BUNDLE_SUFFIX}) or outside the run")
-    if parent.resolve() == run_dir.resolve() and not path.name.endswith(BUNDLE_SUFFIX):
-        raise ConfigError(f"{path.name} in the run directory would be a file the receipt "
+    if inside is not None and not path.name.endswith(BUNDLE_SUFFIX):
+        # at the top level of this run or of another: only a bundle's name is not bound
+        raise ConfigError(f"{show(path.name)} in a run directory would be a file its receipt "
                           "does not name (receipt verify would fail)", field="--out",
                           fix=f"end the name with {BUNDLE_SUFFIX}, or write outside the run")
     return path

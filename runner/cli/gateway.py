@@ -13,6 +13,7 @@ from rich.table import Table
 from runner.cli.options import JsonOpt
 from runner.cli.output import out
 from runner.errors import ConfigError, IntegrityError
+from runner.loading import show
 from runner.termsafe import emit_json, safe
 
 RUN_MARKERS = ("plan.json", "receipt.json", "containers.jsonl")
@@ -30,6 +31,23 @@ def _receipt_files(run_dir: Path) -> dict[str, str] | None:
         return None
     return load_model(run_dir / RECEIPT, ReceiptHead, fmt="json", what="receipt",
                       schema=SCHEMA, fix=RECEIPT_FIX).files
+
+
+def _sha256(path: Path) -> str | None:
+    """sha256 of the regular file at ``path`` (never through a link); None if unreadable."""
+    import hashlib
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    h = hashlib.sha256()
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 @app.command("calls")
@@ -62,6 +80,12 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
         unconfirmed = named is None
         records = []  # a run whose roles reached no model: no gateway log at all
     else:
+        named = _receipt_files(run_dir)
+        if named is not None and (want := named.get("gateway/calls.jsonl")) != _sha256(log):
+            raise IntegrityError(
+                f"run_altered: {show(str(log))} is not the call log the run's receipt binds "
+                + ("(the receipt names no call log)" if want is None else "(its sha256 "
+                   "differs)") + "; `cyclebox receipt verify` lists every change")
         records = CallLog.reader(log_dir).records()
     totals = summarize(records)
     if json_out:

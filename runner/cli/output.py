@@ -43,15 +43,22 @@ out = PlainConsole()
 err = PlainConsole(stderr=True)
 
 
+def _indented(message: str) -> str:
+    """``message`` made safe, every line after the first indented: a newline in a path or
+    a file's text can never start a line of its own (a forged "receipt verified")."""
+    return safe(message, 8000).replace("\n", "\n  ")
+
+
 def report_error(message: str) -> None:
-    """Print one error line on stderr; the only place the CLI prints an error."""
-    err.print(f"[bold red]error:[/] {safe(message, 8000)}", highlight=False, soft_wrap=True)
+    """Print one error on stderr (its continuation lines indented); the only place the
+    CLI prints an error."""
+    err.print(f"[bold red]error:[/] {_indented(message)}", highlight=False, soft_wrap=True)
 
 
 def report_warning(message: str) -> None:
-    """Print one warning line on stderr: something the operator should know that does not
+    """Print one warning on stderr: something the operator should know that does not
     stop the command."""
-    err.print(f"[bold yellow]warning:[/] {safe(message, 8000)}", highlight=False,
+    err.print(f"[bold yellow]warning:[/] {_indented(message)}", highlight=False,
               soft_wrap=True)
 
 

@@ -121,8 +121,10 @@ def manifest_rehash(manifest: Annotated[Path, typer.Argument(help="manifest.json
     file replaced atomically.
 
     Exit 0 written (or already current); 3 bad input."""
+    from runner.outdir import refuse_inside_run
     from runner.project import manifest_tools as mt
 
+    refuse_inside_run(manifest, field="MANIFEST")  # a run's frozen copy is evidence
     data_dir = data if data is not None else manifest.parent / "data"
     changed = mt.rehash(manifest, data_dir)
     if json_out:

@@ -12,7 +12,8 @@ from rich.table import Table
 
 from runner.cli.options import JsonOpt
 from runner.cli.output import err, out
-from runner.errors import EXIT_INTEGRITY, EXIT_OK, CycleboxError
+from runner.errors import EXIT_INTEGRITY, EXIT_OK, ConfigError, CycleboxError
+from runner.loading import show
 from runner.termsafe import emit_json, safe
 
 app = typer.Typer(no_args_is_help=True,
@@ -126,11 +127,27 @@ def receipt_compare(recorded: Annotated[Path, typer.Argument(help="Recorded run 
     Each run directory is verified against its receipt first (as `receipt verify`, the
     data stores aside: their hashes are compared as inputs): a run changed since its
     receipt is exit 8 and nothing is compared."""
-    from runner.cycle.receipt import compare_receipts, load_receipt, require_unaltered
+    from runner.cycle.receipt import (
+        RECEIPT,
+        RECEIPT_FIX,
+        SCHEMA,
+        Receipt,
+        compare_receipts,
+        read_receipt_bytes,
+        require_unaltered,
+    )
+    from runner.loading import parse_model
 
-    receipts = [load_receipt(recorded), load_receipt(replayed)]
+    receipts = []
     for run_dir in (recorded, replayed):
-        require_unaltered(run_dir, what="only runs that verify are compared")
+        if not run_dir.is_dir():
+            raise ConfigError(f"{show(str(run_dir))} is not a directory", field="DIR",
+                              fix=RECEIPT_FIX)
+        # read once, never through a link: the bytes verified are the bytes compared
+        raw = read_receipt_bytes(run_dir)
+        require_unaltered(run_dir, what="only runs that verify are compared", receipt_bytes=raw)
+        receipts.append(parse_model(raw, Receipt, path=show(str(run_dir / RECEIPT)),
+                                    fix=RECEIPT_FIX, schema=SCHEMA))
     rows = compare_receipts(*receipts)
     t = Table(title="recorded vs replayed")
     for c in ("hash", "recorded", "replayed", "equal"):

@@ -65,6 +65,7 @@ def sandbox_exec(
     from runner.isolation.launcher import launch, output_dir
     from runner.isolation.policy import load_policies
     from runner.isolation.roles import check_mount_flags, parse_mount_flag
+    from runner.outdir import refuse_inside_run
 
     command = list(ctx.args)
     if not command:
@@ -80,6 +81,7 @@ def sandbox_exec(
     run_id = f"exec-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     run_dir = state_dir() / "runs" / run_id
     odir = out_dir or run_dir / "out"
+    refuse_inside_run(odir)
     image = role_image(role)
     # the upstreams are read before --out is made: a refusal leaves nothing behind
     loaded = load_upstreams(upstreams) if policy.upstream else None

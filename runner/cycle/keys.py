@@ -32,6 +32,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from runner.errors import ConfigError
+from runner.outdir import refuse_inside_run
 
 KeyType = Literal["ed25519", "ecdsa-p256"]
 KEY_TYPES: tuple[KeyType, ...] = ("ed25519", "ecdsa-p256")
@@ -176,6 +177,7 @@ def keygen(path: Path, kind: KeyType = "ed25519") -> Path:
         raise ConfigError(f"directory {parent} does not exist", path=str(path), field="--out",
                           fix=f"create it first (mkdir -p {parent}) or give a path in an "
                           "existing directory")
+    refuse_inside_run(path)  # a key in a run directory: evidence that no longer verifies
     targets = (path, pub_path, dict_path)
     if any(p.exists() or p.is_symlink() for p in targets):
         raise ConfigError(f"{path}, {pub_path} or {dict_path} exists; keys are never "

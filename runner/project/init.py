@@ -19,6 +19,7 @@ from pathlib import Path
 from runner.errors import ConfigError
 from runner.failures import is_environment_error
 from runner.loading import show
+from runner.outdir import refuse_inside_run
 from runner.project import manifest_tools
 
 PLACEHOLDER = "__NAME__"
@@ -94,6 +95,7 @@ def _walk(node: Traversable, prefix: str = "") -> list[tuple[str, Traversable]]:
 def scaffold(dest: Path, *, name: str | None = None) -> Scaffold:
     """Create the project in ``dest`` (absent or empty); see the module docstring."""
     check_target(dest)
+    refuse_inside_run(dest, field="DIR")
     pname = project_name(dest, name)
     created_root = False
     written: list[str] = []

@@ -230,6 +230,8 @@ def check_ledger(ledger: Path) -> None:
     def refuse(msg: str, fix: str = LEDGER_FIX) -> ConfigError:
         return ConfigError(msg, path=str(ledger), field="--ledger", fix=fix)
 
+    refuse_inside_run(ledger, field="--ledger")  # a row appended there broke its receipt
+
     try:
         st: os.stat_result | None = os.stat(ledger)  # a symlink is judged by its target
     except FileNotFoundError:

@@ -1440,6 +1440,26 @@ def _(e: Env) -> list[str]:
     return ["gateway", "calls", str(run)]
 
 
+@case("gateway-calls-log-blanked-after-the-receipt", 8, "calls.jsonl", "run_altered",
+      "receipt binds")
+def _(e: Env) -> list[str]:
+    """helper-45: an emptied call log was listed as "no model calls", exit 0."""
+    run = e.root / "run"
+    e.write("run/receipt.json", json.dumps({"schema": 1, "plan_hash": "p",
+                                            "files": {"gateway/calls.jsonl": "0" * 64}}))
+    e.write("run/gateway/calls.jsonl", "")
+    return ["gateway", "calls", str(run)]
+
+
+@case("receipt-compare-a-receipt-that-is-a-link", 8, "receipt.json", "never followed")
+def _(e: Env) -> list[str]:
+    """helper-45: compare followed a receipt.json link (and called it bad input, 3)."""
+    for name in ("a", "b"):
+        (e.root / name).mkdir()
+        (e.root / name / "receipt.json").symlink_to("/etc/passwd")
+    return ["receipt", "compare", str(e.root / "a"), str(e.root / "b")]
+
+
 @case("gateway-calls-log-is-a-directory", 8, "calls.jsonl", "not a regular file")
 def _(e: Env) -> list[str]:
     e.write("run/plan.json", "{}")

@@ -268,3 +268,16 @@ def test_gateway_calls_on_a_run_with_no_calls_says_so(tmp_path: Path) -> None:
     assert b"no model calls recorded in" in res.stdout
     res = run_cli("gateway", "calls", str(bare), "--json")
     assert json.loads(res.stdout)["calls"] == []
+
+
+def test_a_newline_in_a_path_cannot_start_a_line_of_its_own(tmp_path: Path) -> None:
+    """helper-45: a path holding a newline printed, after `error: --out: .../x`, a line of
+    its own reading "receipt verified: ..." (the one-line error contract). Every line
+    after an error's first is indented now."""
+    forged = "receipt verified: every named file matches"
+    res = run_cli("report", str(tmp_path / f"x\n{forged}"))
+    assert res.returncode == 3, res
+    lines = res.stderr.decode().splitlines()
+    assert lines[0].startswith("error:"), lines
+    assert not any(line.startswith(forged) for line in lines), lines
+    assert any(line.startswith("  " + forged) for line in lines), lines

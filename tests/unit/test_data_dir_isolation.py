@@ -204,3 +204,46 @@ def test_flags_a_plan_would_ignore_are_refused_with_it(tmp_path: Path) -> None:
         assert res.returncode == 3, (extra, res.stdout, res.stderr)
         assert f"{named} cannot be given with --plan" in res.stderr, res.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_more_writers_refuse_a_path_inside_a_run(tmp_path: Path) -> None:
+    """helper-45: `train proof --ledger` appended a row to a run's records, `manifest
+    rehash` rewrote a run's frozen manifest, and `receipt keygen`, `init`, `sandbox exec
+    --out` and an attestation bundle at another run's top level wrote files its receipt
+    does not name. Each is refused, naming its field, with nothing written."""
+    from runner.attest.bundle import _target
+    from runner.train.host import check_ledger
+
+    run = tmp_path / "run"
+    (run / "inputs").mkdir(parents=True)
+    (run / "stages").mkdir()
+    (run / "plan.json").write_text(PLAN)
+    (run / "receipt.json").write_text("{}")
+    (run / "inputs" / "manifest.json").write_text('{"schema": 1}')
+    records = run / "stages" / "records.jsonl"
+    records.write_text("")
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    with pytest.raises(ConfigError, match="inside the cyclebox run") as exc:
+        check_ledger(records)
+    assert exc.value.field == "--ledger"
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(ConfigError, match="in a run directory would be a file") as exc:
+        _target(other, run / "x.jsonl")
+    assert _target(other, run / "x.intoto.jsonl") == run / "x.intoto.jsonl"
+    cases = [
+        (["receipt", "keygen", "--out", str(run / "k")], "--out"),
+        (["init", str(run / "proj")], "DIR"),
+        (["manifest", "rehash", str(run / "inputs" / "manifest.json"), "--data",
+          str(tmp_path)], "MANIFEST"),
+        (["sandbox", "exec", "--role", "analyst", "--out", str(run / "sbx"), "--", "true"],
+         "--out"),
+    ]
+    for args, field in cases:
+        res = run_cli(*args)
+        assert res.returncode == 3, (args, res.stdout, res.stderr)
+        assert field in res.stderr and "inside the cyclebox run" in res.stderr, (args,
+                                                                                 res.stderr)
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+    assert records.read_text() == "" and (run / "inputs" / "manifest.json").read_text() == \
+        '{"schema": 1}'
