@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import stat
+import sys
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -100,14 +101,17 @@ def read_capped(path: Path, *, max_bytes: int = MAX_BYTES, what: str = "file",
         os.close(fd)
 
 
-def decode_utf8(data: bytes, *, path: str) -> str:
-    """UTF-8 text (a leading BOM dropped); ConfigError naming the first bad byte's offset."""
+def decode_utf8(data: bytes, *, path: str, fix: str | None = None) -> str:
+    """UTF-8 text (a leading BOM dropped); ConfigError naming the first bad byte's offset.
+    ``fix``: the caller's (a file cyclebox wrote is rebuilt, not re-saved); the generic
+    advice then goes into the message."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
+        generic = "save the file as UTF-8"
         raise ConfigError(f"not UTF-8: byte {exc.start} (0x{data[exc.start]:02x}) "
-                          f"cannot be decoded", path=path,
-                          fix="save the file as UTF-8") from None
+                          "cannot be decoded" + (f" ({generic})" if fix else ""), path=path,
+                          fix=fix or generic) from None
     return text.removeprefix("\ufeff")
 
 
@@ -215,14 +219,18 @@ def parse_yaml(text: str, *, path: str) -> Any:
             loader.dispose()
 
 
-def parse_json(text: str, *, path: str) -> Any:
-    """Strict JSON (see module docstring); ConfigError naming the file."""
+def parse_json(text: str, *, path: str, fix: str | None = None) -> Any:
+    """Strict JSON (see module docstring); ConfigError naming the file. ``fix``: the
+    caller's, as for :func:`decode_utf8`."""
     try:
         return strict_json(text)
     except (ValueError, RecursionError) as exc:
-        raise ConfigError(f"invalid JSON: {show(str(exc), 300)}", path=path,
-                          fix="plain JSON: no NaN/Infinity, duplicate keys or nesting deeper "
-                          "than 64") from None
+        why = str(exc)
+        if "int_max_str_digits" in why or "Exceeds the limit" in why:
+            why = f"a number longer than {sys.get_int_max_str_digits()} digits"
+        generic = "plain JSON: no NaN/Infinity, duplicate keys or nesting deeper than 64"
+        raise ConfigError(f"invalid JSON: {show(why, 300)}" + (f" ({generic})" if fix else ""),
+                          path=path, fix=fix or generic) from None
 
 
 def format_of(path: Path) -> Format:
@@ -235,10 +243,10 @@ def load_data(path: Path, *, fmt: Format | None = None, what: str = "file",
     fmt = fmt or format_of(path)
     cap = MAX_YAML_BYTES if fmt == "yaml" else MAX_BYTES
     data = read_capped(path, max_bytes=cap, what=what, fix=fix, ref=ref)
-    text = decode_utf8(data, path=show(str(path)))
+    text = decode_utf8(data, path=show(str(path)), fix=fix)
     if fmt == "yaml":
         return parse_yaml(text, path=show(str(path)))
-    return parse_json(text, path=show(str(path)))
+    return parse_json(text, path=show(str(path)), fix=fix)
 
 
 # -- validation ------------------------------------------------------------------------------
@@ -348,8 +356,9 @@ def parse_model(raw: bytes, model: type[M], *, path: str, fix: str, fmt: Format 
                 schema: int | None = None) -> M:
     """``model`` from bytes already read (e.g. opened without following links); the same
     rules and errors as :func:`load_model`, naming ``path``."""
-    text = decode_utf8(raw, path=path)
-    data = parse_yaml(text, path=path) if fmt == "yaml" else parse_json(text, path=path)
+    text = decode_utf8(raw, path=path, fix=fix)
+    data = (parse_yaml(text, path=path) if fmt == "yaml"
+            else parse_json(text, path=path, fix=fix))
     if schema is not None:
         check_schema(data, schema, path=path)
     return validate(model, data, path=path, fix=fix)
@@ -360,13 +369,14 @@ def load_lines(path: Path, model: type[M], *, fix: str, what: str = "file",
     """JSON Lines: one ``model`` per non-blank line; a bad line is a ConfigError naming
     ``file:line`` and the field."""
     text = decode_utf8(read_capped(path, max_bytes=max_bytes, what=what, fix=fix),
-                       path=show(str(path)))
+                       path=show(str(path)), fix=fix)
     out: list[M] = []
     for n, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         where = f"{show(str(path))}:{n}"
-        out.append(validate(model, parse_json(line, path=where), path=where, fix=fix))
+        out.append(validate(model, parse_json(line, path=where, fix=fix), path=where,
+                            fix=fix))
     return out
 
 

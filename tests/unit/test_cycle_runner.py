@@ -284,17 +284,18 @@ def test_a_worker_refused_by_the_budget_names_the_budget(planned: Freeze) -> Non
 
 _REFUSED = ("no candidate: worker proposal refused (invalid_output: "
             "stages/propose/out/proposal.json: ")
+_WORKER_FIX = "a proposal.json as the worker writes it: {files: [{path, content}], ...})"
 
 
 # The host reads the worker's proposal into its model before any apply container runs:
 # bad JSON and a wrong shape are both refused there, naming the file and the field.
 @pytest.mark.parametrize(("proposal", "reason"), [
     (b'{"files": [', _REFUSED + "invalid JSON: Expecting value: line 1 column 12 (char 11) "
-                     "Fix: plain JSON: no NaN/Infinity, duplicate keys or nesting deeper "
-                     "than 64)"),
-    (b'{"files": [], "files": []}', _REFUSED + "invalid JSON: duplicate key 'files' Fix: "
-                                    "plain JSON: no NaN/Infinity, duplicate keys or nesting "
-                                    "deeper than 64)"),
+                     "(plain JSON: no NaN/Infinity, duplicate keys or nesting deeper "
+                     "than 64) Fix: " + _WORKER_FIX),
+    (b'{"files": [], "files": []}', _REFUSED + "invalid JSON: duplicate key 'files' "
+                                    "(plain JSON: no NaN/Infinity, duplicate keys or nesting "
+                                    "deeper than 64) Fix: " + _WORKER_FIX),
     (b'{"files": "prompts/system.md"}', _REFUSED + "files: Input should be a valid tuple Fix: "
                                         "a proposal.json as the worker writes it: {files: "
                                         "[{path, content}], ...})"),

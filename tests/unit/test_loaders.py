@@ -20,6 +20,7 @@ from runner.loading import (
     load_data,
     load_model,
     parse_json,
+    parse_model,
     parse_yaml,
     read_capped,
     validate,
@@ -263,3 +264,23 @@ def test_freeze_failing_while_writing_removes_its_directory(
     monkeypatch.undo()
     plan, _ = freeze(_cycle(tmp_path), out, images=FAKE)  # the corrected rerun works
     assert json.loads((out / "plan.json").read_text())["plan"]["name"] == plan.name
+
+
+@pytest.mark.parametrize(("raw", "detail"), [
+    (b"\xff\xfe", "not UTF-8: byte 0"),
+    (b'{"a": ' + b"9" * 5001 + b"}", "a number longer than 4300 digits"),
+    (b'{"a": NaN}', "invalid JSON"),
+])
+def test_a_file_cyclebox_wrote_keeps_its_callers_fix(raw: bytes, detail: str) -> None:
+    """helper-45: a damaged file cyclebox writes (a lock, a receipt, a call log) was told
+    "save the file as UTF-8" or to write plain JSON by hand; the caller's fix is kept and
+    the generic advice moves into the message."""
+    from pydantic import BaseModel
+
+    class M(BaseModel):
+        a: int = 0
+
+    with pytest.raises(ConfigError) as exc:
+        parse_model(raw, M, path="x.json", fix="rebuild it: cyclebox images build")
+    assert exc.value.fix == "rebuild it: cyclebox images build"
+    assert detail in str(exc.value) and "int_max_str_digits" not in str(exc.value)
