@@ -16,10 +16,15 @@ from runner.gateway.config import PROVIDER_FIELDS, UpstreamPolicy, parse_upstrea
 
 def replay_upstreams(cycle_path: Path, recording: Path) -> dict[str, UpstreamPolicy]:
     """The cycle file's upstreams, each answered from ``recording`` (a recorded run
-    directory) instead of its provider."""
+    directory) instead of its provider. A recording with a receipt must verify against it
+    (IntegrityError ``run_altered``, exit 8)."""
     from runner.cycle.config import load_cycle
+    from runner.cycle.receipt import RECEIPT, require_unaltered
 
     cycle, _ = load_cycle(cycle_path)
+    if (recording / RECEIPT).exists() or (recording / RECEIPT).is_symlink():
+        # answers from a run changed since its receipt would be replayed as if recorded
+        require_unaltered(recording, what="a replay answers only from a run that verifies")
     ups = cycle.upstreams
     # Every provider's own field goes (base_url, credential, anthropic_version, script):
     # a replayed upstream keeps only what all providers share.

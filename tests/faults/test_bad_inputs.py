@@ -1239,6 +1239,16 @@ def _(e: Env) -> list[str]:
     return ["freeze", str(e.cycle), "--out", str(e.out)]
 
 
+@case("freeze-replay-from-a-run-that-no-longer-verifies", 8, "run_altered", "calls.jsonl",
+      "only from a run that verifies")
+def _(e: Env) -> list[str]:
+    """helper-45: a replay answered from a call log edited after its receipt."""
+    e.write("rec/receipt.json", json.dumps({"schema": 1, "plan_hash": "p",
+                                            "files": {"gateway/calls.jsonl": "0" * 64}}))
+    e.write("rec/gateway/calls.jsonl", "")
+    return ["freeze", str(e.cycle), "--out", str(e.out), "--replay", str(e.root / "rec")]
+
+
 @case("freeze-bad-replay", 3, "cycle.yaml", "replay_from")
 def _(e: Env) -> list[str]:
     (e.root / "not-a-run").mkdir()
