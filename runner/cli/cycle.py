@@ -33,7 +33,8 @@ app = typer.Typer(no_args_is_help=True, help="Run improvement cycles.")
 commands = typer.Typer()
 
 ReplayOpt = Annotated[Path | None, typer.Option(
-    help="Answer every model call from this recorded run (byte-exact).")]
+    help="Answer every model call from this recorded run (byte-exact); a run with a "
+    "receipt must verify against it (exit 8 otherwise).")]
 
 
 def _upstream_override(cycle: Path, replay: Path | None) -> dict[str, UpstreamPolicy] | None:
