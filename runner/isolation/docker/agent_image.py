@@ -179,6 +179,7 @@ def ensure_agent_image(analyst_id: str, toolchains: AgentToolchains | str, log: 
             log(f"building {tag} from the analyst image (network none): "
                 f"{', '.join(s.name for s in parts) or 'nothing to add'}")
             for line in backend.build(ctx, tag, buildargs={"ANALYST_IMAGE": analyst_id},
+                                      drop_other_stages=True,
                                       labels={"io.cyclebox.role": "analyst",
                                               "io.cyclebox.input_hash": ih,
                                               "io.cyclebox.base": analyst_id,

@@ -15,7 +15,9 @@ prepared for exactly one case (:mod:`runner.isolation.docker.prepared`), removed
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -60,6 +62,9 @@ __all__ = [  # what callers and tests import from here, wherever it now lives
 
 
 STOP_TIMEOUT_S = 5.0
+_STEP_IMAGE = re.compile(r"---> ([0-9a-f]{12})$")
+"""The legacy builder's line naming the image a step made (or reused, after
+``---> Using cache``)."""
 """How long one engine request may take once a run is stopping (:meth:`DockerSandbox.
 stopping`): long enough for a loaded engine to kill and remove a container, short enough
 that a hung one cannot hold the verdict and receipt past a supervisor's grace period."""
@@ -342,8 +347,17 @@ class DockerSandbox:
         return list(self.client.api.images(filters={"label": label}))
 
     def build(self, context: Path, tag: str, *, buildargs: dict[str, str],
-              labels: dict[str, str], nocache: bool = False) -> Iterator[str]:
-        """Build ``context/Dockerfile`` with no network; yield log lines; raise on error."""
+              labels: dict[str, str], nocache: bool = False,
+              drop_other_stages: bool = False) -> Iterator[str]:
+        """Build ``context/Dockerfile`` with no network; yield log lines; raise on error.
+
+        ``drop_other_stages``: afterwards (built or failed), remove the step images this
+        build created that are not layers of the image tagged ``tag`` (a multi-stage
+        build's earlier stages, or every step of a failed build). The legacy builder keeps
+        them as untagged images that nothing ever removes (a derived analyst image's
+        build stage holds its wheels and .debs twice over)."""
+        made: list[str] = []
+        cached = False
         try:
             for chunk in self.client.api.build(
                 path=str(context), tag=tag, buildargs=buildargs, labels=labels,
@@ -354,6 +368,36 @@ class DockerSandbox:
                     raise SandboxError(f"image build for {tag} failed: {chunk['error'].strip()}")
                 line = chunk.get("stream")
                 if line and line.strip():
+                    step = _STEP_IMAGE.match(line.strip())
+                    if line.strip() == "---> Using cache":
+                        cached = True
+                    elif step is not None:
+                        if not cached and not line.strip().startswith("---> Running"):
+                            made.append(step.group(1))
+                        cached = False
                     yield line.rstrip()
         except docker.errors.APIError as exc:
             raise SandboxError(f"image build for {tag} failed: {exc.explanation or exc}") from None
+        finally:
+            if drop_other_stages and made:
+                self._drop_steps(tag, made, keep=set(buildargs.values()))
+
+    def _drop_steps(self, tag: str, made: list[str], keep: set[str]) -> None:
+        """Remove each image of ``made`` (short ids, in build order) that is not a layer of
+        ``tag``, nor tagged, nor in ``keep``: leaves first, one at a time (an image another
+        build has meanwhile built on is refused by the engine and stays)."""
+        api = self.client.api
+        try:
+            final = {str(h.get("Id", ""))[7:19] for h in api.history(tag)}
+        except (docker.errors.APIError, requests.exceptions.RequestException):
+            final = set()  # no such image: the build failed, none of its steps is kept
+        kept = {k[7:19] if k.startswith("sha256:") else k[:12] for k in keep}
+        for short in reversed(made):
+            if short in final or short in kept:
+                continue
+            with contextlib.suppress(docker.errors.APIError,
+                                     requests.exceptions.RequestException):
+                info = api.inspect_image(short)
+                if [t for t in info.get("RepoTags") or () if t != "<none>:<none>"]:
+                    continue
+                api.remove_image(short, force=False, noprune=True)
