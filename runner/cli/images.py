@@ -63,7 +63,8 @@ def images_list(json_out: JsonOpt = False) -> None:
         for col in ("tag", "id", "size", "adds", "from analyst", "used by"):
             table.add_column(col)
         for d in derived:
-            table.add_row(safe(d.tag), safe(d.id[:19]), f"{d.size_bytes / 1e6:.0f} MB",
+            mark = "" if d.cyclebox else " (not cyclebox's: built FROM a derived image)"
+            table.add_row(safe(d.tag) + mark, safe(d.id[:19]), f"{d.size_bytes / 1e6:.0f} MB",
                           safe(d.toolchains), safe(d.derived_from[:19]),
                           safe(", ".join(d.used_by[:3]) + (" ..." if len(d.used_by) > 3
                                                            else "")) or "-")

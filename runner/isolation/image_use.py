@@ -1,11 +1,17 @@
 """Which images a live cyclebox process uses, for ``cyclebox images gc``.
 
 A process that will start containers from an image (freeze deriving the analyst image,
-a run executing its plan) holds a shared ``flock`` on ``<state>/image-use/<id>.lock``
-for the rest of its life; the kernel drops it when the process ends, however it ends.
-``images gc`` removes an image only while it holds the exclusive lock, so an image is
-never removed under a live run, and a run that starts during a removal waits for it and
-then finds the image gone (a named error), never half of it.
+a run executing its plan) holds a shared ``flock`` on ``<holds>/<id>.lock`` for the rest
+of its life; the kernel drops it when the process ends, however it ends. ``images gc``
+removes an image only while it holds the exclusive lock, so an image is never removed
+under a live run, and a run that starts during a removal waits for it and then finds the
+image gone (a named error), never half of it.
+
+``<holds>`` is ONE directory per user, shared by every state directory
+(``$XDG_CACHE_HOME/cyclebox/image-use``, else ``~/.cache/cyclebox/image-use``): a derived
+image's tag names its content, so a freeze in one state directory reuses the image another
+one built, and a gc in either must see both holds. Only when that directory cannot be
+created does a hold fall back to ``<state>/image-use``; ``unused`` takes both locks.
 """
 
 from __future__ import annotations
@@ -23,11 +29,29 @@ _held: dict[str, int] = {}
 """Image id -> the open lock file this process holds shared (never closed: held to exit)."""
 
 
-def _lock_path(image_id: str) -> Path:
+def holds_dir() -> Path:
+    """The per-user directory every state directory's holds live in."""
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(cache) if os.path.isabs(cache) else Path.home() / ".cache"
+    return base / "cyclebox" / "image-use"
+
+
+def _name(image_id: str) -> str:
     hexid = image_id.removeprefix("sha256:")
     if not re.fullmatch(r"[0-9a-f]{12,64}", hexid):
         raise ValueError(f"{image_id[:80]!r} is not an image id")
-    return state_dir() / "image-use" / f"{hexid}.lock"
+    return f"{hexid}.lock"
+
+
+def _lock_paths(image_id: str) -> list[Path]:
+    """The shared lock, then this state directory's fallback lock."""
+    name = _name(image_id)
+    return [holds_dir() / name, state_dir() / "image-use" / name]
+
+
+def _open(path: Path) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
 
 
 def hold(image_ids: Iterable[str]) -> None:
@@ -37,34 +61,46 @@ def hold(image_ids: Iterable[str]) -> None:
         if image_id in _held:
             continue
         try:
-            path = _lock_path(image_id)
+            shared, local = _lock_paths(image_id)
         except ValueError:
             continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = _open(shared)
+        except OSError:  # no writable per-user cache: this state directory's gc sees it
+            fd = _open(local)
         fcntl.flock(fd, fcntl.LOCK_SH)
         _held[image_id] = fd
 
 
 @contextlib.contextmanager
 def unused(image_id: str) -> Iterator[bool]:
-    """True (holding the exclusive lock for the block) when no live process holds
-    ``image_id``; False when one does."""
-    path = _lock_path(image_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    """True (holding the exclusive locks for the block) when no live process holds
+    ``image_id`` (in any state directory of this user); False when one does."""
+    fds: list[int] = []
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
+        shared, local = _lock_paths(image_id)
+        for path in (shared, local):
+            try:
+                fd = _open(path)
+            except OSError:
+                if path is shared:
+                    continue  # no per-user cache, hence no hold there either
+                raise
+            fds.append(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
         yield True
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
 
 
 def forget(image_id: str) -> None:
     """Remove the lock file of an image that is gone (under the exclusive lock)."""
-    with contextlib.suppress(OSError, ValueError):
-        _lock_path(image_id).unlink()
+    with contextlib.suppress(ValueError):
+        for path in _lock_paths(image_id):
+            with contextlib.suppress(OSError):
+                path.unlink()

@@ -242,9 +242,11 @@ def test_derived_images_are_listed_and_gc_removes_only_unused_ones(tmp_path: Pat
     ctx.mkdir()
     (ctx / "Dockerfile").write_text("FROM scratch\nCOPY f /f\n")
     (ctx / "f").write_text(secrets.token_hex(8))  # a new image id each run
-    tag = f"{TAG_REPO}:test-gc-{secrets.token_hex(4)}"
+    input_hash = secrets.token_hex(32)  # cyclebox's own: tagged with its input hash
+    tag = f"{TAG_REPO}:{input_hash[:16]}"
     list(backend.build(ctx, tag, buildargs={}, labels={
         REQUIREMENTS_LABEL: "0" * 64, "io.cyclebox.base": "sha256:" + "1" * 64,
+        "io.cyclebox.input_hash": input_hash,
         "io.cyclebox.role": "analyst", STATE_LABEL: str(state.resolve())}))
     image = backend.image_id(tag)
     assert image is not None

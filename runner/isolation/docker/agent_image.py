@@ -49,7 +49,8 @@ TOOLCHAINS_LABEL = "io.cyclebox.agent_toolchains"
 """The versions each toolchain installed (JSON: pip lines, apt name=version, npm
 name@version)."""
 STATE_LABEL = "io.cyclebox.state_dir"
-"""The state directory whose freezes built it (where its users' locks live)."""
+"""The state directory whose freeze built it (a reuse from another state directory of the
+same user holds it in the shared per-user directory of :mod:`runner.isolation.image_use`)."""
 
 __all__ = ["TAG_REPO", "AgentImage", "DerivedImage", "check_requirements", "derived_images",
            "ensure_agent_image", "gc_derived"]
@@ -281,6 +282,11 @@ class DerivedImage:
     toolchains: str = "pip"
     """What it adds, per toolchain (e.g. ``apt 10, npm 52``; ``pip`` for an image built
     before the toolchains label)."""
+    cyclebox: bool = True
+    """Tagged ``cyclebox/analyst-deps:<h>`` with its own input hash: built by cyclebox.
+    False: it only inherited the label (an image built FROM a derived one); never removed."""
+    other_tags: tuple[str, ...] = ()
+    """Tags of other repositories on the same image (never removed by gc)."""
 
 
 @dataclass(frozen=True)
@@ -295,8 +301,22 @@ class ImageSweep:
     reason: str
 
 
+def _own_tag(tags: list[str], labels: dict[str, str]) -> str | None:
+    """The image's ``cyclebox/analyst-deps:<h>`` tag when its own input-hash label
+    starts with ``<h>``, else None. Labels are inherited: an image someone builds FROM a
+    derived image carries every cyclebox label, but never our tag with its own hash."""
+    ih = str(labels.get("io.cyclebox.input_hash", ""))
+    if not _SHA256.fullmatch(ih):
+        return None
+    own = f"{TAG_REPO}:{ih[:16]}"
+    return own if own in tags else None
+
+
 def derived_images() -> list[DerivedImage]:
-    """Every derived analyst image in the engine, with the containers that use it."""
+    """Every image carrying the derived-image label, with the containers that use it.
+    Only those tagged ``cyclebox/analyst-deps:<h>`` with a matching input hash are
+    cyclebox's (``cyclebox=True``); the others (built FROM one, re-tagged) are listed as
+    not cyclebox's and never removed."""
     from runner.isolation.docker.backend import DockerSandbox
 
     api = DockerSandbox().client.api
@@ -307,16 +327,19 @@ def derived_images() -> list[DerivedImage]:
     rows = []
     for img in api.images(filters={"label": REQUIREMENTS_LABEL}):
         labels = img.get("Labels") or {}
-        tags = [t for t in img.get("RepoTags") or [] if t != "<none>:<none>"]
+        tags = sorted(str(t) for t in img.get("RepoTags") or [] if t != "<none>:<none>")
+        own = _own_tag(tags, labels)
         rows.append(DerivedImage(
-            tag=", ".join(sorted(tags)) or "<untagged>", id=str(img["Id"]),
+            tag=own or ", ".join(tags) or "<untagged>", id=str(img["Id"]),
             size_bytes=int(img.get("Size", 0)), derived_from=str(labels.get(
                 "io.cyclebox.base", "?")),
             requirements_sha256=str(labels.get(REQUIREMENTS_LABEL, "?")),
             state_dir=labels.get(STATE_LABEL),
             used_by=tuple(sorted(users.get(str(img["Id"]), []))),
-            toolchains=_summary(labels.get(TOOLCHAINS_LABEL))))
-    return sorted(rows, key=lambda r: r.tag)
+            toolchains=_summary(labels.get(TOOLCHAINS_LABEL)),
+            cyclebox=own is not None,
+            other_tags=tuple(t for t in tags if t != own)))
+    return sorted(rows, key=lambda r: (not r.cyclebox, r.tag))
 
 
 def _summary(label: str | None) -> str:
@@ -337,11 +360,14 @@ def _summary(label: str | None) -> str:
 def gc_derived(*, dry_run: bool = False, other_state: bool = False) -> list[ImageSweep]:
     """Remove derived analyst images no container and no live cyclebox process uses.
 
-    Kept: an image a container (running or stopped) was created from; one a live
-    process holds (:mod:`runner.isolation.image_use`: a freeze or a run of this state
-    directory); one built from another state directory, whose users' locks are not
-    visible here, unless ``other_state``. The engine itself refuses to remove an image a
-    container uses (never forced)."""
+    Only cyclebox's own tag (``cyclebox/analyst-deps:<h>``, the image's input hash) is
+    ever removed: an image that merely inherited the label is not touched, and another
+    repository's tag on a derived image keeps the image (only our tag goes). Kept: an
+    image a container (running or stopped) was created from; one a live process holds
+    (:mod:`runner.isolation.image_use`: a freeze or a run of ANY state directory of this
+    user, which all hold in one per-user directory); one built from another state
+    directory (another user's, whose holds are not visible here), unless ``other_state``.
+    The engine itself refuses to remove an image a container uses (never forced)."""
     from runner.isolation.docker.backend import DockerSandbox
 
     api = DockerSandbox().client.api
@@ -353,6 +379,11 @@ def gc_derived(*, dry_run: bool = False, other_state: bool = False) -> list[Imag
             return ImageSweep(tag=img.tag, id=img.id, size_bytes=img.size_bytes,
                               would_remove=remove, removed=removed, reason=reason)
 
+        if not img.cyclebox:
+            out.append(row(False, False, "not cyclebox's: it carries the derived-image "
+                           f"label but not the tag {TAG_REPO}:<its input hash> (built FROM "
+                           "a derived image?)"))
+            continue
         if img.used_by:
             out.append(row(False, False, f"used by container(s) {', '.join(img.used_by[:5])}"))
             continue
@@ -367,14 +398,16 @@ def gc_derived(*, dry_run: bool = False, other_state: bool = False) -> list[Imag
             if dry_run:
                 out.append(row(True, False, "unused"))
                 continue
-            try:
-                for tag in img.tag.split(", ") if img.tag != "<untagged>" else [img.id]:
-                    api.remove_image(tag, force=False, noprune=False)
+            try:  # our tag only: another repository's tag keeps the image
+                api.remove_image(img.tag, force=False, noprune=False)
             except Exception as exc:  # the engine refused (a container appeared): kept
                 from runner.failures import one_line
 
                 out.append(row(True, False, f"engine refused: {one_line(str(exc), 300)}"))
                 continue
-            image_use.forget(img.id)
-            out.append(row(True, True, "unused"))
+            if not img.other_tags:
+                image_use.forget(img.id)
+            out.append(row(True, True, "unused" if not img.other_tags else
+                           f"unused; untagged only (the image stays as "
+                           f"{', '.join(img.other_tags[:3])})"))
     return out
