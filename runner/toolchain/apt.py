@@ -31,6 +31,11 @@ from urllib.parse import unquote
 from runner.errors import ConfigError, PrerequisiteError
 
 MAX_APT_PACKAGES = 64
+MAX_APT_DEBS = 2000
+"""At most this many .debs resolved for one image (``texlive-full`` alone needs ~480)."""
+MAX_APT_BYTES = 2 * 1024 ** 3
+"""At most this many bytes of .debs (2 GiB) resolved for one image."""
+_CHUNK = 1024 * 1024
 _PKG = re.compile(r"[a-z0-9][a-z0-9+.-]+(?:=[A-Za-z0-9.+~:-]+)?")
 _URI = re.compile(r"^'(?P<url>[^']+)' (?P<file>\S+\.deb) (?P<size>\d+)(?: \S*)?$")
 SUITES = ("bookworm", "bookworm-updates")
@@ -113,6 +118,43 @@ def debs_of(print_uris: str, show: str) -> list[AptDeb]:
         out.append(AptDeb(package=pkg, version=version, arch=arch, url=url,
                           filename=file, size=size, sha256=sha))
     return out
+
+
+def installed_packages(status: bytes) -> set[str]:
+    """The packages a dpkg status file records as installed."""
+    out = set()
+    for record in status.decode("utf-8", "replace").split("\n\n"):
+        fields = dict(ln.split(": ", 1) for ln in record.splitlines()
+                      if ": " in ln and not ln.startswith(" "))
+        if "Package" in fields and fields.get("Status", "").endswith(" installed"):
+            out.add(fields["Package"].strip())
+    return out
+
+
+def check_resolved(names: tuple[str, ...], debs: list[AptDeb], installed: set[str], *,
+                   path: str, field: str = "project.apt") -> None:
+    """ConfigError unless apt took every requested name as exactly that package (the
+    image has it, or one of ``debs`` is it), and the .debs fit the caps. apt reads a
+    name that is no package as a pattern (``fonts-noto-c.+`` installs four) and a
+    virtual name as whatever provides it: neither is what was listed."""
+    got = {d.package for d in debs} | installed
+    shown = sorted(d.package for d in debs)
+    for n in names:
+        name = n.split("=", 1)[0]
+        if name not in got:
+            raise ConfigError(f"{name!r} is not a Debian package apt installs by that exact "
+                              "name (apt took it as a pattern or a virtual package: "
+                              f"{', '.join(shown[:5]) or 'nothing'}"
+                              f"{' ...' if len(shown) > 5 else ''})", path=path, field=field,
+                              fix="list the exact package names (apt-cache policy NAME "
+                                  "shows one)")
+    total = sum(d.size for d in debs)
+    if len(debs) > MAX_APT_DEBS or total > MAX_APT_BYTES:
+        raise ConfigError(f"{list(names)[:5]} need {len(debs)} .debs ({total / 2**30:.2f} "
+                          f"GiB); at most {MAX_APT_DEBS} .debs and {MAX_APT_BYTES / 2**30:.2f} "
+                          "GiB per image",
+                          path=path, field=field,
+                          fix="list fewer or smaller packages (e.g. not a -full metapackage)")
 
 
 def sources_list(mirror: str, security: str) -> str:
@@ -207,16 +249,19 @@ class AptResolver:
         stamp = (self.root / "lists" / ".updated").stat().st_mtime_ns
         key = hashlib.sha256(f"{stamp}\n{self.status.name}\n{' '.join(names)}".encode())
         memo = self.root / "resolved" / f"{key.hexdigest()[:32]}.json"
+        debs: list[AptDeb] | None = None
         if memo.is_file():
             try:
-                return [AptDeb(**d) for d in json.loads(memo.read_text())]
+                debs = [AptDeb(**d) for d in json.loads(memo.read_text())]
             except (ValueError, TypeError):
                 memo.unlink()  # unreadable: resolved again
-        debs = self._resolve_now(names, path=path)
-        memo.parent.mkdir(exist_ok=True)
-        tmp = memo.with_name(memo.name + ".tmp")
-        tmp.write_text(json.dumps([dataclasses.asdict(d) for d in debs]))
-        os.replace(tmp, memo)
+        if debs is None:
+            debs = self._resolve_now(names, path=path)
+            memo.parent.mkdir(exist_ok=True)
+            tmp = memo.with_name(memo.name + ".tmp")
+            tmp.write_text(json.dumps([dataclasses.asdict(d) for d in debs]))
+            os.replace(tmp, memo)
+        check_resolved(names, debs, installed_packages(self.status.read_bytes()), path=path)
         return debs
 
     def _resolve_now(self, names: tuple[str, ...], *, path: str) -> list[AptDeb]:
@@ -256,13 +301,28 @@ class AptResolver:
         dest.mkdir(parents=True, exist_ok=True)
         for d in debs:
             src = self.root / "archives" / d.filename
-            data = src.read_bytes() if src.is_file() else b""
-            if hashlib.sha256(data).hexdigest() != d.sha256:
+            if _copy_hashed(src, dest / d.filename) != d.sha256:
                 src.unlink(missing_ok=True)
+                (dest / d.filename).unlink(missing_ok=True)
                 raise PrerequisiteError(f"{d.filename}: the downloaded .deb does not match "
                                         f"apt's SHA256 {d.sha256[:16]}... Fix: run again "
                                         f"(the file was removed: {src})")
-            (dest / d.filename).write_bytes(data)
+
+
+def _copy_hashed(src: Path, dest: Path) -> str:
+    """Copy ``src`` to ``dest`` in chunks; the SHA256 of the bytes copied ('' when
+    ``src`` is no regular file). The copy is what is checked, never a second read."""
+    h = hashlib.sha256()
+    if not src.is_file():
+        return ""
+    try:
+        with src.open("rb") as f, dest.open("wb") as out:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+                out.write(chunk)
+    except OSError:
+        return ""
+    return h.hexdigest()
 
 
 def _tail(stderr: str) -> str:
@@ -272,5 +332,6 @@ def _tail(stderr: str) -> str:
     return one_line(" / ".join(lines[-6:]) or "(apt printed nothing)", 600)
 
 
-__all__ = ["AptDeb", "AptResolver", "check_apt_names", "debs_of", "parse_print_uris",
-           "parse_show", "sources_list"]
+__all__ = ["MAX_APT_BYTES", "MAX_APT_DEBS", "AptDeb", "AptResolver", "check_apt_names",
+           "check_resolved", "debs_of", "installed_packages", "parse_print_uris", "parse_show",
+           "sources_list"]

@@ -90,3 +90,96 @@ def test_the_private_sources_are_the_base_images_suite_with_its_fixes() -> None:
         "deb http://m/debian bookworm main\n"
         "deb http://m/debian bookworm-updates main\n"
         "deb http://m/debian-security bookworm-security main\n")
+
+
+# -- the resolve step over a scripted apt (helper-43 #3, #4) -----------------------------
+
+STATUS = b"""Package: libc6
+Status: install ok installed
+Version: 2.36-9
+
+Package: oldpkg
+Status: deinstall ok config-files
+Version: 1
+"""
+
+
+def _uris(*debs: tuple[str, int]) -> tuple[str, str]:
+    uris, show = [], []
+    for name, size in debs:
+        uris.append(f"'http://deb.debian.org/debian/pool/main/x/{name}/{name}_1.0_amd64.deb' "
+                    f"{name}_1.0_amd64.deb {size} MD5Sum:00\n")
+        show.append(f"Package: {name}\nVersion: 1.0\nSHA256: {'a' * 64}\n")
+    return "".join(uris), "\n".join(show)
+
+
+def _resolver(tmp_path, monkeypatch, print_uris: str, show: str):  # type: ignore[no-untyped-def]
+    import subprocess
+
+    from runner.toolchain.apt import AptResolver
+
+    r = AptResolver(tmp_path / "apt", STATUS)
+    (tmp_path / "apt" / "lists" / ".updated").touch()  # fresh lists: no apt-get update
+
+    def fake_apt(self, *args, tool="apt-get", archives=None):  # type: ignore[no-untyped-def]
+        out = show if tool == "apt-cache" else print_uris
+        return subprocess.CompletedProcess([tool, *args], 0, out, "")
+
+    monkeypatch.setattr(AptResolver, "_apt", fake_apt)
+    return r
+
+
+def test_a_name_apt_reads_as_a_pattern_is_refused(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`fonts-noto-c.+` is no package: apt installs every package the regex matches."""
+    r = _resolver(tmp_path, monkeypatch, *_uris(("fonts-noto-cjk", 10), ("fonts-noto-core", 10)))
+    with pytest.raises(ConfigError, match=r"fonts-noto-c\.\+.*exact") as e:
+        r.resolve(("fonts-noto-c.+",), path="cycle.yaml")
+    assert e.value.field == "project.apt" and "cycle.yaml" in str(e.value)
+    # an exact name passes, and so does one the image has installed (nothing to fetch)
+    assert [d.package for d in r.resolve(("fonts-noto-cjk", "libc6"), path="c")] == [
+        "fonts-noto-cjk", "fonts-noto-core"]
+    with pytest.raises(ConfigError, match="oldpkg"):  # only config files left: not installed
+        r.resolve(("oldpkg",), path="c")
+
+
+def test_the_resolved_debs_are_capped_in_count_and_bytes(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from runner.toolchain import apt
+
+    monkeypatch.setattr(apt, "MAX_APT_DEBS", 3, raising=False)
+    monkeypatch.setattr(apt, "MAX_APT_BYTES", 1000, raising=False)
+    r = _resolver(tmp_path / "a", monkeypatch, *_uris(*((f"p{i}", 10) for i in range(4))))
+    with pytest.raises(ConfigError, match=r"4 \.debs.*at most 3") as e:
+        r.resolve(("p0",), path="cycle.yaml")
+    assert e.value.field == "project.apt"
+    r = _resolver(tmp_path / "b", monkeypatch, *_uris(("big", 600), ("bigger", 600)))
+    with pytest.raises(ConfigError, match=r"2 \.debs"):
+        r.resolve(("big",), path="cycle.yaml")
+    r = _resolver(tmp_path / "c", monkeypatch, *_uris(("small", 600), ("other", 300)))
+    assert len(r.resolve(("small",), path="cycle.yaml")) == 2
+
+
+def test_debs_are_copied_and_hashed_in_chunks(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import hashlib
+    import subprocess
+
+    from runner.toolchain.apt import AptDeb, AptResolver
+
+    data = bytes(range(256)) * 20000  # 5 MB
+    r = AptResolver(tmp_path / "apt", STATUS)
+    (tmp_path / "apt" / "archives" / "x_1_amd64.deb").write_bytes(data)
+    monkeypatch.setattr(AptResolver, "_apt", lambda self, *a, **k: subprocess.CompletedProcess(
+        a, 0, "", ""))
+    from pathlib import Path
+
+    real = Path.read_bytes
+
+    def whole(self: Path) -> bytes:  # a .deb is never read whole into memory
+        assert not self.name.endswith(".deb"), self
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", whole)
+    deb = AptDeb("x", "1", "amd64", "u", "x_1_amd64.deb", len(data),
+                 hashlib.sha256(data).hexdigest())
+    r.download(("x",), [deb], tmp_path / "out")
+    monkeypatch.undo()
+    assert (tmp_path / "out" / "x_1_amd64.deb").read_bytes() == data
