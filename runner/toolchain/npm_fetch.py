@@ -21,6 +21,7 @@ import hashlib
 import os
 import posixpath
 import shutil
+import stat
 import tarfile
 import tempfile
 import urllib.error
@@ -42,8 +43,9 @@ MAX_LAYOUT_BYTES = 4 * 1024 * 1024 * 1024
 """All packages of a layout together, unpacked (one small tarball installed under many
 keys, or many gzip bombs of 1 GiB each, filled the host's disk)."""
 FETCH_TIMEOUT_S = 120.0
-LAYOUT_VERSION = "2"
-"""Changes when :func:`lay_out` lays a tree out differently (part of the image's hash)."""
+LAYOUT_VERSION = "3"
+"""Changes when :func:`lay_out` lays a tree out differently (part of the image's hash).
+3: every directory 0755 and file 0644/0755 whatever the host's umask."""
 LIMITS = Limits(max_entries=50_000, max_bytes=MAX_UNPACKED_BYTES, max_depth=64)
 
 Log = Callable[[str], None]
@@ -196,14 +198,24 @@ def _extract(pkg: NpmPackage, tgz: Path, into: Path, *, source: str, field: str,
                          fix="depend on another release of the package") from None
     finally:
         os.close(fd)
-    for d, dirs, files in os.walk(into):  # npm's modes: readable by all, no group write
-        for n in dirs:
-            os.chmod(os.path.join(d, n), 0o755, follow_symlinks=False)  # noqa: S103
-        for n in files:
-            p = os.path.join(d, n)
-            mode = os.lstat(p).st_mode
-            os.chmod(p, 0o755 if mode & 0o111 else 0o644, follow_symlinks=False)
     return got.bytes
+
+
+def _npm_modes(root: Path) -> None:
+    """npm's modes on ``root`` and everything under it, whatever the host's umask (the
+    image's uid is not the host's): directories 0755, files 0644, executables 0755;
+    symlinks are left alone (their own mode means nothing)."""
+    def fix(p: str) -> None:
+        st = os.lstat(p)
+        if stat.S_ISDIR(st.st_mode):
+            os.chmod(p, 0o755)  # noqa: S103 - read by the image's uid
+        elif stat.S_ISREG(st.st_mode):
+            os.chmod(p, 0o755 if st.st_mode & 0o111 else 0o644)
+
+    fix(str(root))
+    for d, dirs, files in os.walk(root):
+        for n in (*dirs, *files):
+            fix(os.path.join(d, n))
 
 
 def _link_bins(pkg: NpmPackage, root: Path) -> None:
@@ -247,6 +259,7 @@ def lay_out(plan: NpmPlan, dest: Path, cache: Path, log: Log, *, source: str, fi
         for p in plan.packages:
             _link_bins(p, tmp)
         (tmp / "node_modules").mkdir(exist_ok=True)
+        _npm_modes(tmp / "node_modules")
         os.replace(tmp / "node_modules", dest)  # tmp is the install root: keys start there
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

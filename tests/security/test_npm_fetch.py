@@ -14,6 +14,7 @@ import hashlib
 import http.server
 import io
 import json
+import os
 import tarfile
 import threading
 from collections.abc import Iterator
@@ -130,6 +131,29 @@ def test_a_well_formed_package_is_laid_out_with_its_bin(tmp_path: Path,
     assert (nm / ".bin" / "ok").is_symlink()
     assert str((nm / ".bin" / "ok").readlink()) == "../ok/cli.js"
     assert (nm / "ok" / "cli.js").stat().st_mode & 0o111
+
+
+def test_the_layout_is_readable_by_the_images_uid_whatever_the_hosts_umask(
+        tmp_path: Path, registry: Registry) -> None:
+    """helper-43 #5: under umask 077 node_modules, a scope and a package's own directory
+    were 0700 (unreadable by the image's uid, and cached so under the image's tag)."""
+    import stat
+
+    body = tgz({"package/package.json": b'{"name":"@s/ok"}',
+                "package/lib/cli.js": b"#!/usr/bin/env node\n"})
+    url = registry.publish("@s/ok", "1.0.0", body)
+    old = os.umask(0o077)
+    try:
+        nm = install(tmp_path, registry, {"node_modules/@s/ok": {
+            "version": "1.0.0", "resolved": url, "integrity": sri(body),
+            "bin": {"ok": "lib/cli.js"}}})
+    finally:
+        os.umask(old)
+    modes = {str(p.relative_to(nm)): stat.S_IMODE(p.lstat().st_mode)
+             for p in [nm, *nm.rglob("*")] if not p.is_symlink()}
+    assert modes == {".": 0o755, "@s": 0o755, ".bin": 0o755, "@s/ok": 0o755,
+                     "@s/ok/lib": 0o755, "@s/ok/package.json": 0o644,
+                     "@s/ok/lib/cli.js": 0o755}, modes
 
 
 def test_a_tarball_that_does_not_match_its_integrity_is_refused_unextracted(
