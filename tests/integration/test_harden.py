@@ -1,0 +1,55 @@
+"""images/harden.sh in a real image build (helper-43 #6): a file capability (the
+``security.capability`` xattr, as iputils-ping's postinst sets cap_net_raw=ep) does not
+survive the hardening, and the setuid check still holds. Builds FROM the analyst image
+with no network, like the derived image does."""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+from pathlib import Path
+
+import pytest
+
+from runner.paths import images_dir
+
+pytestmark = pytest.mark.docker
+
+# vfs_cap_data v2, effective: cap_net_raw (13) permitted
+CAP = "0100000200200000000000000000000000000000"
+DOCKERFILE = f"""
+ARG ANALYST_IMAGE
+FROM ${{ANALYST_IMAGE}}
+USER 0:0
+RUN cp /usr/bin/true /usr/local/bin/capped \\
+ && python3 -c "import os; os.setxattr('/usr/local/bin/capped', 'security.capability', \\
+bytes.fromhex('{CAP}')); print('CAPPED', os.getxattr('/usr/local/bin/capped', \\
+'security.capability').hex())"
+COPY harden.sh /tmp/harden.sh
+RUN sh /tmp/harden.sh && rm -f /tmp/harden.sh
+RUN python3 -c "import os; print('LEFT', os.listxattr('/usr/local/bin/capped'))"
+"""
+
+
+def test_harden_strips_file_capabilities(tmp_path: Path) -> None:
+    from runner.isolation.docker.backend import DockerSandbox
+    from runner.isolation.docker.images import resolve_image
+
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text(DOCKERFILE)
+    shutil.copy2(images_dir() / "harden.sh", ctx / "harden.sh")
+    backend = DockerSandbox()
+    tag = f"cyclebox-test/harden:{secrets.token_hex(4)}"
+    lines: list[str] = []
+    try:
+        for line in backend.build(ctx, tag, buildargs={"ANALYST_IMAGE": resolve_image("analyst")},
+                                  labels={"test": "harden"}, nocache=True):
+            lines.append(line)
+        text = "\n".join(lines)
+        assert "CAPPED 01000002" in text, text[-2000:]  # the xattr was really set
+        assert "removing file capabilities of /usr/local/bin/capped" in text, text[-2000:]
+        assert "LEFT []" in text, text[-2000:]
+    finally:
+        if backend.image_id(tag) is not None:
+            backend.client.api.remove_image(tag, force=True)
