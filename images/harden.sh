@@ -18,7 +18,10 @@ CAP = "security.capability"
 
 def files_with_caps():
     top = os.lstat("/").st_dev
-    for root, dirs, files in os.walk("/"):
+    def fail(exc):  # an unreadable directory is never skipped silently
+        raise exc
+
+    for root, dirs, files in os.walk("/", onerror=fail):
         dirs[:] = [d for d in dirs if os.lstat(os.path.join(root, d)).st_dev == top]
         for name in files:
             p = os.path.join(root, name)
