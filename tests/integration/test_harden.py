@@ -17,17 +17,19 @@ pytestmark = pytest.mark.docker
 
 # vfs_cap_data v2, effective: cap_net_raw (13) permitted
 CAP = "0100000200200000000000000000000000000000"
+# Each check fails the build itself (a RUN step's output can be missing from the legacy
+# builder's log when the step is short): the xattr was really set, then none is left.
 DOCKERFILE = f"""
 ARG ANALYST_IMAGE
 FROM ${{ANALYST_IMAGE}}
 USER 0:0
 RUN cp /usr/bin/true /usr/local/bin/capped \\
- && python3 -c "import os; os.setxattr('/usr/local/bin/capped', 'security.capability', \\
-bytes.fromhex('{CAP}')); print('CAPPED', os.getxattr('/usr/local/bin/capped', \\
-'security.capability').hex())"
+ && python3 -c "import os, sys; os.setxattr('/usr/local/bin/capped', 'security.capability', \\
+bytes.fromhex('{CAP}')); sys.exit(os.getxattr('/usr/local/bin/capped', \\
+'security.capability').hex() != '{CAP}')"
 COPY harden.sh /tmp/harden.sh
 RUN sh /tmp/harden.sh && rm -f /tmp/harden.sh
-RUN python3 -c "import os; print('LEFT', os.listxattr('/usr/local/bin/capped'))"
+RUN python3 -c "import os, sys; sys.exit('LEFT' if os.listxattr('/usr/local/bin/capped') else 0)"
 """
 
 
@@ -46,10 +48,8 @@ def test_harden_strips_file_capabilities(tmp_path: Path) -> None:
         for line in backend.build(ctx, tag, buildargs={"ANALYST_IMAGE": resolve_image("analyst")},
                                   labels={"test": "harden"}, nocache=True):
             lines.append(line)
-        text = "\n".join(lines)
-        assert "CAPPED 01000002" in text, text[-2000:]  # the xattr was really set
-        assert "removing file capabilities of /usr/local/bin/capped" in text, text[-2000:]
-        assert "LEFT []" in text, text[-2000:]
+        # built: the capability was set (step 4) and is gone (the last step)
+        assert backend.image_id(tag) is not None, "\n".join(lines)[-2000:]
     finally:
         if backend.image_id(tag) is not None:
             backend.client.api.remove_image(tag, force=True)
