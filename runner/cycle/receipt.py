@@ -865,15 +865,23 @@ def _commit_tree_in(root_fd: int, commit: str) -> str:
     if not _OBJECT_ID.fullmatch(commit):
         raise IntegrityError(f"{show(commit, 80)} is not a git object id")
     rel = f"{CANDIDATE_GIT}/objects/{commit[:2]}/{commit[2:]}"
-    packed = _read_in(root_fd, rel, _MAX_COMMIT_BYTES)
-    inflate = zlib.decompressobj()
     try:
-        raw = inflate.decompress(packed, _MAX_COMMIT_BYTES + 1)
-    except zlib.error as exc:
-        raise IntegrityError(f"commit {commit} is not a readable loose object ({exc})"
-                             ) from None
-    if len(raw) > _MAX_COMMIT_BYTES or inflate.unconsumed_tail:
-        raise IntegrityError(f"commit {commit} is larger than {_MAX_COMMIT_BYTES} bytes")
+        packed = _read_in(root_fd, rel, _MAX_COMMIT_BYTES)
+    except _Unreadable as exc:
+        if str(exc) != "missing":
+            raise
+        # runs before 2026-12-05 kept the candidate clone's commit in a pack
+        body = _packed_commit(root_fd, commit)
+        raw = b"commit %d\0" % len(body) + body
+    else:
+        inflate = zlib.decompressobj()
+        try:
+            raw = inflate.decompress(packed, _MAX_COMMIT_BYTES + 1)
+        except zlib.error as exc:
+            raise IntegrityError(f"commit {commit} is not a readable loose object ({exc})"
+                                 ) from None
+        if len(raw) > _MAX_COMMIT_BYTES or inflate.unconsumed_tail:
+            raise IntegrityError(f"commit {commit} is larger than {_MAX_COMMIT_BYTES} bytes")
     algo = hashlib.sha1 if len(commit) == 40 else hashlib.sha256
     if algo(raw).hexdigest() != commit:
         raise IntegrityError(f"commit {commit} does not hash to its id (edited object)")
@@ -884,6 +892,101 @@ def _commit_tree_in(root_fd: int, commit: str) -> str:
     if not re.fullmatch(rb"tree [0-9a-f]{40}(?:[0-9a-f]{24})?", first):
         raise IntegrityError(f"commit {commit} names no tree")
     return first[5:].decode("ascii")
+
+
+_MAX_PACKS = 64
+_MAX_IDX_BYTES = 64 << 20
+
+
+def _packed_commit(root_fd: int, commit: str) -> bytes:
+    """The body of commit ``commit`` from a pack of the candidate clone (index version 2,
+    a whole, undeltified commit object), read without git and without following a link:
+    its index searched, the object's header checked, inflated to at most
+    :data:`_MAX_COMMIT_BYTES`. The caller hashes it to ``commit``. _Unreadable when no
+    pack holds it."""
+    want = bytes.fromhex(commit)
+    width = len(want)
+    dfd = os.dup(root_fd)
+    try:
+        for part in (*CANDIDATE_GIT.split("/"), "objects", "pack"):
+            try:
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=dfd)
+            except OSError:
+                raise _Unreadable("missing") from None
+            os.close(dfd)
+            dfd = nfd
+        names = sorted(n for n in os.listdir(dfd) if n.endswith(".idx"))[:_MAX_PACKS]
+        for name in names:
+            idx = _read_in(dfd, name, _MAX_IDX_BYTES)
+            offset = _idx_offset(idx, want, width)
+            if offset is None:
+                continue
+            fd = _open_in(dfd, name[:-4] + ".pack")
+            with os.fdopen(fd, "rb") as f:
+                f.seek(offset)
+                head = f.read(16)
+                if not head:
+                    raise IntegrityError(f"{name}: offset {offset} is past the pack's end")
+                kind, size, shift, used = (head[0] >> 4) & 7, head[0] & 15, 4, 1
+                while head[used - 1] & 0x80:
+                    if used >= len(head):
+                        raise IntegrityError(f"{name}: object header too long")
+                    size |= (head[used] & 0x7F) << shift
+                    shift += 7
+                    used += 1
+                if kind != 1:
+                    raise IntegrityError(f"object {commit} in {name} is not a whole commit "
+                                         f"(pack type {kind})")
+                if size > _MAX_COMMIT_BYTES:
+                    raise IntegrityError(f"commit {commit} is larger than "
+                                         f"{_MAX_COMMIT_BYTES} bytes")
+                f.seek(offset + used)
+                inflate = zlib.decompressobj()
+                body = b""
+                while len(body) < size + 1 and not inflate.eof:
+                    chunk = f.read(1 << 16)
+                    if not chunk:
+                        break
+                    try:
+                        body += inflate.decompress(chunk, size + 1 - len(body))
+                    except zlib.error as exc:
+                        raise IntegrityError(f"commit {commit} in {name} does not inflate "
+                                             f"({exc})") from None
+                if len(body) != size:
+                    raise IntegrityError(f"commit {commit} in {name} is not {size} bytes")
+                return body
+        raise _Unreadable("missing (neither loose nor in a pack)")
+    finally:
+        os.close(dfd)
+
+
+def _idx_offset(idx: bytes, want: bytes, width: int) -> int | None:
+    """The pack offset a version 2 pack index gives ``want``; None when it has none."""
+    if idx[:8] != b"\xfftOc\x00\x00\x00\x02" or len(idx) < 8 + 256 * 4:
+        raise IntegrityError("a pack index that is not version 2")
+    fan = [int.from_bytes(idx[8 + 4 * i: 12 + 4 * i], "big") for i in range(256)]
+    n = fan[255]
+    ids, crcs = 8 + 1024, 8 + 1024 + n * width
+    offs = crcs + 4 * n
+    if len(idx) < offs + 4 * n:
+        raise IntegrityError("a pack index shorter than its object count")
+    lo, hi = (fan[want[0] - 1] if want[0] else 0), fan[want[0]]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        got = idx[ids + mid * width: ids + (mid + 1) * width]
+        if got == want:
+            off = int.from_bytes(idx[offs + 4 * mid: offs + 4 * mid + 4], "big")
+            if off & 0x80000000:
+                big = offs + 4 * n + 8 * (off & 0x7FFFFFFF)
+                if len(idx) < big + 8:
+                    raise IntegrityError("a pack index whose large offset is missing")
+                off = int.from_bytes(idx[big: big + 8], "big")
+            return off
+        if got < want:
+            lo = mid + 1
+        else:
+            hi = mid
+    return None
 
 
 def _candidate_problems(root_fd: int, tree: str | None) -> list[str]:

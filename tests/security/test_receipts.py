@@ -500,3 +500,32 @@ def test_a_temporary_file_a_killed_sign_left_is_named_with_its_fix(run: Path) ->
     (problem,) = verify_in(run)
     assert problem.startswith(".receipt.dsse.json.47e3359b5d81.tmp: present in the run")
     assert "killed `receipt sign` or `receipt attest` left: delete it" in problem
+
+
+def test_a_candidate_commit_kept_in_a_pack_is_read_and_checked(
+        applied: tuple[Path, str, str]) -> None:
+    """helper-47 #4: runs before 2026-12-05 kept the candidate clone's commit in a pack;
+    verify read loose objects only, so those runs (and a --replay from one) failed with
+    "missing". The pack is read without git: found, inflated, hashed to its id; a pack
+    whose commit bytes are edited fails."""
+    run, commit, tree = applied
+    bare = run / "stages" / "apply" / "candidate.git"
+    _git("repack", "-a", "-d", "-q", cwd=bare)
+    _git("prune-packed", cwd=bare)
+    assert not (bare / "objects" / commit[:2] / commit[2:]).exists()
+    pack = next((bare / "objects" / "pack").glob("*.pack"))
+    rewrite(run, outcome={"candidate_tree": tree}, legacy=_legacy(run))
+    assert verify_in(run) == []
+    data = bytearray(pack.read_bytes())
+    body = _git("cat-file", "commit", commit, cwd=bare).encode()
+    # flip the commit's message in the pack: the object no longer hashes to its id
+    at = data.find(zlib.compress(body)[2:12])
+    if at < 0:  # compressed at another level: recompress the commit in place instead
+        pytest.skip("commit not found compressed as zlib's default in the pack")
+    pack.chmod(0o644)
+    blob = zlib.compress(body.replace(b"\nc\n", b"\nd\n"))
+    data[at - 2: at - 2 + len(blob)] = blob
+    pack.write_bytes(bytes(data))
+    rewrite(run, outcome={"candidate_tree": tree}, legacy=_legacy(run))
+    problems = verify_in(run)
+    assert problems and "cannot recompute the tree" in problems[-1], problems
