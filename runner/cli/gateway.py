@@ -24,13 +24,20 @@ app = typer.Typer(no_args_is_help=True, help="Inspect the model gateway's call l
 
 def _receipt_files(run_dir: Path) -> dict[str, str] | None:
     """The files the run's receipt binds; None when the run has no receipt."""
-    from runner.cycle.receipt import RECEIPT, RECEIPT_FIX, SCHEMA, ReceiptHead
-    from runner.loading import load_model
+    from runner.cycle.receipt import (
+        RECEIPT,
+        RECEIPT_FIX,
+        SCHEMA,
+        ReceiptHead,
+        read_receipt_bytes,
+    )
+    from runner.loading import parse_model
 
-    if not (run_dir / RECEIPT).exists():
+    if not os.path.lexists(run_dir / RECEIPT):  # a link, even a dangling one, is there
         return None
-    return load_model(run_dir / RECEIPT, ReceiptHead, fmt="json", what="receipt",
-                      schema=SCHEMA, fix=RECEIPT_FIX).files
+    raw = read_receipt_bytes(run_dir)  # never through a link: IntegrityError (exit 8)
+    return parse_model(raw, ReceiptHead, path=show(str(run_dir / RECEIPT)), fix=RECEIPT_FIX,
+                       schema=SCHEMA).files
 
 
 def _sha256(path: Path) -> str | None:
@@ -81,6 +88,7 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
         records = []  # a run whose roles reached no model: no gateway log at all
     else:
         named = _receipt_files(run_dir)
+        unconfirmed = named is None
         if named is not None and (want := named.get("gateway/calls.jsonl")) != _sha256(log):
             raise IntegrityError(
                 f"run_altered: {show(str(log))} is not the call log the run's receipt binds "
@@ -90,7 +98,7 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
     totals = summarize(records)
     if json_out:
         emit_json({"calls": [r.model_dump(mode="json") for r in records],
-                   "totals": totals.model_dump(mode="json")})
+                   "totals": totals.model_dump(mode="json"), "verified": not unconfirmed})
         return
     if not records:
         out.print(f"no model calls recorded in {safe(run_dir)}"
@@ -113,6 +121,9 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
                  status, tokens, cost, f"{r.latency_s * 1000:.1f}")
         table.add_row(*(safe(c, 500) for c in cells))
     out.print(table)
+    if unconfirmed:
+        out.print("not verified: the run has no receipt (a run in progress, or one whose "
+                  "receipt is gone): these calls are as the log says", highlight=False)
     for role, row in totals.per_role.items():
         usd = "unknown" if row.cost_usd is None else f"{row.cost_usd} USD"
         fixture = sum(r.fixture for r in records if r.role == role)

@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from runner.cycle.models import (
-    CRITERIA,
     RECORDS_MAX_BYTES,
     CaseChange,
     ComparisonPolicy,
@@ -40,7 +39,6 @@ EXIT_CODES: dict[Verdict, int] = {"accept_for_review": EXIT_OK, "reject": EXIT_R
 """Exit code per verdict (``runner.errors`` holds the one table)."""
 POLICY_SCHEMA = 1
 _IDENTITIES = ("data_hash", "reference_hash", "scorer", "judge")
-_GRADED = (*CRITERIA, "judge_pass")
 _NOTE = ("statistics are reported beside the verdict and never change it; trials of one case "
          "are correlated, so read the p-value as descriptive")
 
@@ -71,10 +69,25 @@ def compare(baseline: Sequence[Record], candidate: Sequence[Record],
         reasons = _reject_reasons(candidate, pairs, regressions, totals["candidate"], policy)
         verdict = "reject" if reasons else "accept_for_review"
     return ComparisonResult(
-        verdict=verdict, reasons=tuple(reasons), regressions=regressions,
+        verdict=verdict, reasons=_bounded(reasons), regressions=regressions,
         improvements=_changes(pairs, criteria, before=False),
         usage={side: {role: asdict(t) for role, t in ts.items()} for side, ts in totals.items()},
         statistics=_statistics(pairs, policy.criteria) if policy.trials > 1 else None)
+
+
+MAX_REASONS = 1000
+"""Reasons kept in a verdict; past it, one line counts the rest."""
+MAX_REASON_CHARS = 500
+
+
+def _bounded(reasons: list[str]) -> tuple[str, ...]:
+    """Each reason one printable line of at most :data:`MAX_REASON_CHARS` (records hold
+    what a container and an evaluator wrote: an identity of a megabyte, a judge error with
+    newlines), at most :data:`MAX_REASONS` of them and a count of the rest."""
+    out = [show(r, MAX_REASON_CHARS) for r in reasons[:MAX_REASONS]]
+    if len(reasons) > MAX_REASONS:
+        out.append(f"... and {len(reasons) - MAX_REASONS} more reasons of this class")
+    return tuple(out)
 
 
 def mcnemar_p(b: int, c: int) -> float:
@@ -106,7 +119,8 @@ def _invalid_reasons(sides: dict[str, Sequence[Record]],
                 exp, got = getattr(want, name), getattr(r.identities, name)
                 if exp != got:
                     out.append(f"{side}: {name} differs from policy (case {r.case_id}, trial "
-                               f"{r.trial}): expected {exp!r}, got {got!r}")
+                               f"{r.trial}): expected {show(repr(exp), 80)}, got "
+                               f"{show(repr(got), 80)}")
     elif each:
         # No identities in the policy (a standalone `cyclebox compare`): the two sides must
         # at least agree with each other, as a frozen cycle's records agree with its plan.
@@ -117,7 +131,8 @@ def _invalid_reasons(sides: dict[str, Sequence[Record]],
                 if exp != got:
                     out.append(f"{side}: {name} differs from {first_side} (case {r.case_id}, "
                                f"trial {r.trial} vs case {first.case_id}, trial "
-                               f"{first.trial}): {exp!r} vs {got!r}; the policy names no "
+                               f"{first.trial}): {show(repr(exp), 80)} vs "
+                               f"{show(repr(got), 80)}; the policy names no "
                                "identities, so the sides must share one")
     if policy.require_judge:
         for side, r in each:
@@ -126,7 +141,7 @@ def _invalid_reasons(sides: dict[str, Sequence[Record]],
                                      or g.judge_error is not None):
                 why = (g.judge_error if g else None) or "no judge verdict"
                 out.append(f"{side}: required judge failed or could not be funded "
-                           f"(case {r.case_id}, trial {r.trial}): {why}")
+                           f"(case {r.case_id}, trial {r.trial}): {show(why, 200)}")
     if policy.max_total_cost_usd is not None:
         for side, ts in totals.items():
             for role, tot in sorted(ts.items()):
@@ -138,7 +153,8 @@ def _invalid_reasons(sides: dict[str, Sequence[Record]],
     for side, r in each:
         where = f"(case {r.case_id}, trial {r.trial})"
         if r.status != "ok":
-            out.append(f"{side}: {r.status} {where}: {r.reason or 'no reason given'}")
+            out.append(f"{side}: {r.status} {where}: "
+                       f"{show(r.reason, 300) if r.reason else 'no reason given'}")
         elif r.grades is None:
             out.append(f"{side}: ok record without grades {where}")
     return out
@@ -151,7 +167,8 @@ def _reject_reasons(candidate: Sequence[Record], pairs: Pairs,
     for r in candidate:
         if r.case_id in policy.mandatory and r.grades is not None:
             out += [f"candidate: mandatory case {r.case_id} failed {crit} (trial {r.trial})"
-                    for crit in _GRADED if getattr(r.grades, crit) is False]
+                    for crit in (*policy.criteria, "judge_pass")
+                    if getattr(r.grades, crit) is False]
             if r.grades.judge_error is not None:
                 out.append(f"candidate: mandatory case {r.case_id} has no judge verdict "
                            f"(trial {r.trial}): {show(r.grades.judge_error, 200)}")
@@ -177,7 +194,9 @@ def _reject_reasons(candidate: Sequence[Record], pairs: Pairs,
         if total > cost_max:
             out.append(f"candidate: total cost ${total:.4f} exceeds ceiling ${cost_max:.4f}")
     if policy.require_improvement:
-        failed = [k for k, (b, _) in pairs.items() if not b.passed(policy.criteria)]
+        # a baseline the scorer or judge could not grade failed nothing the candidate fixed
+        failed = [k for k, (b, _) in pairs.items()
+                  if not b.passed(policy.criteria) and not _ungraded(b)]
         if not any(pairs[k][1].passed(policy.criteria) for k in failed):
             out.append(f"no improvement: none of the {len(failed)} (case, trial) pairs failing "
                        "on baseline passes on candidate")
@@ -219,7 +238,14 @@ def _changes(pairs: Pairs, criteria: Sequence[str], *, before: bool) -> tuple[Ca
         if getattr(b, crit) is before and getattr(c, crit) is (not before))
 
 
+def _ungraded(g: Grades) -> bool:
+    """The scorer or the judge produced no grade (a failure of the grading, not a fail)."""
+    return g.scorer_error is not None or g.judge_error is not None
+
+
 def _statistics(pairs: Pairs, criteria: Sequence[str]) -> dict[str, object]:
+    both = {k: v for k, v in pairs.items() if not _ungraded(v[0]) and not _ungraded(v[1])}
+    pairs = both  # pairs either side could not grade tell neither way
     b = sum(1 for gb, gc in pairs.values() if gb.passed(criteria) and not gc.passed(criteria))
     c = sum(1 for gb, gc in pairs.values() if not gb.passed(criteria) and gc.passed(criteria))
     return {"method": "exact McNemar, two-sided, on per-(case, trial) pass/fail; b = baseline "

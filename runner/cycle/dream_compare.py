@@ -48,8 +48,9 @@ class Heldout(Frozen):
     """Cases with status ok and every criterion of the arm's policy passed."""
     total: int
     ungraded: int = Field(default=0, exclude_if=lambda v: v == 0)
-    """Cases not graded ok (not_attempted, infra_invalid, no grades): counted in
-    ``total`` as not passed, and no lift is claimed from an arm that has any."""
+    """Cases not graded ok (not_attempted, infra_invalid, no grades, a scorer or judge
+    error): counted in ``total`` as not passed, and no lift is claimed from an arm that
+    has any."""
     rate: float | None
     """passed / total (6 places); None without held-out records."""
 
@@ -112,7 +113,8 @@ def heldout(records_file: Path, cases: set[str],
             criteria: Sequence[str] = CRITERIA) -> Heldout:
     """Pass counts over held-out cases (status ok and every policy criterion passed)."""
     rows = [r for r in load_records(records_file) if r.case_id in cases]
-    graded = [r.grades for r in rows if r.status == "ok" and r.grades is not None]
+    graded = [r.grades for r in rows if r.status == "ok" and r.grades is not None
+              and r.grades.judge_error is None and r.grades.scorer_error is None]
     passed = sum(g.passed(criteria) for g in graded)
     return Heldout(passed=passed, total=len(rows), ungraded=len(rows) - len(graded),
                    rate=round(passed / len(rows), 6) if rows else None)

@@ -665,9 +665,23 @@ def _policy(policy: ComparisonPolicy, manifest: Manifest, cycle: CycleFile,
                           "require_judge: false in the policy")
     mandatory = sorted(set(policy.mandatory) | {s.id for s in manifest.scenarios
                                                 if s.mandatory and s.id in policy.cases})
-    # judge.required (the default) is the cycle's word that a judge failure invalidates
-    # the comparison: frozen into the policy compare applies, as require_judge.
-    required = policy.require_judge or (cycle.judge is not None and cycle.judge.required)
+    # judge.required (default true) is the cycle's word that a judge failure invalidates
+    # the comparison: frozen into the policy compare applies, as require_judge. A policy
+    # that says otherwise in so many words is a conflict, never silently overridden.
+    required = policy.require_judge
+    if cycle.judge is not None:
+        if "require_judge" in policy.model_fields_set and \
+                policy.require_judge != cycle.judge.required:
+            said = ("defaults to true" if "required" not in cycle.judge.model_fields_set
+                    else f"is {str(cycle.judge.required).lower()}")
+            raise ConfigError(
+                f"the policy sets require_judge: {str(policy.require_judge).lower()}, but "
+                f"the cycle's judge.required {said}", path=str(cycle_path),
+                field="judge.required",
+                fix="make them agree: set judge.required in the cycle file to the policy's "
+                    "require_judge (true: a judge failure makes the comparison invalid), or "
+                    "drop require_judge from the policy")
+        required = cycle.judge.required
     return policy.model_copy(update={"mandatory": tuple(mandatory), "require_judge": required})
 
 

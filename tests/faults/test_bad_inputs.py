@@ -540,7 +540,7 @@ def _(e: Env) -> list[str]:
 def _(e: Env) -> list[str]:
     def edit(d: dict[str, Any]) -> None:
         del d["upstreams"]["judge"]
-        d["judge"] = {"model": "fixture-judge", "threshold": 0.5}
+        d["judge"] = {"model": "fixture-judge", "threshold": 0.5, "required": False}
     e.edit_cycle(edit)
     return e.run_args()
 
@@ -553,7 +553,7 @@ def _(e: Env) -> list[str]:
         d["upstreams"]["judge"] = {"provider": "openai", "base_url": "https://j.invalid/v1",
                                    "credential": {"env": "CYCLEBOX_TEST_UNSET_JUDGE_KEY"},
                                    "models": ["fixture-judge"]}
-        d["judge"] = {"model": "fixture-judge", "threshold": 0.5}
+        d["judge"] = {"model": "fixture-judge", "threshold": 0.5, "required": False}
     e.edit_cycle(edit)
     return e.run_args()
 
@@ -1458,6 +1458,16 @@ def _(e: Env) -> list[str]:
     e.write("run/receipt.json", json.dumps({"schema": 1, "plan_hash": "p",
                                             "files": {"gateway/calls.jsonl": "0" * 64}}))
     e.write("run/gateway/calls.jsonl", "")
+    return ["gateway", "calls", str(run)]
+
+
+@case("gateway-calls-receipt-is-a-dangling-link", 8, "receipt.json", "never followed")
+def _(e: Env) -> list[str]:
+    """helper-47 #6: a receipt.json replaced by a dangling link read as "no receipt", and
+    an edited call log was listed with no word of it."""
+    run = e.root / "run"
+    e.write("run/gateway/calls.jsonl", "")
+    (run / "receipt.json").symlink_to(e.root / "nowhere")
     return ["gateway", "calls", str(run)]
 
 

@@ -54,7 +54,9 @@ def assert_clean(res: subprocess.CompletedProcess[bytes]) -> str:
 def assert_shown_escaped(text: str) -> None:
     """The hostile string was shown, as escapes and literal markup."""
     assert "\\x1b]0;pwned-title\\x07" in text, text
-    assert "\\u202eevil" in text and "\\x9b31m" in text and "visible\\x0dOVERWRITE" in text
+    assert "\\u202eevil" in text and "\\x9b31m" in text
+    # the CLI's own escape of CR, or show()'s (a reason already escaped where it is made)
+    assert "visible\\x0dOVERWRITE" in text or "visible\\rOVERWRITE" in text, text
     for m in MARKUP:
         assert m in text, f"markup {m!r} was interpreted, not shown: {text!r}"
 

@@ -105,7 +105,7 @@ def test_the_judge_key_is_required_once_a_judge_is_configured(tmp_path: Path) ->
 
     def edit(doc: dict[str, Any]) -> None:
         _openai_judge(doc)
-        doc["judge"] = {"model": "fixture-judge", "threshold": 0.5}
+        doc["judge"] = {"model": "fixture-judge", "threshold": 0.5, "required": False}
 
     with pytest.raises(PrerequisiteError, match=UNSET_KEY):
         check_cycle(_cycle(tmp_path, edit))
@@ -114,7 +114,7 @@ def test_the_judge_key_is_required_once_a_judge_is_configured(tmp_path: Path) ->
 def test_a_used_upstream_must_be_defined_in_the_cycle_file(tmp_path: Path) -> None:
     def edit(doc: dict[str, Any]) -> None:
         del doc["upstreams"]["judge"]
-        doc["judge"] = {"model": "fixture-judge", "threshold": 0.5}
+        doc["judge"] = {"model": "fixture-judge", "threshold": 0.5, "required": False}
 
     with pytest.raises(ConfigError) as exc:
         check_cycle(_cycle(tmp_path, edit))
@@ -133,7 +133,7 @@ def test_a_judge_needs_an_evaluator_that_may_reach_it(tmp_path: Path) -> None:
 
     def edit(d: dict[str, Any]) -> None:
         d["roles"] = str(tmp_path / "roles.yaml")
-        d["judge"] = {"model": "fixture-judge", "threshold": 0.5}
+        d["judge"] = {"model": "fixture-judge", "threshold": 0.5, "required": False}
 
     with pytest.raises(ConfigError) as exc:
         check_cycle(_cycle(tmp_path, edit))

@@ -313,3 +313,48 @@ def test_without_policy_identities_the_sides_must_share_one() -> None:
     assert any("scorer differs from baseline" in r for r in res.reasons), res.reasons
     assert compare(side([("q3", 0)]), side(), policy(identities=None)).verdict == \
         "accept_for_review"
+
+
+def test_reasons_are_bounded_printable_lines() -> None:
+    """helper-47 #1, #5: a megabyte identity copied into a reason per record made a
+    1 MB input a 199 MB verdict; a judge error with newlines forged a verdict line."""
+    from runner.cycle.compare import MAX_REASON_CHARS, MAX_REASONS
+    huge = IDS.model_copy(update={"data_hash": "d" * 1_000_000})
+    base = [rec(f"c{i}") for i in range(1500)]
+    base[0] = base[0].model_copy(update={"identities": huge})
+    cases = tuple(f"c{i}" for i in range(1500))
+    res = compare(base, [rec(c) for c in cases], policy(cases=cases, identities=None))
+    assert res.verdict == "invalid_comparison"
+    assert len(res.reasons) == MAX_REASONS + 1 and res.reasons[-1].startswith("... and ")
+    assert max(map(len, res.reasons)) <= MAX_REASON_CHARS + 1
+    forged = "boom\naccept_for_review\n\x1b]0;t\x07" + "Z" * 100_000
+    cand = [_judge_failed(r) for r in _judged(side())]
+    cand = [r.model_copy(update={"grades": r.grades.model_copy(update={  # type: ignore[union-attr]
+        "judge_error": forged})}) for r in cand]
+    res = compare(_judged(side()), cand, policy(require_judge=True))
+    assert res.verdict == "invalid_comparison"
+    assert all("\n" not in r and "\x1b" not in r and len(r) <= MAX_REASON_CHARS + 1
+               for r in res.reasons), res.reasons
+
+
+def test_a_baseline_the_judge_could_not_grade_is_no_improvement() -> None:
+    """helper-47 #2: a baseline judge error (a timeout) 'fixed' by the candidate passed
+    require_improvement with no improvement listed, and counted in McNemar's c."""
+    base = [_judge_failed(r) if r.case_id == "q1" else r for r in _judged(side())]
+    res = compare(base, _judged(side()), policy())
+    assert res.verdict == "reject"
+    assert any(r.startswith("no improvement") for r in res.reasons), res.reasons
+    base2 = [r.model_copy(update={"trial": t}) for t in (0, 1) for r in base]
+    cand2 = [r.model_copy(update={"trial": t}) for t in (0, 1) for r in _judged(side())]
+    res = compare(base2, cand2, policy(trials=2, require_improvement=False))
+    assert res.statistics is not None and res.statistics["c"] == 0
+    assert res.statistics["pairs"] == 4  # the two judge-error pairs tell neither way
+
+
+def test_a_mandatory_case_is_judged_on_the_policys_criteria() -> None:
+    """helper-47 #7a: criteria [correctness, refusal]; a mandatory case failing only
+    evidence passes, as it does everywhere else."""
+    cand = swap(side(), "q1", grades=Grades(correctness=True, evidence=False))
+    res = compare(side([("q3", 0)]), cand,
+                  policy(criteria=("correctness", "refusal"), mandatory=("q1",)))
+    assert res.verdict == "accept_for_review", res.reasons

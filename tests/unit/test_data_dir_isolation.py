@@ -247,3 +247,25 @@ def test_more_writers_refuse_a_path_inside_a_run(tmp_path: Path) -> None:
     assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
     assert records.read_text() == "" and (run / "inputs" / "manifest.json").read_text() == \
         '{"schema": 1}'
+
+
+def test_gateway_calls_without_a_receipt_says_it_is_not_verified(tmp_path: Path) -> None:
+    """helper-47 #6: a run without a receipt (in progress, or its receipt gone) listed
+    its calls as if they were what the run made; it says so now, and --json has
+    verified: false."""
+    import json
+
+    run = tmp_path / "run"
+    (run / "gateway").mkdir(parents=True)
+    (run / "plan.json").write_text("{}")
+    (run / "gateway" / "calls.jsonl").write_text(json.dumps({
+        "seq": 0, "ts": "2026-12-07T20:34:46.507+00:00", "run_id": "r", "role": "analyst",
+        "upstream": "target", "stage": "baseline", "case": "c1", "trial": 0, "turn": 0,
+        "provider": "scripted", "model": "fixture-target", "fixture": True, "stream": False,
+        "api": "chat", "status": "ok", "http_status": 200, "latency_s": 0.001,
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        "cost_usd": 0.0, "cost_basis": "measured", "request_sha256": "3" * 64}) + "\n")
+    res = run_cli("gateway", "calls", str(run))
+    assert res.returncode == 0 and "not verified: the run has no receipt" in res.stdout, res
+    res = run_cli("gateway", "calls", str(run), "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["verified"] is False, res

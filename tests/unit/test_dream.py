@@ -225,3 +225,15 @@ def test_a_case_that_did_not_run_is_no_evidence_of_lift(tmp_path: Path) -> None:
     assert dc._not_comparable({"off": arm(on, "invalid_comparison"), "on": arm(on)}) == [
         "the off arm's comparison is invalid_comparison"]
     assert dc._not_comparable({"off": arm(on), "on": arm(on)}) == []
+    # helper-47 #3: a judge that could not be funded on the off arm is not a failure
+    f = _heldout_file(tmp_path, "judged", [("a", "ok", True), ("b", "ok", True)])
+    from runner.cycle.models import Record
+    rows = [Record.model_validate_json(line) for line in f.read_text().splitlines()]
+    assert rows[1].grades is not None
+    rows[1] = rows[1].model_copy(update={"grades": rows[1].grades.model_copy(
+        update={"judge_error": "could not be funded: budget"})})
+    f.write_text("".join(r.model_dump_json() + "\n" for r in rows))
+    h = dc.heldout(f, {"a", "b"}, crit)
+    assert (h.passed, h.ungraded) == (1, 1)
+    assert dc._not_comparable({"off": arm(h), "on": arm(on)}) == [
+        "the off arm's candidate has 1 held-out case(s) not graded ok"]

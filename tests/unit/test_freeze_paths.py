@@ -25,7 +25,7 @@ def _with_judge_key_file(tmp_path: Path, key_file: str) -> Path:
     doc = yaml.safe_load(cycle.read_text())
     doc["upstreams"]["judge"] = {"provider": "openai", "base_url": "https://j.invalid/v1",
                                  "credential": {"file": key_file}, "models": ["fixture-judge"]}
-    doc["judge"] = {"model": "fixture-judge", "threshold": 0.5}
+    doc["judge"] = {"model": "fixture-judge", "threshold": 0.5, "required": False}
     cycle.write_text(yaml.safe_dump(doc))
     return cycle
 

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from runner.cycle.plan import freeze
+from runner.errors import ConfigError
 from runner.gateway.config import UpstreamPolicy, parse_upstream
 from runner.paths import PROJECT_ROOT
 
@@ -17,12 +18,21 @@ EXAMPLE = PROJECT_ROOT / "examples" / "shop-analyst"
 FAKE = {r: "sha256:" + "0" * 64 for r in ("analyst", "worker", "evaluator", "apply")}
 
 
-def _cycle(tmp_path: Path, judge: dict[str, Any]) -> Path:
+def _cycle(tmp_path: Path, judge: dict[str, Any], *,
+           require_judge: bool | None = None) -> Path:
+    """The example cycle with ``judge``; its policy without ``require_judge`` (the
+    example's says false) unless given."""
     doc = yaml.safe_load((EXAMPLE / "cycle.yaml").read_text())
     doc["project"]["repo"] = str(PROJECT_ROOT)
     doc["roles"] = str(PROJECT_ROOT / "policies" / "roles.yaml")
-    for key in ("scenarios", "policy", "data_dir"):
+    for key in ("scenarios", "data_dir"):
         doc[key] = str(EXAMPLE / doc[key])
+    pol = yaml.safe_load((EXAMPLE / doc["policy"]).read_text())
+    pol.pop("require_judge", None)
+    if require_judge is not None:
+        pol["require_judge"] = require_judge
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(pol))
+    doc["policy"] = str(tmp_path / "policy.yaml")
     for up in doc["upstreams"].values():
         up["script"] = str((EXAMPLE / up["script"]).resolve())
     doc["judge"] = judge
@@ -74,14 +84,26 @@ def test_replay_keeps_the_recorded_judge_identity(tmp_path: Path) -> None:
     assert _plan(tmp_path / "again")["judge_id"] == a["judge_id"]
 
 
-@pytest.mark.parametrize(("required", "frozen"), [(True, True), (False, False), (None, True)])
+@pytest.mark.parametrize(("required", "policy", "frozen"), [
+    (True, None, True), (False, None, False), (None, None, True), (None, True, True),
+    (False, False, False), (None, False, "conflict"), (True, False, "conflict"),
+    (False, True, "conflict")])
 def test_a_required_judge_is_frozen_into_the_policy(tmp_path: Path, required: bool | None,
-                                                    frozen: bool) -> None:
-    """judge.required (the default) reaches compare as the frozen policy's require_judge,
-    although the policy file says require_judge: false (helper-44: it was never read, and
-    a cycle whose every judge call failed ended accept_for_review)."""
+                                                    policy: bool | None,
+                                                    frozen: bool | str) -> None:
+    """judge.required (default true) reaches compare as the frozen policy's
+    require_judge (helper-44: it was never read, and a cycle whose every judge call
+    failed ended accept_for_review); a policy saying otherwise in so many words is a
+    conflict named at freeze, never silently overridden (helper-47 #7b)."""
     judge: dict[str, Any] = {"model": "fixture-judge", "threshold": 0.5}
     if required is not None:
         judge["required"] = required
-    freeze(_cycle(tmp_path, judge), tmp_path / "run", images=FAKE)
+    cycle = _cycle(tmp_path, judge, require_judge=policy)
+    if frozen == "conflict":
+        with pytest.raises(ConfigError, match="require_judge") as exc:
+            freeze(cycle, tmp_path / "run", images=FAKE)
+        assert exc.value.field == "judge.required"
+        assert not (tmp_path / "run").exists()
+        return
+    freeze(cycle, tmp_path / "run", images=FAKE)
     assert _plan(tmp_path / "run")["policy"]["require_judge"] is frozen
