@@ -40,6 +40,10 @@ MAX_TARBALL_BYTES = 256 * 1024 * 1024
 """Largest tarball fetched (the biggest CLI bundles are ~100 MB)."""
 MAX_UNPACKED_BYTES = 1024 * 1024 * 1024
 MAX_LAYOUT_BYTES = 4 * 1024 * 1024 * 1024
+MAX_FETCHED_BYTES = 4 * 1024 * 1024 * 1024
+"""The tarballs of one layout together (what is downloaded and cached): bytes a
+gzip stream holds past its tar's end are fetched but never unpacked, so the unpacked
+bound alone does not cap them."""
 """All packages of a layout together, unpacked (one small tarball installed under many
 keys, or many gzip bombs of 1 GiB each, filled the host's disk)."""
 FETCH_TIMEOUT_S = 120.0
@@ -249,10 +253,15 @@ def lay_out(plan: NpmPlan, dest: Path, cache: Path, log: Log, *, source: str, fi
                 "(project.npm_ignore_scripts)")
     tmp = Path(tempfile.mkdtemp(prefix=".npm-", dir=dest.parent))
     sha256: dict[str, str] = {}
-    used = 0
+    used = fetched = 0
     try:
         for p in plan.packages:
             tgz = cached_tarball(p, cache, source=source, field=field, path=path)
+            fetched += tgz.path.stat().st_size
+            if fetched > MAX_FETCHED_BYTES:
+                raise NpmRefused(f"{source}: the packages' tarballs come to more than "
+                                 f"{MAX_FETCHED_BYTES} bytes (at {p.key})", path=path,
+                                 field=field, fix="depend on fewer or smaller packages")
             sha256[p.key] = tgz.sha256
             used += _extract(p, tgz.path, tmp / p.key, source=source, field=field,
                              path=path, left=MAX_LAYOUT_BYTES - used)
@@ -267,5 +276,5 @@ def lay_out(plan: NpmPlan, dest: Path, cache: Path, log: Log, *, source: str, fi
     return sha256
 
 
-__all__ = ["LAYOUT_VERSION", "MAX_TARBALL_BYTES", "Tarball", "cached_tarball", "lay_out",
-           "tarball_filename"]
+__all__ = ["LAYOUT_VERSION", "MAX_FETCHED_BYTES", "MAX_TARBALL_BYTES", "Tarball",
+           "cached_tarball", "lay_out", "tarball_filename"]

@@ -415,6 +415,29 @@ def test_the_packages_of_a_layout_are_bounded_together(
     assert list((tmp_path / "context").iterdir()) == []
 
 
+def test_the_tarballs_of_a_layout_are_bounded_together(
+        tmp_path: Path, registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """helper-43 #6: bytes past a tarball's tar end are fetched and cached but never
+    unpacked, so the unpacked bound did not cap them (40 MB of them per package: 168 MB
+    fetched for 144 B counted). The fetched tarballs are bounded together too."""
+    import os as _os
+
+    from runner.toolchain import npm_fetch
+
+    monkeypatch.setattr(npm_fetch, "MAX_FETCHED_BYTES", 3 << 20)
+    packages = {}
+    for i in range(3):
+        # random bytes after the gzip'd tar end: never unpacked, still downloaded
+        body = tgz({"package/index.js": b"x"}) + _os.urandom(1 << 20)
+        url = registry.publish(f"p{i}", "1.0.0", body)
+        packages[f"node_modules/p{i}"] = {"version": "1.0.0", "resolved": url,
+                                          "integrity": sri(body)}
+    with pytest.raises(NpmRefused, match=r"tarballs come to more than 3145728 bytes "
+                       r"\(at node_modules/p2\)"):
+        install(tmp_path, registry, packages)
+    assert list((tmp_path / "context").iterdir()) == []
+
+
 @pytest.mark.parametrize(("resolved", "why"), [
     ("https://registry.npmjs.org:99999/a/-/a-1.0.0.tgz", "is not a URL"),
     ("https://[registry.npmjs.org/a/-/a-1.0.0.tgz", "is not a URL"),
