@@ -916,48 +916,58 @@ def _packed_commit(root_fd: int, commit: str) -> bytes:
             os.close(dfd)
             dfd = nfd
         names = sorted(n for n in os.listdir(dfd) if n.endswith(".idx"))[:_MAX_PACKS]
-        for name in names:
-            idx = _read_in(dfd, name, _MAX_IDX_BYTES)
-            offset = _idx_offset(idx, want, width)
-            if offset is None:
-                continue
-            fd = _open_in(dfd, name[:-4] + ".pack")
-            with os.fdopen(fd, "rb") as f:
-                f.seek(offset)
-                head = f.read(16)
-                if not head:
-                    raise IntegrityError(f"{name}: offset {offset} is past the pack's end")
-                kind, size, shift, used = (head[0] >> 4) & 7, head[0] & 15, 4, 1
-                while head[used - 1] & 0x80:
-                    if used >= len(head):
-                        raise IntegrityError(f"{name}: object header too long")
-                    size |= (head[used] & 0x7F) << shift
-                    shift += 7
-                    used += 1
-                if kind != 1:
-                    raise IntegrityError(f"object {commit} in {name} is not a whole commit "
-                                         f"(pack type {kind})")
-                if size > _MAX_COMMIT_BYTES:
-                    raise IntegrityError(f"commit {commit} is larger than "
-                                         f"{_MAX_COMMIT_BYTES} bytes")
-                f.seek(offset + used)
-                inflate = zlib.decompressobj()
-                body = b""
-                while len(body) < size + 1 and not inflate.eof:
-                    chunk = f.read(1 << 16)
-                    if not chunk:
-                        break
-                    try:
-                        body += inflate.decompress(chunk, size + 1 - len(body))
-                    except zlib.error as exc:
-                        raise IntegrityError(f"commit {commit} in {name} does not inflate "
-                                             f"({exc})") from None
-                if len(body) != size:
-                    raise IntegrityError(f"commit {commit} in {name} is not {size} bytes")
-                return body
-        raise _Unreadable("missing (neither loose nor in a pack)")
+        return _first_packed(dfd, names, commit, want, width)
+    except (OSError, ValueError) as exc:  # a read the pack's own numbers made fail
+        raise IntegrityError(f"the pack holding {commit} cannot be read ({exc})") from None
     finally:
         os.close(dfd)
+
+
+def _first_packed(dfd: int, names: list[str], commit: str, want: bytes, width: int) -> bytes:
+    """:func:`_packed_commit` over the pack indexes ``names`` of the directory ``dfd``."""
+    for name in names:
+        idx = _read_in(dfd, name, _MAX_IDX_BYTES)
+        offset = _idx_offset(idx, want, width)
+        if offset is None:
+            continue
+        fd = _open_in(dfd, name[:-4] + ".pack")
+        with os.fdopen(fd, "rb") as f:
+            if not 12 <= offset < os.fstat(f.fileno()).st_size - 2:  # past the header
+                raise IntegrityError(f"{show(name, 120)}: offset {offset} of {commit} "
+                                     "is outside its pack")
+            f.seek(offset)
+            head = f.read(16)
+            if not head:
+                raise IntegrityError(f"{name}: offset {offset} is past the pack's end")
+            kind, size, shift, used = (head[0] >> 4) & 7, head[0] & 15, 4, 1
+            while head[used - 1] & 0x80:
+                if used >= len(head):
+                    raise IntegrityError(f"{name}: object header too long")
+                size |= (head[used] & 0x7F) << shift
+                shift += 7
+                used += 1
+            if kind != 1:
+                raise IntegrityError(f"object {commit} in {name} is not a whole commit "
+                                     f"(pack type {kind})")
+            if size > _MAX_COMMIT_BYTES:
+                raise IntegrityError(f"commit {commit} is larger than "
+                                     f"{_MAX_COMMIT_BYTES} bytes")
+            f.seek(offset + used)
+            inflate = zlib.decompressobj()
+            body = b""
+            while len(body) < size + 1 and not inflate.eof:
+                chunk = f.read(1 << 16)
+                if not chunk:
+                    break
+                try:
+                    body += inflate.decompress(chunk, size + 1 - len(body))
+                except zlib.error as exc:
+                    raise IntegrityError(f"commit {commit} in {name} does not inflate "
+                                         f"({exc})") from None
+            if len(body) != size:
+                raise IntegrityError(f"commit {commit} in {name} is not {size} bytes")
+            return body
+    raise _Unreadable("missing (neither loose nor in a pack)")
 
 
 def _idx_offset(idx: bytes, want: bytes, width: int) -> int | None:

@@ -529,3 +529,30 @@ def test_a_candidate_commit_kept_in_a_pack_is_read_and_checked(
     rewrite(run, outcome={"candidate_tree": tree}, legacy=_legacy(run))
     problems = verify_in(run)
     assert problems and "cannot recompute the tree" in problems[-1], problems
+
+
+@pytest.mark.parametrize("offset", [(1 << 64) - 1, (1 << 63) - 1, 1 << 62, 5])
+def test_a_pack_offset_out_of_its_pack_is_named_not_a_crash(
+        applied: tuple[Path, str, str], offset: int) -> None:
+    """helper-48 #1: the index's (large) offset was sought unchecked: ValueError or
+    EINVAL ended `receipt verify` with exit 10. A one-object index whose offset lies
+    outside the pack is now a named problem."""
+    import struct
+
+    run, commit, tree = applied
+    bare = run / "stages" / "apply" / "candidate.git"
+    _git("repack", "-a", "-d", "-q", cwd=bare)
+    _git("prune-packed", cwd=bare)
+    idx = next((bare / "objects" / "pack").glob("*.idx"))
+    want = bytes.fromhex(commit)
+    fan = b"".join(struct.pack(">I", 0 if i < want[0] else 1) for i in range(256))
+    large = offset >= 1 << 31
+    body = (b"\xfftOc" + struct.pack(">I", 2) + fan + want + b"\0" * 4
+            + struct.pack(">I", 0x80000000 if large else offset)
+            + (struct.pack(">Q", offset) if large else b""))
+    idx.chmod(0o644)
+    idx.write_bytes(body)
+    rewrite(run, outcome={"candidate_tree": tree}, legacy=_legacy(run))
+    problems = verify_in(run)
+    assert problems and "cannot recompute the tree" in problems[-1], problems
+    assert "outside its pack" in problems[-1], problems
