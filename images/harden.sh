@@ -6,11 +6,18 @@
 # - adds the unprivileged role user (uid/gid 10001) without needing useradd
 # - removes package-manager state a runtime image never uses
 set -eu
+# The system's tools only: the image's PATH puts /opt/venv/bin first, where an agent's
+# wheels install console scripts (a `find` or `python3` of theirs would run here as root).
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+export PATH
 find / -xdev \( -perm -4000 -o -perm -2000 \) -type f -exec chmod a-s {} + 2>/dev/null || true
 # No getcap/setcap in a minbase image; python3 is in every base (the role venvs need it).
 # Walks the root filesystem only (like find -xdev), removes the xattr from every regular
 # file, then walks again and fails the build if any file still has one.
-python3 - <<'PY'
+# -I -S: no site directory, no .pth file, no environment variable of the image's
+PY=/usr/bin/python3
+[ -x "$PY" ] || PY=/usr/local/bin/python3   # python:3.11-slim (BASE_IMAGE) keeps it there
+"$PY" -I -S - <<'PY'
 import errno, os, stat, sys
 
 CAP = "security.capability"

@@ -33,13 +33,36 @@ RUN python3 -c "import os, sys; sys.exit('LEFT' if os.listxattr('/usr/local/bin/
 """
 
 
-def test_harden_strips_file_capabilities(tmp_path: Path) -> None:
+# helper-48 #2: the image's PATH puts /opt/venv/bin first, where an agent's wheels put
+# console scripts and .pth files: a `find` that does nothing and a .pth that hides every
+# capability must not keep a setuid bit or a file capability past the hardening.
+SUBVERTED = f"""
+ARG ANALYST_IMAGE
+FROM ${{ANALYST_IMAGE}}
+USER 0:0
+RUN cp /usr/bin/true /usr/local/bin/capped && cp /usr/bin/true /usr/local/bin/suid \\
+ && chmod 4755 /usr/local/bin/suid \\
+ && /usr/bin/python3 -c "import os; os.setxattr('/usr/local/bin/capped', \\
+'security.capability', bytes.fromhex('{CAP}'))" \\
+ && printf '#!/bin/sh\\nexit 0\\n' > /opt/venv/bin/find && chmod 755 /opt/venv/bin/find \\
+ && echo 'import os; os.getxattr = lambda *a, **k: (_ for _ in ()).throw(OSError(61, "x"))' \\
+    > "$(/opt/venv/bin/python -c 'import site; print(site.getsitepackages()[0])')/zz.pth"
+COPY harden.sh /tmp/harden.sh
+RUN sh /tmp/harden.sh && rm -f /tmp/harden.sh
+RUN /usr/bin/python3 -I -S -c "import os, sys; \\
+sys.exit('LEFT' if os.listxattr('/usr/local/bin/capped') else 0)" \\
+ && test ! -u /usr/local/bin/suid
+"""
+
+
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, SUBVERTED], ids=["plain", "subverted"])
+def test_harden_strips_file_capabilities(tmp_path: Path, dockerfile: str) -> None:
     from runner.isolation.docker.backend import DockerSandbox
     from runner.isolation.docker.images import resolve_image
 
     ctx = tmp_path / "ctx"
     ctx.mkdir()
-    (ctx / "Dockerfile").write_text(DOCKERFILE)
+    (ctx / "Dockerfile").write_text(dockerfile)
     shutil.copy2(images_dir() / "harden.sh", ctx / "harden.sh")
     backend = DockerSandbox()
     tag = f"cyclebox-test/harden:{secrets.token_hex(4)}"
