@@ -10,6 +10,10 @@
 # files the installs created or changed do (found by ctime against a stamp).
 ARG ANALYST_IMAGE
 FROM ${ANALYST_IMAGE} AS build
+# Fresh per build: this stage's step images are this build's alone, and the builder
+# removes them afterwards (runner/isolation/docker/backend.py, drop_other_stages).
+ARG BUILD_NONCE
+LABEL io.cyclebox.build_stage=${BUILD_NONCE}
 USER 0:0
 # dpkg wants ldconfig and start-stop-daemon (sbin); this stage's PATH stays in this stage
 ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin

@@ -15,9 +15,8 @@ prepared for exactly one case (:mod:`runner.isolation.docker.prepared`), removed
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
+import secrets
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -62,9 +61,10 @@ __all__ = [  # what callers and tests import from here, wherever it now lives
 
 
 STOP_TIMEOUT_S = 5.0
-_STEP_IMAGE = re.compile(r"---> ([0-9a-f]{12})$")
-"""The legacy builder's line naming the image a step made (or reused, after
-``---> Using cache``)."""
+BUILD_NONCE_ARG = "BUILD_NONCE"
+BUILD_STAGE_LABEL = "io.cyclebox.build_stage"
+"""Label of a multi-stage build's earlier stages (``LABEL io.cyclebox.build_stage=
+${BUILD_NONCE}``): how :meth:`DockerSandbox.build` finds their step images."""
 """How long one engine request may take once a run is stopping (:meth:`DockerSandbox.
 stopping`): long enough for a loaded engine to kill and remove a container, short enough
 that a hung one cannot hold the verdict and receipt past a supervisor's grace period."""
@@ -351,16 +351,17 @@ class DockerSandbox:
               drop_other_stages: bool = False) -> Iterator[str]:
         """Build ``context/Dockerfile`` with no network; yield log lines; raise on error.
 
-        ``drop_other_stages``: afterwards (built or failed), remove the step images this
-        build created that are not layers of the image tagged ``tag`` (a multi-stage
-        build's earlier stages, or every step of a failed build). The legacy builder keeps
-        them as untagged images that nothing ever removes (a derived analyst image's
-        build stage holds its wheels and .debs twice over)."""
-        made: list[str] = []
-        cached = False
+        ``drop_other_stages``: the Dockerfile's earlier stages carry
+        ``LABEL io.cyclebox.build_stage=${BUILD_NONCE}`` (a build argument made fresh here,
+        so no other build shares their step images); afterwards, built or failed, the
+        untagged images with this build's nonce that are not layers of ``tag`` are
+        removed. The legacy builder keeps every step as an image that nothing removes (a
+        derived analyst image's build stage holds its wheels and .debs twice over)."""
+        nonce = secrets.token_hex(12) if drop_other_stages else ""
+        args = {**buildargs, BUILD_NONCE_ARG: nonce} if drop_other_stages else buildargs
         try:
             for chunk in self.client.api.build(
-                path=str(context), tag=tag, buildargs=buildargs, labels=labels,
+                path=str(context), tag=tag, buildargs=args, labels=labels,
                 network_mode="none", rm=True, forcerm=True, pull=False, decode=True,
                 nocache=nocache,
             ):
@@ -368,36 +369,43 @@ class DockerSandbox:
                     raise SandboxError(f"image build for {tag} failed: {chunk['error'].strip()}")
                 line = chunk.get("stream")
                 if line and line.strip():
-                    step = _STEP_IMAGE.match(line.strip())
-                    if line.strip() == "---> Using cache":
-                        cached = True
-                    elif step is not None:
-                        if not cached and not line.strip().startswith("---> Running"):
-                            made.append(step.group(1))
-                        cached = False
                     yield line.rstrip()
         except docker.errors.APIError as exc:
             raise SandboxError(f"image build for {tag} failed: {exc.explanation or exc}") from None
         finally:
-            if drop_other_stages and made:
-                self._drop_steps(tag, made, keep=set(buildargs.values()))
+            if drop_other_stages:
+                self._drop_stage_images(tag, nonce)
 
-    def _drop_steps(self, tag: str, made: list[str], keep: set[str]) -> None:
-        """Remove each image of ``made`` (short ids, in build order) that is not a layer of
-        ``tag``, nor tagged, nor in ``keep``: leaves first, one at a time (an image another
-        build has meanwhile built on is refused by the engine and stays)."""
+    def _drop_stage_images(self, tag: str, nonce: str) -> None:
+        """Remove the untagged images labelled with this build's ``nonce`` that are not
+        layers of ``tag``: newest first, one at a time (what the engine refuses stays)."""
         api = self.client.api
         try:
-            final = {str(h.get("Id", ""))[7:19] for h in api.history(tag)}
+            final = {str(h.get("Id", "")) for h in api.history(tag)}
         except (docker.errors.APIError, requests.exceptions.RequestException):
             final = set()  # no such image: the build failed, none of its steps is kept
-        kept = {k[7:19] if k.startswith("sha256:") else k[:12] for k in keep}
-        for short in reversed(made):
-            if short in final or short in kept:
-                continue
-            with contextlib.suppress(docker.errors.APIError,
-                                     requests.exceptions.RequestException):
-                info = api.inspect_image(short)
-                if [t for t in info.get("RepoTags") or () if t != "<none>:<none>"]:
-                    continue
-                api.remove_image(short, force=False, noprune=True)
+        try:
+            found = api.images(all=True, filters={"label": f"{BUILD_STAGE_LABEL}={nonce}"})
+        except (docker.errors.APIError, requests.exceptions.RequestException):
+            return
+        left: list[str] = []
+        for img in found:
+            iid = str(img.get("Id", ""))
+            tags = [t for t in (*(img.get("RepoTags") or ()), *(img.get("RepoDigests") or ()))
+                    if t not in ("<none>:<none>", "<none>@<none>")]
+            if iid and iid not in final and not tags:
+                left.append(iid)
+        # leaves first; steps of one second share a timestamp, so pass again while a pass
+        # removes something (a parent goes once its child has)
+        while left:
+            kept = []
+            for iid in left:
+                try:
+                    api.remove_image(iid, force=False, noprune=True)
+                except docker.errors.NotFound:
+                    pass
+                except (docker.errors.APIError, requests.exceptions.RequestException):
+                    kept.append(iid)
+            if len(kept) == len(left):
+                return
+            left = kept
