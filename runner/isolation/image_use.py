@@ -8,7 +8,7 @@ under a live run, and a run that starts during a removal waits for it and then f
 image gone (a named error), never half of it.
 
 ``<holds>`` is ONE directory per user, shared by every state directory
-(``$XDG_CACHE_HOME/cyclebox/image-use``, else ``~/.cache/cyclebox/image-use``): a derived
+(``~/.cache/cyclebox/image-use`` of the account's home, :func:`holds_dir`): a derived
 image's tag names its content, so a freeze in one state directory reuses the image another
 one built, and a gc in either must see both holds. Only when that directory cannot be
 created does a hold fall back to ``<state>/image-use``; ``unused`` takes both locks.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import pwd
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -29,11 +30,18 @@ _held: dict[str, int] = {}
 """Image id -> the open lock file this process holds shared (never closed: held to exit)."""
 
 
+HOLDS_ENV = "CYCLEBOX_HOLDS_DIR"
+"""Overrides :func:`holds_dir` (tests): every process of the user must agree on it."""
+
+
 def holds_dir() -> Path:
-    """The per-user directory every state directory's holds live in."""
-    cache = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(cache) if os.path.isabs(cache) else Path.home() / ".cache"
-    return base / "cyclebox" / "image-use"
+    """The per-user directory every state directory's holds live in: under the account's
+    home as the password database names it (not ``$HOME`` or ``$XDG_CACHE_HOME``, which
+    a run started by sudo, systemd or an IDE may see otherwise than the gc does)."""
+    override = os.environ.get(HOLDS_ENV, "")
+    if os.path.isabs(override):
+        return Path(override)
+    return Path(pwd.getpwuid(os.getuid()).pw_dir) / ".cache" / "cyclebox" / "image-use"
 
 
 def _name(image_id: str) -> str:
@@ -50,8 +58,10 @@ def _lock_paths(image_id: str) -> list[Path]:
 
 
 def _open(path: Path) -> int:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    """The lock file, never through a link (a planted one would create a file wherever
+    it points)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
 
 
 def hold(image_ids: Iterable[str]) -> None:

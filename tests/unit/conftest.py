@@ -27,4 +27,4 @@ def _session_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _own_holds_dir(_session_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Image-use holds live in one per-user directory (runner.isolation.image_use): a unit
     test's holds of made-up image ids go to a directory of the session, never ~/.cache."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(_session_cache))
+    monkeypatch.setenv("CYCLEBOX_HOLDS_DIR", str(_session_cache / "image-use"))

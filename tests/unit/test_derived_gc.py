@@ -60,7 +60,7 @@ def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
         monkeypatch.setattr(backend, "DockerSandbox", Fake)
         return api
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("CYCLEBOX_HOLDS_DIR", str(tmp_path / "cache" / "image-use"))
     return install
 
 
@@ -96,7 +96,7 @@ def test_a_hold_from_another_state_directory_keeps_the_image(
         [sys.executable, "-c", "import time\nfrom runner.isolation import image_use\n"
          f"image_use.hold([{img['Id']!r}])\nprint('held', flush=True)\ntime.sleep(60)"],
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "CYCLEBOX_STATE_DIR": str(b),
-             "XDG_CACHE_HOME": str(tmp_path / "cache"), "HOME": str(tmp_path)},
+             "CYCLEBOX_HOLDS_DIR": str(tmp_path / "cache" / "image-use"), "HOME": str(tmp_path)},
         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"
@@ -111,3 +111,26 @@ def test_a_hold_from_another_state_directory_keeps_the_image(
     row, = gc_derived()  # the holder is gone: removed
     assert row.removed and api.removed == [f"{TAG_REPO}:{ih[:16]}"]
 
+
+
+def test_holds_do_not_depend_on_the_environment_and_follow_no_link(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """helper-48 #4, #5: a run started with another XDG_CACHE_HOME (sudo, systemd, an
+    IDE) held its image in another directory, so gc saw it unused; and a planted
+    <id>.lock link made the hold create a file where it pointed."""
+    from runner.isolation import image_use
+
+    monkeypatch.delenv("CYCLEBOX_HOLDS_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-a"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home-a"))
+    first = image_use.holds_dir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-b"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home-b"))
+    assert image_use.holds_dir() == first and str(tmp_path) not in str(first)
+    monkeypatch.setenv("CYCLEBOX_HOLDS_DIR", str(tmp_path / "holds"))
+    (tmp_path / "holds").mkdir()
+    target = tmp_path / "created-elsewhere"
+    (tmp_path / "holds" / ("e" * 64 + ".lock")).symlink_to(target)
+    with pytest.raises(OSError):
+        image_use._open(tmp_path / "holds" / ("e" * 64 + ".lock"))
+    assert not target.exists()
