@@ -48,7 +48,8 @@ def test_no_step_image_of_another_stage_is_left(tmp_path: Path, fails: bool) -> 
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "Dockerfile").write_text(f"FROM {base}\nLABEL other={nonce}\n")
     other = next(str(c["aux"]["ID"]) for c in box.client.api.build(
-        path=str(tmp_path / "other"), network_mode="none", decode=True) if "aux" in c)
+        path=str(tmp_path / "other"), network_mode="none", decode=True, rm=True,
+        forcerm=True) if "aux" in c)
     text = DOCKERFILE % (nonce, other[7:19]) + ("RUN false\n" if fails else "")
     (tmp_path / "ctx").mkdir()
     (tmp_path / "ctx" / "Dockerfile").write_text(text)
