@@ -61,13 +61,13 @@ __all__ = [  # what callers and tests import from here, wherever it now lives
 
 
 STOP_TIMEOUT_S = 5.0
+"""How long one engine request may take once a run is stopping (:meth:`DockerSandbox.
+stopping`): long enough for a loaded engine to kill and remove a container, short enough
+that a hung one cannot hold the verdict and receipt past a supervisor's grace period."""
 BUILD_NONCE_ARG = "BUILD_NONCE"
 BUILD_STAGE_LABEL = "io.cyclebox.build_stage"
 """Label of a multi-stage build's earlier stages (``LABEL io.cyclebox.build_stage=
 ${BUILD_NONCE}``): how :meth:`DockerSandbox.build` finds their step images."""
-"""How long one engine request may take once a run is stopping (:meth:`DockerSandbox.
-stopping`): long enough for a loaded engine to kill and remove a container, short enough
-that a hung one cannot hold the verdict and receipt past a supervisor's grace period."""
 
 
 SLOW_REMOVALS = 2
@@ -378,7 +378,8 @@ class DockerSandbox:
 
     def _drop_stage_images(self, tag: str, nonce: str) -> None:
         """Remove the untagged images labelled with this build's ``nonce`` that are not
-        layers of ``tag``: newest first, one at a time (what the engine refuses stays)."""
+        layers of ``tag``, one at a time, in passes while one removes something (what the
+        engine keeps refusing stays)."""
         api = self.client.api
         try:
             final = {str(h.get("Id", "")) for h in api.history(tag)}
