@@ -33,7 +33,12 @@ import yaml
 
 from runner.gateway.calllog import CallLog, CallRecord, sha256
 from runner.paths import PROJECT_ROOT
-from tests.fixtures.cycle_project import EXAMPLE, example_agent, project_with_agent
+from tests.fixtures.cycle_project import (
+    EXAMPLE,
+    example_agent,
+    project_with_agent,
+    require_judge,
+)
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -265,6 +270,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
             upstreams={n: upstream(n, server.url) for n in MODELS},
             worker={"model": MODELS["optimizer"], "max_tokens": 4096},
             judge={"model": MODELS["judge"], "threshold": 0.5, "required": True})
+        require_judge(cycle)
         run = base / "run"
         inspector = Inspector(name)
         try:

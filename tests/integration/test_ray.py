@@ -38,6 +38,7 @@ from tests.fixtures.cycle_project import (
     EXAMPLE,
     example_agent,
     project_with_agent,
+    require_judge,
     run_containers,
     signal_and_wait,
     stage_started,
@@ -325,6 +326,7 @@ def test_canary_key_on_the_head_reaches_no_worker_node(cluster: RayCluster,
             worker={"model": MODELS["optimizer"], "max_tokens": 4096},
             judge={"model": MODELS["judge"], "threshold": 0.5, "required": True},
             backend="ray", ray={"address": cluster.address})
+        require_judge(cycle)
         run = base / "run"
         inspector = Inspector(name)
         env = no_proxy_env(base / "tmp", **{KEY_ENV: canary})
