@@ -40,27 +40,11 @@ def _receipt_files(run_dir: Path) -> dict[str, str] | None:
                        schema=SCHEMA).files
 
 
-def _sha256(path: Path) -> str | None:
-    """sha256 of the regular file at ``path`` (never through a link); None if unreadable."""
-    import hashlib
-
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    h = hashlib.sha256()
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            return None
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 @app.command("calls")
 def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
                   json_out: JsonOpt = False) -> None:
     """List every recorded model call of a run, with per-role totals and completeness."""
+    from runner.cycle.receipt import sha256_in_run
     from runner.gateway.calllog import CallLog
     from runner.gateway.report import summarize
 
@@ -89,7 +73,8 @@ def gateway_calls(run_dir: Annotated[Path, typer.Argument(help="A run directory.
     else:
         named = _receipt_files(run_dir)
         unconfirmed = named is None
-        if named is not None and (want := named.get("gateway/calls.jsonl")) != _sha256(log):
+        if named is not None and (want := named.get("gateway/calls.jsonl")) != \
+                sha256_in_run(run_dir, "gateway/calls.jsonl"):
             raise IntegrityError(
                 f"run_altered: {show(str(log))} is not the call log the run's receipt binds "
                 + ("(the receipt names no call log)" if want is None else "(its sha256 "

@@ -581,6 +581,21 @@ def _sha256_in(root_fd: int, rel: str) -> str:
     return h.hexdigest()
 
 
+def sha256_in_run(run_dir: Path, rel: str) -> str | None:
+    """sha256 of the regular file ``rel`` of a run directory, as ``verify`` hashes it (no
+    link followed in any component); None when it cannot be read so."""
+    try:
+        root_fd = os.open(run_dir, _DIR_FLAGS)
+    except OSError:
+        return None
+    try:
+        return _sha256_in(root_fd, rel)
+    except (_Unreadable, OSError):
+        return None
+    finally:
+        os.close(root_fd)
+
+
 def _present(root_fd: int, *, legacy_git: bool = False) -> tuple[set[str], list[str]]:
     """Regular files under the run directory (by dir fd, no link followed), minus the
     unbound ones, and the problems met walking it. Symlinks and special files are
