@@ -196,7 +196,7 @@ def _reject_reasons(candidate: Sequence[Record], pairs: Pairs,
     if policy.require_improvement:
         # a baseline the scorer or judge could not grade failed nothing the candidate fixed
         failed = [k for k, (b, _) in pairs.items()
-                  if not b.passed(policy.criteria) and not _ungraded(b)]
+                  if not b.passed(policy.criteria) and not b.ungraded]
         if not any(pairs[k][1].passed(policy.criteria) for k in failed):
             out.append(f"no improvement: none of the {len(failed)} (case, trial) pairs failing "
                        "on baseline passes on candidate")
@@ -238,13 +238,8 @@ def _changes(pairs: Pairs, criteria: Sequence[str], *, before: bool) -> tuple[Ca
         if getattr(b, crit) is before and getattr(c, crit) is (not before))
 
 
-def _ungraded(g: Grades) -> bool:
-    """The scorer or the judge produced no grade (a failure of the grading, not a fail)."""
-    return g.scorer_error is not None or g.judge_error is not None
-
-
 def _statistics(pairs: Pairs, criteria: Sequence[str]) -> dict[str, object]:
-    both = {k: v for k, v in pairs.items() if not _ungraded(v[0]) and not _ungraded(v[1])}
+    both = {k: v for k, v in pairs.items() if not v[0].ungraded and not v[1].ungraded}
     pairs = both  # pairs either side could not grade tell neither way
     b = sum(1 for gb, gc in pairs.values() if gb.passed(criteria) and not gc.passed(criteria))
     c = sum(1 for gb, gc in pairs.values() if not gb.passed(criteria) and gc.passed(criteria))

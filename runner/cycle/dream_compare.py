@@ -113,8 +113,8 @@ def heldout(records_file: Path, cases: set[str],
             criteria: Sequence[str] = CRITERIA) -> Heldout:
     """Pass counts over held-out cases (status ok and every policy criterion passed)."""
     rows = [r for r in load_records(records_file) if r.case_id in cases]
-    graded = [r.grades for r in rows if r.status == "ok" and r.grades is not None
-              and r.grades.judge_error is None and r.grades.scorer_error is None]
+    graded = [r.grades for r in rows
+              if r.status == "ok" and r.grades is not None and not r.grades.ungraded]
     passed = sum(g.passed(criteria) for g in graded)
     return Heldout(passed=passed, total=len(rows), ungraded=len(rows) - len(graded),
                    rate=round(passed / len(rows), 6) if rows else None)

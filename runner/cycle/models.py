@@ -247,11 +247,17 @@ class Grades(Frozen):
                     "died or returned something other than criterion booleans); the record "
                     "is then infra_invalid.")
 
+    @property
+    def ungraded(self) -> bool:
+        """The scorer or the judge produced no grade (a failure of the grading, not a
+        fail of the answer)."""
+        return self.scorer_error is not None or self.judge_error is not None
+
     def passed(self, criteria: Sequence[str] = CRITERIA) -> bool:
         """No criterion of ``criteria`` (the policy's; every one by default) and no judge
         verdict is false, and nothing that grades failed: a scorer or judge that produced
         no grade never vouches for a pass."""
-        if self.scorer_error is not None or self.judge_error is not None:
+        if self.ungraded:
             return False
         vals = [*(getattr(self, c) for c in criteria), self.judge_pass]
         return all(v is not False for v in vals)
