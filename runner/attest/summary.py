@@ -2,8 +2,8 @@
 
 Names and digests come from the run (a cycle name, file names): Markdown gets every
 string through the report's :func:`runner.report.text.md` (HTML-escaped, punctuation and
-``|`` backslash-escaped, no autolinks or mentions, one line), so none can open a link,
-split a table cell or inject HTML in a step summary.
+``|`` backslash-escaped, no autolinks, mentions or issue references, one line), so none
+can open a link, notify anyone, split a table cell or inject HTML in a step summary.
 """
 
 from __future__ import annotations

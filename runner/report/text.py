@@ -13,9 +13,17 @@ _XML_BAD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff\ud800-\udfff]")
 # Every value sits mid-line (after "- x: " or in a table cell), so only inline syntax
 # needs escaping; '<', '>' and '&' are already entities.
 _MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()|~!])")
-# GitHub turns bare "scheme:..." and "www." text into links (GFM autolinks): every ':' and
-# the '.' after "www" become character references, which render the same but link nothing.
+# GitHub turns bare "scheme:..." and "www." text into links (GFM autolinks, matched by the
+# Markdown parser on the raw text): every ':' and the '.' after "www" become character
+# references, which render the same but link nothing.
 _WWW_DOT = re.compile(r"(?i)(?<![a-z0-9])(www)\.")
+# Mentions (@user, @org/team) and references (#12, owner/repo#12, GH-12) are found later,
+# in the rendered HTML's text, where a character reference is already decoded: "&#64;"
+# still notifies (github/cmark-gfm#181, openjdk/skara#1548). A zero-width space after the
+# '@', the '#' and "GH-" breaks them there and renders as nothing.
+_ZWSP = "\u200b"
+_HASH = re.compile(r"(?<!&)#")  # not the '#' of a character reference html.escape wrote
+_GH_REF = re.compile(r"(?i)(?<![a-z0-9])(gh-)(?=[0-9])")
 
 
 def _shown(ch: str) -> str:
@@ -40,12 +48,13 @@ def one_line(text: str, limit: int = 300) -> str:
 
 def md(text: str, limit: int = 300) -> str:
     """Inert Markdown inline text: HTML-escaped, punctuation backslash-escaped, no
-    @mentions, no autolinks (``:`` and ``www.`` as character references), one line (safe
-    inside a table cell)."""
+    autolinks (``:`` and ``www.`` as character references), no @mentions nor issue
+    references (a zero-width space after ``@``, ``#`` and ``GH-``), one line (safe inside
+    a table cell)."""
     s = html.escape(one_line(text, limit), quote=True)
+    s = _GH_REF.sub(r"\1" + _ZWSP, _HASH.sub("#" + _ZWSP, s).replace("@", "@" + _ZWSP))
     s = _MD_SPECIAL.sub(r"\\\1", s)
-    s = _WWW_DOT.sub(r"\1&#46;", s.replace(":", "&#58;"))
-    return s.replace("@", "&#64;")
+    return _WWW_DOT.sub(r"\1&#46;", s.replace(":", "&#58;"))
 
 
 def xml(text: str, limit: int = 4000) -> str:

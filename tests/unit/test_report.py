@@ -393,6 +393,21 @@ def test_markdown_values_never_autolink() -> None:
     assert md("a | b") == "a \\| b"  # a table cell stays one cell
 
 
+def test_markdown_values_never_mention_nor_reference() -> None:
+    """GitHub finds @mentions and #references in the rendered HTML's text, where a
+    character reference is decoded ("&#64;" still notifies): what the Markdown shows,
+    entities decoded, must hold none."""
+    import html as _html
+    import re as _re
+
+    hostile = "ping @octocat @org/security-team, fixes #12, org/repo#34, gh-56 and me@x.io"
+    shown = _html.unescape(md(hostile))
+    assert not _re.search(r"@[A-Za-z0-9]", shown), shown
+    assert not _re.search(r"#[0-9]", shown) and not _re.search(r"(?i)gh-[0-9]", shown), shown
+    assert shown.replace("\u200b", "").replace("\\", "") == hostile  # reads the same
+    assert md("it's &#64;x") == "it&#x27;s &amp;#\u200b64;x"  # html.escape's own '#' kept
+
+
 def test_the_terminal_summary_wraps_the_reason_instead_of_cutting_it(run: Path) -> None:
     """Issue 20 item 6: the reason row was cut at 300 characters."""
     from runner.cli.output import out, print_terminal
