@@ -173,7 +173,7 @@ bench-scale: setup docker images ## Demo grown to ~100 and ~400 cases/side, loca
 lock: ## Refresh constraints/*.txt (every env's pins) from fresh unconstrained venvs (run make test afterwards)
 	$(PY) constraints/refresh.py $(PIP_VERSION) host verl mock attest
 
-gc: setup ## Remove cyclebox containers whose controller is gone
+gc: setup ## Remove cyclebox containers whose controller is gone, and stale gateway socket and input staging directories
 	$(CYCLEBOX) gc
 
 clean: ## Remove orphaned cyclebox containers and build/ (images are kept)
