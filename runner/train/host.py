@@ -34,7 +34,7 @@ from runner.isolation.collect import Collected, Limits, collect
 from runner.isolation.launcher import launch, output_dir
 from runner.isolation.policy import RolePolicy
 from runner.isolation.sandbox import Mount, RunRecord, Sandbox
-from runner.loading import load_model, parse_model
+from runner.loading import MAX_BYTES, load_model, parse_model
 from runner.outdir import refuse_inside_run
 from runner.train.flags import check_seed, check_train_flags
 from runner.train.results import (
@@ -122,10 +122,21 @@ TRAINER_OUTPUT = Limits(max_file_bytes=1 << 30, max_total_bytes=2 << 30)
 regular files and directories only, no symlink followed or kept, bounded)."""
 
 
+TRAINER_JSON_MAX_BYTES = MAX_BYTES
+"""Largest JSON file of the trainer's the host parses (``report.json``,
+``train-receipt.json``, ...): what :func:`runner.loading.load_model` reads of any JSON
+file. :data:`TRAINER_OUTPUT` lets a file be 1 GiB (adapter weights); parsed, 128 MiB of
+``[[],[],...]`` took 3.4 GB of the host's memory and 33 s."""
+
+
 def _collected(files: Collected, name: str, model: type[M]) -> M:
     """A file the trainer wrote, typed; OutputRejected naming the field otherwise."""
+    raw = files.files.get(name, b"")
+    if len(raw) > TRAINER_JSON_MAX_BYTES:
+        raise OutputRejected(f"trainer output refused: {name} is {len(raw)} bytes; the "
+                             f"host parses at most {TRAINER_JSON_MAX_BYTES} bytes of it")
     try:
-        return parse_model(files.files.get(name, b""), model, path=name,
+        return parse_model(raw, model, path=name,
                            fix="the trainer image writes this file; rebuild it "
                                "(cyclebox images build --role trainer)")
     except ConfigError as exc:

@@ -435,3 +435,27 @@ def test_a_bad_ledger_is_named_before_the_output_directory_is_made(
         host.proof(NoTrainer(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
                    ledger=tmp_path / "ledger.jsonl", lr=1e-3, seed=0, on_event=lambda e: None)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_trainer_json_file_past_the_json_cap_is_refused_unparsed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's output may hold 1 GiB files (adapter weights), and its JSON files
+    were parsed at any size up to that: 128 MiB of ``[[],[],...]`` in report.json took
+    3.4 GB of the host's memory. Past the JSON cap of any file the host loads, the file
+    is refused by name, never parsed."""
+    from runner.errors import OutputRejected
+    from runner.isolation.collect import collect
+    from runner.loading import MAX_BYTES
+    from runner.train import host
+    from runner.train.results import ProofReport
+
+    (tmp_path / "report.json").write_bytes(b"[" + b"[]," * (MAX_BYTES // 3) + b"[]]")
+    files = collect(tmp_path, host.TRAINER_OUTPUT)
+    parsed: list[bytes] = []
+    real = host.parse_model
+    monkeypatch.setattr(host, "parse_model",
+                        lambda raw, *a, **k: parsed.append(raw) or real(raw, *a, **k))
+    with pytest.raises(OutputRejected, match=r"report.json is \d+ bytes; the host parses "
+                       r"at most"):
+        host._collected(files, "report.json", ProofReport)
+    assert parsed == []
