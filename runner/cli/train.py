@@ -83,7 +83,8 @@ def train_proof(persona: Annotated[Path, typer.Option(help="Persona/skill script
     Exit 4 (check failed) when nothing imprinted (the classroom failed) or when the
     adapter did not reproduce its answers in a fresh process; the adapter, receipt and
     ledger row are kept either way. Exit 3 before any training for a numeric flag out of
-    range or a --ledger that cannot be appended to (a directory, device, FIFO, read-only);
+    range, a --ledger that cannot be appended to (a directory, device, FIFO, read-only)
+    or an OUT.summary.json that exists (even as a link);
     a ledger that refuses the row after the training is exit 3 (9 when the disk is full)
     naming it, with the adapter and receipt kept in --out."""
     from runner.train.host import check_ledger, proof

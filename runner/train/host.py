@@ -35,7 +35,7 @@ from runner.isolation.launcher import launch, output_dir
 from runner.isolation.policy import RolePolicy
 from runner.isolation.sandbox import Mount, RunRecord, Sandbox
 from runner.loading import MAX_BYTES, load_model, parse_model
-from runner.outdir import refuse_inside_run
+from runner.outdir import refuse_inside_run, write_once
 from runner.train.flags import check_seed, check_train_flags
 from runner.train.results import (
     PERSONA_FIX,
@@ -174,6 +174,7 @@ def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger
     text = _ledger_text(ledger)  # every input is checked before --out is made
     history = _ledger_rows(ledger, text)
     out = out.resolve()
+    summary_path = _summary_path(out)  # refused now if taken, not after the training
     trainer.fresh_output(out)
     given = {"persona.json": json.dumps(persona.model_dump(mode="json", exclude_unset=True),
                                         sort_keys=True),
@@ -217,13 +218,28 @@ def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger
             reproduced_in_fresh_process=reproduced,
             ledger=str(ledger), ledger_row=row,
             trainer_run=rec.model_dump(mode="json", exclude={"stdout_tail"}))
-        (out.parent / f"{out.name}.summary.json").write_text(json.dumps(
-            summary.model_dump(mode="json", by_alias=True), indent=1, sort_keys=True))
         hand_over(out)
+        write_once(summary_path, json.dumps(summary.model_dump(
+            mode="json", by_alias=True), indent=1, sort_keys=True).encode(),
+            what="the proof summary", field="--out",
+            fix=f"the adapter, receipt and ledger row are in {out}; choose a new --out")
         return summary
     finally:
         shutil.rmtree(inputs, ignore_errors=True)
         shutil.rmtree(out.parent / f".{out.name}.verify", ignore_errors=True)
+
+
+def _summary_path(out: Path) -> Path:
+    """``OUT.summary.json``, which must not exist yet (nor be a link, even a dangling one):
+    written beside ``out`` after the training, it was written through a symlink and over
+    an earlier run's summary, and a directory there ended the run in exit 10 after the
+    ledger row was appended."""
+    path = out.parent / f"{out.name}.summary.json"
+    if path.exists() or path.is_symlink():
+        raise ConfigError(f"{path} already exists; prior evidence is never overwritten",
+                          field="--out", fix="choose a new output directory (the summary "
+                          "is written beside it as OUT.summary.json)")
+    return path
 
 
 MAX_LEDGER_BYTES = 64 * 1024 * 1024

@@ -459,3 +459,38 @@ def test_a_trainer_json_file_past_the_json_cap_is_refused_unparsed(
                        r"at most"):
         host._collected(files, "report.json", ProofReport)
     assert parsed == []
+
+
+@pytest.mark.parametrize("taken", ["file", "symlink", "dangling", "directory"])
+def test_a_taken_summary_path_is_refused_before_the_output_directory_is_made(
+        tmp_path: Path, taken: str) -> None:
+    """OUT.summary.json was written after the training with write_text: through a symlink
+    (overwriting its target), over an earlier run's summary, and a directory there ended
+    the proof in exit 10 after the ledger row was appended, --out not handed over."""
+    from runner.errors import ConfigError
+    from runner.train import host
+
+    class NoTrainer:
+        def fresh_output(self, p: Path) -> Path:
+            raise AssertionError("--out made before the summary path was checked")
+
+    (tmp_path / "persona.yaml").write_text(
+        "name: cap\nexchanges:\n  - user: who?\n    assistant: Captain.\n")
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("evidence")
+    summary = tmp_path / "out.summary.json"
+    if taken == "file":
+        summary.write_text("an earlier run's summary")
+    elif taken == "symlink":
+        summary.symlink_to(victim)
+    elif taken == "dangling":
+        summary.symlink_to(tmp_path / "nowhere")
+    else:
+        summary.mkdir()
+    with pytest.raises(ConfigError, match=r"out\.summary\.json already exists"):
+        host.proof(NoTrainer(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
+                   ledger=tmp_path / "ledger.jsonl", lr=1e-3, seed=0, on_event=lambda e: None)
+    assert not (tmp_path / "out").exists() and victim.read_text() == "evidence"
