@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from runner import fswalk
 from runner.errors import (
@@ -350,23 +350,41 @@ def _ledger_text(ledger: Path) -> str | None:
     return decode_utf8(data, path=str(ledger))
 
 
+class _LedgerLine(BaseModel):
+    """What ``sandbox.train.plan.nudge`` reads of a ledger line with ``float()``; other
+    keys (and rows of an older shape) pass as they are."""
+
+    model_config = ConfigDict(extra="allow")
+
+    imprint_delta: float = 1.0
+
+
 def _ledger_rows(ledger: Path, text: str | None) -> list[dict[str, Any]]:
-    """The ledger's rows, as the trainer reads them to set the schedule."""
+    """The ledger's rows, as the trainer reads them to set the schedule: each line strict
+    JSON (no NaN, duplicate key or nesting past 64) whose fields the schedule reads have
+    a type it can read (:class:`_LedgerLine`). A row with ``imprint_delta: "tiny"`` ended
+    the proof in the trainer's traceback (exit 6, --out left behind), and a deeply nested
+    line in exit 10 (RecursionError); now ConfigError naming the line and the field."""
+    from runner.loading import show, validate
+    from sandbox.proposal import strict_json
+
     if text is None:
         return []
+    fix = ("one JSON object per line, as the proof loop appends them (see LedgerRow in "
+           "runner/train/results.py); remove or repair the line")
     rows: list[dict[str, Any]] = []
     for n, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except ValueError as exc:
-            raise ConfigError(f"line {n} is not JSON ({exc})", path=str(ledger),
-                              field="--ledger", fix="one JSON object per line, as the proof "
-                              "loop appends them; remove or repair the line") from None
+            row = strict_json(line)
+        except (ValueError, RecursionError) as exc:
+            raise ConfigError(f"line {n} is not JSON ({show(str(exc), 200)})",
+                              path=str(ledger), field="--ledger", fix=fix) from None
         if not isinstance(row, dict):
             raise ConfigError(f"line {n} is not a JSON object", path=str(ledger),
                               field="--ledger", fix="one JSON object per line")
+        validate(_LedgerLine, row, path=f"--ledger {show(str(ledger))}:{n}", fix=fix)
         rows.append(row)
     return rows
 

@@ -413,6 +413,17 @@ def test_an_answer_longer_than_the_trainer_can_generate_is_refused_before_scorin
 @pytest.mark.parametrize(("ledger", "match"), [
     pytest.param(b"\xff\xfe{}\n", "not UTF-8", id="not-utf8"),
     pytest.param(b'{"persona": "cap"}\nnot json\n', "line 2 is not JSON", id="bad-line"),
+    # the trainer's schedule reads imprint_delta with float(): its traceback was exit 6
+    # after the engine started, --out left behind
+    pytest.param(b'{"persona": "cap", "passed": true, "imprint_delta": "tiny"}\n',
+                 r"ledger.jsonl:1.*imprint_delta: Input should be a valid number",
+                 id="imprint-delta-not-a-number"),
+    pytest.param(b'{"persona": "cap", "passed": true, "imprint_delta": null}\n',
+                 r"ledger.jsonl:1.*imprint_delta", id="imprint-delta-null"),
+    pytest.param(b"[" * 100_000 + b"]" * 100_000 + b"\n", "line 1 is not JSON .nested",
+                 id="deep-line-was-exit-10"),
+    pytest.param(b'{"persona": "cap", "passed": true, "passed": false}\n',
+                 "line 1 is not JSON .duplicate", id="duplicate-key"),
 ])
 def test_a_bad_ledger_is_named_before_the_output_directory_is_made(
         tmp_path: Path, ledger: bytes, match: str) -> None:
