@@ -631,8 +631,10 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReferenc
 
     A trajectory is left out of rl.parquet when its first or last request did not read
     as chat messages or its case has no frozen reference; out of sft.parquet also when it
-    did not pass (``r_outcome != 1``), its last turn has no reply (neither text nor tool
-    calls), a text of it holds a chat-template control token
+    did not pass (``r_outcome != 1``), its last call failed (``sft_last_call_failed``:
+    status ``infra_error``; a truncated stream's partial reply is recorded, but the
+    container was answered 502 and never saw it), its last turn has no reply (neither
+    text nor tool calls), a text of it holds a chat-template control token
     (``sft_control_token_in_content``, :data:`CONTROL_TOKEN`), a tool-call id is
     ambiguous (``sft_duplicate_tool_call_id``), or its last request holds an assistant
     turn that is not the reply the gateway recorded at that point of the same trajectory
@@ -669,6 +671,8 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReferenc
         reply = last["reply_message"]
         if t["r_outcome"] != 1.0:
             skipped["sft_not_passed"] += 1
+        elif last["status"] != "ok":
+            skipped["sft_last_call_failed"] += 1
         elif reply is None or not (reply["content"] or reply.get("tool_calls")):
             skipped["sft_no_reply"] += 1
         elif not history_from_model(t["turns"]):

@@ -748,6 +748,33 @@ def test_an_assistant_turn_the_model_never_said_keeps_the_trajectory_out_of_sft(
     assert len(rl) == 1  # the prompt of an RL row is input, never a training target
 
 
+
+def test_a_failed_last_call_is_no_sft_target() -> None:
+    """A streamed answer cut short (no [DONE]) is recorded as infra_error with its partial
+    bytes, and the container is answered 502: it never saw that text. As the last turn of
+    a trajectory that passed, its half reply was the SFT target."""
+    from runner.cycle.models import Reference
+    from runner.train.export import FrozenReference, read_turn, verl_rows
+
+    req = json.dumps({"model": "m", "messages": [{"role": "user", "content": "q?"}]}).encode()
+    whole = json.dumps({"object": "chat.completion", "choices": [{"index": 0, "message": {
+        "role": "assistant", "content": '{"answer": 1}'}}]}).encode()
+    cut = (b'data: {"choices":[{"index":0,"delta":{"role":"assistant",'
+           b'"content":"{\\"answer\\": 9, \\"evid"}}]}\n\n')
+    turns = [{"turn": i, "prompt": req.decode(), "prompt_sha256": "0" * 64,
+              "response_sha256": "1" * 64, "status": status, "stream": i == 1,
+              **read_turn("chat", req, resp, stream=i == 1)}
+             for i, (status, resp) in enumerate((("ok", whole), ("infra_error", cut)))]
+    assert turns[1]["reply"] == '{"answer": 9, "evid'  # the partial text is recorded
+    traj = {"data_source": "d", "trajectory_id": "t", "stage": "baseline", "case_id": "c1",
+            "trial": 0, "turns": turns, "r_format": 0, "r_outcome": 1.0,
+            "r_outcome_basis": "correctness", "fixture": False}
+    refs = {"c1": FrozenReference(reference=Reference.model_validate(
+        {"kind": "number", "value": 1}), split="development", mandatory=False)}
+    rl, sft, skipped = verl_rows([traj], refs, ability="analyst")
+    assert sft == [] and skipped == {"sft_last_call_failed": 1} and len(rl) == 1
+
+
 def _turns(api: str, calls: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:
     from runner.train.export import read_turn
 
