@@ -181,7 +181,11 @@ def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger
              "config.json": json.dumps({"lr": lr, "seed": seed})}
     if text is not None:
         given["ledger.jsonl"] = text
-    inputs = _fresh_inputs(out, given)
+    try:
+        inputs = _fresh_inputs(out, given)
+    except BaseException:  # nothing ran: --out must not block the rerun
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     try:
         rec = run_trainer(trainer, "sandbox.train.proof", out=out, run_id="train-proof",
                           on_event=on_event,
@@ -446,7 +450,13 @@ def settle(persona: Persona, ledger: list[dict[str, Any]], report: ProofReport,
 def _fresh_inputs(out: Path, files: dict[str, str]) -> Path:
     """A private, world-readable (for the role uid) sibling directory of input files."""
     inputs = out.parent / f".{out.name}.in"
-    inputs.mkdir(mode=0o755)
+    try:
+        inputs.mkdir(mode=0o755)
+    except FileExistsError:  # was exit 10 (FileExistsError), --out left behind
+        raise ConfigError(f"{inputs} exists: the inputs directory of a training run with "
+                          "this --out that was killed before it could remove it",
+                          field="--out", fix=f"remove {inputs}, or choose another --out"
+                          ) from None
     for name, text in files.items():
         (inputs / name).write_text(text)
         (inputs / name).chmod(0o644)

@@ -505,3 +505,39 @@ def test_a_taken_summary_path_is_refused_before_the_output_directory_is_made(
         host.proof(NoTrainer(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
                    ledger=tmp_path / "ledger.jsonl", lr=1e-3, seed=0, on_event=lambda e: None)
     assert not (tmp_path / "out").exists() and victim.read_text() == "evidence"
+
+
+@pytest.mark.parametrize("command", ["proof", "sft"])
+def test_a_stale_inputs_directory_is_named_and_out_is_not_left_behind(
+        tmp_path: Path, command: str) -> None:
+    """A training run killed before its cleanup leaves OUT's hidden sibling .OUT.in; the
+    next run with that --out ended in exit 10 (FileExistsError), and proof left --out
+    behind, so the rerun after removing it was refused as 'already exists'."""
+    from runner.errors import ConfigError
+    from runner.train import host
+
+    class MakesOut:
+        def fresh_output(self, p: Path) -> Path:
+            p.mkdir()
+            return p
+
+    (tmp_path / "persona.yaml").write_text(
+        "name: cap\nexchanges:\n  - user: who?\n    assistant: Captain.\n")
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "trajectories.jsonl").write_text("")
+    stale = tmp_path / ".out.in"
+    stale.mkdir()
+    (stale / "kept").write_text("x")
+    with pytest.raises(ConfigError, match=r"\.out\.in exists.*killed"):
+        if command == "proof":
+            host.proof(MakesOut(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
+                       ledger=tmp_path / "ledger.jsonl", lr=1e-3, seed=0,
+                       on_event=lambda e: None)
+        else:
+            host.sft(MakesOut(), corpus, base, tmp_path / "out", lr=1e-3, seed=0,  # type: ignore[arg-type]
+                     epochs=None, on_event=lambda e: None)
+    assert not (tmp_path / "out").exists() and (stale / "kept").read_text() == "x"
