@@ -553,6 +553,26 @@ def history_from_model(turns: list[dict[str, Any]]) -> bool:
     return True
 
 
+def as_the_model_spelled(turns: list[dict[str, Any]],
+                         messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each assistant tool call's arguments as the model's recorded reply
+    spelled them. :func:`history_from_model` matches arguments as JSON (SDKs re-serialize
+    them), so the history's own text could differ in what JSON ignores: 200 000 spaces
+    or ``\\u0031`` for ``1`` in the arguments passed, and SFT learned them as the
+    model's."""
+    spelled: dict[Call, str] = {}
+    for t in turns[:-1]:
+        for c in (t["reply_message"] or {}).get("tool_calls") or []:
+            spelled.setdefault(said({"tool_calls": [c]})[1][0], c["function"]["arguments"])
+
+    def respelled(c: dict[str, Any]) -> dict[str, Any]:
+        text = spelled.get(said({"tool_calls": [c]})[1][0], c["function"]["arguments"])
+        return {**c, "function": {**c["function"], "arguments": text}}
+
+    return [{**m, "tool_calls": [respelled(c) for c in m["tool_calls"]]}
+            if m["role"] == "assistant" and m.get("tool_calls") else m for m in messages]
+
+
 def _reply_in_place(span: list[dict[str, Any]]) -> bool:
     """The messages after a request, up to the next: the reply starts right after the
     request, and until its last piece only the results of calls it made come between
@@ -641,7 +661,8 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReferenc
     (``sft_history_not_from_model``, see :func:`history_from_model`: the history is
     written by the container, and SFT trains on every assistant turn in it). Each reason
     is counted. Rows carry the request's ``tools`` (rl: the first turn's, sft: the last
-    turn's)."""
+    turn's). An sft row's history tool calls carry their arguments as the model's reply
+    spelled them (:func:`as_the_model_spelled`)."""
     rl: list[dict[str, Any]] = []
     sft: list[dict[str, Any]] = []
     skipped: dict[str, int] = defaultdict(int)
@@ -669,6 +690,7 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReferenc
                        separators=(",", ":"))},
                    "extra_info": extra, "tools": first["tools"]})
         reply = last["reply_message"]
+        final = as_the_model_spelled(t["turns"], final)
         if t["r_outcome"] != 1.0:
             skipped["sft_not_passed"] += 1
         elif last["status"] != "ok":

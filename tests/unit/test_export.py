@@ -775,6 +775,43 @@ def test_a_failed_last_call_is_no_sft_target() -> None:
     assert sft == [] and skipped == {"sft_last_call_failed": 1} and len(rl) == 1
 
 
+
+def test_history_arguments_are_trained_as_the_model_spelled_them() -> None:
+    """History tool-call arguments are matched to the recorded reply as JSON (SDKs
+    re-serialize them), so the container could pad them with what JSON ignores: 200 000
+    spaces and an escape passed, and sft.parquet taught them as the model's words. The
+    row now carries the reply's own text; the match itself is unchanged."""
+    from runner.cycle.models import Reference
+    from runner.train.export import FrozenReference, read_turn, verl_rows
+
+    said = '{"sql": "SELECT 1"}'
+    call = {"id": "call_1", "type": "function", "function": {"name": "query",
+                                                             "arguments": said}}
+    padded = {**call, "function": {"name": "query",
+                                   "arguments": '{"sql":' + " " * 200_000 + '"SELECT \\u0031"}'}}
+    first = [{"role": "user", "content": "q?"}]
+    last = [*first, {"role": "assistant", "content": None, "tool_calls": [padded]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "1"}]
+    turns = []
+    for i, (msgs, answer) in enumerate((
+            (first, {"role": "assistant", "content": None, "tool_calls": [call]}),
+            (last, {"role": "assistant", "content": '{"answer": 1}'}))):
+        req = json.dumps({"model": "m", "messages": msgs}).encode()
+        resp = json.dumps({"object": "chat.completion", "choices": [
+            {"index": 0, "message": answer}]}).encode()
+        turns.append({"turn": i, "prompt": req.decode(), "prompt_sha256": "0" * 64,
+                      "response_sha256": "1" * 64, "status": "ok", "stream": False,
+                      **read_turn("chat", req, resp)})
+    traj = {"data_source": "d", "trajectory_id": "t", "stage": "baseline", "case_id": "c1",
+            "trial": 0, "turns": turns, "r_format": 1, "r_outcome": 1.0,
+            "r_outcome_basis": "correctness", "fixture": False}
+    refs = {"c1": FrozenReference(reference=Reference.model_validate(
+        {"kind": "number", "value": 1}), split="development", mandatory=False)}
+    _, (row,), skipped = verl_rows([traj], refs, ability="analyst")
+    assert skipped == {}
+    assert [c["function"]["arguments"] for c in row["messages"][1]["tool_calls"]] == [said]
+
+
 def _turns(api: str, calls: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:
     from runner.train.export import read_turn
 
