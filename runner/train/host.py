@@ -150,17 +150,41 @@ def _check_model_dir(base: Path) -> None:
                           "transformers model directory")
 
 
-def verify_receipt(out: Path, files: Collected, kind: type[R]) -> R:
-    """The training receipt, typed; its adapter hashes must match the files written.
+def verify_receipt(out: Path, files: Collected, kind: type[R], *,
+                   given: dict[str, Any] | None = None, corpus: Path | None = None) -> R:
+    """The training receipt, typed; its adapter hashes must match the files written, and
+    what it says of the inputs must be what the host gave: ``dataset_sha256`` the
+    ``dataset.jsonl`` written, ``config_sha256`` its ``config``, each of ``given`` (the
+    config the host wrote) in that config, and an sft receipt's ``corpus_sha256`` the
+    ``corpus``'s trajectories.jsonl. Only the adapter was checked: a receipt naming
+    another corpus, learning rate or dataset was kept as the run's record.
 
     ``files``: ``out`` as :func:`collect` read it (a symlink, hard link or special file
     anywhere in it already refused by name), so the hashes are of the bytes read, never
     of what a link points to."""
+    from runner.hashing import sha256_bytes, sha256_file
+    from sandbox.train.receipt import canonical
+
     receipt = _collected(files, "train-receipt.json", kind)
+    where = f"{out}/train-receipt.json"
     actual = {rel.removeprefix("adapter/"): sha for rel, sha in files.sha256().items()
               if rel.startswith("adapter/")}
     if actual != receipt.adapter_files:
-        raise IntegrityError(f"{out}/train-receipt.json: adapter hashes differ from the files")
+        raise IntegrityError(f"{where}: adapter hashes differ from the files")
+    dataset = files.files.get("dataset.jsonl")
+    if dataset is None or sha256_bytes(dataset) != receipt.dataset_sha256:
+        raise IntegrityError(f"{where}: dataset_sha256 is not the sha256 of the "
+                             "dataset.jsonl written")
+    if sha256_bytes(canonical(receipt.config)) != receipt.config_sha256:
+        raise IntegrityError(f"{where}: config_sha256 is not the sha256 of its config")
+    for key, value in (given or {}).items():
+        if key not in receipt.config or canonical(receipt.config[key]) != canonical(value):
+            raise IntegrityError(f"{where}: config.{key} is not what the host gave the "
+                                 f"trainer ({value!r})")
+    if isinstance(receipt, SftReceipt) and corpus is not None and \
+            sha256_file(corpus / "trajectories.jsonl") != receipt.corpus_sha256:
+        raise IntegrityError(f"{where}: corpus_sha256 is not the sha256 of "
+                             f"{corpus}/trajectories.jsonl")
     return receipt
 
 
@@ -196,7 +220,7 @@ def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger
                                f"{rec.stderr_tail[-800:]}")
         files = collect(out, TRAINER_OUTPUT)
         report = _collected(files, "report.json", ProofReport)
-        receipt = verify_receipt(out, files, ProofReceipt)
+        receipt = verify_receipt(out, files, ProofReceipt, given={"lr": lr, "seed": seed})
         row = settle(persona, history, report, receipt,
                      _collected(files, "ledger-row.json", LedgerRow), rec.exit_code)
         check = out.parent / f".{out.name}.verify"
@@ -542,7 +566,9 @@ def sft(trainer: Trainer, corpus: Path, base: Path, out: Path, *, lr: float, see
         if rec.stop_reason.value != "ok":
             raise SandboxError(f"sft failed: {rec.stop_reason.value} {rec.detail} "
                                f"{rec.stderr_tail[-800:]}")
-        return verify_receipt(out, collect(out, TRAINER_OUTPUT), SftReceipt)
+        return verify_receipt(out, collect(out, TRAINER_OUTPUT), SftReceipt, given={
+            "lr": lr, "seed": seed, "include_failed": include_failed,
+            "base_model_host": str(base.resolve())}, corpus=corpus)
     except (KeyboardInterrupt, Interrupted):
         interrupted = True
         raise

@@ -34,6 +34,7 @@ from runner.errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, ConfigError
 from runner.paths import PROJECT_ROOT
 from runner.train.flags import EPOCHS_MAX, LR_MAX, SEED_MAX, check_train_flags
 from runner.train.host import Trainer
+from sandbox.train.receipt import canonical
 from tests.faults.test_bad_inputs import run_cli
 from tests.fixtures.fake_sandbox import Call, Result, fake_trainer
 
@@ -265,14 +266,18 @@ def _proof_outputs() -> dict[str, bytes | str]:
               "after": ["a"], "recall_before": 0.0, "recall_after": 1.0, "scores": scores,
               "classroom_passed": True, "board": {"decision": "approve", "members": {}}}
     weights = b"adapter weights"
-    receipt = {"schema": 1, "kind": "proof", "config": {}, "config_sha256": "c",
-               "dataset_sha256": "d",
+    dataset = b'{"messages": []}\n'
+    config = {"lr": 0.005, "seed": 0}  # the CLI's defaults, as the host wrote them
+    receipt = {"schema": 1, "kind": "proof", "config": config,
+               "config_sha256": hashlib.sha256(canonical(config)).hexdigest(),
+               "dataset_sha256": hashlib.sha256(dataset).hexdigest(),
                "adapter_files": {"adapter_model.safetensors": hashlib.sha256(weights)
                                  .hexdigest()},
                "base_model_files": {}, "recall_before": 0.0, "recall_after": 1.0,
                "scores": scores, "classroom_passed": True, "board": "approve"}
     return {"adapter/adapter_model.safetensors": weights, "report.json": json.dumps(report),
-            "train-receipt.json": json.dumps(receipt), "ledger-row.json": json.dumps(ROW)}
+            "dataset.jsonl": dataset, "train-receipt.json": json.dumps(receipt),
+            "ledger-row.json": json.dumps(ROW)}
 
 
 def _run_proof(work: Path, monkeypatch: pytest.MonkeyPatch, ledger: Path,

@@ -541,3 +541,59 @@ def test_a_stale_inputs_directory_is_named_and_out_is_not_left_behind(
             host.sft(MakesOut(), corpus, base, tmp_path / "out", lr=1e-3, seed=0,  # type: ignore[arg-type]
                      epochs=None, on_event=lambda e: None)
     assert not (tmp_path / "out").exists() and (stale / "kept").read_text() == "x"
+
+
+@pytest.mark.parametrize(("lie", "match"), [
+    pytest.param({}, None, id="honest"),
+    pytest.param({"dataset_sha256": "0" * 64}, "dataset_sha256", id="other-dataset"),
+    pytest.param({"corpus_sha256": "0" * 64}, "corpus_sha256", id="other-corpus"),
+    pytest.param({"config": {"lr": 0.9, "seed": 0, "include_failed": False}},
+                 "config_sha256", id="config-not-its-hash"),
+    pytest.param({"config": {"lr": 0.9, "seed": 0, "include_failed": False},
+                  "config_sha256": "lr"}, r"config\.lr is not what the host gave",
+                 id="other-learning-rate"),
+])
+def test_the_train_receipt_states_the_inputs_the_host_gave(
+        tmp_path: Path, lie: dict[str, Any], match: str | None) -> None:
+    """Only the receipt's adapter hashes were checked: a trainer's receipt naming another
+    corpus, dataset or learning rate was kept as the record of what the adapter learned."""
+    import hashlib
+
+    from runner.errors import IntegrityError
+    from runner.isolation.collect import collect
+    from runner.train import host
+    from runner.train.results import SftReceipt
+    from sandbox.train.receipt import canonical
+
+    def sha(b: bytes) -> str:
+        return hashlib.sha256(b).hexdigest()
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "trajectories.jsonl").write_bytes(b'{"t": 1}\n')
+    out = tmp_path / "out"
+    (out / "adapter").mkdir(parents=True)
+    (out / "adapter" / "a.bin").write_bytes(b"weights")
+    (out / "dataset.jsonl").write_bytes(b'{"messages": []}\n')
+    config = {"lr": 0.005, "seed": 0, "include_failed": False}
+    doc: dict[str, Any] = {
+        "schema": 1, "kind": "sft", "config": config,
+        "config_sha256": sha(canonical(config)),
+        "dataset_sha256": sha(b'{"messages": []}\n'), "adapter_files": {"a.bin": sha(b"weights")},
+        "base_model_files": {}, "corpus_sha256": sha(b'{"t": 1}\n'),
+        "figures": {"steps": 1, "epochs": 1, "grad_accum": 1, "lr": 0.005, "train_tokens": 1,
+                    "seconds": 1.0, "tokens_per_s": 1.0, "final_loss": 1.0, "peak_rss_mb": 1.0},
+        "selection": {"include_failed": False, "rule": "r", "trajectories": 1,
+                      "by_r_outcome": {}, "used": 1, "left_out": 0, "rows": 1},
+        "base_model": {"host_path": None, "container_path": "/model"}}
+    doc.update(lie)
+    if doc["config_sha256"] == "lr":
+        doc["config_sha256"] = sha(canonical(doc["config"]))
+    (out / "train-receipt.json").write_bytes(canonical(doc))
+    files = collect(out, host.TRAINER_OUTPUT)
+    given = {"lr": 0.005, "seed": 0, "include_failed": False}
+    if match is None:
+        host.verify_receipt(out, files, SftReceipt, given=given, corpus=corpus)
+        return
+    with pytest.raises(IntegrityError, match=match):
+        host.verify_receipt(out, files, SftReceipt, given=given, corpus=corpus)
