@@ -61,13 +61,17 @@ def special_token_in(row: dict[str, Any], tokens: list[str]) -> bool:
 
 
 def rows_from_trajectories(trajs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One chat row per turn with a reply: the turn's messages in chat shape (tool calls
-    and tool results kept, every API family alike), the reply message last, and the
-    request's tools. Corpora written before turns carried ``messages`` fall back to the
-    recorded chat request and the reply text."""
+    """One chat row per turn with a reply whose call succeeded (status ``ok``): the turn's
+    messages in chat shape (tool calls and tool results kept, every API family alike),
+    the reply message last, and the request's tools. Corpora written before turns
+    carried ``messages`` fall back to the recorded chat request and the reply text."""
     rows = []
     for traj in trajs:
         for turn in traj["turns"]:
+            if turn.get("status", "ok") != "ok":
+                # a failed call (infra_error: a stream cut short) keeps its partial reply
+                # as evidence; the container was answered 502 and the model did not finish
+                continue
             reply_msg = turn.get("reply_message")
             if isinstance(turn.get("messages"), list) and isinstance(reply_msg, dict):
                 row: dict[str, Any] = {"messages": [*turn["messages"], reply_msg]}

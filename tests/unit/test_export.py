@@ -773,6 +773,11 @@ def test_a_failed_last_call_is_no_sft_target() -> None:
         {"kind": "number", "value": 1}), split="development", mandatory=False)}
     rl, sft, skipped = verl_rows([traj], refs, ability="analyst")
     assert sft == [] and skipped == {"sft_last_call_failed": 1} and len(rl) == 1
+    # `train sft` makes a row of every turn's reply: the cut one is none of them
+    from sandbox.train.sft import rows_from_trajectories
+
+    assert [r["messages"][-1]["content"] for r in rows_from_trajectories([traj])] == [
+        '{"answer": 1}']
 
 
 
