@@ -30,11 +30,11 @@ from runner.errors import (
     SandboxError,
 )
 from runner.failures import is_environment_error
-from runner.isolation.collect import Collected, Limits, collect
+from runner.isolation.collect import Collected, Limits, collect, loads_strict
 from runner.isolation.launcher import launch, output_dir
 from runner.isolation.policy import RolePolicy
 from runner.isolation.sandbox import Mount, RunRecord, Sandbox
-from runner.loading import MAX_BYTES, load_model, parse_model
+from runner.loading import MAX_BYTES, load_model, parse_model, show
 from runner.outdir import refuse_inside_run, write_once
 from runner.train.flags import check_seed, check_train_flags
 from runner.train.results import (
@@ -255,6 +255,24 @@ def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger
     finally:
         shutil.rmtree(inputs, ignore_errors=True)
         shutil.rmtree(out.parent / f".{out.name}.verify", ignore_errors=True)
+
+
+def check_adapter_base(out: Path, files: Collected, base: str) -> None:
+    """The adapter's ``adapter_config.json`` (the trainer's file) names ``base``, the
+    host's --base-model, as its base model: ``AutoPeftModelForCausalLM.from_pretrained``
+    on the host loads whatever it names (another local directory, or a hub id it would
+    download), and nothing checked it. IntegrityError otherwise."""
+    name = "adapter/adapter_config.json"
+    raw = files.files.get(name)
+    try:
+        doc = loads_strict(raw, source=name) if raw is not None else None
+    except OutputRejected:
+        doc = None
+    named = doc.get("base_model_name_or_path") if isinstance(doc, dict) else None
+    if named != base:
+        raise IntegrityError(f"{out}/{name}: the adapter's base model is "
+                             f"{show(repr(named), 200)}, not --base-model {base}; the "
+                             "adapter would load another model on this host")
 
 
 def _summary_path(out: Path) -> Path:
@@ -566,7 +584,9 @@ def sft(trainer: Trainer, corpus: Path, base: Path, out: Path, *, lr: float, see
         if rec.stop_reason.value != "ok":
             raise SandboxError(f"sft failed: {rec.stop_reason.value} {rec.detail} "
                                f"{rec.stderr_tail[-800:]}")
-        return verify_receipt(out, collect(out, TRAINER_OUTPUT), SftReceipt, given={
+        files = collect(out, TRAINER_OUTPUT)
+        check_adapter_base(out, files, str(base.resolve()))
+        return verify_receipt(out, files, SftReceipt, given={
             "lr": lr, "seed": seed, "include_failed": include_failed,
             "base_model_host": str(base.resolve())}, corpus=corpus)
     except (KeyboardInterrupt, Interrupted):

@@ -597,3 +597,26 @@ def test_the_train_receipt_states_the_inputs_the_host_gave(
         return
     with pytest.raises(IntegrityError, match=match):
         host.verify_receipt(out, files, SftReceipt, given=given, corpus=corpus)
+
+
+@pytest.mark.parametrize("named", ["/tmp/tiny", "evil-org/model", None, "not json"])
+def test_an_sft_adapter_naming_another_base_model_is_refused(tmp_path: Path,
+                                                             named: str | None) -> None:
+    """adapter_config.json is the trainer's file, and AutoPeftModelForCausalLM on the host
+    loads the base model it names (a hub id it would download); the host never read it."""
+    from runner.errors import IntegrityError
+    from runner.isolation.collect import collect
+    from runner.train import host
+
+    out = tmp_path / "out"
+    (out / "adapter").mkdir(parents=True)
+    cfg = out / "adapter" / "adapter_config.json"
+    if named == "not json":
+        cfg.write_text("{")
+    else:
+        cfg.write_text(json.dumps({"base_model_name_or_path": named, "peft_type": "LORA"}))
+    files = collect(out, host.TRAINER_OUTPUT)
+    with pytest.raises(IntegrityError, match=r"adapter's base model is .* not --base-model"):
+        host.check_adapter_base(out, files, str(tmp_path / "base"))
+    cfg.write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "base")}))
+    host.check_adapter_base(out, collect(out, host.TRAINER_OUTPUT), str(tmp_path / "base"))
