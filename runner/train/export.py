@@ -690,7 +690,6 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReferenc
                        separators=(",", ":"))},
                    "extra_info": extra, "tools": first["tools"]})
         reply = last["reply_message"]
-        final = as_the_model_spelled(t["turns"], final)
         if t["r_outcome"] != 1.0:
             skipped["sft_not_passed"] += 1
         elif last["status"] != "ok":
@@ -699,7 +698,8 @@ def verl_rows(trajectories: list[dict[str, Any]], refs: dict[str, FrozenReferenc
             skipped["sft_no_reply"] += 1
         elif not history_from_model(t["turns"]):
             skipped["sft_history_not_from_model"] += 1
-        elif control_token_in([final, reply, last["tools"]]):
+        elif control_token_in([final := as_the_model_spelled(t["turns"], final), reply,
+                               last["tools"]]):
             skipped["sft_control_token_in_content"] += 1
         elif ambiguous_call_ids([*final, reply]):
             skipped["sft_duplicate_tool_call_id"] += 1

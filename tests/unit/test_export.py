@@ -748,7 +748,6 @@ def test_an_assistant_turn_the_model_never_said_keeps_the_trajectory_out_of_sft(
     assert len(rl) == 1  # the prompt of an RL row is input, never a training target
 
 
-
 def test_a_failed_last_call_is_no_sft_target() -> None:
     """A streamed answer cut short (no [DONE]) is recorded as infra_error with its partial
     bytes, and the container is answered 502: it never saw that text. As the last turn of
@@ -778,7 +777,6 @@ def test_a_failed_last_call_is_no_sft_target() -> None:
 
     assert [r["messages"][-1]["content"] for r in rows_from_trajectories([traj])] == [
         '{"answer": 1}']
-
 
 
 def test_history_arguments_are_trained_as_the_model_spelled_them() -> None:
@@ -1049,7 +1047,6 @@ def test_tools_column_falls_back_to_json_text_when_schemas_differ() -> None:
                  "type": "boolean", "default": 0.5}}})]]
     col, kind = tools_column(typed)
     assert kind == JSON_TEXT and json.loads(col.to_pylist()[0]) == typed[0]
-
 
 
 def test_a_tools_column_of_thousands_of_fields_is_json_text_not_inferred() -> None:
