@@ -67,10 +67,10 @@ class _Lines:
         self.buf += chunk
         while b"\n" in self.buf:
             line, self.buf = self.buf.split(b"\n", 1)
-            try:
+            try:  # progress only: a line that is not an event is passed over, never fatal
                 ev = json.loads(line)
-            except ValueError:
-                continue
+            except (ValueError, RecursionError):  # RecursionError: nested past the stack;
+                continue  # it ended the whole stream of events (the sink drops a raiser)
             if isinstance(ev, dict) and "event" in ev:
                 self.on_event(ev)
 

@@ -620,3 +620,15 @@ def test_an_sft_adapter_naming_another_base_model_is_refused(tmp_path: Path,
         host.check_adapter_base(out, files, str(tmp_path / "base"))
     cfg.write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "base")}))
     host.check_adapter_base(out, collect(out, host.TRAINER_OUTPUT), str(tmp_path / "base"))
+
+
+def test_a_nested_stdout_line_does_not_end_the_trainers_events() -> None:
+    """A line nested past the interpreter's stack raised RecursionError out of the event
+    splitter, and the output sink then dropped it: every later event was lost."""
+    from runner.train.host import _Lines
+
+    got: list[dict[str, Any]] = []
+    lines = _Lines(got.append)
+    lines("stdout", b"[" * 200_000 + b"]" * 200_000 + b"\n")
+    lines("stdout", b'{"event": "step", "n": 1}\n')
+    assert got == [{"event": "step", "n": 1}]
