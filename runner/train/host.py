@@ -261,9 +261,14 @@ def check_adapter_base(out: Path, files: Collected, base: str) -> None:
     """The adapter's ``adapter_config.json`` (the trainer's file) names ``base``, the
     host's --base-model, as its base model: ``AutoPeftModelForCausalLM.from_pretrained``
     on the host loads whatever it names (another local directory, or a hub id it would
-    download), and nothing checked it. IntegrityError otherwise."""
+    download), and nothing checked it. IntegrityError otherwise; a file past
+    :data:`TRAINER_JSON_MAX_BYTES` is refused unparsed (TRAINER_OUTPUT lets it be 1 GiB,
+    and 64 MiB of ``[[],[],...]`` took 1.7 GB of the host's memory and 15 s to parse)."""
     name = "adapter/adapter_config.json"
     raw = files.files.get(name)
+    if raw is not None and len(raw) > TRAINER_JSON_MAX_BYTES:
+        raise OutputRejected(f"trainer output refused: {name} is {len(raw)} bytes; the "
+                             f"host parses at most {TRAINER_JSON_MAX_BYTES} bytes of it")
     try:
         doc = loads_strict(raw, source=name) if raw is not None else None
     except OutputRejected:

@@ -632,3 +632,26 @@ def test_a_nested_stdout_line_does_not_end_the_trainers_events() -> None:
     lines("stdout", b"[" * 200_000 + b"]" * 200_000 + b"\n")
     lines("stdout", b'{"event": "step", "n": 1}\n')
     assert got == [{"event": "step", "n": 1}]
+
+
+def test_an_adapter_config_past_the_json_cap_is_refused_unparsed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """check_adapter_base parsed adapter_config.json at any size TRAINER_OUTPUT allows
+    (1 GiB): 64 MiB of ``[[],[],...]`` took 1.7 GB of the host's memory and 15 s. Past
+    the JSON cap it is refused by name, never parsed."""
+    from runner.errors import OutputRejected
+    from runner.isolation.collect import collect
+    from runner.loading import MAX_BYTES
+    from runner.train import host
+
+    out = tmp_path / "out"
+    (out / "adapter").mkdir(parents=True)
+    (out / "adapter" / "adapter_config.json").write_bytes(
+        b"[" + b"[]," * (MAX_BYTES // 3) + b"[]]")
+    files = collect(out, host.TRAINER_OUTPUT)
+    parsed: list[object] = []
+    monkeypatch.setattr(host, "loads_strict", lambda raw, **k: parsed.append(raw) or {})
+    with pytest.raises(OutputRejected, match=r"adapter_config.json is \d+ bytes; the host "
+                       r"parses at most"):
+        host.check_adapter_base(out, files, str(tmp_path / "base"))
+    assert parsed == []
