@@ -199,6 +199,7 @@ def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger
     history = _ledger_rows(ledger, text)
     out = out.resolve()
     summary_path = _summary_path(out)  # refused now if taken, not after the training
+    _no_stale_verify(out)  # likewise: it was made only after the training
     trainer.fresh_output(out)
     given = {"persona.json": json.dumps(persona.model_dump(mode="json", exclude_unset=True),
                                         sort_keys=True),
@@ -278,6 +279,18 @@ def check_adapter_base(out: Path, files: Collected, base: str) -> None:
         raise IntegrityError(f"{out}/{name}: the adapter's base model is "
                              f"{show(repr(named), 200)}, not --base-model {base}; the "
                              "adapter would load another model on this host")
+
+
+def _no_stale_verify(out: Path) -> None:
+    """``.OUT.verify`` (the fresh-process check's output, made after the training) must
+    not exist: a proof killed during that check leaves it, and the next run with that
+    --out trained in full, then ended in 'already exists' for a directory the operator
+    never named, --out left behind and no ledger row appended."""
+    check = out.parent / f".{out.name}.verify"
+    if check.exists() or check.is_symlink():
+        raise ConfigError(f"{check} exists: the fresh-process check directory of a proof "
+                          "with this --out that was killed before it could remove it",
+                          field="--out", fix=f"remove {check}, or choose another --out")
 
 
 def _summary_path(out: Path) -> Path:

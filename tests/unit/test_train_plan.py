@@ -655,3 +655,32 @@ def test_an_adapter_config_past_the_json_cap_is_refused_unparsed(
                        r"parses at most"):
         host.check_adapter_base(out, files, str(tmp_path / "base"))
     assert parsed == []
+
+
+def test_a_stale_verify_directory_is_named_before_the_training(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proof killed during its fresh-process check leaves .OUT.verify; the next run with
+    that --out trained in full, then ended in 'already exists' for .OUT.verify, with --out
+    left behind and no ledger row. It is named before --out is made, nothing run."""
+    from runner.errors import ConfigError
+    from runner.train import host
+
+    class MakesOut:
+        def fresh_output(self, p: Path) -> Path:
+            p.mkdir()
+            return p
+
+    ran: list[str] = []
+    monkeypatch.setattr(host, "run_trainer", lambda trainer, module, **k: ran.append(module))
+    (tmp_path / "persona.yaml").write_text(
+        "name: cap\nexchanges:\n  - user: who?\n    assistant: Captain.\n")
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    stale = tmp_path / ".out.verify"
+    stale.mkdir()
+    with pytest.raises(ConfigError, match=r"\.out\.verify exists.*killed"):
+        host.proof(MakesOut(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
+                   ledger=tmp_path / "ledger.jsonl", lr=1e-3, seed=0,
+                   on_event=lambda e: None)
+    assert ran == [] and not (tmp_path / "out").exists() and stale.is_dir()
