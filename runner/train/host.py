@@ -204,8 +204,10 @@ def proof(trainer: Trainer, persona_path: Path, base: Path, out: Path, *, ledger
     given = {"persona.json": json.dumps(persona.model_dump(mode="json", exclude_unset=True),
                                         sort_keys=True),
              "config.json": json.dumps({"lr": lr, "seed": seed})}
-    if text is not None:
-        given["ledger.jsonl"] = text
+    if text is not None:  # the rows as checked: the trainer splits lines after reading
+        # them with universal newlines, so a '\r' inside a line the host read as one
+        # object was two broken lines there (a traceback, exit 6, after the container ran)
+        given["ledger.jsonl"] = "".join(json.dumps(r, sort_keys=True) + "\n" for r in history)
     try:
         inputs = _fresh_inputs(out, given)
     except BaseException:  # nothing ran: --out must not block the rerun

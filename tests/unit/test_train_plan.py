@@ -684,3 +684,39 @@ def test_a_stale_verify_directory_is_named_before_the_training(
                    ledger=tmp_path / "ledger.jsonl", lr=1e-3, seed=0,
                    on_event=lambda e: None)
     assert ran == [] and not (tmp_path / "out").exists() and stale.is_dir()
+
+
+def test_the_trainer_reads_the_ledger_rows_the_host_checked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ledger line holding a raw carriage return between its keys is one object to the
+    host, but the trainer reads ledger.jsonl with universal newlines and split it in two
+    broken lines: JSONDecodeError in the container, after the host had passed it."""
+    from runner.train import host
+
+    class MakesOut:
+        def fresh_output(self, p: Path) -> Path:
+            p.mkdir()
+            return p
+
+    seen: list[list[dict[str, Any]]] = []
+
+    def run_trainer(trainer: object, module: str, *, mounts: list[Any], **k: Any) -> None:
+        ledger = next(m.source for m in mounts if m.target == "/in") / "ledger.jsonl"
+        # what sandbox/train/proof.py does with it
+        seen.append([json.loads(x) for x in ledger.read_text().split("\n") if x.strip()])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(host, "run_trainer", run_trainer)
+    (tmp_path / "persona.yaml").write_text(
+        "name: cap\nexchanges:\n  - user: who?\n    assistant: Captain.\n")
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    (tmp_path / "ledger.jsonl").write_bytes(
+        b'{"persona": "cap",\r "passed": true, "imprint_delta": 0.5}\r\n{"persona": "x"}\n')
+    with pytest.raises(KeyboardInterrupt):
+        host.proof(MakesOut(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
+                   ledger=tmp_path / "ledger.jsonl", lr=1e-3, seed=0,
+                   on_event=lambda e: None)
+    assert seen == [[{"persona": "cap", "passed": True, "imprint_delta": 0.5},
+                     {"persona": "x"}]]
