@@ -24,6 +24,10 @@ _WWW_DOT = re.compile(r"(?i)(?<![a-z0-9])(www)\.")
 _ZWSP = "\u200b"
 _HASH = re.compile(r"(?<!&)#")  # not the '#' of a character reference html.escape wrote
 _GH_REF = re.compile(r"(?i)(?<![a-z0-9])(gh-)(?=[0-9])")
+# A value that opens a list item ("- {value}": the report's improved/regressed cases) and
+# starts like a list marker would open a nested list there: "- 1. t0 ..." for the valid
+# case id "1.", "- - x" or "- + x". The marker's punctuation is backslash-escaped.
+_LEADING_MARKER = re.compile(r"^(\d{1,9}(?=[.)])|(?=[-+]))")
 
 
 def _shown(ch: str) -> str:
@@ -49,11 +53,11 @@ def one_line(text: str, limit: int = 300) -> str:
 def md(text: str, limit: int = 300) -> str:
     """Inert Markdown inline text: HTML-escaped, punctuation backslash-escaped, no
     autolinks (``:`` and ``www.`` as character references), no @mentions nor issue
-    references (a zero-width space after ``@``, ``#`` and ``GH-``), one line (safe inside
-    a table cell)."""
+    references (a zero-width space after ``@``, ``#`` and ``GH-``), no list marker at its
+    start, one line (safe inside a table cell and after ``- ``)."""
     s = html.escape(one_line(text, limit), quote=True)
     s = _GH_REF.sub(r"\1" + _ZWSP, _HASH.sub("#" + _ZWSP, s).replace("@", "@" + _ZWSP))
-    s = _MD_SPECIAL.sub(r"\\\1", s)
+    s = _LEADING_MARKER.sub(r"\1\\", _MD_SPECIAL.sub(r"\\\1", s))
     return _WWW_DOT.sub(r"\1&#46;", s.replace(":", "&#58;"))
 
 

@@ -408,6 +408,16 @@ def test_markdown_values_never_mention_nor_reference() -> None:
     assert md("it's &#64;x") == "it&#x27;s &amp;#\u200b64;x"  # html.escape's own '#' kept
 
 
+def test_a_markdown_value_opening_a_list_item_opens_no_list() -> None:
+    """The improved/regressed lines are "- {md(case trial criterion ...)}", and the
+    scenario id "1." is valid: "- 1. t0 ..." rendered as a nested ordered list (start=1,
+    the id shown as its number); "- - x" and "- + x" likewise nest a list."""
+    for value, shown in (("1. t0 c: True -> False", "1\\. t0 c&#58; True -&gt; False"),
+                         ("123456789) x", "123456789\\) x"), ("- x", "\\- x"),
+                         ("+ x", "\\+ x"), ("1.5 x", "1\\.5 x"), ("a-b 1. c", "a-b 1. c")):
+        assert md(value) == shown
+
+
 def test_the_terminal_summary_wraps_the_reason_instead_of_cutting_it(run: Path) -> None:
     """Issue 20 item 6: the reason row was cut at 300 characters."""
     from runner.cli.output import out, print_terminal
