@@ -519,9 +519,13 @@ def _fresh_inputs(out: Path, files: dict[str, str]) -> Path:
                           "this --out that was killed before it could remove it",
                           field="--out", fix=f"remove {inputs}, or choose another --out"
                           ) from None
-    for name, text in files.items():
-        (inputs / name).write_text(text)
-        (inputs / name).chmod(0o644)
+    try:
+        for name, text in files.items():
+            (inputs / name).write_text(text)
+            (inputs / name).chmod(0o644)
+    except BaseException:  # a full disk: left behind, the rerun was told it was killed
+        shutil.rmtree(inputs, ignore_errors=True)
+        raise
     return inputs
 
 

@@ -720,3 +720,45 @@ def test_the_trainer_reads_the_ledger_rows_the_host_checked(
                    on_event=lambda e: None)
     assert seen == [[{"persona": "cap", "passed": True, "imprint_delta": 0.5},
                      {"persona": "x"}]]
+
+
+@pytest.mark.parametrize("command", ["proof", "sft"])
+def test_inputs_that_cannot_be_written_are_not_left_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str) -> None:
+    """An input file that could not be written (a full disk) left .OUT.in behind: the
+    rerun, once there was room, was refused as the leftover of a run 'killed before it
+    could remove it'."""
+    import errno
+
+    from runner.train import host
+
+    class MakesOut:
+        def fresh_output(self, p: Path) -> Path:
+            p.mkdir()
+            return p
+
+    real = Path.write_text
+
+    def full(self: Path, *a: Any, **k: Any) -> int:
+        if self.parent.name == ".out.in":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *a, **k)
+
+    (tmp_path / "persona.yaml").write_text(
+        "name: cap\nexchanges:\n  - user: who?\n    assistant: Captain.\n")
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "trajectories.jsonl").write_text("")
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(OSError, match="No space"):
+        if command == "proof":
+            host.proof(MakesOut(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
+                       ledger=tmp_path / "ledger.jsonl", lr=1e-3, seed=0,
+                       on_event=lambda e: None)
+        else:
+            host.sft(MakesOut(), corpus, base, tmp_path / "out", lr=1e-3, seed=0,  # type: ignore[arg-type]
+                     epochs=None, on_event=lambda e: None)
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.in").exists()
