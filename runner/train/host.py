@@ -129,16 +129,24 @@ file. :data:`TRAINER_OUTPUT` lets a file be 1 GiB (adapter weights); parsed, 128
 ``[[],[],...]`` took 3.4 GB of the host's memory and 33 s."""
 
 
+TRAINER_FILE_FIX = ("the trainer image writes this file; rebuild it "
+                    "(cyclebox images build --role trainer)")
+
+
+def _within_json_cap(name: str, raw: bytes) -> None:
+    """OutputRejected, unparsed, for a trainer JSON file past :data:`TRAINER_JSON_MAX_BYTES`."""
+    if len(raw) > TRAINER_JSON_MAX_BYTES:
+        raise OutputRejected(f"trainer output refused: {name} is {len(raw)} bytes; the "
+                             f"host parses at most {TRAINER_JSON_MAX_BYTES} bytes of it. "
+                             f"Fix: {TRAINER_FILE_FIX}")
+
+
 def _collected(files: Collected, name: str, model: type[M]) -> M:
     """A file the trainer wrote, typed; OutputRejected naming the field otherwise."""
     raw = files.files.get(name, b"")
-    if len(raw) > TRAINER_JSON_MAX_BYTES:
-        raise OutputRejected(f"trainer output refused: {name} is {len(raw)} bytes; the "
-                             f"host parses at most {TRAINER_JSON_MAX_BYTES} bytes of it")
+    _within_json_cap(name, raw)
     try:
-        return parse_model(raw, model, path=name,
-                           fix="the trainer image writes this file; rebuild it "
-                               "(cyclebox images build --role trainer)")
+        return parse_model(raw, model, path=name, fix=TRAINER_FILE_FIX)
     except ConfigError as exc:
         raise OutputRejected(f"trainer output refused: {exc}") from None
 
@@ -269,14 +277,17 @@ def check_adapter_base(out: Path, files: Collected, base: str) -> None:
     and 64 MiB of ``[[],[],...]`` took 1.7 GB of the host's memory and 15 s to parse)."""
     name = "adapter/adapter_config.json"
     raw = files.files.get(name)
-    if raw is not None and len(raw) > TRAINER_JSON_MAX_BYTES:
-        raise OutputRejected(f"trainer output refused: {name} is {len(raw)} bytes; the "
-                             f"host parses at most {TRAINER_JSON_MAX_BYTES} bytes of it")
+    if raw is None:
+        raise IntegrityError(f"{out}/{name} is missing: nothing says which base model the "
+                             f"adapter loads. Fix: {TRAINER_FILE_FIX}")
+    _within_json_cap(name, raw)
     try:
-        doc = loads_strict(raw, source=name) if raw is not None else None
-    except OutputRejected:
-        doc = None
-    named = doc.get("base_model_name_or_path") if isinstance(doc, dict) else None
+        doc = loads_strict(raw, source=name)
+    except OutputRejected as exc:
+        raise IntegrityError(f"{out}/{show(str(exc), 300)}. Fix: {TRAINER_FILE_FIX}") from None
+    if not isinstance(doc, dict):
+        raise IntegrityError(f"{out}/{name} is not a JSON object. Fix: {TRAINER_FILE_FIX}")
+    named = doc.get("base_model_name_or_path")
     if named != base:
         raise IntegrityError(f"{out}/{name}: the adapter's base model is "
                              f"{show(repr(named), 200)}, not --base-model {base}; the "

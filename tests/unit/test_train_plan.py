@@ -599,7 +599,8 @@ def test_the_train_receipt_states_the_inputs_the_host_gave(
         host.verify_receipt(out, files, SftReceipt, given=given, corpus=corpus)
 
 
-@pytest.mark.parametrize("named", ["/tmp/tiny", "evil-org/model", None, "not json"])
+@pytest.mark.parametrize("named", ["/tmp/tiny", "evil-org/model", None, "not json",
+                                   "missing", "a list"])
 def test_an_sft_adapter_naming_another_base_model_is_refused(tmp_path: Path,
                                                              named: str | None) -> None:
     """adapter_config.json is the trainer's file, and AutoPeftModelForCausalLM on the host
@@ -611,12 +612,20 @@ def test_an_sft_adapter_naming_another_base_model_is_refused(tmp_path: Path,
     out = tmp_path / "out"
     (out / "adapter").mkdir(parents=True)
     cfg = out / "adapter" / "adapter_config.json"
+    match = r"adapter's base model is .* not --base-model"
     if named == "not json":
         cfg.write_text("{")
+        match = r"adapter_config.json: invalid JSON.*Fix: the trainer image writes"
+    elif named == "missing":
+        (out / "adapter" / "other.json").write_text("{}")
+        match = r"adapter_config.json is missing.*Fix: the trainer image writes"
+    elif named == "a list":
+        cfg.write_text("[]")
+        match = r"adapter_config.json is not a JSON object.*Fix: the trainer image writes"
     else:
         cfg.write_text(json.dumps({"base_model_name_or_path": named, "peft_type": "LORA"}))
     files = collect(out, host.TRAINER_OUTPUT)
-    with pytest.raises(IntegrityError, match=r"adapter's base model is .* not --base-model"):
+    with pytest.raises(IntegrityError, match=match):
         host.check_adapter_base(out, files, str(tmp_path / "base"))
     cfg.write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "base")}))
     host.check_adapter_base(out, collect(out, host.TRAINER_OUTPUT), str(tmp_path / "base"))
