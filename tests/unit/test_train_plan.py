@@ -410,6 +410,32 @@ def test_an_answer_longer_than_the_trainer_can_generate_is_refused_before_scorin
         _collected(files, "report.json", ProofReport)
 
 
+class _NoTrainer:
+    """A trainer never reached: every input is checked before --out is made."""
+
+    def fresh_output(self, p: Path) -> Path:
+        raise AssertionError("--out made before the inputs were checked")
+
+
+class _MakesOut:
+    """A trainer that makes --out, as the sandbox does, and nothing else."""
+
+    def fresh_output(self, p: Path) -> Path:
+        p.mkdir()
+        return p
+
+
+def _proof_inputs(tmp_path: Path) -> Path:
+    """A one-exchange persona (``tmp_path/persona.yaml``) and a base model directory;
+    returns the base."""
+    (tmp_path / "persona.yaml").write_text(
+        "name: cap\nexchanges:\n  - user: who?\n    assistant: Captain.\n")
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    return base
+
+
 @pytest.mark.parametrize(("ledger", "match"), [
     pytest.param(b"\xff\xfe{}\n", "not UTF-8", id="not-utf8"),
     pytest.param(b'{"persona": "cap"}\nnot json\n', "line 2 is not JSON", id="bad-line"),
@@ -432,18 +458,10 @@ def test_a_bad_ledger_is_named_before_the_output_directory_is_made(
     from runner.errors import ConfigError
     from runner.train import host
 
-    class NoTrainer:
-        def fresh_output(self, p: Path) -> Path:
-            raise AssertionError("--out made before the inputs were checked")
-
-    (tmp_path / "persona.yaml").write_text(
-        "name: cap\nexchanges:\n  - user: who?\n    assistant: Captain.\n")
-    base = tmp_path / "base"
-    base.mkdir()
-    (base / "config.json").write_text("{}")
+    base = _proof_inputs(tmp_path)
     (tmp_path / "ledger.jsonl").write_bytes(ledger)
     with pytest.raises(ConfigError, match=match):
-        host.proof(NoTrainer(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
+        host.proof(_NoTrainer(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
                    ledger=tmp_path / "ledger.jsonl", lr=1e-3, seed=0, on_event=lambda e: None)
     assert not (tmp_path / "out").exists()
 
@@ -481,15 +499,7 @@ def test_a_taken_summary_path_is_refused_before_the_output_directory_is_made(
     from runner.errors import ConfigError
     from runner.train import host
 
-    class NoTrainer:
-        def fresh_output(self, p: Path) -> Path:
-            raise AssertionError("--out made before the summary path was checked")
-
-    (tmp_path / "persona.yaml").write_text(
-        "name: cap\nexchanges:\n  - user: who?\n    assistant: Captain.\n")
-    base = tmp_path / "base"
-    base.mkdir()
-    (base / "config.json").write_text("{}")
+    base = _proof_inputs(tmp_path)
     victim = tmp_path / "victim.txt"
     victim.write_text("evidence")
     summary = tmp_path / "out.summary.json"
@@ -502,7 +512,7 @@ def test_a_taken_summary_path_is_refused_before_the_output_directory_is_made(
     else:
         summary.mkdir()
     with pytest.raises(ConfigError, match=r"out\.summary\.json already exists"):
-        host.proof(NoTrainer(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
+        host.proof(_NoTrainer(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
                    ledger=tmp_path / "ledger.jsonl", lr=1e-3, seed=0, on_event=lambda e: None)
     assert not (tmp_path / "out").exists() and victim.read_text() == "evidence"
 
@@ -516,16 +526,7 @@ def test_a_stale_inputs_directory_is_named_and_out_is_not_left_behind(
     from runner.errors import ConfigError
     from runner.train import host
 
-    class MakesOut:
-        def fresh_output(self, p: Path) -> Path:
-            p.mkdir()
-            return p
-
-    (tmp_path / "persona.yaml").write_text(
-        "name: cap\nexchanges:\n  - user: who?\n    assistant: Captain.\n")
-    base = tmp_path / "base"
-    base.mkdir()
-    (base / "config.json").write_text("{}")
+    base = _proof_inputs(tmp_path)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "trajectories.jsonl").write_text("")
@@ -534,11 +535,11 @@ def test_a_stale_inputs_directory_is_named_and_out_is_not_left_behind(
     (stale / "kept").write_text("x")
     with pytest.raises(ConfigError, match=r"\.out\.in exists.*killed"):
         if command == "proof":
-            host.proof(MakesOut(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
+            host.proof(_MakesOut(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
                        ledger=tmp_path / "ledger.jsonl", lr=1e-3, seed=0,
                        on_event=lambda e: None)
         else:
-            host.sft(MakesOut(), corpus, base, tmp_path / "out", lr=1e-3, seed=0,  # type: ignore[arg-type]
+            host.sft(_MakesOut(), corpus, base, tmp_path / "out", lr=1e-3, seed=0,  # type: ignore[arg-type]
                      epochs=None, on_event=lambda e: None)
     assert not (tmp_path / "out").exists() and (stale / "kept").read_text() == "x"
 
@@ -674,22 +675,13 @@ def test_a_stale_verify_directory_is_named_before_the_training(
     from runner.errors import ConfigError
     from runner.train import host
 
-    class MakesOut:
-        def fresh_output(self, p: Path) -> Path:
-            p.mkdir()
-            return p
-
     ran: list[str] = []
     monkeypatch.setattr(host, "run_trainer", lambda trainer, module, **k: ran.append(module))
-    (tmp_path / "persona.yaml").write_text(
-        "name: cap\nexchanges:\n  - user: who?\n    assistant: Captain.\n")
-    base = tmp_path / "base"
-    base.mkdir()
-    (base / "config.json").write_text("{}")
+    base = _proof_inputs(tmp_path)
     stale = tmp_path / ".out.verify"
     stale.mkdir()
     with pytest.raises(ConfigError, match=r"\.out\.verify exists.*killed"):
-        host.proof(MakesOut(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
+        host.proof(_MakesOut(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
                    ledger=tmp_path / "ledger.jsonl", lr=1e-3, seed=0,
                    on_event=lambda e: None)
     assert ran == [] and not (tmp_path / "out").exists() and stale.is_dir()
@@ -702,11 +694,6 @@ def test_the_trainer_reads_the_ledger_rows_the_host_checked(
     broken lines: JSONDecodeError in the container, after the host had passed it."""
     from runner.train import host
 
-    class MakesOut:
-        def fresh_output(self, p: Path) -> Path:
-            p.mkdir()
-            return p
-
     seen: list[list[dict[str, Any]]] = []
 
     def run_trainer(trainer: object, module: str, *, mounts: list[Any], **k: Any) -> None:
@@ -716,15 +703,11 @@ def test_the_trainer_reads_the_ledger_rows_the_host_checked(
         raise KeyboardInterrupt
 
     monkeypatch.setattr(host, "run_trainer", run_trainer)
-    (tmp_path / "persona.yaml").write_text(
-        "name: cap\nexchanges:\n  - user: who?\n    assistant: Captain.\n")
-    base = tmp_path / "base"
-    base.mkdir()
-    (base / "config.json").write_text("{}")
+    base = _proof_inputs(tmp_path)
     (tmp_path / "ledger.jsonl").write_bytes(
         b'{"persona": "cap",\r "passed": true, "imprint_delta": 0.5}\r\n{"persona": "x"}\n')
     with pytest.raises(KeyboardInterrupt):
-        host.proof(MakesOut(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
+        host.proof(_MakesOut(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
                    ledger=tmp_path / "ledger.jsonl", lr=1e-3, seed=0,
                    on_event=lambda e: None)
     assert seen == [[{"persona": "cap", "passed": True, "imprint_delta": 0.5},
@@ -741,11 +724,6 @@ def test_inputs_that_cannot_be_written_are_not_left_behind(
 
     from runner.train import host
 
-    class MakesOut:
-        def fresh_output(self, p: Path) -> Path:
-            p.mkdir()
-            return p
-
     real = Path.write_text
 
     def full(self: Path, *a: Any, **k: Any) -> int:
@@ -753,21 +731,17 @@ def test_inputs_that_cannot_be_written_are_not_left_behind(
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(self, *a, **k)
 
-    (tmp_path / "persona.yaml").write_text(
-        "name: cap\nexchanges:\n  - user: who?\n    assistant: Captain.\n")
-    base = tmp_path / "base"
-    base.mkdir()
-    (base / "config.json").write_text("{}")
+    base = _proof_inputs(tmp_path)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "trajectories.jsonl").write_text("")
     monkeypatch.setattr(Path, "write_text", full)
     with pytest.raises(OSError, match="No space"):
         if command == "proof":
-            host.proof(MakesOut(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
+            host.proof(_MakesOut(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
                        ledger=tmp_path / "ledger.jsonl", lr=1e-3, seed=0,
                        on_event=lambda e: None)
         else:
-            host.sft(MakesOut(), corpus, base, tmp_path / "out", lr=1e-3, seed=0,  # type: ignore[arg-type]
+            host.sft(_MakesOut(), corpus, base, tmp_path / "out", lr=1e-3, seed=0,  # type: ignore[arg-type]
                      epochs=None, on_event=lambda e: None)
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.in").exists()
