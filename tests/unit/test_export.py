@@ -721,39 +721,42 @@ def _passed_case(turns: list[dict[str, Any]], *, r_format: int,
     return traj, refs
 
 
+def _tool_call_turns(call: dict[str, Any], history_call: dict[str, Any]) -> list[dict[str, Any]]:
+    """Two recorded chat turns: the model answers "q?" with ``call``; the container's next
+    request holds ``history_call`` as that assistant turn, then the tool's result, and the
+    model answers ``{"answer": 1}``."""
+    from runner.train.export import read_turn
+
+    first = [{"role": "user", "content": "q?"}]
+    last = [*first, {"role": "assistant", "content": None, "tool_calls": [history_call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "1"}]
+    turns = []
+    for i, (msgs, answer) in enumerate((
+            (first, {"role": "assistant", "content": None, "tool_calls": [call]}),
+            (last, {"role": "assistant", "content": '{"answer": 1}'}))):
+        req = json.dumps({"model": "m", "messages": msgs}).encode()
+        resp = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+                           "choices": [{"index": 0, "finish_reason": "stop",
+                                        "message": answer}]}).encode()
+        turns.append({"turn": i, "prompt": req.decode(), "prompt_sha256": "0" * 64,
+                      "response_sha256": "1" * 64, "status": "ok", "stream": False,
+                      **read_turn("chat", req, resp)})
+    return turns
+
+
 def test_an_assistant_turn_the_model_never_said_keeps_the_trajectory_out_of_sft() -> None:
     """The request history is written by the container; SFT trains on every assistant
     turn in it. Only turns the gateway recorded as replies earlier in the trajectory
     (tool-call arguments compared as JSON) make a training row."""
-    from runner.cycle.models import Reference
-    from runner.train.export import FrozenReference, read_turn, verl_rows
+    from runner.train.export import verl_rows
 
     call = {"id": "call_1", "type": "function",
             "function": {"name": "query", "arguments": '{"sql": "SELECT 1"}'}}
 
-    def reply(message: dict[str, Any]) -> bytes:
-        return json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m",
-                           "choices": [{"index": 0, "finish_reason": "stop",
-                                        "message": message}]}).encode()
-
     def traj(history_call: dict[str, Any]) -> dict[str, Any]:
-        first = [{"role": "user", "content": "q?"}]
-        last = [*first, {"role": "assistant", "content": None, "tool_calls": [history_call]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "1"}]
-        turns = []
-        for i, (msgs, answer) in enumerate((
-                (first, {"role": "assistant", "content": None, "tool_calls": [call]}),
-                (last, {"role": "assistant", "content": '{"answer": 1}'}))):
-            req = json.dumps({"model": "m", "messages": msgs}).encode()
-            turns.append({"turn": i, "prompt": req.decode(), "prompt_sha256": "0" * 64,
-                          "response_sha256": "1" * 64, "status": "ok", "stream": False,
-                          **read_turn("chat", req, reply(answer))})
-        return {"data_source": "d", "trajectory_id": "t", "stage": "baseline",
-                "case_id": "c1", "trial": 0, "turns": turns, "r_format": 1,
-                "r_outcome": 1.0, "r_outcome_basis": "correctness", "fixture": False}
+        return _passed_case(_tool_call_turns(call, history_call), r_format=1, value=1)[0]
 
-    refs = {"c1": FrozenReference(reference=Reference.model_validate(
-        {"kind": "number", "value": 1}), split="development", mandatory=False)}
+    refs = _passed_case([], r_format=1, value=1)[1]
     resent = {**call, "function": {"name": "query", "arguments": '{ "sql":"SELECT 1" }'}}
     _, sft, skipped = verl_rows([traj(resent)], refs, ability="analyst")
     assert len(sft) == 1 and skipped == {}  # the model's call, re-serialized by an SDK
@@ -794,26 +797,14 @@ def test_history_arguments_are_trained_as_the_model_spelled_them() -> None:
     re-serialize them), so the container could pad them with what JSON ignores: 200 000
     spaces and an escape passed, and sft.parquet taught them as the model's words. The
     row now carries the reply's own text; the match itself is unchanged."""
-    from runner.train.export import read_turn, verl_rows
+    from runner.train.export import verl_rows
 
     said = '{"sql": "SELECT 1"}'
     call = {"id": "call_1", "type": "function", "function": {"name": "query",
                                                              "arguments": said}}
     padded = {**call, "function": {"name": "query",
                                    "arguments": '{"sql":' + " " * 200_000 + '"SELECT \\u0031"}'}}
-    first = [{"role": "user", "content": "q?"}]
-    last = [*first, {"role": "assistant", "content": None, "tool_calls": [padded]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "1"}]
-    turns = []
-    for i, (msgs, answer) in enumerate((
-            (first, {"role": "assistant", "content": None, "tool_calls": [call]}),
-            (last, {"role": "assistant", "content": '{"answer": 1}'}))):
-        req = json.dumps({"model": "m", "messages": msgs}).encode()
-        resp = json.dumps({"object": "chat.completion", "choices": [
-            {"index": 0, "message": answer}]}).encode()
-        turns.append({"turn": i, "prompt": req.decode(), "prompt_sha256": "0" * 64,
-                      "response_sha256": "1" * 64, "status": "ok", "stream": False,
-                      **read_turn("chat", req, resp)})
+    turns = _tool_call_turns(call, padded)
     traj, refs = _passed_case(turns, r_format=1, value=1)
     _, (row,), skipped = verl_rows([traj], refs, ability="analyst")
     assert skipped == {}

@@ -436,6 +436,22 @@ def _proof_inputs(tmp_path: Path) -> Path:
     return base
 
 
+def _train(command: str, tmp_path: Path, base: Path) -> None:
+    """``proof`` (persona and ledger in ``tmp_path``) or ``sft`` (an empty corpus there)
+    into ``tmp_path/out`` with a trainer that only makes --out."""
+    from runner.train import host
+
+    if command == "proof":
+        host.proof(_MakesOut(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
+                   ledger=tmp_path / "ledger.jsonl", lr=1e-3, seed=0, on_event=lambda e: None)
+    else:
+        corpus = tmp_path / "corpus"
+        corpus.mkdir()
+        (corpus / "trajectories.jsonl").write_text("")
+        host.sft(_MakesOut(), corpus, base, tmp_path / "out", lr=1e-3, seed=0,  # type: ignore[arg-type]
+                 epochs=None, on_event=lambda e: None)
+
+
 @pytest.mark.parametrize(("ledger", "match"), [
     pytest.param(b"\xff\xfe{}\n", "not UTF-8", id="not-utf8"),
     pytest.param(b'{"persona": "cap"}\nnot json\n', "line 2 is not JSON", id="bad-line"),
@@ -524,23 +540,13 @@ def test_a_stale_inputs_directory_is_named_and_out_is_not_left_behind(
     next run with that --out ended in exit 10 (FileExistsError), and proof left --out
     behind, so the rerun after removing it was refused as 'already exists'."""
     from runner.errors import ConfigError
-    from runner.train import host
 
     base = _proof_inputs(tmp_path)
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "trajectories.jsonl").write_text("")
     stale = tmp_path / ".out.in"
     stale.mkdir()
     (stale / "kept").write_text("x")
     with pytest.raises(ConfigError, match=r"\.out\.in exists.*killed"):
-        if command == "proof":
-            host.proof(_MakesOut(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
-                       ledger=tmp_path / "ledger.jsonl", lr=1e-3, seed=0,
-                       on_event=lambda e: None)
-        else:
-            host.sft(_MakesOut(), corpus, base, tmp_path / "out", lr=1e-3, seed=0,  # type: ignore[arg-type]
-                     epochs=None, on_event=lambda e: None)
+        _train(command, tmp_path, base)
     assert not (tmp_path / "out").exists() and (stale / "kept").read_text() == "x"
 
 
@@ -722,7 +728,6 @@ def test_inputs_that_cannot_be_written_are_not_left_behind(
     could remove it'."""
     import errno
 
-    from runner.train import host
 
     real = Path.write_text
 
@@ -732,16 +737,7 @@ def test_inputs_that_cannot_be_written_are_not_left_behind(
         return real(self, *a, **k)
 
     base = _proof_inputs(tmp_path)
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "trajectories.jsonl").write_text("")
     monkeypatch.setattr(Path, "write_text", full)
     with pytest.raises(OSError, match="No space"):
-        if command == "proof":
-            host.proof(_MakesOut(), tmp_path / "persona.yaml", base, tmp_path / "out",  # type: ignore[arg-type]
-                       ledger=tmp_path / "ledger.jsonl", lr=1e-3, seed=0,
-                       on_event=lambda e: None)
-        else:
-            host.sft(_MakesOut(), corpus, base, tmp_path / "out", lr=1e-3, seed=0,  # type: ignore[arg-type]
-                     epochs=None, on_event=lambda e: None)
+        _train(command, tmp_path, base)
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.in").exists()
